@@ -1,0 +1,121 @@
+"""The only module that calls torch.distributed collectives, and their ledger.
+
+Every engine moves data through these four functions, so one ledger sees all
+traffic: calls, elements, bytes and seconds per collective. The ``elements`` of a
+call is its full logical tensor (DESIGN section 4): the input of a reduce_scatter,
+the output of an all_gather, the tensor of an all_reduce or broadcast. With that
+convention the paper's per-rank volume (Sec 7.1) is
+
+    2 * all_reduce + reduce_scatter + all_gather (+ broadcast),
+
+since a ring all-reduce is a reduce-scatter followed by an all-gather.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from zerolearn import compat
+
+OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
+
+
+@dataclass
+class OpStats:
+    calls: int = 0
+    elements: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+
+
+@dataclass
+class CommLedger:
+    """Totals per collective for this process since the last :meth:`reset`."""
+
+    ops: dict[str, OpStats] = field(default_factory=lambda: defaultdict(OpStats))
+
+    def record(self, op: str, tensor: torch.Tensor, seconds: float) -> None:
+        s = self.ops[op]
+        s.calls += 1
+        s.elements += tensor.numel()
+        s.bytes += tensor.numel() * tensor.element_size()
+        s.seconds += seconds
+
+    def reset(self) -> None:
+        self.ops.clear()
+
+    def volume_elements(self) -> int:
+        """Paper's per-rank communication volume in elements (Sec 7.1)."""
+        e = {op: self.ops[op].elements if op in self.ops else 0 for op in OPS}
+        return 2 * e["all_reduce"] + e["reduce_scatter"] + e["all_gather"] + e["broadcast"]
+
+    def as_dict(self) -> dict[str, dict[str, int]]:
+        """The report's ``comm`` entry: ``{op: {calls, elements, bytes}}`` for all four ops."""
+        out = {}
+        for op in OPS:
+            s = self.ops.get(op, OpStats())
+            out[op] = {"calls": s.calls, "elements": s.elements, "bytes": s.bytes}
+        return out
+
+    def seconds(self) -> float:
+        return sum(s.seconds for s in self.ops.values())
+
+
+LEDGER = CommLedger()
+
+
+class Handle:
+    """An in-flight collective; :meth:`wait` blocks and books the time waited."""
+
+    def __init__(self, work, op: str):
+        self._work, self._op = work, op
+
+    def wait(self) -> None:
+        if self._work is None:
+            return
+        t0 = time.perf_counter()
+        self._work.wait()
+        LEDGER.ops[self._op].seconds += time.perf_counter() - t0
+        self._work = None
+
+    def is_completed(self) -> bool:
+        return self._work is None or self._work.is_completed()
+
+
+def _run(op: str, counted: torch.Tensor, call, async_op: bool) -> Handle:
+    t0 = time.perf_counter()
+    work = call()
+    LEDGER.record(op, counted, time.perf_counter() - t0)
+    handle = Handle(work if async_op else None, op)
+    return handle
+
+
+def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None, async_op: bool = False) -> Handle:
+    """Sum (or ``op``) ``tensor`` over the ranks of ``group``, in place."""
+    return _run("all_reduce", tensor,
+                lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op), async_op)
+
+
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False) -> Handle:
+    """``output`` (n elements) = this rank's chunk of the sum of ``input`` (n * world_size)."""
+    return _run("reduce_scatter", input,
+                lambda: compat.reduce_scatter_tensor(output, input, group=group, async_op=async_op),
+                async_op)
+
+
+def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False) -> Handle:
+    """``output`` (n * world_size elements) = every rank's ``input`` (n), in rank order."""
+    return _run("all_gather", output,
+                lambda: compat.all_gather_into_tensor(output, input, group=group, async_op=async_op),
+                async_op)
+
+
+def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False) -> Handle:
+    """Copy ``tensor`` from global rank ``src`` to every rank of ``group``, in place."""
+    return _run("broadcast", tensor,
+                lambda: dist.broadcast(tensor, src=src, group=group, async_op=async_op), async_op)

@@ -1,0 +1,37 @@
+"""Differences between the torch versions zerolearn supports, in one place.
+
+zerolearn runs on torch 2.11 (CUDA machines) and 2.13 (CPU, CI). Everything that
+changed name or location between them is resolved here, once, so the rest of the
+package reads as if there were a single torch.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+TORCH_VERSION: str = torch.__version__.split("+")[0]
+
+# torch 2.13 renamed the tensor-in/tensor-out collectives to *_single and deprecated
+# the old names; 2.11 only has the old ones. Same semantics, same arguments.
+_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
+    """``output`` (n/world_size elements) = rank's chunk of the sum of ``input`` (n)."""
+    return _reduce_scatter(output, input, op=op, group=group, async_op=async_op)
+
+
+def all_gather_into_tensor(output, input, group=None, async_op=False):
+    """``output`` (n * world_size elements) = every rank's ``input`` (n), in rank order."""
+    return _all_gather(output, input, group=group, async_op=async_op)
+
+
+def fully_shard():
+    """torch's FSDP2 ``fully_shard`` (public since 2.6; private module before)."""
+    try:
+        from torch.distributed.fsdp import fully_shard as fn
+    except ImportError:  # pragma: no cover - torch < 2.6
+        from torch.distributed._composable.fsdp import fully_shard as fn
+    return fn

@@ -1,0 +1,243 @@
+"""Process-group setup: torchrun, standalone, or ranks spawned from a notebook.
+
+Three ways to get ranks, one result (a :class:`DistContext`):
+
+* under ``torchrun`` the environment names this process's RANK, WORLD_SIZE and
+  LOCAL_RANK; :func:`init` validates them and joins the job;
+* run plainly (``python -m zerolearn.train``) it is a job of world size 1;
+* :func:`launch` spawns ``world_size`` gloo ranks on this machine, runs a function of
+  the package in each and returns each rank's result: that is how notebooks and
+  tests get several real ranks on a laptop.
+
+Every process group gets a timeout, so a rank that dies or takes a different code
+path makes the others fail with an error instead of hanging forever.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import socket
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+DEFAULT_TIMEOUT_S = float(os.environ.get("ZEROLEARN_TIMEOUT", "300"))
+_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+class ConfigError(ValueError):
+    """Bad input, detected before any work starts (the CLI exits with code 2)."""
+
+
+class RankError(RuntimeError):
+    """A spawned rank raised; ``rank`` says which, the message carries its traceback."""
+
+    def __init__(self, rank: int, message: str):
+        super().__init__(f"rank {rank} failed: {message}")
+        self.rank = rank
+
+
+@dataclass(frozen=True)
+class DistContext:
+    """Who this process is: rank in ``world_size`` ranks, its backend and device."""
+
+    rank: int
+    world_size: int
+    local_rank: int
+    backend: str
+    device: torch.device
+
+
+_CONTEXT: DistContext | None = None
+
+
+def context() -> DistContext:
+    """The context set by :func:`init`; raises RuntimeError before it."""
+    if _CONTEXT is None:
+        raise RuntimeError("zerolearn.dist.init() has not been called in this process")
+    return _CONTEXT
+
+
+def resolve_backend_device(backend: str = "auto", device: str = "auto") -> tuple[str, str]:
+    """Pick ("nccl", "cuda") when CUDA is there and ("gloo", "cpu") otherwise.
+
+    Raises:
+        ConfigError: unknown names, ``nccl`` or ``cuda`` asked for without CUDA, or
+            ``nccl`` with ``cpu`` (NCCL only moves CUDA tensors).
+    """
+    if backend not in ("auto", "gloo", "nccl"):
+        raise ConfigError(f"--backend {backend!r}: allowed are auto, gloo, nccl")
+    if device not in ("auto", "cpu", "cuda"):
+        raise ConfigError(f"--device {device!r}: allowed are auto, cpu, cuda")
+    has_cuda = torch.cuda.is_available()
+    if device == "cuda" and not has_cuda:
+        raise ConfigError("--device cuda: CUDA is not available on this machine; use cpu or auto")
+    if backend == "nccl" and not has_cuda:
+        raise ConfigError("--backend nccl: CUDA is not available on this machine; use gloo or auto")
+    if device == "auto":
+        device = "cuda" if (has_cuda and backend != "gloo") else "cpu"
+    if backend == "auto":
+        backend = "nccl" if device == "cuda" else "gloo"
+    if backend == "nccl" and device != "cuda":
+        raise ConfigError("--backend nccl needs --device cuda (NCCL moves only CUDA tensors)")
+    return backend, device
+
+
+def torchrun_env(env: dict[str, str] | None = None) -> tuple[int, int, int] | None:
+    """(rank, world_size, local_rank) from torchrun's variables, or None if absent.
+
+    Raises:
+        ConfigError: some variables set and others missing, non-integers, or values
+            out of range (rank >= world_size, world_size < 1).
+    """
+    env = os.environ if env is None else env
+    present = [v for v in _TORCHRUN_VARS if v in env]
+    if not present:
+        return None
+    missing = [v for v in _TORCHRUN_VARS if v not in env]
+    if missing:
+        raise ConfigError(
+            f"torchrun environment incomplete: {', '.join(present)} set but "
+            f"{', '.join(missing)} missing; launch with torchrun or unset them"
+        )
+    try:
+        rank, world, local = (int(env[v]) for v in ("RANK", "WORLD_SIZE", "LOCAL_RANK"))
+    except ValueError as e:
+        raise ConfigError(f"torchrun variables must be integers: {e}") from None
+    if world < 1 or not 0 <= rank < world or not 0 <= local <= rank:
+        raise ConfigError(
+            f"inconsistent torchrun variables RANK={rank} WORLD_SIZE={world} "
+            f"LOCAL_RANK={local}: need 0 <= LOCAL_RANK <= RANK < WORLD_SIZE"
+        )
+    return rank, world, local
+
+
+def init(backend: str = "auto", device: str = "auto", timeout_s: float | None = None) -> DistContext:
+    """Join (or create) the default process group and return this rank's context.
+
+    Under torchrun, uses its environment; otherwise creates a world of size 1 in this
+    process. Calling it again returns the existing context.
+
+    Raises:
+        ConfigError: see :func:`resolve_backend_device` and :func:`torchrun_env`.
+    """
+    global _CONTEXT
+    if _CONTEXT is not None and dist.is_initialized():
+        return _CONTEXT
+    backend, device_type = resolve_backend_device(backend, device)
+    ranks = torchrun_env()
+    rank, world, local = ranks if ranks is not None else (0, 1, 0)
+    if device_type == "cuda":
+        if local >= torch.cuda.device_count():
+            raise ConfigError(
+                f"LOCAL_RANK={local} but this node has {torch.cuda.device_count()} GPU(s); "
+                "NCCL cannot put two ranks on one GPU"
+            )
+        dev = torch.device("cuda", local)
+        torch.cuda.set_device(dev)
+    else:
+        dev = torch.device("cpu")
+    timeout = datetime.timedelta(seconds=timeout_s or DEFAULT_TIMEOUT_S)
+    if ranks is None:
+        # A world of one needs no rendezvous: an in-memory store does.
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+    else:
+        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
+    _CONTEXT = DistContext(rank, world, local, backend, dev)
+    return _CONTEXT
+
+
+def teardown() -> None:
+    """Leave the process group (safe to call when none exists)."""
+    global _CONTEXT
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _CONTEXT = None
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, world_size, port, fn, args, kwargs, timeout_s, queue) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+        WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+    )
+    # Ranks share the machine's cores: one intra-op thread each avoids oversubscription.
+    torch.set_num_threads(1)
+    try:
+        init("gloo", "cpu", timeout_s)
+        # Plain pickle copies tensors by value; torch's queue pickler would share them
+        # through file descriptors that vanish when this process exits.
+        queue.put((rank, True, pickle.dumps(fn(*args, **kwargs))))
+    except BaseException as e:  # report everything, including KeyboardInterrupt
+        queue.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+    finally:
+        teardown()
+
+
+def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 300.0,
+           **kwargs: Any) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` spawned gloo ranks; return results by rank.
+
+    ``fn`` must be importable by name (defined in a module, not a notebook), since
+    spawned processes import it; its result must be picklable. Inside ``fn``,
+    :func:`context` gives the rank.
+
+    Raises:
+        ConfigError: ``world_size`` < 1.
+        RankError: a rank raised; the first error is re-raised with its rank and
+            traceback, and the other ranks are stopped.
+        TimeoutError: no result within ``timeout_s`` seconds (all ranks stopped).
+    """
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ConfigError(f"world_size={world_size!r}: must be an integer >= 1")
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    port = free_port()
+    procs = [
+        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, kwargs, timeout_s, queue),
+                    daemon=True)
+        for r in range(world_size)
+    ]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    deadline = time.monotonic() + timeout_s
+    finished = False
+    try:
+        while len(results) < world_size:
+            if not queue.empty():
+                rank, ok, value = queue.get()
+                if not ok:
+                    raise RankError(rank, value)
+                results[rank] = pickle.loads(value)
+                continue
+            dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in results]
+            if dead and queue.empty():
+                raise RankError(dead[0], f"process exited with code {procs[dead[0]].exitcode}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"launch: ranks {sorted(set(range(world_size)) - set(results))} "
+                                   f"gave no result within {timeout_s:.0f} s")
+            time.sleep(0.01)
+        finished = True
+    finally:
+        for p in procs:
+            if not finished:  # the others may wait in a collective for a dead peer
+                p.kill()
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    return [results[r] for r in range(world_size)]

@@ -1,0 +1,334 @@
+"""What every stage shares: flat groups, gradient buckets from autograd hooks, the step.
+
+An engine wraps a model and owns its training state. Stages differ only in what a
+rank keeps of each flat group (Sec 5): the working parameters (full or a shard),
+the gradients (full or a shard) and the optimizer's fp32 master and moments (full or
+a shard). The stage files fill in four methods:
+
+    _init_group(g, master32)   lay out g's working params, master and views
+    _reduce(g) -> Handle       launch g's gradient reduction (async)
+    _after_reduce(g)           finish it: average, keep what this rank needs
+    _grad_for_step(g)          the gradient the optimizer steps g's master with
+    _publish(g)                after the update, make new params visible
+
+Gradient buckets (Sec 5.2). Each group is a bucket of at most ``bucket_mb``. A
+``post_accumulate_grad`` hook on every parameter copies its gradient into the
+group's flat gradient buffer and drops autograd's copy; when a group has all its
+gradients, its reduction is launched asynchronously while backward goes on with
+earlier layers. Groups launch in one fixed order on every rank (a group waits for
+the ones before it), because collectives must be issued in the same order on all
+ranks or they pair up wrongly; groups whose parameters got no gradient are launched
+at the end of backward with zeros.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+from zerolearn import comm
+from zerolearn.dist import ConfigError
+from zerolearn.flat import FlatGroup, make_groups
+from zerolearn.precision import LossScaler, needs_master, parse_dtype
+
+OPTIMIZERS = ("adam", "adamw", "sgd")
+MAX_IN_FLIGHT = 2  # reductions launched but not finished; bounds live gradient buckets
+
+
+def make_optimizer(name: str, params: list[nn.Parameter], lr: float, weight_decay: float = 0.0,
+                   momentum: float = 0.0, betas: tuple[float, float] = (0.9, 0.999)) -> torch.optim.Optimizer:
+    """torch's own Adam / AdamW / SGD over the flat master tensors.
+
+    Adam and SGD are element-wise, so stepping flat shards gives the same numbers as
+    stepping the original tensors; that is what lets ZeRO shard them freely.
+    """
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr, betas=betas, weight_decay=weight_decay)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
+    raise ConfigError(f"--optimizer {name!r}: allowed are {', '.join(OPTIMIZERS)}")
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """The one device all of ``model``'s parameters and buffers are on.
+
+    Raises:
+        ConfigError: the model has no parameters, or they sit on several devices.
+    """
+    devices = {t.device for t in [*model.parameters(), *model.buffers()]}
+    if not devices:
+        raise ConfigError("the model has no parameters to train")
+    if len(devices) > 1:
+        raise ConfigError(f"model parameters sit on different devices {sorted(map(str, devices))}; "
+                          "move the model to one device (model.to(device)) first")
+    return devices.pop()
+
+
+def _unique_storage_bytes(tensors, seen: set[int]) -> int:
+    """Bytes of the storages behind ``tensors``, each storage counted once across calls."""
+    total = 0
+    for t in tensors:
+        if t is None:
+            continue
+        storage = t.untyped_storage()
+        if storage.nbytes() == 0 or storage.data_ptr() in seen:
+            continue
+        seen.add(storage.data_ptr())
+        total += storage.nbytes()
+    return total
+
+
+class Engine:
+    """Shared interface of the four stages: forward, backward, step, zero_grad, ledgers.
+
+    Args:
+        model: an ``nn.Module`` on one device, in fp32 (it is cast to ``dtype``).
+        optimizer: ``"adam"``, ``"adamw"`` or ``"sgd"``; ``lr``, ``weight_decay``,
+            ``momentum`` (SGD) and ``betas`` (Adam) as in torch.optim.
+        dtype: working precision ``"fp32" | "bf16" | "fp16"`` (fp32 master for the
+            2-byte ones, dynamic loss scale for fp16).
+        bucket_mb: largest gradient bucket / flat group, MiB of working dtype.
+        max_grad_norm: clip the global gradient norm to this (None: no clipping).
+        group: process group over the Nd data-parallel ranks (default: all ranks).
+        units: ZeRO-3's gather/free units (default ``model.units()`` if it exists,
+            else the model's direct children).
+
+    Raises:
+        ConfigError: bad optimizer, dtype, lr or bucket size; parameters on several
+            devices. All raised before anything is allocated or communicated.
+    """
+
+    stage: int = -1
+    shards_grads_for_norm = True  # each rank holds a different part of the gradient
+
+    def __init__(self, model: nn.Module, *, optimizer: str = "adam", lr: float = 1e-3,
+                 weight_decay: float = 0.0, momentum: float = 0.0,
+                 betas: tuple[float, float] = (0.9, 0.999), dtype: str = "fp32",
+                 bucket_mb: float = 4.0, max_grad_norm: float | None = None,
+                 group=None, units: list[nn.Module] | None = None):
+        self.dtype = parse_dtype(dtype)
+        if optimizer not in OPTIMIZERS:
+            raise ConfigError(f"--optimizer {optimizer!r}: allowed are {', '.join(OPTIMIZERS)}")
+        if not lr > 0:
+            raise ConfigError(f"--lr {lr}: must be > 0")
+        if not bucket_mb > 0:
+            raise ConfigError(f"--bucket-mb {bucket_mb}: must be > 0")
+        if max_grad_norm is not None and not max_grad_norm > 0:
+            raise ConfigError(f"--max-grad-norm {max_grad_norm}: must be > 0")
+        self.device = model_device(model)
+        self.model, self.pg = model, group
+        self.rank = torch.distributed.get_rank(group)
+        self.world_size = torch.distributed.get_world_size(group)
+        self.optimizer_name, self.max_grad_norm = optimizer, max_grad_norm
+        self.bucket_bytes = int(bucket_mb * 2**20)
+        self.scaler = LossScaler(enabled=self.dtype == torch.float16)
+        self.mixed = needs_master(self.dtype)
+
+        trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        if not trainable:
+            raise ConfigError("the model has no trainable parameters (all requires_grad=False)")
+        self.psi = sum(p.numel() for _, p in trainable)
+        self.groups = self._build_groups(trainable, units)
+        self._publishing: list[comm.Handle] = []  # all_gathers of updated shards in flight
+        masters32 = [g.flatten(torch.float32, self.device) for g in self.groups]
+        model.to(self.dtype)  # working precision for everything, frozen params included
+        for g, m in zip(self.groups, masters32):
+            self._init_group(g, m)
+        del masters32
+        self.optimizer = make_optimizer(optimizer, [g.master for g in self.groups], lr,
+                                        weight_decay, momentum, betas)
+        for g in self.groups:
+            for i, p in enumerate(g.params):
+                p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, g, i))
+        self._next, self._pending, self._sync = 0, [], True
+
+    # ----- layout ---------------------------------------------------------------
+    @property
+    def num_shards(self) -> int:
+        return self.world_size
+
+    def _build_groups(self, trainable, units) -> list[FlatGroup]:
+        # Reverse registration order approximates the order gradients arrive in.
+        return make_groups(trainable[::-1], self.bucket_bytes, self.dtype.itemsize,
+                           self.num_shards, self.rank % self.num_shards)
+
+    @property
+    def padding(self) -> int:
+        """Zero elements added to make groups divide into Nd equal shards."""
+        return sum(g.padding for g in self.groups)
+
+    # ----- forward / backward ------------------------------------------------------
+    def forward(self, *args, **kwargs):
+        """Run the model; inputs are the caller's (this rank's slice of the batch)."""
+        return self.model(*args, **kwargs)
+
+    __call__ = forward
+
+    def backward(self, loss: torch.Tensor, sync: bool = True) -> None:
+        """Backpropagate ``loss`` (a scalar, this rank's mean) into the flat gradients.
+
+        With ``sync=False`` gradients only accumulate locally (a micro-batch of
+        gradient accumulation); the next ``sync=True`` backward reduces the sum once.
+        Scale the loss by 1 / micro-batches yourself; the fp16 loss scale is applied here.
+        """
+        for g in self.groups:
+            g.ready = 0
+        self._next, self._sync = 0, sync
+        (loss * self.scaler.scale if self.scaler.enabled else loss).backward()
+        if sync:
+            for g in self.groups[self._next:]:  # groups some parameter of which got no grad
+                self._ensure_grad_buffer(g)
+                self._launch(g)
+            self._next = len(self.groups)
+            while self._pending:
+                self._finish_oldest()
+        self._after_backward()
+
+    def _ensure_grad_buffer(self, g: FlatGroup) -> None:
+        if g.grad_full is None:
+            g.grad_full = torch.zeros(g.padded_numel, dtype=self.dtype, device=self.device)
+
+    def _on_grad(self, g: FlatGroup, i: int, p: nn.Parameter) -> None:
+        # Called by autograd once p.grad holds this backward's full gradient of p.
+        # (The hook receives the parameter, not the gradient.)
+        self._ensure_grad_buffer(g)
+        g.view_of(g.grad_full, i).add_(p.grad)
+        p.grad = None  # autograd's copy is in the bucket now; free it
+        g.ready += 1
+        if g.ready == len(g.params):
+            self._on_group_ready(g)
+
+    def _on_group_ready(self, g: FlatGroup) -> None:
+        if not self._sync:
+            return
+        while self._next < len(self.groups) and self.groups[self._next].ready == len(self.groups[self._next].params):
+            self._launch(self.groups[self._next])
+            self._next += 1
+
+    def _launch(self, g: FlatGroup) -> None:
+        self._pending.append((g, self._reduce(g)))
+        while len(self._pending) > MAX_IN_FLIGHT:
+            self._finish_oldest()
+
+    def _finish_oldest(self) -> None:
+        g, handle = self._pending.pop(0)
+        handle.wait()
+        self._after_reduce(g)
+
+    def _after_backward(self) -> None:
+        """Hook for ZeRO-3 (free what backward left gathered)."""
+
+    # ----- step ---------------------------------------------------------------------
+    @torch.no_grad()
+    def step(self) -> bool:
+        """Update parameters from the reduced gradients; False if fp16 overflow skipped it.
+
+        Global-norm clipping and the overflow check share one number: the sum of
+        squares of this rank's gradient elements, all-reduced over ranks when ranks
+        hold different parts (stages 1-3), the same formula as
+        ``torch.nn.utils.clip_grad_norm_``.
+        """
+        grads = [self._grad_for_step(g) for g in self.groups]
+        coef, found_inf = 1.0 / self.scaler.scale, False
+        if self.max_grad_norm is not None or self.scaler.enabled:
+            sq = torch.stack([gr.float().pow(2).sum() for gr in grads]).sum()
+            if self.shards_grads_for_norm and self.world_size > 1:
+                comm.all_reduce(sq, group=self.pg)
+            norm = sq.sqrt().item() / self.scaler.scale
+            found_inf = not torch.isfinite(torch.tensor(norm)).item()
+            if self.max_grad_norm is not None and not found_inf:
+                coef *= min(1.0, self.max_grad_norm / (norm + 1e-6))
+            self.last_grad_norm = norm
+        self.scaler.update(found_inf)
+        if found_inf:
+            return False
+        for g, gr in zip(self.groups, grads):
+            # One group at a time, so at most one group's fp32 gradient exists at once;
+            # tensors whose .grad is None are skipped by torch.optim.
+            g.master.grad = gr.float() if gr.dtype != torch.float32 else gr
+            if coef != 1.0:
+                g.master.grad.mul_(coef)
+            self.optimizer.step()
+            g.master.grad = None
+            self._publish(g)
+        self._finish_publish()
+        return True
+
+    def _finish_publish(self) -> None:
+        """Wait for the parameter all_gathers that :meth:`_publish` launched."""
+        for handle in self._publishing:
+            handle.wait()
+        self._publishing.clear()
+
+    def zero_grad(self) -> None:
+        """Drop all gradients (buffers are allocated again in the next backward)."""
+        for g in self.groups:
+            g.grad_full = g.grad_shard = None
+
+    # ----- ledgers ------------------------------------------------------------------
+    def model_state_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds now, measured from the tensors (storages counted once).
+
+        ``params``: working parameters (full buffers, or shards under ZeRO-3);
+        ``grads``: flat gradient buffers and shards; ``optimizer_states``: the fp32
+        master (when it is a separate tensor) and the optimizer's per-element state
+        (Adam's moments, SGD's momentum; the scalar step counters are left out).
+        Frozen parameters are not model states (Psi counts trainable ones).
+        """
+        seen: set[int] = set()
+        params = _unique_storage_bytes([t for g in self.groups for t in (g.full, g.shard)], seen)
+        grads = _unique_storage_bytes([t for g in self.groups for t in (g.grad_full, g.grad_shard)], seen)
+        state = [v for s in self.optimizer.state.values() for v in s.values()
+                 if torch.is_tensor(v) and v.dim() > 0]
+        opt = _unique_storage_bytes([g.master for g in self.groups] + state, seen)
+        return {"params": params, "grads": grads, "optimizer_states": opt}
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """Every trainable parameter, full and fp32, from the masters (a collective).
+
+        Shapes as in the model; gathered with one all_gather per group when the master
+        is sharded. Call on every rank.
+        """
+        out = {}
+        for g in self.groups:
+            master = g.master.detach().float()
+            if g.master.numel() != g.padded_numel:
+                full = torch.empty(g.padded_numel, device=self.device)
+                comm.all_gather(full, master.contiguous(), group=self.pg)
+                master = full
+            for name, view in zip(g.names, g.views(master)):
+                out[name] = view.clone()
+        return out
+
+    def state_dict(self) -> dict:
+        """This rank's training state (shards), to resume at the same stage and Nd."""
+        return {"stage": self.stage, "world_size": self.world_size, "rank": self.rank,
+                "masters": [g.master.detach().clone() for g in self.groups],
+                "optimizer": self.optimizer.state_dict(), "scaler": self.scaler.state_dict()}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict` of the same stage, Nd and rank.
+
+        Raises:
+            ValueError: stage, world size, rank or shard sizes differ.
+        """
+        mine = (self.stage, self.world_size, self.rank)
+        theirs = (state["stage"], state["world_size"], state["rank"])
+        if mine != theirs:
+            raise ValueError(f"state of (stage, world_size, rank)={theirs} cannot load into {mine}")
+        for g, m in zip(self.groups, state["masters"], strict=True):
+            if m.shape != g.master.shape:
+                raise ValueError(f"master shard shape {tuple(m.shape)} != {tuple(g.master.shape)}")
+        for g, m in zip(self.groups, state["masters"]):
+            g.master.copy_(m)
+            self._publish(g)
+        self._finish_publish()
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scaler.load_state_dict(state["scaler"])
+

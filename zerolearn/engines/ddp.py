@@ -1,0 +1,52 @@
+"""Stage 0: data parallelism, the baseline ZeRO improves on (paper Sec 2.1, Sec 7.1).
+
+Every rank holds everything: working parameters, gradients and the optimizer's
+state for all Psi parameters, (2 + 2 + K) Psi bytes in mixed precision. After
+backward the gradients are averaged with all_reduce, bucket by bucket as they
+become ready; a ring all_reduce moves 2 Psi elements per rank (a reduce-scatter
+then an all-gather). Every rank then runs the same optimizer step on the same
+numbers, redundantly: that redundancy is what ZeRO removes.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from zerolearn import comm
+from zerolearn.engines.base import Engine
+from zerolearn.flat import FlatGroup
+
+
+class DDPEngine(Engine):
+    """Stage 0: replicated model states, bucketed all_reduce of gradients.
+
+    Memory per rank (bytes): params 2 Psi, grads 2 Psi, optimizer K Psi (fp32: 4, 4, 8).
+    Traffic per step: all_reduce of Psi elements (2 Psi in the paper's count).
+    """
+
+    stage = 0
+    shards_grads_for_norm = False  # after all_reduce every rank has the whole gradient
+
+    @property
+    def num_shards(self) -> int:
+        return 1  # nothing is sharded, so nothing needs padding
+
+    def _init_group(self, g: FlatGroup, master32: torch.Tensor) -> None:
+        g.full = master32.to(self.dtype)
+        g.bind(g.full)
+        # fp32: the working copy is the master (one tensor, K = 8 for Adam).
+        g.master = nn.Parameter(g.full if not self.mixed else master32)
+
+    def _reduce(self, g: FlatGroup) -> comm.Handle:
+        return comm.all_reduce(g.grad_full, group=self.pg, async_op=True)
+
+    def _after_reduce(self, g: FlatGroup) -> None:
+        g.grad_full.div_(self.world_size)  # sum of per-rank means -> mean of the global batch
+
+    def _grad_for_step(self, g: FlatGroup) -> torch.Tensor:
+        return g.grad_full
+
+    def _publish(self, g: FlatGroup) -> None:
+        if self.mixed:
+            g.full.copy_(g.master)

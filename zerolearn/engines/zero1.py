@@ -1,0 +1,54 @@
+"""Stage 1, P_os: partition the optimizer states (paper Sec 5.1).
+
+Each rank keeps the full working parameters and the full gradient, as in DP, but
+only its 1/Nd shard of the optimizer state (fp32 master, Adam's two moments):
+4 Psi + K Psi / Nd bytes in mixed precision (Fig 1). Gradients are
+reduce-scattered, so each rank receives the average of just the shard it updates
+(Psi elements moved); after the step, an all_gather of the updated shards
+rebuilds the full parameters (Psi more). 2 Psi per step, the same as DP's
+all_reduce (Sec 7.2.1). (An all_reduce followed by a broadcast of each owner's
+parameters would move 3 Psi.)
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from zerolearn import comm
+from zerolearn.engines.base import Engine
+from zerolearn.flat import FlatGroup
+
+
+class Zero1Engine(Engine):
+    """Stage 1 (P_os): full params and grads, sharded optimizer states.
+
+    Memory per rank (bytes): params 2 Psi, grads 2 Psi, optimizer K Psi / Nd (+ padding).
+    Traffic per step: reduce_scatter Psi + all_gather Psi elements.
+    """
+
+    stage = 1
+
+    def _init_group(self, g: FlatGroup, master32: torch.Tensor) -> None:
+        g.full = master32.to(self.dtype)
+        g.bind(g.full)
+        # fp32: the master is a view of this rank's slice of the working buffer.
+        shard = g.shard_of(g.full) if not self.mixed else g.shard_of(master32).clone()
+        g.master = nn.Parameter(shard)
+
+    def _reduce(self, g: FlatGroup) -> comm.Handle:
+        g.reduced = torch.empty(g.shard_numel, dtype=self.dtype, device=self.device)
+        return comm.reduce_scatter(g.reduced, g.grad_full, group=self.pg, async_op=True)
+
+    def _after_reduce(self, g: FlatGroup) -> None:
+        # Keep the averaged shard in place inside the full gradient buffer: stage 1
+        # does not partition gradients, so the buffer stays allocated (2 Psi).
+        g.shard_of(g.grad_full).copy_(g.reduced).div_(self.world_size)
+        g.reduced = None
+
+    def _grad_for_step(self, g: FlatGroup) -> torch.Tensor:
+        return g.shard_of(g.grad_full)
+
+    def _publish(self, g: FlatGroup) -> None:
+        updated = g.master.detach().to(self.dtype, copy=True)
+        self._publishing.append(comm.all_gather(g.full, updated, group=self.pg, async_op=True))

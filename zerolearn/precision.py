@@ -1,0 +1,72 @@
+"""Mixed precision as in the paper (Sec 3.1): 2-byte working copies, fp32 master.
+
+Forward and backward run in the working dtype (fp32, bf16 or fp16). For the 2-byte
+dtypes the optimizer updates an fp32 master copy of the parameters, which is then
+cast back into the working copy; for fp32 the working copy *is* the master, so no
+second copy exists. That is why K (optimizer-state bytes per parameter) is 12 for
+mixed-precision Adam (master 4 + moments 4 + 4) and 8 for fp32 Adam.
+
+fp16 has too little exponent range for small gradients, so its loss is multiplied
+by a dynamic scale; a step whose gradients overflow is skipped on every rank alike
+and the scale halves, and after ``growth_interval`` clean steps it doubles again.
+torch's ``GradScaler`` does this per optimizer on local gradients only; here the
+overflow flag must be agreed across ranks holding different shards, so the engine
+feeds :class:`LossScaler` a flag it has already reduced.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from zerolearn.dist import ConfigError
+
+DTYPES: dict[str, torch.dtype] = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    """``"fp32" | "bf16" | "fp16"`` -> torch dtype; ConfigError names anything else."""
+    if name not in DTYPES:
+        raise ConfigError(f"--dtype {name!r}: allowed are {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+def needs_master(dtype: torch.dtype) -> bool:
+    """True for 2-byte working dtypes, which keep an fp32 master copy (Sec 3.1)."""
+    return dtype != torch.float32
+
+
+class LossScaler:
+    """Dynamic loss scale for fp16; a constant 1.0 (disabled) for fp32 and bf16.
+
+    Args:
+        enabled: scale at all (True for fp16).
+        init_scale: starting scale (2**16, as torch's GradScaler).
+        growth_interval: clean steps after which the scale doubles.
+    """
+
+    def __init__(self, enabled: bool, init_scale: float = 2.0**16, growth_interval: int = 1000):
+        self.enabled = enabled
+        self.scale = init_scale if enabled else 1.0
+        self.growth_interval = growth_interval
+        self.clean_steps = 0
+        self.skipped_steps = 0
+
+    def update(self, found_inf: bool) -> None:
+        """Record one step; ``found_inf`` must be the same on every rank."""
+        if not self.enabled:
+            return
+        if found_inf:
+            self.scale = max(self.scale / 2.0, 1.0)
+            self.clean_steps = 0
+            self.skipped_steps += 1
+        else:
+            self.clean_steps += 1
+            if self.clean_steps % self.growth_interval == 0:
+                self.scale *= 2.0
+
+    def state_dict(self) -> dict:
+        return {"scale": self.scale, "clean_steps": self.clean_steps, "skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.scale, self.clean_steps = state["scale"], state["clean_steps"]
+        self.skipped_steps = state["skipped_steps"]
