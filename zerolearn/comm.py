@@ -91,8 +91,27 @@ def _run(op: str, counted: torch.Tensor, call, async_op: bool) -> Handle:
     t0 = time.perf_counter()
     work = call()
     LEDGER.record(op, counted, time.perf_counter() - t0)
-    handle = Handle(work if async_op else None, op)
-    return handle
+    return Handle(work if async_op else None, op)
+
+
+def monitor_mean(value: float, group=None) -> float:
+    """Mean of a Python number over ranks, for logging (e.g. the global loss).
+
+    Monitoring, not training: this traffic (one element) stays out of the ledger,
+    which counts what the algorithm itself moves.
+    """
+    t = torch.tensor([float(value)], dtype=torch.float64)
+    if dist.get_backend(group) == "nccl":
+        t = t.cuda()
+    dist.all_reduce(t, group=group)
+    return t.item() / dist.get_world_size(group)
+
+
+def gather_objects(obj, group=None) -> list:
+    """Every rank's picklable ``obj``, in rank order (for reports; not in the ledger)."""
+    out = [None] * dist.get_world_size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
 
 
 def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None, async_op: bool = False) -> Handle:

@@ -169,7 +169,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, fn, args, kwargs, timeout_s, queue) -> None:
+def _worker(rank, world_size, port, backend, fn, args, kwargs, timeout_s, queue) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
         WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
@@ -177,7 +177,7 @@ def _worker(rank, world_size, port, fn, args, kwargs, timeout_s, queue) -> None:
     # Ranks share the machine's cores: one intra-op thread each avoids oversubscription.
     torch.set_num_threads(1)
     try:
-        init("gloo", "cpu", timeout_s)
+        init(backend, "cuda" if backend == "nccl" else "cpu", timeout_s)
         # Plain pickle copies tensors by value; torch's queue pickler would share them
         # through file descriptors that vanish when this process exits.
         queue.put((rank, True, pickle.dumps(fn(*args, **kwargs))))
@@ -188,8 +188,11 @@ def _worker(rank, world_size, port, fn, args, kwargs, timeout_s, queue) -> None:
 
 
 def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 300.0,
-           **kwargs: Any) -> list[Any]:
-    """Run ``fn(*args, **kwargs)`` on ``world_size`` spawned gloo ranks; return results by rank.
+           backend: str = "gloo", **kwargs: Any) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` spawned ranks; return results by rank.
+
+    ``backend="gloo"`` (default) puts every rank on the CPU; ``"nccl"`` gives rank r
+    GPU r, so ``world_size`` must not exceed the GPUs present.
 
     ``fn`` must be importable by name (defined in a module, not a notebook), since
     spawned processes import it; its result must be picklable. Inside ``fn``,
@@ -203,11 +206,15 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float
     """
     if not isinstance(world_size, int) or world_size < 1:
         raise ConfigError(f"world_size={world_size!r}: must be an integer >= 1")
+    resolve_backend_device(backend, "cuda" if backend == "nccl" else "cpu")
+    if backend == "nccl" and world_size > torch.cuda.device_count():
+        raise ConfigError(f"world_size={world_size} NCCL ranks need as many GPUs; "
+                          f"this machine has {torch.cuda.device_count()}")
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     port = free_port()
     procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, fn, args, kwargs, timeout_s, queue),
+        ctx.Process(target=_worker, args=(r, world_size, port, backend, fn, args, kwargs, timeout_s, queue),
                     daemon=True)
         for r in range(world_size)
     ]

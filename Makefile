@@ -1,0 +1,30 @@
+# make tour   train the small GPT under DP, ZeRO-1, ZeRO-2, ZeRO-3 on 4 ranks; print the table
+# make test   run the test suite
+# The first use creates .venv with a pinned torch (override: make TORCH=torch==2.11.0 ...).
+PYTHON ?= python3
+TORCH ?= torch==2.13.0
+VENV := .venv
+PY := $(VENV)/bin/python
+
+.PHONY: tour test lint clean gpu-check
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet "$(TORCH)"
+	$(PY) -m pip install --quiet -e ".[dev]"
+	touch $@
+
+tour: $(VENV)/.installed
+	$(PY) -m zerolearn.tour
+
+test: $(VENV)/.installed
+	$(PY) -m pytest
+
+lint: $(VENV)/.installed
+	$(VENV)/bin/ruff check zerolearn tests
+
+gpu-check: $(VENV)/.installed
+	$(PY) -m zerolearn.gpu_check --out gpu
+
+clean:
+	rm -rf $(VENV) .pytest_cache

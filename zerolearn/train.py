@@ -1,0 +1,194 @@
+"""The training loop and its command line: one job, any stage, any world size.
+
+    python -m zerolearn.train --stage 2 --steps 20 --report run.json           # 1 rank
+    torchrun --nproc-per-node 4 -m zerolearn.train --stage 3 --report run.json  # 4 ranks
+
+Every rank builds the same model from ``--seed`` and, at each step, the same global
+batch from (seed, step); rank r trains on its slice. So a run's losses depend on
+neither the stage nor the world size, which is what lets the book compare them.
+
+``--report PATH`` makes rank 0 write the JSON report of DESIGN section 4: the global
+mean loss per step, and per rank the model-state bytes measured from the tensors it
+holds and the traffic its collectives moved, beside the paper's formulas for the
+same run. Exit codes: 0 done, 2 bad arguments (before any work), 1 failure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+import torch.nn.functional as F
+
+from zerolearn import comm, compat, data
+from zerolearn import dist as zdist
+from zerolearn.dist import ConfigError
+from zerolearn.engines import make_engine
+from zerolearn.memory import model as analytic
+from zerolearn.models import MODELS, GPTConfig, build_model
+from zerolearn.precision import DTYPES
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m zerolearn.train", description=__doc__.split("\n")[0])
+    p.add_argument("--stage", type=int, choices=range(4), default=0, help="0 DP, 1 P_os, 2 P_os+g, 3 P_os+g+p")
+    p.add_argument("--model", choices=MODELS, default="gpt")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--global-batch-size", type=int, default=16, help="sequences (or rows) per step, all ranks")
+    p.add_argument("--seq-len", type=int, default=64, help="GPT context length, bytes")
+    p.add_argument("--dtype", choices=DTYPES, default="fp32")
+    p.add_argument("--optimizer", choices=("adam", "adamw", "sgd"), default="adam")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--momentum", type=float, default=0.0, help="SGD momentum (0: plain SGD, K=0 in fp32)")
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--max-grad-norm", type=float, default=None, help="clip the global gradient norm")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--bucket-mb", type=float, default=0.25, help="gradient bucket size, MiB")
+    p.add_argument("--grad-accum-steps", type=int, default=1, help="micro-batches per step")
+    p.add_argument("--n-layer", type=int, default=2, help="GPT transformer blocks")
+    p.add_argument("--d-model", type=int, default=64, help="GPT width")
+    p.add_argument("--n-head", type=int, default=4, help="GPT attention heads")
+    p.add_argument("--mlp-width", type=int, default=256, help="MLP width (the seed experiment: 10000)")
+    p.add_argument("--mlp-layers", type=int, default=6)
+    p.add_argument("--backend", default="auto", help="auto, gloo or nccl")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    p.add_argument("--timeout", type=float, default=zdist.DEFAULT_TIMEOUT_S, help="collective timeout, s")
+    p.add_argument("--report", default=None, help="write the JSON report here (rank 0)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    return p
+
+
+def validate(args: argparse.Namespace, world_size: int) -> None:
+    """Refuse bad combinations before any work; ConfigError names the option."""
+    positive = {"--steps": args.steps, "--global-batch-size": args.global_batch_size,
+                "--seq-len": args.seq_len, "--grad-accum-steps": args.grad_accum_steps}
+    for name, value in positive.items():
+        if value < 1:
+            raise ConfigError(f"{name} {value}: must be >= 1")
+    if args.global_batch_size % (world_size * args.grad_accum_steps):
+        raise ConfigError(
+            f"--global-batch-size {args.global_batch_size} is not divisible by world size "
+            f"{world_size} x --grad-accum-steps {args.grad_accum_steps}; allowed are multiples "
+            f"of {world_size * args.grad_accum_steps}")
+    zdist.resolve_backend_device(args.backend, args.device)
+
+
+def batch(args, step: int):
+    """Global (inputs, targets) for ``step``; depends only on (seed, step)."""
+    if args.model == "gpt":
+        return data.gpt_batch(step, args.global_batch_size, args.seq_len, args.seed)
+    return data.mlp_batch(step, args.global_batch_size, args.mlp_width, args.seed)
+
+
+def loss_fn(args, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Mean loss in fp32 (cross-entropy over bytes, or MSE for the MLP)."""
+    if args.model == "gpt":
+        return F.cross_entropy(out.float().flatten(0, 1), y.flatten())
+    return F.mse_loss(out.float(), y)
+
+
+def analytic_bytes(args, psi: int, nd: int) -> dict[str, float]:
+    """The paper's model-state bytes per rank for this run (Sec 5, Fig 1)."""
+    k = analytic.optimizer_k(args.optimizer, args.dtype, momentum=args.momentum > 0)
+    width = analytic.dtype_bytes(args.dtype)
+    states = analytic.model_state_bytes(psi, nd, args.stage, k=k, param_bytes=width, grad_bytes=width)
+    return {key: states[key] for key in ("params", "grads", "optimizer_states")}
+
+
+def train(args: argparse.Namespace, progress: bool = False) -> dict:
+    """Train on the current process group; every rank returns the same report.
+
+    Call after :func:`zerolearn.dist.init`. Raises ConfigError for bad arguments
+    (on every rank alike, before any collective).
+    """
+    ctx = zdist.context()
+    validate(args, ctx.world_size)
+    model = build_model(args.model, args.seed, mlp_width=args.mlp_width, mlp_layers=args.mlp_layers,
+                        gpt=GPTConfig(seq_len=args.seq_len, n_layer=args.n_layer, n_head=args.n_head,
+                                      d_model=args.d_model)).to(ctx.device)
+    engine = make_engine(args.stage, model, optimizer=args.optimizer, lr=args.lr, momentum=args.momentum,
+                         weight_decay=args.weight_decay, dtype=args.dtype, bucket_mb=args.bucket_mb,
+                         max_grad_norm=args.max_grad_norm)
+    cuda = ctx.device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(ctx.device)
+    comm.LEDGER.reset()
+    losses, times, grads_bytes = [], [], 0
+    steps = range(args.steps)
+    if progress and ctx.rank == 0:
+        from tqdm.auto import tqdm
+        steps = tqdm(steps, desc=f"stage {args.stage}", unit="step")
+    for step in steps:
+        t0 = time.perf_counter()
+        x, y = (data.rank_slice(t, ctx.rank, ctx.world_size).to(ctx.device) for t in batch(args, step))
+        local = 0.0
+        for i, (xm, ym) in enumerate(zip(x.chunk(args.grad_accum_steps), y.chunk(args.grad_accum_steps))):
+            loss = loss_fn(args, engine(xm), ym)
+            # Each micro-batch is 1/accum of the step's batch: scale so the sum is the mean.
+            engine.backward(loss / args.grad_accum_steps, sync=i == args.grad_accum_steps - 1)
+            local += loss.item() / args.grad_accum_steps
+        if step == args.steps - 1:
+            grads_bytes = engine.model_state_bytes()["grads"]  # as held after backward
+        engine.step()
+        engine.zero_grad()
+        if cuda:
+            torch.cuda.synchronize(ctx.device)
+        times.append(time.perf_counter() - t0)
+        losses.append(comm.monitor_mean(local))
+        if hasattr(steps, "set_postfix"):
+            steps.set_postfix(loss=f"{losses[-1]:.4f}")
+    held = engine.model_state_bytes()
+    mine = {"rank": ctx.rank,
+            "model_state_bytes": {"params": held["params"], "grads": grads_bytes,
+                                  "optimizer_states": held["optimizer_states"]},
+            "peak_bytes": torch.cuda.max_memory_allocated(ctx.device) if cuda else None,
+            "comm": comm.LEDGER.as_dict(),
+            "padding_elements": engine.padding}
+    return {"config": {k: v for k, v in vars(args).items() if k != "quiet"},
+            "world_size": ctx.world_size, "backend": ctx.backend, "device": ctx.device.type,
+            "torch": compat.TORCH_VERSION, "num_params": engine.psi, "first_step": 0,
+            "losses": losses, "ranks": comm.gather_objects(mine),
+            "analytic": {"model_state_bytes": analytic_bytes(args, engine.psi, ctx.world_size)},
+            "step_seconds_median": statistics.median(times)}
+
+
+def train_job(argv: list[str]) -> dict:
+    """:func:`train` from command-line style arguments (for :func:`zerolearn.dist.launch`)."""
+    return train(build_parser().parse_args(argv))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        # Everything that can be checked without peers is checked before joining them.
+        env = zdist.torchrun_env()
+        validate(args, env[1] if env else 1)
+        ctx = zdist.init(args.backend, args.device, args.timeout)
+    except ConfigError as e:
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
+    try:
+        report = train(args, progress=not args.quiet)
+    except ConfigError as e:
+        parser.exit(2, f"{parser.prog}: error: {e}\n")
+    except Exception as e:
+        print(f"rank {ctx.rank}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    finally:
+        zdist.teardown()
+    if ctx.rank == 0:
+        if args.report:
+            with open(args.report, "w") as f:
+                json.dump(report, f, indent=1)
+        print(f"stage {args.stage}: loss {report['losses'][0]:.4f} -> {report['losses'][-1]:.4f} "
+              f"over {args.steps} steps on {ctx.world_size} rank(s), "
+              f"{report['step_seconds_median'] * 1e3:.1f} ms/step (median)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
