@@ -6,8 +6,8 @@ the gradients (full or a shard) and the optimizer's fp32 master and moments (ful
 a shard). The stage files fill in four methods:
 
     _init_group(g, master32)   lay out g's working params, master and views
-    _reduce(g) -> Handle       launch g's gradient reduction (async)
-    _after_reduce(g)           finish it: average, keep what this rank needs
+    _reduce(g) -> Handle       launch g's gradient reduction (a sum, async)
+    _after_reduce(g)           finish it: keep what this rank needs
     _grad_for_step(g)          the gradient the optimizer steps g's master with
     _publish(g)                after the update, make new params visible
 
@@ -145,6 +145,7 @@ class Engine:
             for i, p in enumerate(g.params):
                 p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, g, i))
         self._next, self._pending, self._sync = 0, [], True
+        self.peak_grad_bytes = 0  # most gradient bytes held at once, measured
 
     # ----- layout ---------------------------------------------------------------
     @property
@@ -191,6 +192,11 @@ class Engine:
     def _ensure_grad_buffer(self, g: FlatGroup) -> None:
         if g.grad_full is None:
             g.grad_full = torch.zeros(g.padded_numel, dtype=self.dtype, device=self.device)
+            self._track_grad_bytes()
+
+    def _track_grad_bytes(self) -> None:
+        held = _unique_storage_bytes([t for g in self.groups for t in (g.grad_full, g.grad_shard)], set())
+        self.peak_grad_bytes = max(self.peak_grad_bytes, held)
 
     def _on_grad(self, g: FlatGroup, i: int, p: nn.Parameter) -> None:
         # Called by autograd once p.grad holds this backward's full gradient of p.
@@ -210,6 +216,10 @@ class Engine:
             self._next += 1
 
     def _launch(self, g: FlatGroup) -> None:
+        # Average before summing, not after: a sum of Nd loss-scaled fp16 gradients can
+        # overflow where each one does not.
+        if self.world_size > 1:
+            g.grad_full.div_(self.world_size)
         self._pending.append((g, self._reduce(g)))
         while len(self._pending) > MAX_IN_FLIGHT:
             self._finish_oldest()

@@ -42,7 +42,7 @@ class DDPEngine(Engine):
         return comm.all_reduce(g.grad_full, group=self.pg, async_op=True)
 
     def _after_reduce(self, g: FlatGroup) -> None:
-        g.grad_full.div_(self.world_size)  # sum of per-rank means -> mean of the global batch
+        pass  # all_reduce left the global-batch mean in place, on every rank
 
     def _grad_for_step(self, g: FlatGroup) -> torch.Tensor:
         return g.grad_full

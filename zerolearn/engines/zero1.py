@@ -41,9 +41,9 @@ class Zero1Engine(Engine):
         return comm.reduce_scatter(g.reduced, g.grad_full, group=self.pg, async_op=True)
 
     def _after_reduce(self, g: FlatGroup) -> None:
-        # Keep the averaged shard in place inside the full gradient buffer: stage 1
+        # Keep the reduced shard in place inside the full gradient buffer: stage 1
         # does not partition gradients, so the buffer stays allocated (2 Psi).
-        g.shard_of(g.grad_full).copy_(g.reduced).div_(self.world_size)
+        g.shard_of(g.grad_full).copy_(g.reduced)
         g.reduced = None
 
     def _grad_for_step(self, g: FlatGroup) -> torch.Tensor:

@@ -32,10 +32,10 @@ class Zero2Engine(Zero1Engine):
 
     def _reduce(self, g: FlatGroup) -> comm.Handle:
         g.grad_shard = torch.empty(g.shard_numel, dtype=self.dtype, device=self.device)
+        self._track_grad_bytes()
         return comm.reduce_scatter(g.grad_shard, g.grad_full, group=self.pg, async_op=True)
 
     def _after_reduce(self, g: FlatGroup) -> None:
-        g.grad_shard.div_(self.world_size)
         g.grad_full = None  # the full bucket is no longer needed: free it now
 
     def _grad_for_step(self, g: FlatGroup) -> torch.Tensor:

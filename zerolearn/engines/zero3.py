@@ -56,6 +56,7 @@ class Zero3Engine(Zero2Engine):
     """
 
     stage = 3
+    peak_gathered_bytes = 0  # most bytes of gathered (full) parameters alive at once
 
     # ----- layout: groups never cross a unit boundary ------------------------------
     def _build_groups(self, trainable, units) -> list[FlatGroup]:
@@ -103,6 +104,8 @@ class Zero3Engine(Zero2Engine):
         for g in unit.groups:
             g.full.untyped_storage().resize_(g.padded_numel * g.full.element_size())
             unit.gathering.append(comm.all_gather(g.full, g.shard, group=self.pg, async_op=True))
+        gathered = sum(g.full.untyped_storage().nbytes() for g in self.groups)
+        self.peak_gathered_bytes = max(self.peak_gathered_bytes, gathered)
 
     def _gather(self, unit: Unit) -> None:
         self._start_gather(unit)
