@@ -86,6 +86,7 @@ def train_engine(stage: int, optimizer: str = "sgd", dtype: str = "fp32", steps:
             "padding": engine.padding, "psi": engine.psi, "comm_per_step": comm_per_step,
             "ledger": ledger, "peak_grad_bytes": engine.peak_grad_bytes,
             "peak_gathered_bytes": getattr(engine, "peak_gathered_bytes", None),
+            "group_bytes": [g.padded_numel * engine.dtype.itemsize for g in engine.groups],
             "unit_bytes": [sum(g.padded_numel for g in u.groups) * engine.dtype.itemsize
                            for u in engine.units] if stage == 3 else None}
 
@@ -164,3 +165,10 @@ def raise_on_rank(bad_rank: int) -> int:
 def whoami() -> tuple[int, int]:
     ctx = zdist.context()
     return ctx.rank, ctx.world_size
+
+
+def train_all_stages(argv: list[str]) -> list[dict]:
+    """The train CLI's report for stages 0-3 in one process group."""
+    from zerolearn.train import train_job
+
+    return [train_job(["--stage", str(s), *argv]) for s in range(4)]

@@ -1,0 +1,107 @@
+"""The train CLI: the report contract of DESIGN section 4, and bad input refused (exit 2)."""
+
+import functools
+import json
+import os
+import subprocess
+import sys
+
+import jobs
+import pytest
+import torch
+from torch import nn
+
+from zerolearn.dist import ConfigError, launch
+from zerolearn.engines import make_engine
+
+ARGV = ["--steps", "2", "--global-batch-size", "12", "--seq-len", "16", "--d-model", "32",
+        "--n-head", "2", "--bucket-mb", "0.01", "--quiet"]
+OPS = {"all_reduce", "reduce_scatter", "all_gather", "broadcast"}
+
+
+@functools.cache
+def reports(world_size: int) -> list[dict]:
+    return launch(jobs.train_all_stages, world_size, ARGV)[0]
+
+
+def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "zerolearn.train", *args], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})}, timeout=120)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_report_contract_holds_for_every_stage(world_size):
+    for stage, report in enumerate(reports(world_size)):
+        assert report["config"]["stage"] == stage and report["world_size"] == world_size
+        assert report["backend"] == "gloo" and report["device"] == "cpu"
+        assert report["torch"] == torch.__version__.split("+")[0]
+        assert len(report["losses"]) == 2 and report["first_step"] == 0
+        assert [r["rank"] for r in report["ranks"]] == list(range(world_size))
+        for entry in report["ranks"]:
+            assert set(entry["model_state_bytes"]) == {"params", "grads", "optimizer_states"}
+            assert set(entry["comm"]) == OPS
+            assert all(set(v) == {"calls", "elements", "bytes"} for v in entry["comm"].values())
+            assert entry["peak_bytes"] is None  # no tracked peak on CPU
+        analytic = report["analytic"]["model_state_bytes"]
+        measured = report["ranks"][0]["model_state_bytes"]
+        pad = report["ranks"][0]["padding_elements"]
+        for category in measured:  # equal up to padding (at most 16 bytes per padded element)
+            assert 0 <= measured[category] - analytic[category] <= 16 * pad
+        assert report["step_seconds_median"] > 0
+
+
+def test_losses_agree_across_stages_and_world_sizes():
+    base = reports(1)[0]["losses"]
+    for world_size in (1, 2, 3, 4):
+        for report in reports(world_size):
+            assert report["losses"] == pytest.approx(base, rel=1e-5)
+
+
+def test_cli_writes_the_report(tmp_path):
+    out = tmp_path / "run.json"
+    done = cli("--stage", "3", "--report", str(out), *ARGV)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(out.read_text())
+    assert report["world_size"] == 1 and report["config"]["stage"] == 3
+    assert "stage 3: loss" in done.stdout
+
+
+@pytest.mark.parametrize("args, env, message", [
+    (["--stage", "4"], {}, "argument --stage: invalid choice: 4"),
+    (["--global-batch-size", "10", "--grad-accum-steps", "3"], {},
+     "--global-batch-size 10 is not divisible by world size 1 x --grad-accum-steps 3"),
+    (["--dtype", "fp8"], {}, "argument --dtype: invalid choice: 'fp8'"),
+    (["--model", "resnet"], {}, "argument --model: invalid choice: 'resnet'"),
+    (["--steps", "0"], {}, "--steps 0: must be >= 1"),
+    (["--backend", "nccl"], {}, "--backend nccl: CUDA is not available"),
+    (["--device", "cuda"], {}, "--device cuda: CUDA is not available"),
+    ([], {"RANK": "0", "WORLD_SIZE": "2"}, "torchrun environment incomplete"),
+])
+def test_bad_input_exits_2_with_a_message_naming_it(args, env, message):
+    if torch.cuda.is_available() and "CUDA" in message:
+        pytest.skip("CUDA is available here")
+    done = cli(*args, env=env)
+    assert done.returncode == 2
+    assert message in done.stderr
+
+
+def test_global_batch_that_world_size_does_not_divide_is_refused_before_training():
+    with pytest.raises(Exception, match="--global-batch-size 12 is not divisible by world size 5"):
+        launch(jobs.train_all_stages, 5, ARGV)
+
+
+def test_model_on_several_devices_is_refused():
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2, device="meta"))
+    with pytest.raises(ConfigError, match=r"different devices \['cpu', 'meta'\]"):
+        make_engine(0, model)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(stage=7), "--stage 7: allowed are 0, 1, 2, 3"),
+    (dict(stage=1, optimizer="lion"), "--optimizer 'lion': allowed are adam, adamw, sgd"),
+    (dict(stage=1, dtype="int8"), "--dtype 'int8': allowed are fp32, bf16, fp16"),
+    (dict(stage=2, lr=-1.0), "--lr -1.0: must be > 0"),
+])
+def test_engine_refuses_bad_arguments_before_any_work(kwargs, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
+        make_engine(model=nn.Linear(2, 2), **kwargs)

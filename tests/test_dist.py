@@ -1,0 +1,58 @@
+"""The runtime: launch, torchrun environment checks, backend choice."""
+
+import jobs
+import pytest
+import torch
+
+from zerolearn import dist as zdist
+from zerolearn.dist import ConfigError, RankError, launch
+
+
+def test_launch_returns_each_ranks_result_in_rank_order():
+    assert launch(jobs.whoami, 3) == [(0, 3), (1, 3), (2, 3)]
+
+
+def test_launch_reraises_a_worker_exception_with_its_rank():
+    with pytest.raises(RankError, match=r"rank 1 failed: ValueError: boom on purpose at rank 1") as info:
+        launch(jobs.raise_on_rank, 2, 1)
+    assert info.value.rank == 1
+
+
+def test_launch_refuses_a_bad_world_size():
+    with pytest.raises(ConfigError, match="world_size=0"):
+        launch(jobs.whoami, 0)
+
+
+@pytest.mark.parametrize("env, message", [
+    ({"RANK": "0"}, "WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT missing"),
+    ({"RANK": "4", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "MASTER_ADDR": "x", "MASTER_PORT": "1"},
+     "RANK=4 WORLD_SIZE=4"),
+    ({"RANK": "a", "WORLD_SIZE": "4", "LOCAL_RANK": "0", "MASTER_ADDR": "x", "MASTER_PORT": "1"},
+     "must be integers"),
+])
+def test_torchrun_variables_missing_or_inconsistent_are_refused(env, message):
+    with pytest.raises(ConfigError, match=message):
+        zdist.torchrun_env(env)
+
+
+def test_torchrun_variables_absent_mean_standalone():
+    assert zdist.torchrun_env({}) is None
+    assert zdist.torchrun_env({"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
+                               "MASTER_ADDR": "h", "MASTER_PORT": "1"}) == (1, 2, 1)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-CUDA messages")
+@pytest.mark.parametrize("backend, device, message", [
+    ("nccl", "auto", "--backend nccl: CUDA is not available"),
+    ("auto", "cuda", "--device cuda: CUDA is not available"),
+    ("mpi", "auto", "--backend 'mpi': allowed are auto, gloo, nccl"),
+    ("auto", "tpu", "--device 'tpu': allowed are auto, cpu, cuda"),
+])
+def test_backend_and_device_without_cuda_are_refused(backend, device, message):
+    with pytest.raises(ConfigError, match=message):
+        zdist.resolve_backend_device(backend, device)
+
+
+def test_auto_picks_gloo_on_cpu_and_nccl_on_cuda():
+    expected = ("nccl", "cuda") if torch.cuda.is_available() else ("gloo", "cpu")
+    assert zdist.resolve_backend_device("auto", "auto") == expected
