@@ -16,6 +16,7 @@ path makes the others fail with an error instead of hanging forever.
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import pickle
 import socket
@@ -155,10 +156,20 @@ def init(backend: str = "auto", device: str = "auto", timeout_s: float | None = 
     return _CONTEXT
 
 
-def teardown() -> None:
-    """Leave the process group (safe to call when none exists)."""
+def teardown(clean: bool = True) -> None:
+    """Leave the process group (safe to call when none exists).
+
+    ``clean=True`` (the normal end of a job) first waits at a barrier, so no rank
+    closes its connections while a peer is still finishing the last collective;
+    gloo aborts the peer's process if that happens. After a failure, pass False.
+    """
     global _CONTEXT
     if dist.is_initialized():
+        if clean and dist.get_world_size() > 1:
+            dist.barrier()
+        # Drop finished collectives' last references while gloo's threads still run;
+        # left to interpreter shutdown, freeing them can abort the process.
+        gc.collect()
         dist.destroy_process_group()
     _CONTEXT = None
 
@@ -181,11 +192,12 @@ def _worker(rank, world_size, port, backend, fn, args, kwargs, timeout_s, queue)
         init(backend, "cuda" if backend == "nccl" else "cpu", timeout_s)
         # Plain pickle copies tensors by value; torch's queue pickler would share them
         # through file descriptors that vanish when this process exits.
-        queue.put((rank, True, pickle.dumps(fn(*args, **kwargs))))
-    except BaseException as e:  # report everything, including KeyboardInterrupt
-        queue.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
-    finally:
+        result = pickle.dumps(fn(*args, **kwargs))
         teardown()
+        queue.put((rank, True, result))
+    except BaseException as e:  # noqa: BLE001 - every failure goes back to the caller
+        queue.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        teardown(clean=False)
 
 
 def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 300.0,

@@ -52,3 +52,26 @@ def format_table(rows: list[dict]) -> str:
         lines.append(f"{r['stage']} {r['name']:<18} {r['loss']:>10.6f} | {cells} | "
                      f"{r['psi_per_step']:>6.3f} {r['psi_per_step_theory']:>6.1f} | {r['step_ms']:>7.1f}")
     return "\n".join(lines)
+
+
+def format_rank_table(report: dict) -> str:
+    """Per-rank table of one run: bytes held (KiB) and elements moved per step by collective."""
+    steps = len(report["losses"])
+    formula = report["analytic"]["model_state_bytes"]
+    head = (f"{'rank':>4} | {'params KiB':>10} {'grads KiB':>10} {'optim KiB':>10} | "
+            f"{'all_reduce':>10} {'red_scatter':>11} {'all_gather':>10} | {'Psi/step':>8} | {'peak KiB':>9}")
+    lines = [head, "-" * len(head)]
+    for entry in report["ranks"]:
+        held = entry["model_state_bytes"]
+        per_step = {op: entry["comm"][op]["elements"] // steps for op in ("all_reduce", "reduce_scatter",
+                                                                         "all_gather")}
+        lines.append(f"{entry['rank']:>4} | {kib(held['params']):>10} {kib(held['grads']):>10} "
+                     f"{kib(held['optimizer_states']):>10} | {per_step['all_reduce']:>10,} "
+                     f"{per_step['reduce_scatter']:>11,} {per_step['all_gather']:>10,} | "
+                     f"{volume_per_step(entry, steps) / report['num_params']:>8.3f} | "
+                     f"{kib(entry['peak_bytes']):>9}")
+    stage = report["config"]["stage"]
+    lines.append(f"{'paper':>4} | {kib(formula['params']):>10} {kib(formula['grads']):>10} "
+                 f"{kib(formula['optimizer_states']):>10} | {'':>34} | "
+                 f"{analytic.comm_volume_elements(1, stage):>8.3f} |")
+    return "\n".join(lines)

@@ -174,12 +174,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         report = train(args, progress=not args.quiet)
     except ConfigError as e:
+        zdist.teardown(clean=False)
         parser.exit(2, f"{parser.prog}: error: {e}\n")
-    except Exception as e:
+    except Exception as e:  # noqa: BLE001 - exit 1 with the rank named, as DESIGN section 4 says
         print(f"rank {ctx.rank}: {type(e).__name__}: {e}", file=sys.stderr)
+        zdist.teardown(clean=False)
         return 1
-    finally:
-        zdist.teardown()
+    zdist.teardown()
     if ctx.rank == 0:
         if args.report:
             with open(args.report, "w") as f:
