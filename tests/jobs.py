@@ -172,3 +172,26 @@ def train_all_stages(argv: list[str]) -> list[dict]:
     from zerolearn.train import train_job
 
     return [train_job(["--stage", str(s), *argv]) for s in range(4)]
+
+
+def resume_round_trip(stage: int, steps: int = 4, split: int = 2) -> dict:
+    """Train ``split`` steps, save state_dict, rebuild, load, finish; vs uninterrupted."""
+    ctx = zdist.context()
+
+    def run(engine, first, last):
+        for step in range(first, last):
+            x, y = global_batch(step)
+            x, y = data.rank_slice(x, ctx.rank, ctx.world_size), data.rank_slice(y, ctx.rank, ctx.world_size)
+            engine.backward(gpt_loss(engine(x), y))
+            engine.step()
+            engine.zero_grad()
+
+    whole = make_engine(stage, small_gpt(), optimizer="adam", lr=LR["adam"], bucket_mb=0.01)
+    run(whole, 0, steps)
+    first = make_engine(stage, small_gpt(), optimizer="adam", lr=LR["adam"], bucket_mb=0.01)
+    run(first, 0, split)
+    state = first.state_dict()
+    second = make_engine(stage, small_gpt(seed=7), optimizer="adam", lr=LR["adam"], bucket_mb=0.01)
+    second.load_state_dict(state)
+    run(second, split, steps)
+    return {"whole": whole.full_state_dict(), "resumed": second.full_state_dict()}

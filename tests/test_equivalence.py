@@ -122,3 +122,12 @@ def test_our_stages_match_torch_ddp_zero_redundancy_and_fsdp2():
     assert ours[0] == pytest.approx(theirs["ddp"], rel=1e-5)
     assert ours[1] == pytest.approx(theirs["zero_redundancy"], rel=1e-5)
     assert ours[3] == pytest.approx(theirs["fsdp2"], rel=1e-5)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_state_dict_round_trip_continues_exactly(stage):
+    # A fresh engine (built from other weights) that loads the state after 2 steps and
+    # trains 2 more ends where 4 uninterrupted steps end.
+    for rank_result in launch(jobs.resume_round_trip, 2, stage):
+        for name, value in rank_result["whole"].items():
+            assert torch.equal(value, rank_result["resumed"][name]), name

@@ -18,7 +18,10 @@ gradients, its reduction is launched asynchronously while backward goes on with
 earlier layers. Groups launch in one fixed order on every rank (a group waits for
 the ones before it), because collectives must be issued in the same order on all
 ranks or they pair up wrongly; groups whose parameters got no gradient are launched
-at the end of backward with zeros.
+at the end of backward with zeros. So a parameter that no rank used in a step gets
+a zero gradient (as in DeepSpeed), not torch.optim's "no gradient, no update":
+plain SGD leaves it alone, but momentum, Adam's moments and weight decay still move
+it. Frozen parameters (``requires_grad=False``) are not flattened or sharded at all.
 """
 
 from __future__ import annotations
