@@ -100,6 +100,8 @@ def monitor_mean(value: float, group=None) -> float:
     Monitoring, not training: this traffic (one element) stays out of the ledger,
     which counts what the algorithm itself moves.
     """
+    if dist.get_backend(group) == "fake":  # a simulated world: only rank 0 exists
+        return float(value)
     t = torch.tensor([float(value)], dtype=torch.float64)
     if dist.get_backend(group) == "nccl":
         t = t.cuda()

@@ -35,3 +35,14 @@ def fully_shard():
     except ImportError:  # pragma: no cover - torch < 2.6
         from torch.distributed._composable.fsdp import fully_shard as fn
     return fn
+
+
+def fake_store():
+    """The store for torch's "fake" backend, whose collectives move no data.
+
+    It lets one process play rank 0 of an N-rank job: shapes, shards and buffers
+    are real, so the memory of rank 0 is measured as if N ranks existed.
+    """
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    return FakeStore()

@@ -30,12 +30,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from zerolearn import compat
+from zerolearn.errors import ConfigError
+
 DEFAULT_TIMEOUT_S = float(os.environ.get("ZEROLEARN_TIMEOUT", "300"))
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-
-
-class ConfigError(ValueError):
-    """Bad input, detected before any work starts (the CLI exits with code 2)."""
 
 
 class RankError(RuntimeError):
@@ -121,20 +120,26 @@ def torchrun_env(env: dict[str, str] | None = None) -> tuple[int, int, int] | No
     return rank, world, local
 
 
-def init(backend: str = "auto", device: str = "auto", timeout_s: float | None = None) -> DistContext:
+def init(backend: str = "auto", device: str = "auto", timeout_s: float | None = None,
+         simulate_world_size: int | None = None) -> DistContext:
     """Join (or create) the default process group and return this rank's context.
 
     Under torchrun, uses its environment; otherwise creates a world of size 1 in this
-    process. Calling it again returns the existing context.
+    process. With ``simulate_world_size=N`` this process is rank 0 of N on torch's
+    "fake" backend: collectives move no data, but every shard and buffer has the
+    size it would have on N ranks. Calling it again returns the existing context.
 
     Raises:
-        ConfigError: see :func:`resolve_backend_device` and :func:`torchrun_env`.
+        ConfigError: see :func:`resolve_backend_device` and :func:`torchrun_env`;
+            ``simulate_world_size`` < 1 or combined with torchrun.
     """
     global _CONTEXT
     if _CONTEXT is not None and dist.is_initialized():
         return _CONTEXT
     backend, device_type = resolve_backend_device(backend, device)
     ranks = torchrun_env()
+    if simulate_world_size is not None:
+        return _init_simulated(simulate_world_size, device_type, ranks is not None)
     rank, world, local = ranks if ranks is not None else (0, 1, 0)
     if device_type == "cuda":
         if local >= torch.cuda.device_count():
@@ -156,6 +161,20 @@ def init(backend: str = "auto", device: str = "auto", timeout_s: float | None = 
     return _CONTEXT
 
 
+def _init_simulated(world_size: int, device_type: str, under_torchrun: bool) -> DistContext:
+    global _CONTEXT
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ConfigError(f"--simulate-world-size {world_size!r}: must be an integer >= 1")
+    if under_torchrun:
+        raise ConfigError("--simulate-world-size runs one process; do not launch it with torchrun")
+    dev = torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu")
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    dist.init_process_group("fake", store=compat.fake_store(), rank=0, world_size=world_size)
+    _CONTEXT = DistContext(0, world_size, 0, "fake", dev)
+    return _CONTEXT
+
+
 def teardown(clean: bool = True) -> None:
     """Leave the process group (safe to call when none exists).
 
@@ -165,7 +184,7 @@ def teardown(clean: bool = True) -> None:
     """
     global _CONTEXT
     if dist.is_initialized():
-        if clean and dist.get_world_size() > 1:
+        if clean and dist.get_world_size() > 1 and dist.get_backend() != "fake":
             dist.barrier()
         # Drop finished collectives' last references while gloo's threads still run;
         # left to interpreter shutdown, freeing them can abort the process.

@@ -16,6 +16,7 @@ same run. Exit codes: 0 done, 2 bad arguments (before any work), 1 failure.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -29,6 +30,7 @@ from zerolearn import dist as zdist
 from zerolearn.dist import ConfigError
 from zerolearn.engines import make_engine
 from zerolearn.memory import model as analytic
+from zerolearn.memory.ledger import MemoryLedger
 from zerolearn.models import MODELS, GPTConfig, build_model
 from zerolearn.precision import DTYPES
 
@@ -57,6 +59,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", default="auto", help="auto, gloo or nccl")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda")
     p.add_argument("--timeout", type=float, default=zdist.DEFAULT_TIMEOUT_S, help="collective timeout, s")
+    p.add_argument("--simulate-world-size", type=int, default=None, metavar="N",
+                   help="run rank 0 of N ranks in this process (fake process group): real shards "
+                        "and bytes, no data moved, losses not meaningful")
+    p.add_argument("--memory-timeline", action="store_true",
+                   help="add the last step's memory timeline to the report")
     p.add_argument("--report", default=None, help="write the JSON report here (rank 0)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
@@ -99,6 +106,10 @@ def analytic_bytes(args, psi: int, nd: int) -> dict[str, float]:
     return {key: states[key] for key in ("params", "grads", "optimizer_states")}
 
 
+def _phase(ledger: MemoryLedger | None, name: str):
+    return ledger.phase(name) if ledger is not None else contextlib.nullcontext()
+
+
 def train(args: argparse.Namespace, progress: bool = False) -> dict:
     """Train on the current process group; every rank returns the same report.
 
@@ -123,18 +134,28 @@ def train(args: argparse.Namespace, progress: bool = False) -> dict:
         from tqdm.auto import tqdm
         steps = tqdm(steps, desc=f"stage {args.stage}", unit="step")
     for step in steps:
+        last = step == args.steps - 1
+        # The ledger watches the last step only: it slows every operator down.
+        ledger = MemoryLedger(record_timeline=args.memory_timeline) if last else None
         t0 = time.perf_counter()
-        x, y = (data.rank_slice(t, ctx.rank, ctx.world_size).to(ctx.device) for t in batch(args, step))
-        local = 0.0
-        for i, (xm, ym) in enumerate(zip(x.chunk(args.grad_accum_steps), y.chunk(args.grad_accum_steps))):
-            loss = loss_fn(args, engine(xm), ym)
-            # Each micro-batch is 1/accum of the step's batch: scale so the sum is the mean.
-            engine.backward(loss / args.grad_accum_steps, sync=i == args.grad_accum_steps - 1)
-            local += loss.item() / args.grad_accum_steps
-        if step == args.steps - 1:
-            grads_bytes = engine.model_state_bytes()["grads"]  # as held after backward
-        engine.step()
-        engine.zero_grad()
+        with ledger or contextlib.nullcontext():
+            if ledger is not None:
+                ledger.track_engine(engine)
+            x, y = (data.rank_slice(t, ctx.rank, ctx.world_size).to(ctx.device) for t in batch(args, step))
+            local = 0.0
+            for i, (xm, ym) in enumerate(zip(x.chunk(args.grad_accum_steps), y.chunk(args.grad_accum_steps))):
+                with _phase(ledger, "forward"):
+                    loss = loss_fn(args, engine(xm), ym)
+                with _phase(ledger, "backward"):
+                    # Each micro-batch is 1/accum of the step's batch: scale so the sum is the mean.
+                    engine.backward(loss / args.grad_accum_steps, sync=i == args.grad_accum_steps - 1)
+                local += loss.item() / args.grad_accum_steps
+                del loss
+            if last:
+                grads_bytes = engine.model_state_bytes()["grads"]  # as held after backward
+            with _phase(ledger, "step"):
+                engine.step()
+                engine.zero_grad()
         if cuda:
             torch.cuda.synchronize(ctx.device)
         times.append(time.perf_counter() - t0)
@@ -142,16 +163,25 @@ def train(args: argparse.Namespace, progress: bool = False) -> dict:
         if hasattr(steps, "set_postfix"):
             steps.set_postfix(loss=f"{losses[-1]:.4f}")
     held = engine.model_state_bytes()
+    memory = ledger.summary()
+    if args.memory_timeline:
+        memory["timeline"] = [[e.index, e.phase, e.total, e.by_category] for e in ledger.timeline]
     mine = {"rank": ctx.rank,
             "model_state_bytes": {"params": held["params"], "grads": grads_bytes,
                                   "optimizer_states": held["optimizer_states"]},
-            "peak_bytes": torch.cuda.max_memory_allocated(ctx.device) if cuda else None,
+            # CUDA: the allocator's peak over the run; CPU: the ledger's over the last step.
+            "peak_bytes": torch.cuda.max_memory_allocated(ctx.device) if cuda else memory["peak_bytes"],
+            "memory": memory,
             "comm": comm.LEDGER.as_dict(),
-            "padding_elements": engine.padding}
+            "padding_elements": engine.padding,
+            "peak_grad_bytes": engine.peak_grad_bytes}
+    simulated = ctx.backend == "fake"
     return {"config": {k: v for k, v in vars(args).items() if k != "quiet"},
             "world_size": ctx.world_size, "backend": ctx.backend, "device": ctx.device.type,
             "torch": compat.TORCH_VERSION, "num_params": engine.psi, "first_step": 0,
-            "losses": losses, "ranks": comm.gather_objects(mine),
+            "simulated": simulated,
+            # Simulated: this process is rank 0 and the only one measured.
+            "losses": losses, "ranks": [mine] if simulated else comm.gather_objects(mine),
             "analytic": {"model_state_bytes": analytic_bytes(args, engine.psi, ctx.world_size)},
             "step_seconds_median": statistics.median(times)}
 
@@ -167,8 +197,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # Everything that can be checked without peers is checked before joining them.
         env = zdist.torchrun_env()
-        validate(args, env[1] if env else 1)
-        ctx = zdist.init(args.backend, args.device, args.timeout)
+        validate(args, args.simulate_world_size or (env[1] if env else 1))
+        ctx = zdist.init(args.backend, args.device, args.timeout, args.simulate_world_size)
     except ConfigError as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
     try:
@@ -186,7 +216,8 @@ def main(argv: list[str] | None = None) -> int:
             with open(args.report, "w") as f:
                 json.dump(report, f, indent=1)
         print(f"stage {args.stage}: loss {report['losses'][0]:.4f} -> {report['losses'][-1]:.4f} "
-              f"over {args.steps} steps on {ctx.world_size} rank(s), "
+              f"over {args.steps} steps on {ctx.world_size} rank(s)"
+              f"{' (simulated: rank 0 only, losses not meaningful)' if report['simulated'] else ''}, "
               f"{report['step_seconds_median'] * 1e3:.1f} ms/step (median)")
     return 0
 

@@ -34,6 +34,7 @@ from torch import nn
 from zerolearn import comm
 from zerolearn.dist import ConfigError
 from zerolearn.flat import FlatGroup, make_groups
+from zerolearn.memory.ledger import category, retag
 from zerolearn.precision import LossScaler, needs_master, parse_dtype
 
 OPTIMIZERS = ("adam", "adamw", "sgd")
@@ -194,7 +195,8 @@ class Engine:
 
     def _ensure_grad_buffer(self, g: FlatGroup) -> None:
         if g.grad_full is None:
-            g.grad_full = torch.zeros(g.padded_numel, dtype=self.dtype, device=self.device)
+            with category("grads"):
+                g.grad_full = torch.zeros(g.padded_numel, dtype=self.dtype, device=self.device)
             self._track_grad_bytes()
 
     def _track_grad_bytes(self) -> None:
@@ -266,6 +268,7 @@ class Engine:
             if coef != 1.0:
                 g.master.grad.mul_(coef)
             self.optimizer.step()
+            retag(self._optimizer_state(g.master), "optimizer_states")
             g.master.grad = None
             self._publish(g)
         self._finish_publish()
@@ -283,22 +286,28 @@ class Engine:
             g.grad_full = g.grad_shard = None
 
     # ----- ledgers ------------------------------------------------------------------
-    def model_state_bytes(self) -> dict[str, int]:
-        """Bytes this rank holds now, measured from the tensors (storages counted once).
+    def _optimizer_state(self, master: torch.Tensor) -> list[torch.Tensor]:
+        # Per-element state only; Adam's scalar step counters are bookkeeping.
+        return [v for v in self.optimizer.state.get(master, {}).values() if torch.is_tensor(v) and v.dim() > 0]
+
+    def state_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """The tensors this rank holds as model states, by category (None: not held).
 
         ``params``: working parameters (full buffers, or shards under ZeRO-3);
         ``grads``: flat gradient buffers and shards; ``optimizer_states``: the fp32
-        master (when it is a separate tensor) and the optimizer's per-element state
-        (Adam's moments, SGD's momentum; the scalar step counters are left out).
-        Frozen parameters are not model states (Psi counts trainable ones).
+        master (a storage of its own only in mixed precision) and the optimizer's
+        per-element state (Adam's moments, SGD's momentum). Frozen parameters are not
+        model states (Psi counts trainable ones).
         """
+        return {"params": [t for g in self.groups for t in (g.full, g.shard)],
+                "grads": [t for g in self.groups for t in (g.grad_full, g.grad_shard)],
+                "optimizer_states": [t for g in self.groups for t in [g.master, *self._optimizer_state(g.master)]]}
+
+    def model_state_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds now per category of :meth:`state_tensors`, measured
+        from the tensors (each storage counted once, in the first category holding it)."""
         seen: set[int] = set()
-        params = _unique_storage_bytes([t for g in self.groups for t in (g.full, g.shard)], seen)
-        grads = _unique_storage_bytes([t for g in self.groups for t in (g.grad_full, g.grad_shard)], seen)
-        state = [v for s in self.optimizer.state.values() for v in s.values()
-                 if torch.is_tensor(v) and v.dim() > 0]
-        opt = _unique_storage_bytes([g.master for g in self.groups] + state, seen)
-        return {"params": params, "grads": grads, "optimizer_states": opt}
+        return {name: _unique_storage_bytes(tensors, seen) for name, tensors in self.state_tensors().items()}
 
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:

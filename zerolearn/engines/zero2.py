@@ -18,6 +18,7 @@ import torch
 from zerolearn import comm
 from zerolearn.engines.zero1 import Zero1Engine
 from zerolearn.flat import FlatGroup
+from zerolearn.memory.ledger import category
 
 
 class Zero2Engine(Zero1Engine):
@@ -31,7 +32,8 @@ class Zero2Engine(Zero1Engine):
     stage = 2
 
     def _reduce(self, g: FlatGroup) -> comm.Handle:
-        g.grad_shard = torch.empty(g.shard_numel, dtype=self.dtype, device=self.device)
+        with category("grads"):
+            g.grad_shard = torch.empty(g.shard_numel, dtype=self.dtype, device=self.device)
         self._track_grad_bytes()
         return comm.reduce_scatter(g.grad_shard, g.grad_full, group=self.pg, async_op=True)
 

@@ -1,3 +1,7 @@
+"""Memory science: the paper's analytic model, the fit solver, and the measured ledger
+(``zerolearn.memory.ledger``, imported on its own since it needs torch)."""
+
+from .fit import ActivationSpec, Fit, gpt_params, per_device_bytes, smallest_fit, table
 from .model import (
     FIGURE1_GB,
     GB,
@@ -21,6 +25,12 @@ from .model import (
 )
 
 __all__ = [
+    "ActivationSpec",
+    "Fit",
+    "gpt_params",
+    "per_device_bytes",
+    "smallest_fit",
+    "table",
     "FIGURE1_GB",
     "GB",
     "STAGE_NAMES",

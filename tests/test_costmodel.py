@@ -1,0 +1,174 @@
+"""The cost model's limiting cases and the paper's super-linear scaling argument (Sec 7, 10.3).
+
+Hardware numbers here are round inputs, not measurements; expected values are
+derived by hand in the comments.
+"""
+
+import math
+
+import pytest
+
+from zerolearn.costmodel import (
+    EfficiencyCurve,
+    Hardware,
+    Job,
+    max_batch_per_gpu,
+    step_time,
+    throughput_per_gpu,
+)
+from zerolearn.dist import ConfigError
+from zerolearn.memory.fit import ActivationSpec, gpt_params, per_device_bytes
+from zerolearn.memory.model import GB
+
+HW = Hardware(tflops_achieved=100, intra_node_GBps=100, inter_node_GBps=10, gpus_per_node=8)
+GPT2_1_5B = {"layers": 48, "hidden": 1600}
+GPT_60B = {"layers": 75, "hidden": 8192}  # a GPT-like config of ~60B parameters (12 x 75 x 8192^2 = 60.4e9)
+
+
+def job(**kw) -> Job:
+    base = {"psi": 1e9, "tokens_per_gpu": 1000, "stage": 0, "nd": 4}
+    return Job(**(base | kw))
+
+
+def test_compute_is_six_flops_per_param_per_token():
+    # 6 x 1e9 x 1000 flops at 100e12 flop/s = 0.06 s; recomputation runs 8 instead.
+    assert step_time(job(), HW).compute_s == pytest.approx(0.06)
+    assert step_time(job(recompute=True), HW).compute_s == pytest.approx(0.08)
+
+
+def test_zero_communication_volume_leaves_compute_alone():
+    # Nd = 1: nobody to talk to, so no bytes and no collectives, even with a large latency.
+    t = step_time(job(nd=1), Hardware(100, 100, 10, 8, latency_s_per_collective=1.0))
+    assert (t.volume_bytes, t.collectives, t.comm_s) == (0, 0, 0)
+    assert t.step_s == t.compute_s
+
+
+def test_volume_is_the_papers_times_the_ring_factor_in_grad_bytes():
+    # Stage 0: 2 psi elements (Sec 7.1) x 2 bytes (bf16) x (4 - 1) / 4 = 3e9 bytes; intra-node 100 GB/s.
+    t = step_time(job(), HW)
+    assert t.volume_bytes == pytest.approx(3e9)
+    assert t.comm_s == pytest.approx(0.03)
+    assert step_time(job(grad_dtype="fp32"), HW).volume_bytes == pytest.approx(6e9)
+
+
+def test_rings_that_leave_the_node_run_at_inter_node_bandwidth():
+    # Nd = 16 > 8 GPUs per node: 2 x 1e9 x 2 x 15/16 = 3.75e9 bytes at 10 GB/s.
+    assert step_time(job(nd=16), HW).comm_s == pytest.approx(0.375)
+
+
+def test_infinite_bandwidth_leaves_only_latency():
+    hw = Hardware(100, math.inf, math.inf, 8, latency_s_per_collective=1e-3)
+    # psi 1e9 in buckets of 1e8: 10 calls a pass; an all-reduce is 2 passes (Sec 7.1): 20 calls.
+    t = step_time(job(bucket_elements=100_000_000), hw)
+    assert t.collectives == 20
+    assert t.comm_s == pytest.approx(0.02)
+
+
+def test_zero1_and_zero2_move_what_dp_moves():
+    hw = Hardware(100, 100, 10, 8, latency_s_per_collective=1e-3)
+    dp = step_time(job(stage=0), hw).comm_s
+    assert step_time(job(stage=1), hw).comm_s == pytest.approx(dp)
+    assert step_time(job(stage=2), hw).comm_s == pytest.approx(dp)
+
+
+def test_zero3_communication_is_one_and_a_half_times_dp():
+    hw = Hardware(100, 100, 10, 8, latency_s_per_collective=1e-3)
+    dp = step_time(job(stage=0, bucket_elements=100_000_000), hw)
+    z3 = step_time(job(stage=3, bucket_elements=100_000_000), hw)
+    assert z3.volume_bytes == pytest.approx(1.5 * dp.volume_bytes)  # 3 psi vs 2 psi (Sec 7.2.2)
+    assert z3.comm_s == pytest.approx(1.5 * dp.comm_s)
+
+
+def test_comm_to_compute_ratio_halves_when_tokens_per_gpu_double():
+    # Both grow with psi, so only the tokens per GPU set the ratio (without latency).
+    base = step_time(job(tokens_per_gpu=1000), HW).comm_to_compute
+    assert step_time(job(tokens_per_gpu=2000), HW).comm_to_compute == pytest.approx(base / 2)
+    assert step_time(job(psi=1e11, tokens_per_gpu=1000), HW).comm_to_compute == pytest.approx(base)
+
+
+def test_small_models_are_comm_bound_once_latency_counts():
+    hw = Hardware(100, 100, 10, 8, latency_s_per_collective=1e-3)
+    small = step_time(job(psi=1e7), hw).comm_to_compute
+    large = step_time(job(psi=1e10), hw).comm_to_compute
+    assert small > large
+
+
+@pytest.mark.parametrize("tokens", [100, 100_000])  # comm-bound and compute-bound
+def test_overlap_runs_from_sum_to_max(tokens):
+    none = step_time(job(tokens_per_gpu=tokens, overlap=0.0), HW)
+    full = step_time(job(tokens_per_gpu=tokens, overlap=1.0), HW)
+    assert none.step_s == pytest.approx(none.compute_s + none.comm_s)
+    assert full.step_s == pytest.approx(max(full.compute_s, full.comm_s))
+
+
+def test_partial_overlap_hides_that_fraction_of_comm():
+    t = step_time(job(tokens_per_gpu=100_000, overlap=0.25), HW)  # compute 6 s, comm 0.03 s
+    assert t.step_s == pytest.approx(t.compute_s + 0.75 * t.comm_s)
+
+
+@pytest.mark.parametrize(("make", "message"), [
+    (lambda: Hardware(0, 100, 10), "tflops_achieved 0"),
+    (lambda: Hardware(100, -1, 10), "intra_node_GBps -1"),
+    (lambda: Hardware(100, 100, 10, 0), "gpus_per_node 0"),
+    (lambda: Hardware(100, 100, 10, 8, -1.0), "latency_s_per_collective -1.0"),
+    (lambda: job(overlap=1.5), "overlap 1.5"),
+    (lambda: job(stage=5), "stage 5"),
+    (lambda: job(nd=0), "nd 0"),
+    (lambda: job(psi=-1), "psi -1"),
+    (lambda: job(grad_dtype="int8"), "'int8'"),
+    (lambda: EfficiencyCurve(100, 0), "b_half 0"),
+])
+def test_bad_input_raises_config_error(make, message):
+    with pytest.raises(ConfigError, match=message):
+        make()
+
+
+# --- super-linear scaling (Sec 10.3, Fig 3) -------------------------------------------
+
+def test_efficiency_curve_is_half_peak_at_b_half():
+    assert EfficiencyCurve(peak_tflops=100, b_half=4)(4) == 50
+
+
+def test_max_batch_is_the_largest_that_fits():
+    psi = gpt_params(**GPT2_1_5B)
+    # DP holds 16 psi; each checkpointed sequence keeps 1024 x 1600 x 48 values of 2 bytes.
+    by_hand = (32 * GB - 16 * psi) // (1024 * 1600 * 48 * 2)
+    b = max_batch_per_gpu(psi, 32 * GB, 0, 4, seq_len=1024, **GPT2_1_5B)
+    assert b == by_hand
+
+    def total(batch):
+        spec = ActivationSpec(batch_per_gpu=batch, seq_len=1024, checkpointing=True, **GPT2_1_5B)
+        return per_device_bytes(psi, 4, 0, activation=spec)["total"]
+
+    assert total(b) <= 32 * GB < total(b + 1)
+
+
+def test_dp_max_batch_does_not_change_with_nd():
+    psi = gpt_params(**GPT2_1_5B)
+    batches = {max_batch_per_gpu(psi, 32 * GB, 0, nd, seq_len=1024, **GPT2_1_5B) for nd in (1, 4, 64, 400)}
+    assert len(batches) == 1
+
+
+def test_nothing_fits_gives_batch_zero():
+    # 60B under DP with Nm = 16: 16 x 60.8e9 / 16 = 60.8 GB of model states on a 32 GB GPU.
+    psi = gpt_params(**GPT_60B)
+    assert max_batch_per_gpu(psi, 32 * GB, 0, 4, seq_len=1024, nm=16, **GPT_60B) == 0
+    curve = EfficiencyCurve(peak_tflops=60, b_half=4)
+    assert throughput_per_gpu(psi, 32 * GB, 0, 4, HW, curve, seq_len=1024, nm=16, **GPT_60B).batch_per_gpu == 0
+
+
+def test_zero2_throughput_per_gpu_grows_from_64_to_400_gpus():
+    """Fig 3's shape: a 60B model with Nm = 16 on 64 ... 400 V100-like GPUs (Nd = GPUs / 16)."""
+    psi = gpt_params(**GPT_60B)
+    dgx2 = Hardware(tflops_achieved=40, intra_node_GBps=300, inter_node_GBps=12.5, gpus_per_node=16)
+    curve = EfficiencyCurve(peak_tflops=60, b_half=4)  # an assumption, not the paper's curve
+    gpus = [64, 128, 256, 400]
+    runs = [throughput_per_gpu(psi, 32 * GB, 2, g // 16, dgx2, curve, seq_len=1024, nm=16, **GPT_60B)
+            for g in gpus]
+    batches = [r.batch_per_gpu for r in runs]
+    per_gpu = [r.tflops_per_gpu for r in runs]
+    assert batches[0] > 0 and batches == sorted(batches) and batches[-1] > batches[0]
+    assert all(a < b for a, b in zip(per_gpu, per_gpu[1:]))
+    # Super-linear: 400/64 = 6.25x the GPUs give more than 6.25x the aggregate throughput.
+    aggregate_gain = (gpus[-1] * per_gpu[-1]) / (gpus[0] * per_gpu[0])
+    assert aggregate_gain > gpus[-1] / gpus[0]

@@ -1,0 +1,48 @@
+"""--simulate-world-size: rank 0 of N ranks in one process, bytes measured (Table 1's trend)."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from zerolearn.memory import model as analytic
+
+NDS = (1, 8, 64, 1024)
+
+
+def simulate(stage: int, nd: int, tmp_path) -> dict:
+    out = tmp_path / f"s{stage}-{nd}.json"
+    # One flat group (large bucket) keeps padding under Nd elements.
+    args = ["--stage", str(stage), "--simulate-world-size", str(nd), "--steps", "1",
+            "--global-batch-size", "1024", "--seq-len", "8", "--d-model", "32", "--n-head", "2",
+            "--bucket-mb", "64", "--dtype", "bf16", "--quiet", "--report", str(out)]
+    done = subprocess.run([sys.executable, "-m", "zerolearn.train", *args], capture_output=True,
+                          text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_simulated_bytes_per_rank_follow_table1_trend(stage, tmp_path):
+    measured = []
+    for nd in NDS:
+        report = simulate(stage, nd, tmp_path)
+        assert report["world_size"] == nd and report["simulated"] is True
+        assert [r["rank"] for r in report["ranks"]] == [0]
+        entry = report["ranks"][0]
+        psi = report["num_params"] + entry["padding_elements"]
+        expected = analytic.model_state_bytes(psi, nd, stage, k=12, param_bytes=2, grad_bytes=2)
+        for c in ("params", "grads", "optimizer_states"):
+            assert entry["model_state_bytes"][c] == expected[c], (nd, c)
+        measured.append(sum(entry["model_state_bytes"].values()))
+    if stage == 0:
+        assert len(set(measured)) == 1  # DP: Nd does not help
+    else:
+        assert measured == sorted(measured, reverse=True) and measured[-1] < measured[0]
+
+
+def test_simulation_refuses_torchrun_and_bad_sizes(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "zerolearn.train", "--simulate-world-size", "0"],
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 2 and "--simulate-world-size 0: must be an integer >= 1" in done.stderr

@@ -1,0 +1,263 @@
+"""Step time on paper: compute from flops, communication from volume and bandwidth.
+
+A first-order model, for reasoning about the paper's scaling claims rather than
+predicting a cluster to the percent. Every input is explicit in :class:`Hardware`
+and :class:`Job`; communication volume comes from
+``zerolearn.memory.model.comm_volume_elements`` (Sec 7) and memory from
+``zerolearn.memory.fit.per_device_bytes`` (Sec 3, 5).
+
+    compute_s = flops_per_param_token x (psi / nm) x tokens_per_gpu / achieved FLOP/s
+    comm_s    = volume_bytes / bandwidth + latency x collectives
+    step_s    = compute_s + comm_s - min(overlap x comm_s, compute_s)
+
+flops_per_param_token is 6: a forward pass does one multiply-add (2 flops) per
+parameter per token, the backward pass twice that (gradients for activations and
+for weights: 4 flops). Activation recomputation (Sec 3.2, 6.1) runs the forward
+again: 8. This counting is standard (Kaplan et al. 2020), not from the ZeRO paper.
+
+Overlap: a fraction ``overlap`` of the communication runs behind compute (bucketed
+reductions launched from backward hooks, Sec 5.2), but it cannot hide more than the
+compute lasts. So overlap = 0 gives compute + comm and overlap = 1 gives
+max(compute, comm).
+
+The memory side is :func:`max_batch_per_gpu` and :func:`throughput_per_gpu`: the
+paper's super-linear scaling argument (Sec 10.3, Fig 3).
+
+Units: seconds, bytes, decimal GB/s (1e9 bytes/s), TFLOP/s (1e12 flop/s).
+Bad inputs raise :class:`zerolearn.dist.ConfigError` when the dataclass is built.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+
+from zerolearn.errors import ConfigError
+from zerolearn.memory.fit import ActivationSpec, per_device_bytes
+from zerolearn.memory.model import comm_volume_elements, dtype_bytes
+
+__all__ = ["FLOPS_PER_PARAM_TOKEN", "FLOPS_PER_PARAM_TOKEN_RECOMPUTE", "EfficiencyCurve", "Hardware", "Job",
+           "StepTime", "Throughput", "max_batch_per_gpu", "step_time", "throughput_per_gpu"]
+
+FLOPS_PER_PARAM_TOKEN = 6
+"""Training flops per parameter per token: forward 2 + backward 4 (see module docstring)."""
+FLOPS_PER_PARAM_TOKEN_RECOMPUTE = 8
+"""The same with activation recomputation: one more forward pass (+2)."""
+
+
+def _positive(name: str, value: float, allow_inf: bool = False) -> None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if not ok or not value > 0 or (math.isinf(value) and not allow_inf):
+        bound = "> 0 (inf allowed)" if allow_inf else "> 0 and finite"
+        raise ConfigError(f"{name} {value!r}: must be a number {bound}")
+
+
+def _count(name: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name} {value!r}: must be an integer >= 1")
+
+
+@dataclass(frozen=True)
+class Hardware:
+    """What one GPU and its links deliver.
+
+    tflops_achieved: sustained TFLOP/s per GPU on this job (not the datasheet peak;
+        the paper's V100s reached 38-41, Sec 10.2, 10.6).
+    intra_node_GBps, inter_node_GBps: per-GPU bus bandwidth of a ring collective
+        inside one node and across nodes, decimal GB/s (the paper's DGX-2 cluster,
+        Sec 10.2: NVSwitch 300 GB/s, an InfiniBand EDR link 12.5 GB/s). inf is allowed.
+    gpus_per_node: GPUs sharing the fast intra-node links (16 on a DGX-2).
+    latency_s_per_collective: fixed cost of one collective launch, seconds (>= 0).
+    """
+
+    tflops_achieved: float
+    intra_node_GBps: float
+    inter_node_GBps: float
+    gpus_per_node: int = 8
+    latency_s_per_collective: float = 0.0
+
+    def __post_init__(self) -> None:
+        _positive("tflops_achieved", self.tflops_achieved)
+        _positive("intra_node_GBps", self.intra_node_GBps, allow_inf=True)
+        _positive("inter_node_GBps", self.inter_node_GBps, allow_inf=True)
+        _count("gpus_per_node", self.gpus_per_node)
+        lat = self.latency_s_per_collective
+        if isinstance(lat, bool) or not isinstance(lat, (int, float)) or not 0 <= lat < math.inf:
+            raise ConfigError(f"latency_s_per_collective {lat!r}: must be a finite number >= 0")
+
+
+@dataclass(frozen=True)
+class Job:
+    """One training step of a data-parallel job, per GPU.
+
+    psi: parameters of the whole model. tokens_per_gpu: tokens each GPU processes
+    per step (batch_per_gpu x seq_len). stage 0-3, nd data-parallel degree, nm
+    model-parallel degree (each GPU holds and computes psi / nm parameters; MP's own
+    communication, Sec 8, is not modelled). overlap: fraction of communication hidden
+    behind compute, 0-1. grad_dtype: element width of the collectives (params and
+    grads travel in the working dtype). recompute: activation checkpointing, 8
+    instead of 6 flops per parameter per token. bucket_elements: elements per
+    collective call (DeepSpeed's default bucket is 5e8 elements).
+    """
+
+    psi: float
+    tokens_per_gpu: int
+    stage: int
+    nd: int
+    nm: int = 1
+    overlap: float = 0.0
+    grad_dtype: str = "bf16"
+    recompute: bool = False
+    bucket_elements: int = 500_000_000
+
+    def __post_init__(self) -> None:
+        _positive("psi", self.psi)
+        for name in ("tokens_per_gpu", "nd", "nm", "bucket_elements"):
+            _count(name, getattr(self, name))
+        if isinstance(self.stage, bool) or self.stage not in (0, 1, 2, 3):
+            raise ConfigError(f"stage {self.stage!r}: must be one of 0, 1, 2, 3")
+        if isinstance(self.overlap, bool) or not isinstance(self.overlap, (int, float)) \
+                or not 0 <= self.overlap <= 1:
+            raise ConfigError(f"overlap {self.overlap!r}: must be a number in [0, 1]")
+        try:
+            dtype_bytes(self.grad_dtype)
+        except ValueError as e:
+            raise ConfigError(f"grad_dtype: {e}") from None
+
+
+@dataclass(frozen=True)
+class StepTime:
+    """Seconds per step and its parts; ``volume_bytes`` moved per GPU by ``collectives`` calls."""
+
+    compute_s: float
+    comm_s: float
+    step_s: float
+    volume_bytes: float
+    collectives: int
+
+    @property
+    def comm_to_compute(self) -> float:
+        return self.comm_s / self.compute_s
+
+
+def _bandwidth_bytes_per_s(job: Job, hw: Hardware) -> float:
+    """Bytes/s of the ring's slowest link.
+
+    A ring runs at its slowest hop. While all nd x nm GPUs of the job sit in one
+    node every hop is intra-node; beyond that, MP groups are kept inside nodes (MP
+    is fast only there, Sec 1) and the data-parallel rings cross nodes."""
+    within_node = job.nd * job.nm <= hw.gpus_per_node
+    return (hw.intra_node_GBps if within_node else hw.inter_node_GBps) * 1e9
+
+
+def step_time(job: Job, hw: Hardware) -> StepTime:
+    """Compute, communication and step seconds of ``job`` on ``hw`` (module docstring).
+
+    Communication per GPU: the paper's volume (2 psi for stages 0-2, 3 psi for
+    stage 3, Sec 7) times the ring's (Nd - 1) / Nd (which the paper drops; it makes
+    Nd = 1 free), in bytes of ``grad_dtype``. Collectives: each psi of volume is one
+    pass of bucketed calls (an all-reduce is a reduce-scatter plus an all-gather,
+    two passes, Sec 7.1), ceil(psi / bucket_elements) calls a pass, each paying the
+    latency once. Stage 3 really gathers per module; buckets are a lower bound there.
+    """
+    psi_local = job.psi / job.nm
+    flops_per = FLOPS_PER_PARAM_TOKEN_RECOMPUTE if job.recompute else FLOPS_PER_PARAM_TOKEN
+    compute_s = flops_per * psi_local * job.tokens_per_gpu / (hw.tflops_achieved * 1e12)
+
+    if job.nd == 1:  # nobody to talk to: no collectives at all
+        volume_bytes, collectives = 0.0, 0
+    else:
+        ring = (job.nd - 1) / job.nd
+        volume_bytes = comm_volume_elements(psi_local, job.stage) * dtype_bytes(job.grad_dtype) * ring
+        passes = comm_volume_elements(1, job.stage)  # 2 or 3 psi-sized passes per step
+        collectives = passes * math.ceil(psi_local / job.bucket_elements)
+    comm_s = volume_bytes / _bandwidth_bytes_per_s(job, hw) + hw.latency_s_per_collective * collectives
+
+    hidden = min(job.overlap * comm_s, compute_s)  # overlap cannot hide more than compute
+    return StepTime(compute_s=compute_s, comm_s=comm_s, step_s=compute_s + comm_s - hidden,
+                    volume_bytes=volume_bytes, collectives=collectives)
+
+
+@dataclass(frozen=True)
+class EfficiencyCurve:
+    """Achieved TFLOP/s per GPU as a function of batch per GPU: peak x b / (b + b_half).
+
+    An ASSUMPTION for teaching, not the paper's: a saturating curve with half the
+    peak at ``b_half`` sequences. It encodes what Sec 10.3 states in words: larger
+    batches per GPU mean more arithmetic per kernel and higher efficiency.
+    """
+
+    peak_tflops: float
+    b_half: float
+
+    def __post_init__(self) -> None:
+        _positive("peak_tflops", self.peak_tflops)
+        _positive("b_half", self.b_half)
+
+    def __call__(self, batch_per_gpu: int) -> float:
+        return self.peak_tflops * batch_per_gpu / (batch_per_gpu + self.b_half)
+
+
+def max_batch_per_gpu(psi: float, device_bytes: float, stage: int, nd: int, *, hidden: int, layers: int,
+                      seq_len: int, checkpointing: bool = True, optimizer: str = "adam",
+                      dtype: str = "bf16", nm: int = 1) -> int:
+    """Largest batch per GPU (sequences) whose model states plus activations fit (Sec 10.3).
+
+    ZeRO stages 1-3 shrink model states as Nd grows (Sec 5), leaving more of
+    ``device_bytes`` for activations (``fit.per_device_bytes``); DP's model states do
+    not shrink, so its largest batch is the same at every Nd. Returns 0 when not
+    even one sequence fits. Raises ConfigError for bad input.
+    """
+    def fits(batch: int) -> bool:
+        act = ActivationSpec(hidden, layers, batch, seq_len, checkpointing)
+        need = per_device_bytes(psi, nd, stage, optimizer=optimizer, dtype=dtype, nm=nm, activation=act)
+        return need["total"] <= device_bytes
+
+    _positive("device_bytes", device_bytes)
+    if not fits(1):  # also validates every argument before the search
+        return 0
+    lo, hi = 1, 2  # grow hi until it does not fit; activations grow with batch, so this ends
+    while fits(hi):
+        lo, hi = hi, 2 * hi
+    while hi - lo > 1:  # invariant: fits(lo), not fits(hi)
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """Per-GPU result of :func:`throughput_per_gpu`; all zero when nothing fits."""
+
+    batch_per_gpu: int
+    tflops_per_gpu: float
+    tokens_per_s_per_gpu: float
+    step: StepTime | None
+
+
+def throughput_per_gpu(psi: float, device_bytes: float, stage: int, nd: int, hw: Hardware,
+                       curve: EfficiencyCurve, *, hidden: int, layers: int, seq_len: int,
+                       checkpointing: bool = True, overlap: float = 0.0, optimizer: str = "adam",
+                       dtype: str = "bf16", nm: int = 1) -> Throughput:
+    """Throughput per GPU at the largest batch that fits: the super-linear argument (Sec 10.3).
+
+    The batch comes from :func:`max_batch_per_gpu`, the achieved TFLOP/s from
+    ``curve`` at that batch (overriding ``hw.tflops_achieved``), the step from
+    :func:`step_time`. ``tflops_per_gpu`` counts the flops actually run (recompute
+    included) over the whole step, communication included. As Nd grows, ZeRO frees
+    memory, the batch grows, and both efficiency and the compute that hides a fixed
+    communication volume grow: per-GPU throughput rises with Nd (Fig 3: 60B model,
+    64 to 400 GPUs). Raises ConfigError for bad input.
+    """
+    batch = max_batch_per_gpu(psi, device_bytes, stage, nd, hidden=hidden, layers=layers, seq_len=seq_len,
+                              checkpointing=checkpointing, optimizer=optimizer, dtype=dtype, nm=nm)
+    if batch == 0:
+        return Throughput(batch_per_gpu=0, tflops_per_gpu=0.0, tokens_per_s_per_gpu=0.0, step=None)
+    job = Job(psi=psi, tokens_per_gpu=batch * seq_len, stage=stage, nd=nd, nm=nm, overlap=overlap,
+              grad_dtype=dtype, recompute=checkpointing)
+    step = step_time(job, dataclasses.replace(hw, tflops_achieved=curve(batch)))
+    flops_per = FLOPS_PER_PARAM_TOKEN_RECOMPUTE if checkpointing else FLOPS_PER_PARAM_TOKEN
+    flops = flops_per * (psi / nm) * job.tokens_per_gpu
+    return Throughput(batch_per_gpu=batch, tflops_per_gpu=flops / step.step_s / 1e12,
+                      tokens_per_s_per_gpu=job.tokens_per_gpu / step.step_s, step=step)

@@ -1,0 +1,215 @@
+"""Measured memory: bytes per category, the peak, and a timeline over a training step.
+
+The analytic model (``memory/model.py``) says what a rank *should* hold; the ledger
+watches what it *does* hold, on any device. While active it sees every tensor an
+operator creates (a ``TorchDispatchMode``), follows each storage until it is freed
+(a weak reference on the storage) or resized (ZeRO-3 frees a gathered unit by
+resizing its storage to 0 bytes and gathers it back into the same storage), and keeps
+a running total, its peak and a timeline.
+
+Each storage gets one category when it appears (Sec 3 of the paper splits memory
+into model states and residual states):
+
+* ``params``, ``grads``, ``optimizer_states``: the engine's tensors, registered by
+  :meth:`MemoryLedger.track` or created inside ``with category(...)`` blocks;
+* ``activations``: anything else created during forward (what autograd saves, and
+  the forward's own temporaries);
+* ``temporary``: anything else created during backward or the step (activation
+  gradients, communication and casting buffers).
+
+On CUDA, ``torch.cuda.max_memory_allocated`` gives the allocator's own peak; the
+ledger adds the categories and the timeline there too. Tensors that existed before
+the ledger started are invisible to it unless registered with :meth:`track`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import weakref
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+CATEGORIES = ("params", "grads", "optimizer_states", "activations", "temporary")
+_PHASE_DEFAULT = {"forward": "activations", "backward": "temporary", "step": "temporary"}
+
+_state = threading.local()
+
+
+@contextlib.contextmanager
+def category(name: str):
+    """Storages created inside this block belong to ``name`` (one of CATEGORIES).
+
+    Costs nothing when no ledger is active, so engines can mark their allocations.
+    """
+    previous = getattr(_state, "category", None)
+    _state.category = name
+    try:
+        yield
+    finally:
+        _state.category = previous
+
+
+def retag(tensors, name: str) -> None:
+    """Move already-tracked storages to category ``name`` in the active ledger, if any.
+
+    For tensors whose role is known only after they exist, e.g. the optimizer's
+    moments, created inside ``optimizer.step()`` among its temporaries.
+    """
+    ledger = getattr(_state, "ledger", None)
+    if ledger is not None:
+        for t in tensors:
+            ledger._retag(t.untyped_storage(), name)
+
+
+@dataclass
+class Event:
+    """One point of the timeline: after an allocation, free or resize."""
+
+    index: int
+    phase: str
+    total: int  # bytes live in tracked storages
+    by_category: dict[str, int]
+    label: str = ""
+
+
+@dataclass
+class _Storage:
+    nbytes: int
+    category: str
+    ref: weakref.ref = field(repr=False)
+
+
+class MemoryLedger(TorchDispatchMode):
+    """Track live tensor storages by category; peak and timeline in bytes.
+
+    Use as a context manager around the code to measure, with :meth:`phase` blocks
+    for ``"forward"``, ``"backward"`` and ``"step"``::
+
+        with MemoryLedger() as ledger:
+            ledger.track_engine(engine)
+            with ledger.phase("forward"):
+                loss = ...
+            ...
+        ledger.peak, ledger.peak_by_category, ledger.timeline
+
+    Attributes: ``live`` (bytes per category now), ``peak`` (bytes), ``peak_by_category``
+    (the categories at the moment of the peak), ``timeline`` (list of :class:`Event`).
+    """
+
+    def __init__(self, record_timeline: bool = True):
+        super().__init__()
+        self.live: dict[str, int] = defaultdict(int)
+        self.peak, self.peak_by_category = 0, {c: 0 for c in CATEGORIES}
+        self.timeline: list[Event] = []
+        self.record_timeline = record_timeline
+        self._storages: dict[int, _Storage] = {}
+        self._phase = "setup"
+        self._original_resize = None
+
+    # ----- registration -------------------------------------------------------------
+    def track(self, tensors, name: str) -> None:
+        """Register existing tensors (None entries are skipped) under category ``name``."""
+        for t in tensors:
+            if t is not None:
+                self._add(t.untyped_storage(), name)
+
+    def track_engine(self, engine) -> None:
+        """Register an engine's current model states (see ``Engine.state_tensors``)."""
+        for name, tensors in engine.state_tensors().items():
+            self.track(tensors, name)
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        """Mark a phase (``forward``, ``backward``, ``step``) for defaults and the timeline."""
+        previous, self._phase = self._phase, name
+        try:
+            yield
+        finally:
+            self._phase = previous
+
+    def mark(self, label: str) -> None:
+        """Add a labelled point to the timeline (e.g. "step 3 starts")."""
+        self._record(label)
+
+    # ----- bookkeeping ----------------------------------------------------------------
+    def _add(self, storage: torch.UntypedStorage, name: str | None = None) -> None:
+        key = id(storage)
+        if key in self._storages:
+            return
+        name = name or getattr(_state, "category", None) or _PHASE_DEFAULT.get(self._phase, "temporary")
+        ref = weakref.ref(storage, lambda _, key=key: self._free(key))
+        self._storages[key] = _Storage(storage.nbytes(), name, ref)
+        self._change(name, storage.nbytes())
+
+    def _free(self, key: int) -> None:
+        info = self._storages.pop(key, None)
+        if info is not None:
+            self._change(info.category, -info.nbytes)
+
+    def _retag(self, storage: torch.UntypedStorage, name: str) -> None:
+        info = self._storages.get(id(storage))
+        if info is None or info.category == name:
+            return
+        self.live[info.category] -= info.nbytes
+        info.category = name
+        self.live[name] += info.nbytes
+
+    def _resized(self, storage: torch.UntypedStorage) -> None:
+        info = self._storages.get(id(storage))
+        if info is None:
+            self._add(storage)
+            return
+        delta, info.nbytes = storage.nbytes() - info.nbytes, storage.nbytes()
+        self._change(info.category, delta)
+
+    def _change(self, name: str, delta: int) -> None:
+        if delta == 0:
+            return
+        self.live[name] += delta
+        total = sum(self.live.values())
+        if total > self.peak:
+            self.peak = total
+            self.peak_by_category = {c: self.live.get(c, 0) for c in CATEGORIES}
+        self._record()
+
+    def _record(self, label: str = "") -> None:
+        if self.record_timeline:
+            self.timeline.append(Event(len(self.timeline), self._phase, sum(self.live.values()),
+                                       {c: self.live.get(c, 0) for c in CATEGORIES}, label))
+
+    # ----- the dispatch mode ---------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                self._add(t.untyped_storage())
+        return out
+
+    def __enter__(self):
+        # Storage resizes bypass the dispatcher: watch them directly while active.
+        self._original_resize = original = torch.UntypedStorage.resize_
+        ledger = self
+
+        def resize_(storage, size):
+            result = original(storage, size)
+            ledger._resized(storage)
+            return result
+
+        torch.UntypedStorage.resize_ = resize_
+        self._outer, _state.ledger = getattr(_state, "ledger", None), self
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.UntypedStorage.resize_ = self._original_resize
+        _state.ledger = self._outer
+        return super().__exit__(*exc)
+
+    def summary(self) -> dict:
+        """``{"peak_bytes", "peak_by_category", "live_by_category"}`` as plain ints."""
+        return {"peak_bytes": self.peak, "peak_by_category": dict(self.peak_by_category),
+                "live_by_category": {c: self.live.get(c, 0) for c in CATEGORIES}}
