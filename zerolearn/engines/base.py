@@ -168,8 +168,13 @@ class Engine:
 
     # ----- forward / backward ------------------------------------------------------
     def forward(self, *args, **kwargs):
-        """Run the model; inputs are the caller's (this rank's slice of the batch)."""
-        return self.model(*args, **kwargs)
+        """Run the model on this rank's slice of the batch.
+
+        Floating-point tensor arguments are cast to the working dtype (the model runs
+        in it); integer ones (token ids) pass unchanged.
+        """
+        cast = [a.to(self.dtype) if torch.is_tensor(a) and a.is_floating_point() else a for a in args]
+        return self.model(*cast, **kwargs)
 
     __call__ = forward
 
