@@ -90,9 +90,10 @@ def main(argv: list[str] | None = None) -> int:
         p.exit(2, f"{p.prog}: error: {e}\n")
     r0, env = reports[0], zdist.torchrun_env()
     if env is None or env[0] == 0:
+        peak_source = "CUDA allocator" if r0["device"] == "cuda" else "ledger, last step"
         print(f"\nMLP {args.layers} x Linear({args.width}, {args.width}), Psi = {r0['num_params']:,}, "
               f"Adam, {args.dtype}, batch {args.batch}, {r0['world_size']} {r0['backend']} ranks "
-              f"on {r0['device']}; rank 0 (peak: {'CUDA allocator' if r0['device'] == 'cuda' else 'ledger, last step'})\n")
+              f"on {r0['device']}; rank 0 (peak: {peak_source})\n")
         print(format_seed_table(reports))
         peaks = [r["ranks"][0]["peak_bytes"] for r in reports]
         verdict = "below" if peaks[2] < peaks[1] else "NOT below"
