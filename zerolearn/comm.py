@@ -38,16 +38,24 @@ class CommLedger:
     """Totals per collective for this process since the last :meth:`reset`."""
 
     ops: dict[str, OpStats] = field(default_factory=lambda: defaultdict(OpStats))
+    # The same totals split by purpose: "dp" (ZeRO-DP), "tp" (tensor parallelism), "pa" (P_a).
+    tags: dict[str, dict[str, OpStats]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(OpStats)))
 
-    def record(self, op: str, tensor: torch.Tensor, seconds: float) -> None:
-        s = self.ops[op]
-        s.calls += 1
-        s.elements += tensor.numel()
-        s.bytes += tensor.numel() * tensor.element_size()
-        s.seconds += seconds
+    def record(self, op: str, tensor: torch.Tensor, seconds: float, tag: str = "dp") -> None:
+        for s in (self.ops[op], self.tags[tag][op]):
+            s.calls += 1
+            s.elements += tensor.numel()
+            s.bytes += tensor.numel() * tensor.element_size()
+            s.seconds += seconds
 
     def reset(self) -> None:
         self.ops.clear()
+        self.tags.clear()
+
+    def by_tag(self) -> dict[str, dict[str, dict[str, int]]]:
+        """``{tag: {op: {calls, elements, bytes}}}`` for the tags seen since :meth:`reset`."""
+        return {tag: {op: {"calls": s.calls, "elements": s.elements, "bytes": s.bytes} for op, s in ops.items()}
+                for tag, ops in self.tags.items()}
 
     def volume_elements(self) -> int:
         """Paper's per-rank communication volume in elements (Sec 7.1)."""
@@ -87,10 +95,10 @@ class Handle:
         return self._work is None or self._work.is_completed()
 
 
-def _run(op: str, counted: torch.Tensor, call, async_op: bool) -> Handle:
+def _run(op: str, counted: torch.Tensor, call, async_op: bool, tag: str = "dp") -> Handle:
     t0 = time.perf_counter()
     work = call()
-    LEDGER.record(op, counted, time.perf_counter() - t0)
+    LEDGER.record(op, counted, time.perf_counter() - t0, tag)
     return Handle(work if async_op else None, op)
 
 
@@ -116,10 +124,11 @@ def gather_objects(obj, group=None) -> list:
     return out
 
 
-def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None, async_op: bool = False) -> Handle:
+def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None, async_op: bool = False,
+               tag: str = "dp") -> Handle:
     """Sum (or ``op``) ``tensor`` over the ranks of ``group``, in place."""
     return _run("all_reduce", tensor,
-                lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op), async_op)
+                lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op), async_op, tag)
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False) -> Handle:
@@ -129,11 +138,12 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=None, async_
                 async_op)
 
 
-def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False) -> Handle:
+def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False,
+               tag: str = "dp") -> Handle:
     """``output`` (n * world_size elements) = every rank's ``input`` (n), in rank order."""
     return _run("all_gather", output,
                 lambda: compat.all_gather_into_tensor(output, input, group=group, async_op=async_op),
-                async_op)
+                async_op, tag)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False) -> Handle:
