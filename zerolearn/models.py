@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from zerolearn.dist import ConfigError
+from zerolearn.residual.checkpointing import checkpoint
 
 MODELS = ("mlp", "gpt")
 
@@ -124,6 +125,7 @@ class GPT(nn.Module):
         self.embed = Embedding(cfg)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.head = Head(cfg)
+        self.checkpoint_store = None  # a residual.CheckpointStore turns on activation checkpointing
         for name, p in self.named_parameters():
             if p.dim() > 1:  # GPT-2's initialisation; LayerNorm and biases keep torch's
                 nn.init.normal_(p, std=0.02)
@@ -132,8 +134,12 @@ class GPT(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         x = self.embed(idx)
+        store = self.checkpoint_store if torch.is_grad_enabled() else None
+        if store is not None:
+            store.reserve(len(self.blocks), x)
         for block in self.blocks:
-            x = block(x)
+            # With a store, each block keeps only its input and recomputes in backward (Sec 3.2).
+            x = checkpoint(block, x, store) if store is not None else block(x)
         return self.head(x)
 
     def units(self) -> list[nn.Module]:

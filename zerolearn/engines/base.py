@@ -150,6 +150,8 @@ class Engine:
                 p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, g, i))
         self._next, self._pending, self._sync = 0, [], True
         self.peak_grad_bytes = 0  # most gradient bytes held at once, measured
+        self.temp_buffer_peak_bytes = 0  # largest fused communication buffer, bytes (Sec 6.2)
+        self.in_backward = False
 
     # ----- layout ---------------------------------------------------------------
     @property
@@ -188,7 +190,11 @@ class Engine:
         for g in self.groups:
             g.ready = 0
         self._next, self._sync = 0, sync
-        (loss * self.scaler.scale if self.scaler.enabled else loss).backward()
+        self.in_backward = True  # forwards run now are recomputations (activation checkpointing)
+        try:
+            (loss * self.scaler.scale if self.scaler.enabled else loss).backward()
+        finally:
+            self.in_backward = False
         if sync:
             for g in self.groups[self._next:]:  # groups some parameter of which got no grad
                 self._ensure_grad_buffer(g)
@@ -203,6 +209,12 @@ class Engine:
             with category("grads"):
                 g.grad_full = torch.zeros(g.padded_numel, dtype=self.dtype, device=self.device)
             self._track_grad_bytes()
+            self._track_buffer(g.grad_full)
+
+    def _track_buffer(self, t: torch.Tensor) -> None:
+        # Every fused buffer a collective reads or writes is one group: at most bucket_mb
+        # (CB, Sec 6.2), unless a single parameter is larger.
+        self.temp_buffer_peak_bytes = max(self.temp_buffer_peak_bytes, t.numel() * t.element_size())
 
     def _track_grad_bytes(self) -> None:
         held = _unique_storage_bytes([t for g in self.groups for t in (g.grad_full, g.grad_shard)], set())
@@ -352,10 +364,23 @@ class Engine:
         for g, m in zip(self.groups, state["masters"], strict=True):
             if m.shape != g.master.shape:
                 raise ValueError(f"master shard shape {tuple(m.shape)} != {tuple(g.master.shape)}")
-        for g, m in zip(self.groups, state["masters"]):
+        self.load_shards(state["masters"], state["optimizer"])
+        self.scaler.load_state_dict(state["scaler"])
+
+    @torch.no_grad()
+    def load_shards(self, masters: list[torch.Tensor], optimizer_state: dict) -> None:
+        """Set every group's fp32 master and the optimizer's state, then republish.
+
+        Args:
+            masters: one tensor per group, shaped as ``g.master`` (this rank's shard,
+                ``g.shard_range`` of the group's flat buffer; the whole buffer at stage 0).
+            optimizer_state: a ``torch.optim`` state dict for ``self.optimizer``.
+
+        Republishing rebuilds the working parameters from the new masters (an
+        all_gather per group at stages 1-2): a collective, call on every rank.
+        """
+        for g, m in zip(self.groups, masters, strict=True):
             g.master.copy_(m)
             self._publish(g)
         self._finish_publish()
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scaler.load_state_dict(state["scaler"])
-
+        self.optimizer.load_state_dict(optimizer_state)

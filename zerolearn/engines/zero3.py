@@ -103,6 +103,7 @@ class Zero3Engine(Zero2Engine):
             return
         for g in unit.groups:
             g.full.untyped_storage().resize_(g.padded_numel * g.full.element_size())
+            self._track_buffer(g.full)
             unit.gathering.append(comm.all_gather(g.full, g.shard, group=self.pg, async_op=True))
         gathered = sum(g.full.untyped_storage().nbytes() for g in self.groups)
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, gathered)
@@ -128,11 +129,16 @@ class Zero3Engine(Zero2Engine):
 
     def _pre_forward(self, unit: Unit) -> None:
         self._gather(unit)
-        nxt = self._neighbour(unit, +1)
+        # Prefetch overlaps the next unit's gather with this compute. A forward inside
+        # backward is a recomputation (activation checkpointing): backward walks the
+        # units in reverse, so the one to prefetch is the previous one.
+        nxt = self._neighbour(unit, -1 if self.in_backward else +1)
         if nxt is not None and nxt.module is not self.model:
-            self._start_gather(nxt)  # prefetch: overlaps the next unit's gather with this compute
+            self._start_gather(nxt)
 
     def _post_forward(self, unit: Unit, output) -> None:
+        if self.in_backward:
+            return  # recomputed for backward, which needs the parameters next: keep them
         self._free_unit(unit)
         if torch.is_grad_enabled():
             # A hook on the unit's outputs runs when their gradient is ready, i.e. just

@@ -101,8 +101,13 @@ class MemoryLedger(TorchDispatchMode):
     (the categories at the moment of the peak), ``timeline`` (list of :class:`Event`).
     """
 
-    def __init__(self, record_timeline: bool = True):
+    def __init__(self, record_timeline: bool = True, record_trace: bool = False):
         super().__init__()
+        # trace: ("alloc" | "free", storage uid, bytes, phase) in order, for replaying
+        # tensor lifetimes through an allocator (residual/defrag.py).
+        self.record_trace, self.trace = record_trace, []
+        self._uids: dict[int, int] = {}  # storage key -> a uid never reused
+        self._next_uid = 0
         self.live: dict[str, int] = defaultdict(int)
         self.peak, self.peak_by_category = 0, {c: 0 for c in CATEGORIES}
         self.timeline: list[Event] = []
@@ -144,12 +149,23 @@ class MemoryLedger(TorchDispatchMode):
         name = name or getattr(_state, "category", None) or _PHASE_DEFAULT.get(self._phase, "temporary")
         ref = weakref.ref(storage, lambda _, key=key: self._free(key))
         self._storages[key] = _Storage(storage.nbytes(), name, ref)
+        self._new_uid(key)
+        self._trace("alloc", key, storage.nbytes())
         self._change(name, storage.nbytes())
 
     def _free(self, key: int) -> None:
         info = self._storages.pop(key, None)
         if info is not None:
+            self._trace("free", key, info.nbytes)
+            self._uids.pop(key, None)
             self._change(info.category, -info.nbytes)
+
+    def _new_uid(self, key: int) -> None:
+        self._uids[key], self._next_uid = self._next_uid, self._next_uid + 1
+
+    def _trace(self, event: str, key: int, nbytes: int) -> None:
+        if self.record_trace and nbytes > 0:
+            self.trace.append((event, self._uids[key], nbytes, self._phase))
 
     def _retag(self, storage: torch.UntypedStorage, name: str) -> None:
         info = self._storages.get(id(storage))
@@ -164,8 +180,12 @@ class MemoryLedger(TorchDispatchMode):
         if info is None:
             self._add(storage)
             return
-        delta, info.nbytes = storage.nbytes() - info.nbytes, storage.nbytes()
-        self._change(info.category, delta)
+        old, info.nbytes = info.nbytes, storage.nbytes()
+        # A resize is a free of the old block and an allocation of the new one.
+        self._trace("free", id(storage), old)
+        self._new_uid(id(storage))
+        self._trace("alloc", id(storage), info.nbytes)
+        self._change(info.category, info.nbytes - old)
 
     def _change(self, name: str, delta: int) -> None:
         if delta == 0:
