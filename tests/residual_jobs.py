@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import torch
 from jobs import LR, global_batch, gpt_loss, small_gpt
+
 from zerolearn import comm, data
 from zerolearn.engines import make_engine
 from zerolearn.memory.ledger import MemoryLedger
@@ -39,3 +41,15 @@ def train_residual(stage: int = 0, nm: int = 1, checkpointing: bool = False, par
 
 def many_residual(runs: list[dict]) -> list[dict]:
     return [train_residual(**kw) for kw in runs]
+
+
+def fused_buffer_peak(stage: int, width: int, layers: int, bucket_mb: float) -> dict:
+    """Largest fused communication buffer of one step of an MLP, bytes."""
+    from zerolearn.models import build_model
+
+    model = build_model("mlp", 0, mlp_width=width, mlp_layers=layers)
+    engine = make_engine(stage, model, optimizer="sgd", lr=0.1, bucket_mb=bucket_mb)
+    x = torch.randn(4, width)
+    engine.backward(engine(x).pow(2).mean())
+    engine.step()
+    return {"peak": engine.temp_buffer_peak_bytes, "psi": engine.psi}

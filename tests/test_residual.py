@@ -1,0 +1,103 @@
+"""ZeRO-R (Sec 6): tensor parallelism, P_a, P_a+cpu, CB and MD, measured."""
+
+import functools
+
+import pytest
+import torch
+
+import jobs
+import residual_jobs
+from zerolearn.dist import launch
+from zerolearn.memory import model as analytic
+from zerolearn.residual import defrag
+
+STAGES = (0, 1, 2, 3)
+VARIANTS = {
+    "tp": dict(nm=2),
+    "checkpointing": dict(nm=2, checkpointing=True),
+    "P_a": dict(nm=2, checkpointing=True, partition=True),
+    "P_a+cpu": dict(nm=2, checkpointing=True, partition=True, cpu=True),
+    "P_a+MD": dict(nm=2, checkpointing=True, partition=True, contiguous=True),
+}
+RUNS = [dict(stage=s, **kw) for s in STAGES for kw in VARIANTS.values()]
+
+
+@functools.cache
+def results() -> list[dict]:
+    return launch(residual_jobs.many_residual, 4, RUNS)  # Nd x Nm = 2 x 2
+
+
+def run(stage: int, variant: str, rank: int = 0) -> dict:
+    return results()[rank][RUNS.index(dict(stage=stage, **VARIANTS[variant]))]
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("stage", STAGES)
+def test_2x2_with_and_without_pa_matches_single_process(stage, variant):
+    ref = jobs.reference("sgd", steps=3)["losses"]
+    for rank in range(4):
+        assert run(stage, variant, rank)["losses"] == pytest.approx(ref, rel=1e-5)
+
+
+def test_checkpoint_bytes_per_rank_divide_by_nm():
+    for stage in STAGES:
+        plain = run(stage, "checkpointing")["checkpoint_bytes"]
+        assert run(stage, "P_a")["checkpoint_bytes"] == (plain[0] // 2, 0)
+        assert run(stage, "P_a+cpu")["checkpoint_bytes"] == (0, plain[0] // 2)  # on the host
+
+
+def test_checkpoints_match_section_3_2_formula():
+    # One checkpoint per block: batch x seq x hidden values (Sec 3.2), here fp32.
+    cfg, local_batch = jobs.GPT, jobs.BATCH // 2
+    expected = analytic.activation_bytes(cfg.d_model, local_batch, cfg.seq_len, cfg.n_layer,
+                                         bytes_per_value=4, checkpointing=True)
+    assert run(0, "checkpointing")["checkpoint_bytes"][0] == expected
+
+
+def test_checkpointing_cuts_measured_activation_memory():
+    for stage in STAGES:
+        assert run(stage, "checkpointing")["activation_bytes"] < run(stage, "tp")["activation_bytes"]
+        assert run(stage, "P_a")["activation_bytes"] < run(stage, "checkpointing")["activation_bytes"]
+
+
+def test_pa_adds_one_allgather_per_block_under_a_tenth_of_mp_traffic():
+    cfg, local_batch, steps = jobs.GPT, jobs.BATCH // 2, 3
+    tags = run(0, "P_a")["by_tag"]
+    block = local_batch * cfg.seq_len * cfg.d_model
+    assert tags["pa"]["all_gather"]["elements"] == steps * cfg.n_layer * block
+    # Megatron with recomputation: six all-reduces of a block's activations per block.
+    assert tags["tp"]["all_reduce"]["elements"] == steps * cfg.n_layer * 6 * block
+    ratio = tags["pa"]["all_gather"]["elements"] / (2 * tags["tp"]["all_reduce"]["elements"])
+    assert ratio == pytest.approx(analytic.pa_overhead_ratio(cfg.seq_len, local_batch, cfg.d_model))
+    assert ratio < 0.1
+
+
+def test_constant_size_buffers_stay_under_the_cap_as_the_model_grows():
+    cap_mb = 0.1
+    for stage in STAGES:
+        small, large = (launch(residual_jobs.fused_buffer_peak, 2, stage, w, layers, cap_mb)[0]
+                        for w, layers in ((64, 4), (128, 8)))
+        assert large["psi"] > 3 * small["psi"]
+        assert small["peak"] <= cap_mb * 2**20 and large["peak"] <= cap_mb * 2**20
+        # "Fuse everything" grows with Psi (Sec 6.2's 3B-parameter, 12 GB example).
+        naive = launch(residual_jobs.fused_buffer_peak, 2, stage, 128, 8, 1024.0)[0]
+        assert naive["peak"] >= large["psi"] * 4 // (2 if stage == 3 else 1)
+
+
+def test_allocator_fails_with_free_memory_when_long_lived_tensors_interleave():
+    # The pattern of Sec 6.3, as lifetimes: per block, a large short-lived temporary and
+    # a small long-lived checkpoint allocated after it; backward then needs a block of
+    # the temporary's size plus a gradient kept until the step.
+    mib, trace, uid = 2**20, [], 0
+    for _ in range(8):
+        trace += [("alloc", uid, 12 * mib, "forward"), ("alloc", uid + 1, 2 * mib, "forward"),
+                  ("free", uid, 12 * mib, "forward")]
+        uid += 2
+    for block in range(8):
+        trace += [("alloc", uid, 24 * mib, "backward"), ("alloc", uid + 1, 1 * mib, "backward"),
+                  ("free", uid, 24 * mib, "backward"), ("free", 2 * (7 - block) + 1, 2 * mib, "backward")]
+        uid += 2
+    capacity = defrag.smallest_capacity(trace, md=True)
+    without = defrag.replay(trace, capacity, md=False)
+    assert defrag.replay(trace, capacity, md=True).ok
+    assert not without.ok and without.free_fraction > 0.3
