@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import torch
-from jobs import LR, global_batch, gpt_loss, small_gpt
 
+from jobs import LR, global_batch, gpt_loss, small_gpt
 from zerolearn import comm, data
 from zerolearn.engines import make_engine
 from zerolearn.memory.ledger import MemoryLedger

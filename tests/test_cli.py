@@ -6,11 +6,11 @@ import os
 import subprocess
 import sys
 
-import jobs
 import pytest
 import torch
 from torch import nn
 
+import jobs
 from zerolearn.dist import ConfigError, launch
 from zerolearn.engines import make_engine
 

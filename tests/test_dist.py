@@ -1,9 +1,9 @@
 """The runtime: launch, torchrun environment checks, backend choice."""
 
-import jobs
 import pytest
 import torch
 
+import jobs
 from zerolearn import dist as zdist
 from zerolearn.dist import ConfigError, RankError, launch
 

@@ -2,10 +2,10 @@
 
 import functools
 
-import jobs
 import pytest
 import torch
 
+import jobs
 from zerolearn.dist import launch
 
 STAGES = (0, 1, 2, 3)

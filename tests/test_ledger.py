@@ -2,9 +2,9 @@
 
 import functools
 
-import jobs
 import torch
 
+import jobs
 from zerolearn.dist import launch
 from zerolearn.memory.ledger import MemoryLedger, category
 from zerolearn.train import train_job

@@ -2,9 +2,9 @@
 
 import functools
 
-import jobs
 import pytest
 
+import jobs
 from zerolearn.dist import launch
 from zerolearn.engines.base import MAX_IN_FLIGHT
 from zerolearn.memory import model as analytic

@@ -3,7 +3,6 @@
 import functools
 
 import pytest
-import torch
 
 import jobs
 import residual_jobs
