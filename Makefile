@@ -1,12 +1,13 @@
 # make tour   train the small GPT under DP, ZeRO-1, ZeRO-2, ZeRO-3 on 4 ranks; print the table
-# make test   run the test suite
+# make test   run the test suite, then the chapter notebooks under nbval
+# make book   build the book from the stored notebooks (book/_build/html)
 # The first use creates .venv with a pinned torch (override: make TORCH=torch==2.11.0 ...).
 PYTHON ?= python3
 TORCH ?= torch==2.13.0
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: tour test lint clean gpu-check
+.PHONY: tour test book lint clean gpu-check
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -18,7 +19,11 @@ tour: $(VENV)/.installed
 	$(PY) -m zerolearn.tour
 
 test: $(VENV)/.installed
-	$(PY) -m pytest
+	$(PY) -m pytest tests
+	$(PY) -m pytest --nbval notebooks -p no:cacheprovider
+
+book: $(VENV)/.installed
+	$(VENV)/bin/jupyter-book build . --config book/_config.yml --toc book/_toc.yml --path-output book -W --keep-going
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check zerolearn tests

@@ -76,3 +76,12 @@ def test_optimizer_moments_are_counted_as_optimizer_states():
     live = entry["memory"]["live_by_category"]
     assert live["optimizer_states"] == entry["model_state_bytes"]["optimizer_states"]
     assert jobs  # the test jobs module is importable by spawned ranks
+
+
+def test_views_of_tensors_made_before_the_ledger_are_not_new_memory():
+    w = torch.zeros(1000)
+    with MemoryLedger() as ledger:
+        v = w[:10]
+        t = w.t() if w.dim() == 2 else w.view(10, 100)
+        assert ledger.peak == 0
+    assert v.numel() == 10 and t.numel() == 1000

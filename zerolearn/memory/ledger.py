@@ -205,9 +205,15 @@ class MemoryLedger(TorchDispatchMode):
     # ----- the dispatch mode ---------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        # An output that shares an input's storage (a view, an in-place op) is no new
+        # memory, even when that input was allocated before the ledger started.
+        inputs = {id(t.untyped_storage()) for t in tree_flatten((args, kwargs))[0]
+                  if isinstance(t, torch.Tensor) and t.device.type != "meta"}
         for t in tree_flatten(out)[0]:
             if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                self._add(t.untyped_storage())
+                storage = t.untyped_storage()
+                if id(storage) not in inputs:
+                    self._add(storage)
         return out
 
     def __enter__(self):
