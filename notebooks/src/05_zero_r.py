@@ -1,0 +1,224 @@
+"""Chapter 5, ZeRO-R. Build: .venv/bin/python notebooks/src/_nb.py notebooks/src/05_zero_r.py"""
+
+OUT = "../05_zero_r.ipynb"
+
+CELLS = [
+    ("md", r"""
+# Chapter 5 · ZeRO-R: the memory that is left
+
+ZeRO-DP removes the redundant copies of model states. What remains on each GPU is the
+*residual* memory of Sec 3.2: activations, temporary buffers and fragmentation. The
+paper's second pillar, ZeRO-R (Sec 6), attacks all three. This chapter runs each of its
+pieces for real on 4 gloo ranks, arranged as $N_d \times N_m = 2 \times 2$: two
+data-parallel groups, each splitting every transformer block across two ranks.
+
+**Learning goals.** After this chapter you can
+
+1. explain activation checkpointing and measure what it saves (Sec 3.2);
+2. build Megatron-style tensor parallelism from two layers, column- and row-parallel,
+   and check it trains exactly like one process;
+3. measure $P_a$ (Sec 6.1): checkpoint bytes per rank divided by $N_m$, for one extra
+   all-gather per block that costs about 1/12 of the model parallelism's own traffic (Sec 8);
+   and $P_{a+cpu}$, which moves checkpoints to host memory;
+4. show why fused buffers must have a constant size (CB, Sec 6.2);
+5. reproduce, with an allocator simulator, an out-of-memory error with a third of memory
+   still free, and its cure by contiguous pools (MD, Sec 6.3).
+"""),
+    ("code", r"""
+import inspect
+
+import matplotlib.pyplot as plt
+
+from zerolearn.dist import launch
+from zerolearn.lessons import ch05
+from zerolearn.memory import model as analytic
+from zerolearn.residual import checkpointing, defrag, tensor_parallel
+
+cfg, batch = ch05.GPT, ch05.BATCH
+print(f"GPT: {cfg.n_layer} blocks, hidden {cfg.d_model}, {cfg.n_head} heads, seq {cfg.seq_len}; "
+      f"global batch {batch}")
+"""),
+    ("md", r"""
+## 1. Tensor parallelism in two layers
+
+Model parallelism splits each layer across $N_m$ ranks. Megatron-LM's recipe needs two
+kinds of Linear layer. A *column-parallel* layer keeps $1/N_m$ of the output features:
+every rank sees the same input, so forward needs no communication, and backward sums
+the input gradient over the group. A *row-parallel* layer keeps $1/N_m$ of the input
+features: its partial outputs are summed with an all-reduce in forward. Attention is
+column-parallel by heads, then row-parallel for the output projection; the MLP is
+column-parallel, GELU, row-parallel.
+"""),
+    ("code", r"""
+print(inspect.getsource(tensor_parallel.ColumnParallelLinear))
+print(inspect.getsource(tensor_parallel.RowParallelLinear))
+"""),
+    ("md", r"""
+Each rank's slices are cut from the full model built from the same seed, so the
+$2 \times 2$ world starts from exactly the parameters of a single process. We train
+every variant of this chapter on 4 ranks (ZeRO-2 over the data-parallel groups) and the
+plain model on one rank, and compare the losses.
+"""),
+    ("code", r"""
+VARIANTS = {
+    "Nm = 2": dict(nm=2),
+    "+ checkpointing": dict(nm=2, checkpointing=True),
+    "+ P_a": dict(nm=2, checkpointing=True, partition=True),
+    "+ P_a+cpu": dict(nm=2, checkpointing=True, partition=True, cpu=True),
+    "+ P_a, contiguous (MD)": dict(nm=2, checkpointing=True, partition=True, contiguous=True),
+}
+single = launch(ch05.zero_r_runs, 1, [dict(stage=2)])[0][0]
+runs = dict(zip(VARIANTS, launch(ch05.zero_r_runs, 4, [dict(stage=2, **kw) for kw in VARIANTS.values()])[0]))
+print(f"{'run':<24} " + " ".join(f"loss@{i}" for i in range(3)))
+print(f"{'1 rank, Nm = 1':<24} " + " ".join(f"{x:.5f}" for x in single["losses"]))
+for name, r in runs.items():
+    print(f"{name:<24} " + " ".join(f"{x:.5f}" for x in r["losses"]))
+same = all(abs(a - b) <= 1e-5 * abs(b) for r in runs.values() for a, b in zip(r["losses"], single["losses"]))
+print("all equal to the single process within 1e-5:", same)
+"""),
+    ("md", r"""
+## 2. Activation checkpointing and $P_a$
+
+Without checkpointing, each block keeps every intermediate its backward needs. With
+it, a block keeps only its input, $b \times s \times h$ values (the *checkpoint*), and
+recomputes the rest in backward, about a third more compute (Sec 3.2). Under model
+parallelism every rank of the group keeps the *same* checkpoint. $P_a$ keeps $1/N_m$ of
+it per rank and all-gathers it just before the recomputation; $P_{a+cpu}$ parks that
+part in host memory. The store that holds them:
+"""),
+    ("code", r"""
+print(inspect.getsource(checkpointing.CheckpointStore.save))
+print(inspect.getsource(checkpointing.CheckpointStore.load))
+"""),
+    ("code", r"""
+local_batch = batch // 2  # Nd = 2
+formula = analytic.activation_bytes(cfg.d_model, local_batch, cfg.seq_len, cfg.n_layer, bytes_per_value=4,
+                                    checkpointing=True)
+print(f"Sec 3.2, one fp32 checkpoint per block: {formula / 1024:.1f} KiB per rank; with P_a, / Nm = 2: "
+      f"{formula / 2 / 1024:.1f} KiB\n")
+print(f"{'run':<24} {'ckpt device KiB':>15} {'ckpt host KiB':>13} {'activations KiB':>15}")
+for name, r in runs.items():
+    device, host = r["checkpoint_bytes"]
+    print(f"{name:<24} {device / 1024:>15.1f} {host / 1024:>13.1f} {r['activation_bytes'] / 1024:>15.1f}")
+"""),
+    ("md", r"""
+The checkpoint column matches the formula exactly: $b s h$ values per block, halved by
+$P_a$, moved to the host by $P_{a+cpu}$ (on this CPU-only machine "host" and "device"
+are the same memory; on a GPU the device column is what the GPU keeps). The contiguous
+variant shows its pool, reserved once for all blocks. The activations column is
+everything the ledger saw allocated in forward and still alive at its end: the
+checkpoints, plus the embedding and the head, which are not checkpointed.
+
+### What $P_a$ costs
+
+Each block's model parallelism all-reduces $b s h$ values twice in forward and twice
+in backward, and twice more when checkpointing recomputes the forward: six
+all-reduces, $12\,b s h$ elements of traffic in the paper's count (an all-reduce moves
+twice its size). $P_a$ adds one all-gather of $b s h$ per block (Sec 8):
+"""),
+    ("code", r"""
+pa = runs["+ P_a"]["by_tag"]
+tp_elements = pa["tp"]["all_reduce"]["elements"]
+pa_elements = pa["pa"]["all_gather"]["elements"]
+measured = pa_elements / (2 * tp_elements)
+theory = analytic.pa_overhead_ratio(cfg.seq_len, local_batch, cfg.d_model)
+print(f"MP all-reduce elements, 3 steps: {tp_elements:,} (paper's volume: {2 * tp_elements:,})")
+print(f"P_a all-gather elements, 3 steps: {pa_elements:,}")
+print(f"P_a / MP traffic: measured {measured:.4f}, Sec 8: {theory:.4f}")
+
+fig, ax = plt.subplots(figsize=(6, 3.2))
+names = ["MP all-reduces", "P_a all-gathers"]
+ax.bar(names, [2 * tp_elements / 3 / 1e3, pa_elements / 3 / 1e3], color=["tab:blue", "tab:orange"])
+ax.set_ylabel("elements per step (thousands)")
+ax.set_title("Traffic per rank per step, Nm = 2 (paper's count)")
+plt.tight_layout()
+plt.show()
+"""),
+    ("md", r"""
+## 3. CB: fused buffers of constant size
+
+Reducing gradients one tensor at a time wastes bandwidth, so implementations fuse
+them into one buffer. If that buffer grows with the model, it becomes a memory problem
+of its own: fusing all gradients of a 3B-parameter model in fp32 takes 12 GB (Sec 6.2).
+ZeRO caps it. Here every gradient reduction and parameter gather goes through flat
+groups of at most `--bucket-mb`; the sweep measures the largest buffer of one step as
+the MLP grows, with a cap of 0.25 MiB and with no cap ("fuse everything").
+"""),
+    ("code", r"""
+sweep = launch(ch05.bucket_sweep, 1, [64, 128, 256], [0.25, 1e6])[0]  # one rank: the buffers, not the traffic
+fig, ax = plt.subplots(figsize=(6, 3.4))
+for cap, label in ((0.25, "cap 0.25 MiB"), (1e6, "fuse everything")):
+    rows = [r for r in sweep if r["bucket_mb"] == cap]
+    ax.plot([r["psi"] / 1e3 for r in rows], [r["peak"] / 2**20 for r in rows], "o-", label=label)
+    for r in rows:
+        print(f"{label:<16} psi = {r['psi']:>7,}: largest fused buffer {r['peak'] / 2**20:.3f} MiB "
+              f"(fp32, 4 * psi = {4 * r['psi'] / 2**20:.3f} MiB)")
+ax.set_xlabel("parameters (thousands)")
+ax.set_ylabel("largest fused buffer (MiB)")
+ax.set_title("CB: the buffer stays under the cap as the model grows")
+ax.legend()
+plt.tight_layout()
+plt.show()
+"""),
+    ("md", r"""
+## 4. MD: out of memory with memory free
+
+Sec 6.3: in forward, a block's checkpoint lives until backward while the block's
+temporaries die at once; in backward, parameter gradients live until the step while
+recomputed activations die at once. Long-lived tensors scattered among short-lived ones
+cut free memory into pieces too small for the next large request. ZeRO copies the
+long-lived tensors into pre-allocated contiguous pools.
+
+`zerolearn.residual.defrag` replays an allocation trace through a model of a caching
+allocator: best fit with block splitting inside segments reserved from the device, free
+blocks merging only within their segment. With MD, long-lived tensors get their own
+pool. The trace follows Sec 6.3's description: 8 blocks with 12 MiB temporaries and
+2 MiB checkpoints, then a backward that needs 24 MiB at a time.
+"""),
+    ("code", r"""
+trace = ch05.sec63_trace()
+capacity = defrag.smallest_capacity(trace, md=True)
+with_md, without_md = defrag.replay(trace, capacity, md=True), defrag.replay(trace, capacity, md=False)
+print(f"device memory: {capacity / 2**20:.0f} MiB (the least that works with MD)")
+print(f"with MD:    ok = {with_md.ok}")
+print(f"without MD: ok = {without_md.ok}, failed asking for {without_md.failed_bytes / 2**20:.0f} MiB "
+      f"with {without_md.free_bytes_at_failure / 2**20:.0f} MiB free ({without_md.free_fraction:.0%} of memory)")
+print(f"without MD it needs {defrag.smallest_capacity(trace, md=False) / 2**20:.0f} MiB")
+"""),
+    ("md", r"""
+On real traces the effect depends on sizes: recorded from this chapter's small GPT, whose
+tensors are a few hundred KiB, the simulated caching allocator packs them well and MD
+only adds its pools' size; the paper saw the problem on models whose activations are
+hundreds of MiB each. `MemoryLedger(record_trace=True)` records a real step's trace for
+`defrag.replay`, if you want to try your own.
+
+## Exercises
+
+**1.** A 100B-parameter-class block has hidden 8192; at batch 4 and sequence 1024 in
+fp16, how many bytes of checkpoint does each rank keep per block with $P_a$ at
+$N_m = 16$?
+"""),
+    ("code", r"""
+answer = None  # bytes
+ch05.check("pa_bytes", answer)
+"""),
+    ("md", r"""
+**2.** For the same block, what fraction of model parallelism's traffic does $P_a$ add
+(Sec 8)? Give a number between 0 and 1.
+"""),
+    ("code", r"""
+answer = None
+ch05.check("pa_ratio", answer)
+"""),
+    ("md", r"""
+## Summary
+
+- Tensor parallelism splits each block across $N_m$ ranks with two all-reduces in
+  forward and two in backward; our $2 \times 2$ world trains exactly like one process.
+- Activation checkpointing keeps one $b s h$ checkpoint per block; $P_a$ divides it by
+  $N_m$ for one all-gather per block, 1/12 of model parallelism's traffic; $P_{a+cpu}$
+  moves it off the device.
+- CB keeps fused buffers at a constant size; MD keeps long-lived tensors in contiguous
+  pools so free memory stays usable.
+"""),
+]

@@ -1,0 +1,117 @@
+"""Chapter 5, ZeRO-R: the runs the chapter measures, and its exercise checks.
+
+``zero_r_run`` trains the book's small GPT on an Nd x Nm world with Megatron-style
+tensor parallelism, optionally with activation checkpointing and ZeRO-R's P_a,
+P_a+cpu or contiguous checkpoint pool (``zerolearn.residual``), and returns what it
+measured. ``sec63_trace`` builds the allocation pattern of Sec 6.3 for the allocator
+simulator of ``zerolearn.residual.defrag``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from zerolearn import comm, data
+from zerolearn.engines import make_engine
+from zerolearn.lessons.ch00 import grade
+from zerolearn.memory import model as analytic
+from zerolearn.memory.ledger import MemoryLedger
+from zerolearn.models import GPTConfig, build_model
+from zerolearn.residual.checkpointing import CheckpointStore
+from zerolearn.residual.tensor_parallel import make_parallel_groups, parallelize_gpt
+
+GPT = GPTConfig(seq_len=32, n_layer=4, n_head=4, d_model=64)
+BATCH = 8  # global; divisible by Nd = 1, 2, 4
+
+
+def zero_r_run(stage: int = 0, nm: int = 1, checkpointing: bool = False, partition: bool = False,
+               cpu: bool = False, contiguous: bool = False, steps: int = 3, bucket_mb: float = 0.05) -> dict:
+    """Train on the current world (Nd = world / nm); return losses and measurements.
+
+    Returns a dict: ``losses`` (global mean per step), ``checkpoint_bytes`` ((device,
+    host) bytes held at the end of forward), ``activation_bytes`` (the ledger's
+    activations at the end of forward), ``by_tag`` (traffic by purpose: dp, tp, pa),
+    ``temp_buffer_peak_bytes`` (largest fused buffer), ``transfer_seconds``.
+    """
+    groups = make_parallel_groups(nm)
+    model = parallelize_gpt(build_model("gpt", 0, gpt=GPT), groups)
+    store = (CheckpointStore(partition=partition, cpu=cpu, contiguous=contiguous, group=groups.tp_group)
+             if checkpointing else None)
+    model.checkpoint_store = store
+    engine = make_engine(stage, model, optimizer="adam", lr=1e-3, bucket_mb=bucket_mb, group=groups.dp_group)
+    comm.LEDGER.reset()
+    losses, held, activations = [], (0, 0), 0
+    for step in range(steps):
+        x, y = (data.rank_slice(t, groups.dp_rank, groups.nd) for t in data.gpt_batch(step, BATCH, GPT.seq_len))
+        with MemoryLedger(record_timeline=False) as ledger:
+            ledger.track_engine(engine)
+            with ledger.phase("forward"):
+                loss = F.cross_entropy(engine(x).float().flatten(0, 1), y.flatten())
+            activations = ledger.live["activations"]
+            held = store.bytes_held() if store else (0, 0)
+            with ledger.phase("backward"):
+                engine.backward(loss)
+        engine.step()
+        engine.zero_grad()
+        losses.append(comm.monitor_mean(loss.item()))
+    return {"losses": losses, "checkpoint_bytes": held, "activation_bytes": activations,
+            "by_tag": comm.LEDGER.by_tag(), "temp_buffer_peak_bytes": engine.temp_buffer_peak_bytes,
+            "transfer_seconds": store.transfer_seconds if store else 0.0, "psi": engine.psi}
+
+
+def zero_r_runs(runs: list[dict]) -> list[dict]:
+    """Several :func:`zero_r_run` in one process group (one spawn)."""
+    return [zero_r_run(**kw) for kw in runs]
+
+
+def bucket_sweep(widths: list[int], bucket_mbs: list[float], stage: int = 2) -> list[dict]:
+    """Largest fused buffer (bytes) of one MLP step per (width, bucket size): CB, Sec 6.2."""
+    out = []
+    for width in widths:
+        for bucket_mb in bucket_mbs:
+            model = build_model("mlp", 0, mlp_width=width, mlp_layers=6)
+            engine = make_engine(stage, model, optimizer="sgd", lr=0.1, bucket_mb=bucket_mb)
+            engine.backward(engine(torch.randn(4, width)).pow(2).mean())
+            engine.step()
+            out.append({"width": width, "psi": engine.psi, "bucket_mb": bucket_mb,
+                        "peak": engine.temp_buffer_peak_bytes})
+    return out
+
+
+def sec63_trace(blocks: int = 8, temp_mib: int = 12, checkpoint_mib: int = 2, grad_mib: int = 1):
+    """The lifetimes of Sec 6.3 as an allocation trace for ``residual.defrag``.
+
+    Forward: per block a large short-lived temporary, then a long-lived checkpoint
+    allocated after it, then the temporary freed. Backward, last block first: the
+    recomputation's larger temporary, a parameter gradient kept until the step, the
+    temporary and the block's checkpoint freed.
+    """
+    mib, trace, uid = 2**20, [], 0
+    for _ in range(blocks):
+        trace += [("alloc", uid, temp_mib * mib, "forward"), ("alloc", uid + 1, checkpoint_mib * mib, "forward"),
+                  ("free", uid, temp_mib * mib, "forward")]
+        uid += 2
+    for block in range(blocks):
+        checkpoint = 2 * (blocks - 1 - block) + 1
+        trace += [("alloc", uid, 2 * temp_mib * mib, "backward"), ("alloc", uid + 1, grad_mib * mib, "backward"),
+                  ("free", uid, 2 * temp_mib * mib, "backward"), ("free", checkpoint, checkpoint_mib * mib, "backward")]
+        uid += 2
+    return trace
+
+
+def check(exercise: str, answer) -> None:
+    """Grade chapter 5's exercises: ``"pa_bytes"``, ``"pa_ratio"``."""
+    if exercise == "pa_bytes":
+        # Per rank, per block: batch x seq x hidden values of 2 bytes, split over Nm = 16.
+        expected = analytic.partitioned_checkpoint_bytes(8192, 4, 1024, 1, nm=16, bytes_per_value=2)
+        grade(answer, expected, hint="One checkpoint is batch x seq x hidden values; P_a keeps 1/Nm of it.",
+              why=f"4 x 1024 x 8192 x 2 bytes / 16 = {expected / 2**20:.0f} MiB per block per rank.")
+    elif exercise == "pa_ratio":
+        expected = analytic.pa_overhead_ratio(1024, 4, 8192)
+        grade(answer, expected, rel_tol=0.02,
+              hint="Sec 8: MP moves 12 x seq x hidden per block (six all-reduces, each 2x its size); P_a "
+                   "adds one all-gather of seq x hidden.",
+              why=f"1 / 12 = {expected:.3f}: about 8%, whatever the model's size.")
+    else:
+        raise ValueError(f"unknown exercise {exercise!r}: allowed are 'pa_bytes', 'pa_ratio'")
