@@ -1,0 +1,207 @@
+"""The explorers show the paper's formulas, the measured ledger and the allocator simulator.
+
+Each test moves every control of an explorer across its range and checks the numbers
+the explorer then shows (``result`` and the HTML ``summary``) against
+``zerolearn.memory``, the training report, or ``zerolearn.residual.defrag``. Expected
+values are computed by those modules or by hand in the comments, never copied from
+a run.
+"""
+
+import functools
+import itertools
+
+import pytest
+
+from zerolearn import views, widgets
+from zerolearn.dist import launch
+from zerolearn.lessons.ch04 import all_stages
+from zerolearn.memory.fit import ActivationSpec, per_device_bytes, smallest_fit
+from zerolearn.memory.model import FIGURE1_GB, GB, V100_BYTES, comm_volume_elements, model_state_bytes, optimizer_k
+from zerolearn.residual import defrag
+
+PSIS = [1e8, 1.5e9, 7.5e9, 1.28e11, 1e12]
+MIB = 2**20
+
+
+def shown(nbytes: float) -> str:
+    return f"{nbytes / 1e9:,.2f} GB"
+
+
+def set_values(explorer, **values) -> None:
+    with explorer.hold():  # one refresh for all of them
+        for name, value in values.items():
+            explorer.controls[name].value = value
+
+
+def sweep(explorer, ranges: dict):
+    """Move each control across its range in turn, the others left where they are."""
+    for name, values in ranges.items():
+        for value in values:
+            explorer.controls[name].value = value
+            yield name, value
+
+
+def test_gpu_table_uses_the_papers_decimal_gb():
+    assert views.GPUS["V100 32 GB"] == V100_BYTES == 32 * 10**9
+    assert views.GPUS["A100 80 GB"] == views.GPUS["H100 80 GB"] == 80 * 10**9
+    assert views.GPUS["H200 141 GB"] == 141 * 10**9
+
+
+def test_memory_explorer_default_is_figure_1():
+    explorer = widgets.MemoryExplorer()
+    # Psi = 7.5B, Nd = 64, K = 12: 120, 31.4, 16.6, 1.9 GB as printed in Fig 1.
+    for stage, printed in FIGURE1_GB.items():
+        assert explorer.result["stages"][stage]["total"] / GB == pytest.approx(printed, abs=0.05)
+    assert explorer.result["fits"] and "fits" in explorer.summary.value
+    assert explorer.view.value[:4] == b"\x89PNG"
+
+
+def test_memory_explorer_follows_every_control():
+    explorer = widgets.MemoryExplorer()
+    ranges = {"psi": PSIS, "nd": views.NDS, "stage": [0, 1, 2, 3], "optimizer": ["adam", "adamw", "sgd"],
+              "dtype": ["bf16", "fp16", "fp32"]}
+    for _ in sweep(explorer, ranges):
+        psi, nd, stage, optimizer, dtype = (explorer.controls[n].value for n in ranges)
+        expected = per_device_bytes(psi, nd, stage, optimizer=optimizer, dtype=dtype)
+        assert explorer.result["stages"][stage] == expected and explorer.result["total"] == expected["total"]
+        assert shown(expected["total"]) in explorer.summary.value
+        assert f"K = {optimizer_k(optimizer, dtype)} bytes" in explorer.summary.value
+
+
+def test_memory_explorer_says_whether_the_stage_fits_each_gpu():
+    explorer = widgets.MemoryExplorer(psi=7.5e9, nd=8, stage=2)
+    need = per_device_bytes(7.5e9, 8, 2)["total"]  # 15 + 105 / 8 = 28.1 GB
+    for gpu, device in views.GPUS.items():
+        explorer.controls["gpu"].value = gpu
+        assert explorer.result["device_bytes"] == device
+        assert explorer.result["fits"] == (need <= device)
+        verdict = "<b>fits</b>" if need <= device else "<b>does not fit</b>"
+        assert verdict in explorer.summary.value and shown(device) in explorer.summary.value
+
+
+def test_memory_explorer_adds_activations_of_sec_3_2():
+    explorer = widgets.MemoryExplorer(psi=1.5e9, nd=1, stage=0)
+    set_values(explorer, activations=True, layers=48, hidden=1600, seq_len=1024, batch=32)
+    # GPT-2 1.5B at batch 32: about 60 GB of activations in 2-byte values (Sec 3.2).
+    assert explorer.result["stages"][0]["activations"] == pytest.approx(60e9, rel=0.01)
+    ranges = {"layers": [1, 12, 96], "hidden": [64, 4096], "seq_len": [128, 2048], "batch": [1, 8],
+              "checkpointing": [True, False]}
+    for _ in sweep(explorer, ranges):
+        layers, hidden, seq_len, batch, ckpt = (explorer.controls[n].value for n in ranges)
+        spec = ActivationSpec(hidden=hidden, layers=layers, batch_per_gpu=batch, seq_len=seq_len, checkpointing=ckpt)
+        expected = per_device_bytes(1.5e9, 1, 0, activation=spec)
+        assert explorer.result["stages"][0] == expected
+        assert shown(expected["activations"]) in explorer.summary.value
+    explorer.controls["activations"].value = False
+    assert explorer.result["stages"][0]["activations"] == 0
+
+
+def test_fit_solver_7b_on_80gb_is_zero1_on_two_gpus():
+    solver = widgets.FitSolver(psi=7e9, gpu="A100 80 GB")
+    fit = solver.result["fit"]
+    # Nd = 1: 16 x 7 = 112 GB > 80. Nd = 2: P_os holds 4 x 7 + 12 x 7 / 2 = 70 GB.
+    assert (fit.stage, fit.gpus) == (1, 2) and fit.bytes_per_device == pytest.approx(70e9)
+    assert "on 2 GPU(s)" in solver.summary.value and "70.00 GB" in solver.summary.value
+    assert "87.5 % used" in solver.summary.value
+
+
+def test_fit_solver_follows_every_control():
+    solver = widgets.FitSolver()
+    ranges = {"psi": PSIS, "gpu": list(views.GPUS), "optimizer": ["adam", "adamw", "sgd"],
+              "dtype": ["bf16", "fp16", "fp32"]}
+    for _ in sweep(solver, ranges):
+        psi, gpu, optimizer, dtype = (solver.controls[n].value for n in ranges)
+        expected = smallest_fit(psi, views.GPUS[gpu], optimizer=optimizer, dtype=dtype)
+        assert solver.result["fit"] == expected
+        if expected is None:
+            assert "No stage fits" in solver.summary.value
+        else:
+            assert f"on {expected.gpus} GPU(s)" in solver.summary.value
+            assert shown(expected.bytes_per_device) in solver.summary.value
+            assert f"{100 * expected.utilization:.1f} % used" in solver.summary.value
+
+
+@pytest.mark.parametrize("gpu", ["V100 16 GB", "A100 40 GB", "H200 141 GB"])
+def test_fewest_gpus_per_stage_is_the_first_nd_that_fits(gpu):
+    device = views.GPUS[gpu]
+    for psi, stage, dtype in itertools.product(PSIS, range(4), ["bf16", "fp32"]):
+        gpus = views.fewest_gpus(psi, device, stage, dtype=dtype)
+        need = functools.partial(lambda nd, p, s, d: per_device_bytes(p, nd, s, dtype=d)["total"],
+                                 p=psi, s=stage, d=dtype)
+        if gpus is None:
+            assert need(1024) > device
+        else:
+            assert need(gpus) <= device and (gpus == 1 or need(gpus - 1) > device)
+
+
+def test_tradeoff_shows_memory_and_one_and_a_half_times_the_traffic():
+    explorer = widgets.TradeOff()
+    ranges = {"psi": PSIS, "nd": [1, 4, 64, 1024], "optimizer": ["sgd", "adam"], "dtype": ["fp32", "bf16"]}
+    for _ in sweep(explorer, ranges):
+        psi, nd, optimizer, dtype = (explorer.controls[n].value for n in ranges)
+        width = 4 if dtype == "fp32" else 2
+        for stage, row in explorer.result.items():
+            assert row["bytes"] == per_device_bytes(psi, nd, stage, optimizer=optimizer, dtype=dtype)["total"]
+            assert row["traffic_ratio"] == comm_volume_elements(psi, stage) / comm_volume_elements(psi, 0)
+            assert row["traffic_bytes"] == comm_volume_elements(psi, stage) * width
+            assert shown(row["bytes"]) in explorer.summary.value
+        assert explorer.result[3]["traffic_ratio"] == 1.5  # 3 Psi over 2 Psi (Sec 7.2.2)
+
+
+@functools.cache
+def measured_reports() -> list[dict]:
+    argv = ["--model", "mlp", "--mlp-width", "64", "--mlp-layers", "4", "--global-batch-size", "4",
+            "--steps", "1", "--bucket-mb", "0.01", "--quiet", "--memory-timeline"]
+    return launch(all_stages, 2, argv)[0]
+
+
+def test_timeline_viewer_shows_the_ledgers_numbers_per_stage():
+    reports = measured_reports()
+    viewer = widgets.TimelineViewer(reports)
+    unit = 64 * 65 * 4  # one Linear(64, 64) with bias, fp32 bytes: ZeRO-3's unit here
+    for report in reports:
+        stage = report["config"]["stage"]
+        viewer.controls["stage"].value = stage
+        entry = report["ranks"][0]
+        assert viewer.result["peak_bytes"] == entry["memory"]["peak_bytes"]
+        assert f"{entry['memory']['peak_bytes'] / 1024:,.1f} KiB" in viewer.summary.value
+        psi = report["num_params"] + entry["padding_elements"]
+        params = model_state_bytes(psi, 2, stage, k=8, param_bytes=4, grad_bytes=4)["params"]
+        assert viewer.result["params_min"] == params  # shards (stage 3) or the full replica
+        if stage == 3:  # gathered and freed per unit: at most two units on top of the shards
+            assert params < viewer.result["params_max"] <= params + 2 * unit
+        else:
+            assert viewer.result["params_max"] == params
+    for chosen in [("params",), ("grads", "temporary"), tuple(views.COLORS)]:
+        viewer.controls["categories"].value = chosen
+        assert viewer.view.value[:4] == b"\x89PNG"
+
+
+def test_fragmentation_simulator_replays_through_defrag():
+    sim = widgets.FragmentationSimulator()
+    trace = views.sec63_trace()
+    capacity = sim.controls["capacity"]
+    ranges = {"capacity": range(capacity.min, capacity.max + 1, 8), "md": [True, False], "scale": [0.5, 2.0, 8.0]}
+    for _ in sweep(sim, ranges):
+        cap, md, scale = (sim.controls[n].value for n in ranges)
+        expected = defrag.replay(trace, cap * MIB, md=md, scale=scale)
+        assert sim.result["ok"] == expected.ok and sim.result["failed_event"] == expected.failed_event
+        assert sim.result["smallest_with_md"] == defrag.smallest_capacity(trace, md=True, scale=scale)
+        assert sim.result["smallest_without_md"] == defrag.smallest_capacity(trace, md=False, scale=scale)
+        assert ("<b>Fits</b>" if expected.ok else "<b>Out of memory</b>") in sim.summary.value
+
+
+def test_fragmentation_default_fails_with_a_third_free_until_md_is_on():
+    sim = widgets.FragmentationSimulator()
+    assert sim.controls["capacity"].value * MIB == defrag.smallest_capacity(views.sec63_trace(), md=True)
+    assert not sim.result["ok"] and sim.result["free_fraction"] > 0.3  # Sec 6.3: OOM with over 30% free
+    sim.controls["md"].value = True
+    assert sim.result["ok"]
+
+
+@pytest.mark.parametrize("make", [views.memory_figure, views.fit_figure, views.tradeoff_figure,
+                                  views.fragmentation_figure, lambda: views.timeline_figure(measured_reports()[3])])
+def test_default_views_are_static_figures_with_labelled_axes(make):
+    fig = make()
+    for ax in fig.axes:
+        assert ax.get_xlabel() and ax.get_ylabel() and ax.get_title()

@@ -1,0 +1,163 @@
+"""Chapter 4, ZeRO-3 (P_os+g+p): what the notebook runs, measures and checks.
+
+* :func:`free_by_reassigning_data` and :func:`free_by_resizing_storage` free a
+  gathered weight two ways while autograd still holds the graph, under the
+  :class:`~zerolearn.memory.ledger.MemoryLedger`: the first frees nothing, the second
+  frees every byte (the trick :mod:`zerolearn.engines.zero3` uses).
+* :func:`all_stages` trains stages 0-3 one after the other on the ranks that
+  :func:`zerolearn.dist.launch` spawned (one spawn instead of four).
+* :func:`simulate` is ``python -m zerolearn.train --simulate-world-size N`` run in
+  this process: rank 0 of N ranks, real shards, no data moved.
+* :func:`check` and the ``check_*`` functions tell a reader whether an exercise's
+  answer is right.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from zerolearn import dist as zdist
+from zerolearn.memory.ledger import MemoryLedger, category
+from zerolearn.memory.model import GB, model_state_bytes
+from zerolearn.train import build_parser, train, train_job
+
+__all__ = ["all_stages", "check", "check_gathered_elements", "check_peak_params", "check_trillion_gb",
+           "free_by_reassigning_data", "free_by_resizing_storage", "simulate", "text_table"]
+
+WIDTH = 256  # the demo's Linear(WIDTH, WIDTH): 256 x 256 fp32 = 262,144 bytes of weight
+
+
+def _gathered_linear(ledger: MemoryLedger) -> tuple[nn.Linear, torch.Tensor]:
+    """A Linear whose weight is a view of a flat buffer, as ZeRO-3 lays a gathered unit out."""
+    torch.manual_seed(0)
+    layer = nn.Linear(WIDTH, WIDTH, bias=False)
+    with category("params"):  # the unit's flat buffer ("all-gathered" into here)
+        full = torch.zeros(WIDTH * WIDTH)
+    full.copy_(layer.weight.detach().flatten())
+    layer.weight.data = full.view(WIDTH, WIDTH)
+    return layer, full
+
+
+def free_by_reassigning_data() -> dict[str, int]:
+    """The pitfall: "free" a gathered weight by reassigning ``.data`` while a graph is alive.
+
+    A Linear's forward saves its weight (a view of the same storage) for backward.
+    Reassigning ``weight.data`` and dropping our own reference to the flat buffer
+    changes which tensor the *parameter* points at, but the view autograd saved still
+    holds the old storage: the ledger shows the bytes alive until the graph itself is
+    released. Returns the ledger's ``params`` bytes at each point.
+    """
+    with MemoryLedger() as ledger:
+        layer, full = _gathered_linear(ledger)
+        seen = {"gathered": ledger.live["params"]}
+        x = torch.randn(4, WIDTH, requires_grad=True)
+        with ledger.phase("forward"):
+            y = layer(x)
+        seen["after forward"] = ledger.live["params"]
+        layer.weight.data = torch.empty(0)  # "free" the unit...
+        del full  # ...and drop the engine's own reference to its buffer
+        seen["after 'free'"] = ledger.live["params"]
+        del y  # only releasing the graph lets the storage go
+        seen["after the graph is released"] = ledger.live["params"]
+    return seen
+
+
+def free_by_resizing_storage() -> dict[str, int]:
+    """ZeRO-3's way: resize the flat buffer's storage to 0 bytes, then back before backward.
+
+    Every view of the storage (the parameter's, autograd's saved one) keeps pointing
+    at it, so nothing else holds the bytes: they are gone at once. Re-growing the
+    storage and re-filling it (ZeRO-3 all-gathers into it) lets backward run with
+    the same graph. Returns the ledger's ``params`` bytes at each point, and
+    ``x_grad_sum``, the sum of the input's gradient, to show backward really ran.
+    """
+    with MemoryLedger() as ledger:
+        layer, full = _gathered_linear(ledger)
+        seen = {"gathered": ledger.live["params"]}
+        x = torch.ones(4, WIDTH, requires_grad=True)
+        with ledger.phase("forward"):
+            y = layer(x)
+        seen["after forward"] = ledger.live["params"]
+        values = full.clone()  # stands for the shards the next all_gather brings back
+        full.untyped_storage().resize_(0)  # free: the storage now holds 0 bytes
+        seen["after free"] = ledger.live["params"]
+        full.untyped_storage().resize_(WIDTH * WIDTH * full.element_size())
+        full.copy_(values)  # "gathered again" before backward
+        seen["gathered again"] = ledger.live["params"]
+        with ledger.phase("backward"):
+            y.sum().backward()
+        seen["x_grad_sum"] = round(x.grad.sum().item(), 4)
+    return seen
+
+
+def all_stages(argv: list[str], stages: tuple[int, ...] = (0, 1, 2, 3)) -> list[dict]:
+    """Train each of ``stages`` in turn on this process group with the same ``argv``.
+
+    Runs on every rank spawned by :func:`zerolearn.dist.launch`; returns the reports
+    of :func:`zerolearn.train.train_job` (DESIGN section 4), one per stage, in order.
+    """
+    return [train_job(["--stage", str(stage), *argv]) for stage in stages]
+
+
+def simulate(stage: int, nd: int, argv: list[str]) -> dict:
+    """``python -m zerolearn.train --stage S --simulate-world-size ND ...`` in this process.
+
+    This process plays rank 0 of ``nd`` ranks on torch's "fake" process group: every
+    flat buffer is padded and sharded for ``nd`` ranks, so the bytes measured are
+    those rank 0 of a real ``nd``-rank job would hold; collectives move no data, so
+    the losses mean nothing. Returns the training report (``ranks`` holds rank 0).
+    """
+    args = build_parser().parse_args(["--stage", str(stage), "--simulate-world-size", str(nd), "--quiet", *argv])
+    zdist.init(simulate_world_size=nd)
+    try:
+        return train(args)
+    finally:
+        zdist.teardown()
+
+
+def check(answer, expected, rel: float = 1e-3, what: str = "answer") -> None:
+    """Print whether ``answer`` matches ``expected``.
+
+    Numbers match within a relative tolerance ``rel``; anything else (tuples,
+    strings) must be equal. ``None`` means the reader has not answered yet.
+    """
+    if answer is None:
+        print(f"No {what} yet: replace None with your {what} and run this cell again.")
+        return
+    if isinstance(expected, (int, float)) and isinstance(answer, (int, float)):
+        ok = math.isclose(answer, expected, rel_tol=rel)
+    else:
+        ok = answer == expected
+    print(f"Correct: {answer!r}." if ok else f"Not yet: {answer!r} is not right; try again.")
+
+
+def text_table(header: list[str], rows: list[list]) -> str:
+    """A fixed-width text table: right-aligned columns, ints with thousands separators."""
+    cells = [[f"{c:,}" if isinstance(c, int) else str(c) for c in row] for row in rows]
+    widths = [max(len(str(h)), *(len(r[i]) for r in cells)) for i, h in enumerate(header)]
+    lines = ["  ".join(f"{h:>{w}}" for h, w in zip(header, widths)), "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(f"{c:>{w}}" for c, w in zip(row, widths)) for row in cells]
+    return "\n".join(lines)
+
+
+def check_peak_params(answer, report: dict) -> None:
+    """Exercise: the most parameter bytes rank 0 of a ZeRO-3 ``report`` holds during its step.
+
+    Graded against the ledger's timeline (``--memory-timeline``), not a formula.
+    """
+    timeline = report["ranks"][0]["memory"]["timeline"]
+    check(answer, max(event[3]["params"] for event in timeline), rel=0, what="peak parameter bytes")
+
+
+def check_trillion_gb(answer) -> None:
+    """Exercise: GB per device for Psi = 1e12 at Nd = 1024 under P_os+g+p, K = 12 (Table 1)."""
+    check(answer, model_state_bytes(10**12, 1024, 3)["total"] / GB, rel=1e-3, what="GB per device")
+
+
+def check_gathered_elements(answer, report: dict) -> None:
+    """Exercise: elements rank 0 of a ZeRO-3 ``report`` all-gathers per step (the comm ledger)."""
+    steps = len(report["losses"])
+    check(answer, report["ranks"][0]["comm"]["all_gather"]["elements"] // steps, rel=0, what="element count")

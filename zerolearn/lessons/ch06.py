@@ -1,0 +1,105 @@
+"""Chapter 6, at scale: the paper's tables from the formulas, measured where a CPU can.
+
+* :func:`table1_rows` and :func:`table2_rows` recompute Table 1 and Table 2's
+  theoretical column from :mod:`zerolearn.memory.model` beside the printed values.
+* :func:`measure_per_rank` runs ``--simulate-world-size`` for several stages and Nd
+  (rank 0 of Nd ranks in this process, see :func:`zerolearn.lessons.ch04.simulate`).
+* :func:`scaling_rows` is the super-linear scaling argument of Sec 10.3 (Fig 3) on
+  the cost model of :mod:`zerolearn.costmodel`.
+* the ``check_*`` functions grade the chapter's exercises.
+"""
+
+from __future__ import annotations
+
+from zerolearn.costmodel import EfficiencyCurve, Hardware, Job, step_time, throughput_per_gpu
+from zerolearn.lessons.ch04 import check, simulate
+from zerolearn.memory.fit import gpt_params, smallest_fit
+from zerolearn.memory.model import GB, TABLE1_GB, TABLE2_THEORETICAL_B, V100_BYTES, max_model_params, model_state_bytes
+
+__all__ = ["DGX2", "GPT_60B", "check_fit_13b", "check_table2_pos_g", "check_zero3_comm_factor", "measure_per_rank",
+           "scaling_rows", "table1_rows", "table2_rows"]
+
+DGX2 = Hardware(tflops_achieved=40, intra_node_GBps=300, inter_node_GBps=12.5, gpus_per_node=16)
+"""The paper's cluster as the cost model sees it (Sec 10.1-10.2): 16 V100s per DGX-2 on
+300 GB/s NVSwitch, nodes linked at 12.5 GB/s per GPU; 40 TFLOP/s achieved per GPU."""
+
+GPT_60B = {"layers": 75, "hidden": 8192}
+"""A GPT-like shape of about 60B parameters (12 x 75 x 8192^2 = 60.4e9), the size of Fig 3."""
+
+
+def table1_rows(psi: int) -> list[dict]:
+    """Table 1 for one model size: per Nd, each stage's GB per device, computed and printed.
+
+    Computed with ``model_state_bytes(psi, nd, stage, k=12)`` (Sec 5, Fig 1); printed
+    from ``TABLE1_GB``. Returns ``{"nd", "computed": [P_os, P_os+g, P_os+g+p],
+    "printed": [...]}`` per Nd, in GB (1e9 bytes).
+    """
+    return [{"nd": nd, "computed": [model_state_bytes(psi, nd, s)["total"] / GB for s in (1, 2, 3)],
+             "printed": list(printed)} for nd, printed in TABLE1_GB[psi].items()]
+
+
+def table2_rows() -> list[dict]:
+    """Table 2's theoretical column: the largest Psi per stage on 32 GB V100s.
+
+    ``max_model_params(V100_BYTES, nd=GPUs / MP, stage, nm=MP)`` (model states only,
+    as the paper's theoretical column). Returns ``{"mp", "gpus", "computed": [stage
+    0-3], "printed": [...]}`` per row, in billions of parameters.
+    """
+    return [{"mp": mp, "gpus": gpus,
+             "computed": [max_model_params(V100_BYTES, gpus // mp, s, nm=mp) / 1e9 for s in range(4)],
+             "printed": list(printed)} for (mp, gpus), printed in TABLE2_THEORETICAL_B.items()]
+
+
+def measure_per_rank(stages: tuple[int, ...], nds: tuple[int, ...], argv: list[str]) -> list[dict]:
+    """Model-state bytes of rank 0 at each (stage, Nd), measured with ``--simulate-world-size``.
+
+    One sequence per rank (``--global-batch-size`` = Nd); ``argv`` sets the model.
+    Returns ``{"stage", "nd", "psi", "padding", "bytes"}`` per run (bytes: params +
+    grads + optimizer states, measured from the tensors rank 0 holds).
+    """
+    rows = []
+    for stage in stages:
+        for nd in nds:
+            report = simulate(stage, nd, [*argv, "--global-batch-size", str(nd)])
+            entry = report["ranks"][0]
+            rows.append({"stage": stage, "nd": nd, "psi": report["num_params"],
+                         "padding": entry["padding_elements"], "bytes": sum(entry["model_state_bytes"].values())})
+    return rows
+
+
+def scaling_rows(gpus: list[int], stage: int = 2, nm: int = 16, curve: EfficiencyCurve | None = None,
+                 hw: Hardware = DGX2, seq_len: int = 1024) -> list[dict]:
+    """Per-GPU and aggregate throughput of the 60B model as GPUs grow (Sec 10.3, Fig 3).
+
+    Each GPU count runs Nd = GPUs / Nm data-parallel replicas of an Nm-way model-
+    parallel model at the largest batch per GPU that fits 32 GB with activation
+    checkpointing (``costmodel.throughput_per_gpu``). ``curve`` (default: half of a
+    60 TFLOP/s peak at 4 sequences per GPU) is an assumption, not the paper's data.
+    Returns ``{"gpus", "nd", "batch", "tflops_per_gpu", "aggregate_pflops"}`` per row.
+    """
+    curve = curve or EfficiencyCurve(peak_tflops=60, b_half=4)
+    psi = gpt_params(**GPT_60B)
+    rows = []
+    for n in gpus:
+        t = throughput_per_gpu(psi, V100_BYTES, stage, n // nm, hw, curve, seq_len=seq_len, nm=nm, **GPT_60B)
+        rows.append({"gpus": n, "nd": n // nm, "batch": t.batch_per_gpu, "tflops_per_gpu": t.tflops_per_gpu,
+                     "aggregate_pflops": n * t.tflops_per_gpu / 1000})
+    return rows
+
+
+def check_fit_13b(answer) -> None:
+    """Exercise: ``(stage, gpus)`` of the smallest fit of 13e9 parameters on A100 40 GB (bf16, Adam)."""
+    fit = smallest_fit(13e9, 40 * GB)
+    check(answer, (fit.stage, fit.gpus), what="(stage, gpus)")
+
+
+def check_table2_pos_g(answer) -> None:
+    """Exercise: Table 2's largest Psi (billions) under P_os+g on 64 GPUs of 32 GB, MP = 1."""
+    check(answer, max_model_params(V100_BYTES, 64, 2) / 1e9, rel=1e-3, what="size in billions")
+
+
+def check_zero3_comm_factor(answer) -> None:
+    """Exercise: ZeRO-3's communication time over DP's in the cost model (no latency, no overlap)."""
+    job = {"psi": 7.5e9, "tokens_per_gpu": 1024, "nd": 64}
+    ratio = step_time(Job(stage=3, **job), DGX2).comm_s / step_time(Job(stage=0, **job), DGX2).comm_s
+    check(answer, ratio, rel=1e-3, what="factor")
