@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from zerolearn import comm
-from zerolearn.engines.base import Engine
+from zerolearn.engines.base import MAX_IN_FLIGHT, Engine
 from zerolearn.flat import FlatGroup
 
 
@@ -52,3 +52,6 @@ class Zero1Engine(Engine):
     def _publish(self, g: FlatGroup) -> None:
         updated = g.master.detach().to(self.dtype, copy=True)
         self._publishing.append(comm.all_gather(g.full, updated, group=self.pg, async_op=True))
+        # Each gather in flight pins its updated shard: keep only a few alive at once.
+        while len(self._publishing) > MAX_IN_FLIGHT:
+            self._publishing.pop(0).wait()
