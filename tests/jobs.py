@@ -195,3 +195,275 @@ def resume_round_trip(stage: int, steps: int = 4, split: int = 2) -> dict:
     second.load_state_dict(state)
     run(second, split, steps)
     return {"whole": whole.full_state_dict(), "resumed": second.full_state_dict()}
+
+
+# ----- checkpoints and failures (test_checkpoint.py, test_failures.py) ----------------
+
+def several(calls: list[tuple[str, dict]]) -> list:
+    """Run several jobs of this module, by name, in one process group (saves spawning)."""
+    return [globals()[name](**kwargs) for name, kwargs in calls]
+
+
+def ckpt_engine(stage: int, optimizer: str = "adam", dtype: str = "fp32", seed: int = 0, net=None):
+    """An engine on small_gpt; SGD with momentum, so that SGD has state to lose."""
+    return make_engine(stage, net if net is not None else small_gpt(seed), optimizer=optimizer,
+                       lr=LR[optimizer], momentum=0.9 if optimizer == "sgd" else 0.0, dtype=dtype,
+                       bucket_mb=0.01)
+
+
+def ckpt_steps(engine, first: int, last: int) -> list[float]:
+    """Train steps [first, last) on this rank's slices; the global mean loss of each."""
+    ctx = zdist.context()
+    losses = []
+    for step in range(first, last):
+        x, y = (data.rank_slice(t, ctx.rank, ctx.world_size) for t in global_batch(step))
+        loss = gpt_loss(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        engine.zero_grad()
+        losses.append(comm.monitor_mean(loss.item()))
+    return losses
+
+
+def ckpt_reference(optimizer: str, steps: int) -> list[float]:
+    """Plain single-process PyTorch losses for ckpt_engine's job (SGD with momentum 0.9)."""
+    net = small_gpt()
+    opt = (torch.optim.SGD(net.parameters(), lr=LR["sgd"], momentum=0.9) if optimizer == "sgd"
+           else torch.optim.Adam(net.parameters(), lr=LR[optimizer]))
+    losses = []
+    for step in range(steps):
+        x, y = global_batch(step)
+        loss = gpt_loss(net(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def ckpt_save_after(stage: int, optimizer: str, steps: int, directory: str, dtype: str = "fp32") -> dict:
+    """Train ``steps`` steps from scratch, then save; losses and the loss scaler's state."""
+    from zerolearn import checkpoint
+
+    engine = ckpt_engine(stage, optimizer, dtype)
+    losses = ckpt_steps(engine, 0, steps)
+    checkpoint.save(engine, directory, steps, extra={"note": "test"})
+    return {"losses": losses, "scaler": engine.scaler.state_dict()}
+
+
+def ckpt_resume(stage: int, optimizer: str, directory: str, last: int, save_to: str | None = None,
+                dtype: str = "fp32") -> dict:
+    """A fresh engine (other weights) loads ``directory``, optionally saves what it loaded
+    (now at this stage and world size), and trains on to step ``last``."""
+    from zerolearn import checkpoint
+
+    engine = ckpt_engine(stage, optimizer, dtype, seed=7)
+    first = checkpoint.load(engine, directory)
+    if save_to is not None:
+        checkpoint.save(engine, save_to, first)
+    loaded = engine.full_state_dict()
+    scaler = engine.scaler.state_dict()
+    steps = sorted({float(s["step"]) for s in engine.optimizer.state.values() if "step" in s})
+    return {"first": first, "loaded": loaded, "scaler": scaler, "adam_steps": steps,
+            "losses": ckpt_steps(engine, first, last)}
+
+
+def _snapshot(engine) -> dict:
+    return {"params": engine.full_state_dict(),
+            "optimizer": [{k: v.clone() for k, v in engine.optimizer.state[g.master].items()}
+                          for g in engine.groups],
+            "scaler": dict(engine.scaler.state_dict())}
+
+
+def _same_snapshot(a: dict, b: dict) -> bool:
+    return (all(torch.equal(a["params"][n], b["params"][n]) for n in a["params"])
+            and all(torch.equal(x[k], y[k]) for x, y in zip(a["optimizer"], b["optimizer"]) for k in x)
+            and a["scaler"] == b["scaler"])
+
+
+def ckpt_bad_inputs(directory: str) -> dict:
+    """Damaged and mismatched checkpoints: each load must fail cleanly, the model untouched."""
+    import json
+    import os
+    import shutil
+
+    from zerolearn import checkpoint
+    from zerolearn.models import GPTConfig as Cfg
+
+    ctx = zdist.context()
+    engine = ckpt_engine(3, "adam")
+    ckpt_steps(engine, 0, 1)
+    good = os.path.join(directory, "good")
+    checkpoint.save(engine, good, 1)
+    others = {"fewer_layers": ckpt_engine(3, net=build_model("gpt", 0, gpt=Cfg(seq_len=16, n_layer=1, n_head=2,
+                                                                                 d_model=32))),
+              "narrower": ckpt_engine(3, net=build_model("gpt", 0, gpt=Cfg(seq_len=16, n_layer=2, n_head=2,
+                                                                             d_model=16))),
+              "sgd": ckpt_engine(3, "sgd")}
+    for name, other in others.items():
+        ckpt_steps(other, 0, 1)
+        checkpoint.save(other, os.path.join(directory, name), 1)
+    ckpt_steps(engine, 1, 2)  # the engine moves on: a partial load would show
+    cases = {n: os.path.join(directory, n) for n in
+             ("missing_shard", "truncated", "world_size", "uncovered", "garbled_manifest", "empty")}
+    if ctx.rank == 0:
+        src = checkpoint.latest(good)
+        for name, path in cases.items():
+            if name != "empty":
+                shutil.copytree(src, path)
+            else:
+                os.makedirs(path)
+        os.remove(os.path.join(cases["missing_shard"], "rank_00001.pt"))
+        victim = os.path.join(cases["truncated"], "rank_00000.pt")
+        os.truncate(victim, os.path.getsize(victim) // 2)
+        for name in ("world_size", "uncovered"):
+            path = os.path.join(cases[name], "manifest.json")
+            man = json.load(open(path))
+            if name == "world_size":  # says 3 ranks saved, has files of 2
+                man["world_size"] = 3
+            else:  # as if rank 1 had never written: its elements are nowhere
+                man["world_size"], man["files"] = 1, man["files"][:1]
+                for g in man["groups"]:
+                    g["pieces"] = [p for p in g["pieces"] if p[0] == 0]
+            json.dump(man, open(path, "w"))
+        with open(os.path.join(cases["garbled_manifest"], "manifest.json"), "w") as f:
+            f.write('{"format": "zerolearn-checkpoint", ')
+    comm.barrier()
+    cases.update({n: os.path.join(directory, n) for n in others})
+    before = _snapshot(engine)
+    messages = {}
+    for name, path in cases.items():
+        try:
+            checkpoint.load(engine, path)
+            messages[name] = None
+        except checkpoint.CheckpointError as e:
+            messages[name] = str(e)
+    untouched = _same_snapshot(before, _snapshot(engine))
+    losses = ckpt_steps(engine, 2, 3)  # still trains: no rank was left behind in a collective
+    return {"messages": messages, "untouched": untouched, "losses": losses}
+
+
+def ckpt_crash_during_save(directory: str) -> None:
+    """Stage 0: save at step 2, then rank 1 dies half-way through writing its file at step 4.
+
+    (At stage 0 rank 0 alone writes parameters; rank 1's file holds its random state.)
+    """
+    import os
+
+    from zerolearn import checkpoint
+    from zerolearn.checkpoint import engine_io
+
+    engine = ckpt_engine(0, "adam")
+    ckpt_steps(engine, 0, 2)
+    checkpoint.save(engine, directory, 2)
+    ckpt_steps(engine, 2, 4)
+    if zdist.context().rank == 1:
+        def write_half_and_die(path, write):
+            import io
+            buf = io.BytesIO()
+            write(buf)
+            with open(path + ".part", "wb") as f:
+                f.write(buf.getvalue()[:len(buf.getvalue()) // 2])
+            os._exit(1)
+        engine_io.write_atomic = write_half_and_die
+    checkpoint.save(engine, directory, 4)
+
+
+def ckpt_big_mlp(directory: str, width: int, layers: int) -> int:
+    """Save a stage-3 Adam checkpoint of an MLP large enough to measure memory with."""
+    from zerolearn import checkpoint
+
+    ctx = zdist.context()
+    net = build_model("mlp", 0, mlp_width=width, mlp_layers=layers)
+    engine = make_engine(3, net, optimizer="adam", lr=1e-3, bucket_mb=4)
+    x, y = (data.rank_slice(t, ctx.rank, ctx.world_size) for t in data.mlp_batch(0, 4, width))
+    engine.backward(F.mse_loss(engine(x), y))
+    engine.step()
+    checkpoint.save(engine, directory, 1)
+    return engine.psi
+
+
+def skip_unit_forward() -> float:
+    """ZeRO-3 where rank 1 skips block 1's forward: a rank-dependent code path."""
+    ctx = zdist.context()
+    engine = ckpt_engine(3, "sgd")
+    net = engine.model
+    x, y = (data.rank_slice(t, ctx.rank, ctx.world_size) for t in global_batch(0))
+    h = net.embed(x)
+    for i, block in enumerate(net.blocks):
+        if not (ctx.rank == 1 and i == 1):
+            h = block(h)
+    loss = gpt_loss(net.head(h), y)
+    engine.backward(loss)
+    engine.step()
+    return loss.item()
+
+
+def debug_mode_is_transparent(argv: list[str]) -> dict:
+    """The train CLI's reports without and with --debug-collectives, and the checks made."""
+    from zerolearn import guard
+    from zerolearn.train import train_job
+
+    plain = [train_job(["--stage", "3", *argv])]
+    before = guard.checks
+    debug = [train_job(["--stage", "3", "--debug-collectives", *argv])]
+    comm.set_debug(False)
+    return {"plain": plain, "debug": debug, "checks": guard.checks - before}
+
+
+def dead_rank() -> None:
+    """Rank 1 vanishes after one step (exit code 0: the launcher cannot tell it failed)."""
+    import os
+
+    engine = ckpt_engine(2, "adam")
+    ckpt_steps(engine, 0, 1)
+    if zdist.context().rank == 1:
+        os._exit(0)
+    ckpt_steps(engine, 1, 2)
+
+
+def fp16_overflow(stage: int, steps: int, inject: dict[int, tuple[int, float]]) -> dict:
+    """fp16 training where ``inject[step] = (rank, value)`` puts ``value`` (inf, nan) into
+    one gradient element of that rank only; loss scale 256, doubling after 2 clean steps."""
+    ctx = zdist.context()
+    engine = ckpt_engine(stage, "adam", dtype="fp16")
+    engine.scaler.scale, engine.scaler.growth_interval = 256.0, 2
+    param = engine.model.blocks[0].fc.weight
+    flags, scales, unchanged = [], [], []
+
+    def poison(value):
+        def hook(grad):
+            grad = grad.clone()
+            grad.view(-1)[0] = value
+            return grad
+        return hook
+
+    for step in range(steps):
+        x, y = (data.rank_slice(t, ctx.rank, ctx.world_size) for t in global_batch(step))
+        before = engine.full_state_dict()
+        rank, value = inject.get(step, (None, None))
+        handle = param.register_hook(poison(value)) if rank == ctx.rank else None
+        engine.backward(gpt_loss(engine(x), y))
+        if handle is not None:
+            handle.remove()
+        flags.append(engine.step())
+        engine.zero_grad()
+        scales.append(engine.scaler.scale)
+        after = engine.full_state_dict()
+        unchanged.append(all(torch.equal(before[n], after[n]) for n in before))
+    return {"flags": flags, "scales": scales, "unchanged": unchanged, "params": engine.full_state_dict(),
+            "skipped": engine.scaler.skipped_steps}
+
+
+def train_jobs(argvs: list[list[str]]) -> list:
+    """The train CLI's reports for several runs in a row, or the ConfigError's message."""
+    from zerolearn.errors import ConfigError
+    from zerolearn.train import train_job
+
+    out = []
+    for argv in argvs:
+        try:
+            out.append(train_job(argv))
+        except ConfigError as e:
+            out.append(str(e))
+    return out

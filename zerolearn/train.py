@@ -11,6 +11,25 @@ neither the stage nor the world size, which is what lets the book compare them.
 mean loss per step, and per rank the model-state bytes measured from the tensors it
 holds and the traffic its collectives moved, beside the paper's formulas for the
 same run. Exit codes: 0 done, 2 bad arguments (before any work), 1 failure.
+
+Failures. With ``--checkpoint-dir D`` the run saves sharded checkpoints (every
+``--checkpoint-every K`` steps and at the end) and, when started again, resumes from
+the newest complete one in D: ``--steps`` stays the run's total, so a resumed process
+runs the remaining steps and its report's ``first_step`` says where its ``losses``
+begin. Under ``torchrun --max-restarts 1`` a rank that dies makes torchrun restart
+every rank, which resume from the last checkpoint (the stage and world size may
+differ from the saving run's: checkpoints reshard). ``--fail-at-step K --fail-rank R``
+kills (or hangs) rank R during step K on the first attempt only, to test exactly that.
+
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc-per-node 2 --max-restarts 1 \\
+        -m zerolearn.train --stage 3 --steps 20 --checkpoint-dir ckpt --checkpoint-every 5 \\
+        --fail-at-step 12 --fail-rank 1
+
+(Why the variable: by default torchrun's workers share its rendezvous store across
+restarts, and on torch 2.13 a restarted gloo rank can read a peer's address left by
+the previous attempt and fail with "Gloo connectFullMesh failed ... Connection
+refused"; in our tests 5 restarts in 8 did. With a fresh store per attempt, 8 in 8
+succeeded. Compare pytorch/pytorch#135712, the same stale-store problem with NCCL.)
 """
 
 from __future__ import annotations
@@ -18,6 +37,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
+import signal
 import statistics
 import sys
 import time
@@ -25,7 +46,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from zerolearn import comm, compat, data
+from zerolearn import checkpoint, comm, compat, data
 from zerolearn import dist as zdist
 from zerolearn.dist import ConfigError
 from zerolearn.engines import make_engine
@@ -64,6 +85,21 @@ def build_parser() -> argparse.ArgumentParser:
                         "and bytes, no data moved, losses not meaningful")
     p.add_argument("--memory-timeline", action="store_true",
                    help="add the last step's memory timeline to the report")
+    p.add_argument("--checkpoint-dir", default=None, metavar="D",
+                   help="save sharded checkpoints here; resume from the newest complete one")
+    p.add_argument("--checkpoint-every", type=int, default=0, metavar="K",
+                   help="save every K steps (0: only at the end); needs --checkpoint-dir")
+    p.add_argument("--checkpoint-keep", type=int, default=2, help="complete checkpoints kept (0: all)")
+    p.add_argument("--loss-scale-window", type=int, default=1000,
+                   help="fp16: clean steps after which the loss scale doubles")
+    p.add_argument("--debug-collectives", action="store_true",
+                   help="before every collective, check that all ranks are about to run the same one "
+                        "(also ZEROLEARN_DEBUG_COLLECTIVES=1)")
+    p.add_argument("--fail-at-step", type=int, default=None, metavar="K",
+                   help="testing: --fail-rank fails during step K, on the first attempt only")
+    p.add_argument("--fail-rank", type=int, default=0, help="testing: the rank that fails")
+    p.add_argument("--fail-mode", choices=("kill", "hang"), default="kill",
+                   help="testing: SIGKILL itself, or stop responding")
     p.add_argument("--report", default=None, help="write the JSON report here (rank 0)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
@@ -72,10 +108,21 @@ def build_parser() -> argparse.ArgumentParser:
 def validate(args: argparse.Namespace, world_size: int) -> None:
     """Refuse bad combinations before any work; ConfigError names the option."""
     positive = {"--steps": args.steps, "--global-batch-size": args.global_batch_size,
-                "--seq-len": args.seq_len, "--grad-accum-steps": args.grad_accum_steps}
+                "--seq-len": args.seq_len, "--grad-accum-steps": args.grad_accum_steps,
+                "--loss-scale-window": args.loss_scale_window}
     for name, value in positive.items():
         if value < 1:
             raise ConfigError(f"{name} {value}: must be >= 1")
+    for name, value in {"--checkpoint-every": args.checkpoint_every, "--checkpoint-keep": args.checkpoint_keep}.items():
+        if value < 0:
+            raise ConfigError(f"{name} {value}: must be >= 0")
+    if args.checkpoint_every and not args.checkpoint_dir:
+        raise ConfigError("--checkpoint-every needs --checkpoint-dir")
+    if args.checkpoint_dir and args.simulate_world_size:
+        raise ConfigError("--checkpoint-dir with --simulate-world-size: only rank 0 exists, there is "
+                          "nothing whole to save")
+    if args.fail_at_step is not None and not 0 <= args.fail_rank < world_size:
+        raise ConfigError(f"--fail-rank {args.fail_rank}: allowed are 0 to {world_size - 1} (world size {world_size})")
     if args.global_batch_size % (world_size * args.grad_accum_steps):
         raise ConfigError(
             f"--global-batch-size {args.global_batch_size} is not divisible by world size "
@@ -106,6 +153,27 @@ def analytic_bytes(args, psi: int, nd: int) -> dict[str, float]:
     return {key: states[key] for key in ("params", "grads", "optimizer_states")}
 
 
+# A resumed run must see the same data stream and model as the run that saved.
+RESUME_MUST_MATCH = ("model", "seed", "global_batch_size", "seq_len", "mlp_width", "optimizer")
+
+
+def fail_on_purpose(args, step: int, rank: int) -> None:
+    """``--fail-at-step``: kill or hang this rank, on the first attempt only.
+
+    torchrun counts restarts in TORCHELASTIC_RESTART_COUNT (absent outside torchrun:
+    every run is a first attempt).
+    """
+    if step != args.fail_at_step or rank != args.fail_rank:
+        return
+    if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
+        return
+    print(f"rank {rank}: failing on purpose in step {step} ({args.fail_mode})", file=sys.stderr, flush=True)
+    if args.fail_mode == "kill":
+        os.kill(os.getpid(), signal.SIGKILL)
+    while True:  # "hang": alive, but never reaching the next collective
+        time.sleep(3600)
+
+
 def _phase(ledger: MemoryLedger | None, name: str):
     return ledger.phase(name) if ledger is not None else contextlib.nullcontext()
 
@@ -118,21 +186,26 @@ def train(args: argparse.Namespace, progress: bool = False) -> dict:
     """
     ctx = zdist.context()
     validate(args, ctx.world_size)
+    if args.debug_collectives:
+        comm.set_debug(True)
     model = build_model(args.model, args.seed, mlp_width=args.mlp_width, mlp_layers=args.mlp_layers,
                         gpt=GPTConfig(seq_len=args.seq_len, n_layer=args.n_layer, n_head=args.n_head,
                                       d_model=args.d_model)).to(ctx.device)
     engine = make_engine(args.stage, model, optimizer=args.optimizer, lr=args.lr, momentum=args.momentum,
                          weight_decay=args.weight_decay, dtype=args.dtype, bucket_mb=args.bucket_mb,
                          max_grad_norm=args.max_grad_norm)
+    engine.scaler.growth_interval = args.loss_scale_window
+    first = checkpoint.resume(engine, args.checkpoint_dir, vars(args), RESUME_MUST_MATCH)
     cuda = ctx.device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(ctx.device)
     comm.LEDGER.reset()
-    losses, times, grads_bytes = [], [], 0
-    steps = range(args.steps)
+    losses, times, grads_bytes, ledger = [], [], 0, None
+    config = {k: v for k, v in vars(args).items() if k != "quiet"}
+    steps = range(first, args.steps)
     if progress and ctx.rank == 0:
         from tqdm.auto import tqdm
-        steps = tqdm(steps, desc=f"stage {args.stage}", unit="step")
+        steps = tqdm(steps, desc=f"stage {args.stage}", unit="step", initial=first, total=args.steps)
     for step in steps:
         last = step == args.steps - 1
         # The ledger watches the last step only: it slows every operator down.
@@ -151,6 +224,7 @@ def train(args: argparse.Namespace, progress: bool = False) -> dict:
                     engine.backward(loss / args.grad_accum_steps, sync=i == args.grad_accum_steps - 1)
                 local += loss.item() / args.grad_accum_steps
                 del loss
+            fail_on_purpose(args, step, ctx.rank)  # gradients reduced, step not taken
             if last:
                 grads_bytes = engine.model_state_bytes()["grads"]  # as held after backward
             with _phase(ledger, "step"):
@@ -162,9 +236,13 @@ def train(args: argparse.Namespace, progress: bool = False) -> dict:
         losses.append(comm.monitor_mean(local))
         if hasattr(steps, "set_postfix"):
             steps.set_postfix(loss=f"{losses[-1]:.4f}")
+        done = step + 1
+        if args.checkpoint_dir and (done == args.steps or args.checkpoint_every and done % args.checkpoint_every == 0):
+            checkpoint.save(engine, args.checkpoint_dir, done, extra={"config": config},
+                            keep=args.checkpoint_keep or None)
     held = engine.model_state_bytes()
-    memory = ledger.summary()
-    if args.memory_timeline:
+    memory = ledger.summary() if ledger is not None else {"peak_bytes": None}  # None: no step left to run
+    if args.memory_timeline and ledger is not None:
         memory["timeline"] = [[e.index, e.phase, e.total, e.by_category] for e in ledger.timeline]
     mine = {"rank": ctx.rank,
             "model_state_bytes": {"params": held["params"], "grads": grads_bytes,
@@ -176,14 +254,14 @@ def train(args: argparse.Namespace, progress: bool = False) -> dict:
             "padding_elements": engine.padding,
             "peak_grad_bytes": engine.peak_grad_bytes}
     simulated = ctx.backend == "fake"
-    return {"config": {k: v for k, v in vars(args).items() if k != "quiet"},
+    return {"config": config,
             "world_size": ctx.world_size, "backend": ctx.backend, "device": ctx.device.type,
-            "torch": compat.TORCH_VERSION, "num_params": engine.psi, "first_step": 0,
+            "torch": compat.TORCH_VERSION, "num_params": engine.psi, "first_step": first,
             "simulated": simulated,
             # Simulated: this process is rank 0 and the only one measured.
             "losses": losses, "ranks": [mine] if simulated else comm.gather_objects(mine),
             "analytic": {"model_state_bytes": analytic_bytes(args, engine.psi, ctx.world_size)},
-            "step_seconds_median": statistics.median(times)}
+            "step_seconds_median": statistics.median(times) if times else 0.0}
 
 
 def train_job(argv: list[str]) -> dict:
@@ -215,8 +293,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.report:
             with open(args.report, "w") as f:
                 json.dump(report, f, indent=1)
-        print(f"stage {args.stage}: loss {report['losses'][0]:.4f} -> {report['losses'][-1]:.4f} "
-              f"over {args.steps} steps on {ctx.world_size} rank(s)"
+        losses, first = report["losses"] or [float("nan")], report["first_step"]
+        print(f"stage {args.stage}: loss {losses[0]:.4f} -> {losses[-1]:.4f} "
+              f"over steps {first}-{args.steps - 1} on {ctx.world_size} rank(s)"
               f"{' (simulated: rank 0 only, losses not meaningful)' if report['simulated'] else ''}, "
               f"{report['step_seconds_median'] * 1e3:.1f} ms/step (median)")
     return 0

@@ -1,0 +1,210 @@
+"""Checkpoints that lose nothing: resharding N -> M ranks and stage S -> S', consolidation,
+crash-safe saves, and bad input refused before any parameter changes."""
+
+import functools
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import jobs
+from zerolearn import checkpoint, train
+from zerolearn.checkpoint import __main__ as checkpoint_cli
+from zerolearn.dist import RankError, launch
+
+SAVE_AT, LAST = 3, 6
+OPTIMIZERS = ("adam", "sgd")
+HOPS = ("s2n2", "s3n4", "s1n1")  # stage and world size of each checkpoint in the chain
+
+
+BIG_MLP = (1024, 4)  # width, layers: 4.2M parameters
+
+
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory) -> dict:
+    """Save at stage 2 on 2 ranks; load at stage 3 on 4 ranks (and save that); load that
+    at stage 1 on 1 rank (and save that). Each loader trains on to step LAST. An fp16
+    run saved at stage 2 is loaded at stage 0, for the loss scaler. (The first launch
+    also runs the jobs of the bad-input and memory tests: spawning ranks is the slow part.)"""
+    d = tmp_path_factory.mktemp("chain")
+    path = {f"{o}{k}": str(d / f"{o}{k}") for o in (*OPTIMIZERS, "fp16") for k in HOPS}
+    out = {}
+    calls = [("ckpt_save_after", dict(stage=2, optimizer=o, steps=SAVE_AT, directory=path[f"{o}s2n2"]))
+             for o in OPTIMIZERS]
+    calls.append(("ckpt_save_after", dict(stage=2, optimizer="adam", steps=SAVE_AT, dtype="fp16",
+                                          directory=path["fp16s2n2"])))
+    calls += [("ckpt_bad_inputs", dict(directory=str(d / "bad"))),
+              ("ckpt_big_mlp", dict(directory=str(d / "big"), width=BIG_MLP[0], layers=BIG_MLP[1]))]
+    first = launch(jobs.several, 2, calls)
+    out["s2n2"] = [r[:3] for r in first]
+    out["bad_inputs"] = [r[3] for r in first]
+    out["big_psi"], path["big"] = first[0][4], str(d / "big")
+    out["s3n4"] = launch(jobs.several, 4, [
+        ("ckpt_resume", dict(stage=3, optimizer=o, directory=path[f"{o}s2n2"], last=LAST,
+                             save_to=path[f"{o}s3n4"])) for o in OPTIMIZERS])
+    out["s1n1"] = launch(jobs.several, 1, [
+        *[("ckpt_resume", dict(stage=1, optimizer=o, directory=path[f"{o}s3n4"], last=LAST,
+                               save_to=path[f"{o}s1n1"])) for o in OPTIMIZERS],
+        ("ckpt_resume", dict(stage=0, optimizer="adam", dtype="fp16", directory=path["fp16s2n2"], last=SAVE_AT))])
+    return {"path": path, "out": out}
+
+
+@functools.cache
+def reference(optimizer: str) -> list[float]:
+    return jobs.ckpt_reference(optimizer, LAST)
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+@pytest.mark.parametrize("hop", HOPS[1:])
+def test_resharded_run_continues_with_the_losses_of_an_uninterrupted_one(chain, optimizer, hop):
+    # stage 2 on 2 ranks -> stage 3 on 4 -> stage 1 on 1: every loader
+    # trains steps 3-5 with the losses of plain PyTorch trained 6 steps without a break.
+    # (Lost Adam moments, momentum buffers or step counts would change them.)
+    for rank, result in enumerate(chain["out"][hop]):
+        run = result[OPTIMIZERS.index(optimizer)]
+        assert run["first"] == SAVE_AT
+        assert run["losses"] == pytest.approx(reference(optimizer)[SAVE_AT:], rel=1e-5), rank
+        if optimizer == "adam":
+            assert run["adam_steps"] == [float(SAVE_AT)]
+
+
+def test_saved_losses_match_plain_pytorch(chain):
+    for optimizer, run in zip(OPTIMIZERS, chain["out"]["s2n2"][0]):
+        assert run["losses"] == pytest.approx(reference(optimizer)[:SAVE_AT], rel=1e-5)
+
+
+@pytest.mark.parametrize("optimizer", OPTIMIZERS)
+def test_resharding_round_trip_is_exact(chain, optimizer):
+    # 2 ranks stage 2 -> 4 ranks stage 3 -> 1 rank stage 1: every master and optimizer
+    # state element comes back bit for bit, and matches what each engine loaded.
+    p = chain["path"]
+    keys = {"adam": ("master", "exp_avg", "exp_avg_sq"), "sgd": ("master", "momentum_buffer")}[optimizer]
+    assert checkpoint.manifest(p[optimizer + "s2n2"])["state_keys"] == sorted(keys[1:])
+    for key in keys:
+        saved = [checkpoint.read_full(p[optimizer + hop], key) for hop in HOPS]
+        for name, value in saved[0].items():
+            assert all(torch.equal(value, other[name]) for other in saved[1:]), (key, name)
+    masters = checkpoint.read_full(p[optimizer + "s2n2"])
+    for hop in HOPS[1:]:
+        loaded = chain["out"][hop][-1][OPTIMIZERS.index(optimizer)]["loaded"]
+        assert all(torch.equal(masters[n], loaded[n]) for n in masters), hop
+
+
+def test_manifest_records_stage_world_size_and_pieces(chain):
+    man = checkpoint.manifest(chain["path"]["adams3n4"])
+    assert (man["step"], man["stage"], man["world_size"]) == (SAVE_AT, 3, 4)
+    assert [f["rank"] for f in man["files"]] == [0, 1, 2, 3]
+    assert all(sorted(p[0] for p in g["pieces"]) == [0, 1, 2, 3] for g in man["groups"])
+    stage2 = checkpoint.manifest(chain["path"]["adams2n2"])
+    assert stage2["extra"] == {"note": "test"} and stage2["world_size"] == 2
+
+
+def test_fp16_loss_scale_is_restored(chain):
+    saved = chain["out"]["s2n2"][0][-1]["scaler"]
+    loaded = chain["out"]["s1n1"][0][-1]["scaler"]
+    assert saved["clean_steps"] == SAVE_AT or saved["skipped_steps"] > 0  # not a fresh scaler
+    assert loaded == saved
+
+
+def test_consolidated_four_rank_stage3_checkpoint_loads_strictly_into_the_plain_model(chain, tmp_path):
+    src = chain["path"]["adams3n4"]
+    out = tmp_path / "model.pt"
+    done = subprocess.run([sys.executable, "-m", "zerolearn.checkpoint", "consolidate", src, str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "stage 3, 4 rank(s)" in done.stdout
+    model = jobs.small_gpt(seed=3)  # other weights, all to be replaced
+    model.load_state_dict(torch.load(out, weights_only=True), strict=True)
+    loaded = chain["out"]["s3n4"][0][0]["loaded"]  # what the 4-rank engine held
+    for name, p in model.named_parameters():
+        assert p.dtype == torch.float32 and torch.equal(p.detach(), loaded[name]), name
+    # The plain model computes the loss the 4-rank engine computed at the same step.
+    x, y = jobs.global_batch(SAVE_AT)
+    assert jobs.gpt_loss(model(x), y).item() == pytest.approx(chain["out"]["s3n4"][0][0]["losses"][0], rel=1e-5)
+
+
+def test_consolidation_streams_shard_by_shard(chain, tmp_path):
+    # A 4.2M-parameter MLP saved by 2 stage-3 ranks with Adam: 3 fp32 copies (master and
+    # two moments), 50 MiB on disk. Consolidation reads the masters only, one rank file
+    # at a time: its peak stays near the output (16.8 MB) plus one shard (8.4 MB), far
+    # below reading every file whole (50 MB + the output).
+    psi, src = chain["out"]["big_psi"], chain["path"]["big"]
+    script = ("import resource, sys, torch; from zerolearn import checkpoint\n"
+              "base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+              "checkpoint.consolidate(sys.argv[1], sys.argv[2])\n"
+              "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base)")
+    done = subprocess.run([sys.executable, "-c", script, src, str(tmp_path / "out.pt")],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    grown = int(done.stdout.split()[-1]) * 1024  # ru_maxrss is in KiB on Linux
+    on_disk = sum(f.stat().st_size for f in Path(src).rglob("rank_*.pt"))
+    output, shard = psi * 4, psi * 4 / 2
+    assert on_disk > 2.9 * output
+    assert grown < output + shard + 8 * 2**20, (grown, output, shard)
+    state = torch.load(tmp_path / "out.pt", weights_only=True)
+    assert sum(t.numel() for t in state.values()) == psi
+
+
+def test_a_crash_during_a_save_leaves_the_last_good_checkpoint(tmp_path):
+    d = tmp_path / "ck"
+    with pytest.raises(RankError) as info:
+        launch(jobs.ckpt_crash_during_save, 2, str(d))
+    assert info.value.rank == 1
+    assert os.path.basename(checkpoint.latest(str(d))) == "step_00000002"
+    assert (d / ".step_00000004.tmp").is_dir()  # the half-written save, never renamed
+    assert checkpoint.manifest(str(d))["step"] == 2
+    assert len(checkpoint.read_full(str(d))) == len(list(jobs.small_gpt().parameters()))
+    # The next run (stage 2 on one rank) resumes from step 2; its first save clears the debris.
+    run = launch(jobs.ckpt_resume, 1, 2, "adam", str(d), 4, str(d))[0]
+    assert run["first"] == 2 and run["losses"] == pytest.approx(jobs.ckpt_reference("adam", 4)[2:], rel=1e-5)
+    assert not (d / ".step_00000004.tmp").exists()
+
+
+@pytest.mark.parametrize("case, message", [
+    ("missing_shard", r"shard rank_00001.pt of rank 1 \(of 2\) is missing"),
+    ("truncated", "rank_00000.pt: .* bytes, the manifest says .*: the file is truncated"),
+    ("fewer_layers", "saved from another model: .*missing from the checkpoint: blocks.1"),
+    ("narrower", r"saved from another model: .*embed.tok.weight: checkpoint \[256, 16\], this model \[256, 32\]"),
+    ("sgd", "holds sgd state; this engine uses adam"),
+    ("world_size", r"world size 3 but rank files for ranks \[0, 1\]; this checkpoint cannot be mapped"),
+    ("uncovered", "are in no rank's shard; this checkpoint cannot be mapped onto any world size"),
+    ("garbled_manifest", "manifest.json: cannot be read as JSON"),
+    ("empty", "no complete checkpoint"),
+])
+def test_bad_checkpoint_is_refused_before_any_parameter_changes(chain, case, message):
+    bad_inputs = chain["out"]["bad_inputs"]
+    for rank, result in enumerate(bad_inputs):
+        assert result["messages"][case] is not None, (case, rank)
+        assert re.search(message, result["messages"][case]), result["messages"][case]
+        assert result["untouched"], rank
+    # Every rank refused, and stayed in step with the others: training went on.
+    assert bad_inputs[0]["losses"] == bad_inputs[1]["losses"]
+
+
+def test_consolidate_cli_refuses_a_damaged_checkpoint_with_exit_2(chain, tmp_path, capsys):
+    bad = tmp_path / "bad"
+    shutil.copytree(checkpoint.latest(chain["path"]["adams3n4"]), bad)
+    (bad / "rank_00002.pt").unlink()
+    with pytest.raises(SystemExit) as info:
+        checkpoint_cli.main(["consolidate", str(bad), str(tmp_path / "x.pt")])
+    assert info.value.code == 2
+    assert "shard rank_00002.pt of rank 2 (of 4) is missing" in capsys.readouterr().err
+    assert not (tmp_path / "x.pt").exists()
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--checkpoint-every", "2"], "--checkpoint-every needs --checkpoint-dir"),
+    (["--checkpoint-dir", "x", "--checkpoint-every", "-1"], "--checkpoint-every -1: must be >= 0"),
+    (["--fail-at-step", "1", "--fail-rank", "1"], "--fail-rank 1: allowed are 0 to 0 (world size 1)"),
+])
+def test_bad_checkpoint_options_exit_2_before_any_work(args, message, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as info:
+        train.main(args)
+    assert info.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()

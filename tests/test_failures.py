@@ -1,0 +1,144 @@
+"""Failures that fail loudly, and runs that survive them: a killed rank restarted by
+torchrun resumes exactly, disagreeing ranks are named instead of hanging, dead and stuck
+ranks are named, and an fp16 overflow on one rank is skipped by all."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import jobs
+from zerolearn import checkpoint
+from zerolearn.dist import RankError, launch
+from zerolearn.train import train_job
+
+TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
+ARGV = ["--steps", "6", "--global-batch-size", "12", "--seq-len", "16", "--d-model", "32",
+        "--n-head", "2", "--bucket-mb", "0.01", "--quiet"]
+
+
+def torchrun(*args: str, nproc: int = 2, timeout: float = 120) -> subprocess.CompletedProcess:
+    # A fresh rendezvous store per attempt: with the shared one, restarted gloo ranks can
+    # read their peers' addresses from the previous attempt (see zerolearn.train's docstring).
+    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    return subprocess.run([TORCHRUN, "--standalone", f"--nproc-per-node={nproc}", *args],
+                          capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def test_killed_rank_restarts_and_finishes_exactly_like_an_uninterrupted_run(tmp_path):
+    # Rank 1 SIGKILLs itself in step 3 (after the step-2 checkpoint); torchrun restarts
+    # both ranks, which resume at step 2 and run steps 2-5. fp32 on gloo is
+    # deterministic, so every loss and every parameter and moment must equal, bit for
+    # bit, those of the run that was never interrupted: no step lost, none applied twice.
+    common = [*ARGV, "--stage", "3", "--checkpoint-every", "2"]
+    whole = launch(train_job, 2, [*common, "--checkpoint-dir", str(tmp_path / "whole")])[0]
+    done = torchrun("--max-restarts=1", "-m", "zerolearn.train", *common,
+                    "--checkpoint-dir", str(tmp_path / "killed"), "--report", str(tmp_path / "killed.json"),
+                    "--fail-at-step", "3", "--fail-rank", "1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "rank 1: failing on purpose in step 3 (kill)" in done.stderr
+    report = json.loads((tmp_path / "killed.json").read_text())
+    assert report["first_step"] == 2 and report["world_size"] == 2
+    assert report["losses"] == whole["losses"][2:]
+    assert whole["first_step"] == 0 and len(whole["losses"]) == 6
+    for key in ("master", "exp_avg", "exp_avg_sq"):
+        a = checkpoint.read_full(str(tmp_path / "whole"), key)
+        b = checkpoint.read_full(str(tmp_path / "killed"), key)
+        assert all(torch.equal(a[n], b[n]) for n in a), key
+    assert checkpoint.manifest(str(tmp_path / "killed"))["step"] == 6
+
+
+def test_resumed_run_with_nothing_left_and_resume_with_other_data(tmp_path):
+    ck = ["--checkpoint-dir", str(tmp_path / "ck")]
+    first, again, other = launch(jobs.train_jobs, 1, [[*ARGV, *ck], [*ARGV, *ck], [*ARGV, "--seed", "1", *ck]])[0]
+    assert first["first_step"] == 0 and len(first["losses"]) == 6
+    assert again["first_step"] == 6 and again["losses"] == []
+    assert "holds a checkpoint of a run with --seed 0 (this run: 1)" in other
+
+
+def test_debug_mode_names_ranks_that_disagree_instead_of_hanging(monkeypatch):
+    # Rank 1 skips block 1 under ZeRO-3. Thanks to prefetching, both ranks still issue
+    # the same gathers in the same order, so without the check the step completes with
+    # wrong gradients. With ZEROLEARN_DEBUG_COLLECTIVES=1 the first collective issued
+    # from a different unit stops both ranks, and the message says who did what.
+    monkeypatch.setenv("ZEROLEARN_DEBUG_COLLECTIVES", "1")
+    with pytest.raises(RankError, match="ranks disagree on what to run next") as info:
+        launch(jobs.skip_unit_forward, 2)
+    message = str(info.value)
+    assert "rank 0: all_gather float32" in message and "from unit blocks.1" in message
+    assert "rank 1: all_gather float32" in message and "from unit head" in message
+
+
+def test_debug_mode_changes_no_number_and_no_ledger_entry(two_ranks):
+    out = two_ranks[0][-1]
+    assert out["checks"] > 0  # fingerprints were really exchanged
+    for plain, debug in zip(out["plain"], out["debug"]):
+        assert debug["config"]["debug_collectives"] and not plain["config"]["debug_collectives"]
+        assert debug["losses"] == plain["losses"]
+        assert [r["comm"] for r in debug["ranks"]] == [r["comm"] for r in plain["ranks"]]
+
+
+def test_a_dead_rank_is_named_by_the_others(monkeypatch):
+    # Rank 1 exits (code 0, so the launcher sees nothing wrong); rank 0's next collective
+    # fails on the closed connection and its error names rank 1.
+    monkeypatch.setenv("ZEROLEARN_REPORT_GRACE", "1")
+    with pytest.raises(RankError) as info:
+        launch(jobs.dead_rank, 2)
+    assert info.value.rank == 0
+    assert "CollectiveError" in str(info.value)
+    assert "rank 1 posted nothing within 1 s: dead or stuck" in str(info.value)
+
+
+def test_a_stuck_rank_makes_the_others_fail_within_the_timeout_naming_it(monkeypatch):
+    # Rank 1 stops responding in step 2; the others hit the 3 s process-group timeout
+    # and exit 1 with a message naming rank 1, instead of hanging forever.
+    monkeypatch.setenv("ZEROLEARN_REPORT_GRACE", "1")
+    t0 = time.monotonic()
+    done = torchrun("-m", "zerolearn.train", *ARGV, "--stage", "2", "--timeout", "3",
+                    "--fail-at-step", "2", "--fail-rank", "1", "--fail-mode", "hang", nproc=3)
+    elapsed = time.monotonic() - t0
+    assert done.returncode != 0
+    for rank in (0, 2):
+        line = next(x for x in done.stderr.splitlines() if x.startswith(f"rank {rank}: CollectiveError"))
+        assert "rank 1 posted nothing within" in line and "dead or stuck" in line, line
+    assert elapsed < 60
+
+
+@pytest.fixture(scope="module")
+def two_ranks() -> list[list]:
+    """One 2-rank launch for the fp16 and debug-mode tests (spawning is the slow part):
+    fp16 runs of every stage with inf on rank 1 in step 2 and nan on rank 0 in step 4,
+    then the train CLI without and with --debug-collectives."""
+    inject = {2: (1, float("inf")), 4: (0, float("nan"))}
+    calls = [("fp16_overflow", dict(stage=s, steps=7, inject=inject)) for s in range(4)]
+    calls.append(("debug_mode_is_transparent", dict(argv=[*ARGV, "--steps", "2"])))
+    return launch(jobs.several, 2, calls)
+
+
+@pytest.mark.parametrize("stage", range(4))
+def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(two_ranks, stage):
+    # Expected from the rule alone: scale 256 doubles after 2 clean steps and halves
+    # (with the step skipped) on any inf or nan, wherever it appears.
+    expected_flags = [True, True, False, True, False, True, True]
+    expected_scales, scale, clean = [], 256.0, 0
+    for ok in expected_flags:
+        if ok:
+            clean += 1
+            scale = scale * 2 if clean % 2 == 0 else scale
+        else:
+            clean, scale = 0, scale / 2
+        expected_scales.append(scale)
+    ranks = [r[stage] for r in two_ranks]
+    for run in ranks:
+        assert run["flags"] == expected_flags
+        assert run["scales"] == expected_scales
+        assert run["skipped"] == 2
+        # A skipped step changes no parameter; a taken one changes some.
+        assert run["unchanged"] == [not ok for ok in expected_flags]
+    for name, value in ranks[0]["params"].items():
+        assert torch.equal(value, ranks[1]["params"][name]), name
+        assert torch.isfinite(value).all(), name

@@ -1,0 +1,90 @@
+"""Sharded checkpoints that lose nothing, load at any stage and world size, and survive crashes.
+
+    save(engine, "ckpt", step)          # every rank: its shards, plus rank 0's manifest
+    step = load(engine, "ckpt")         # every rank: newest complete checkpoint, resharded
+    python -m zerolearn.checkpoint consolidate ckpt model.pt   # one fp32 state_dict
+
+Each rank saves exactly what it owns (paper Sec 5): its shard of every flat group's
+fp32 master and of the optimizer's per-element state (Adam's ``exp_avg`` and
+``exp_avg_sq``, SGD's ``momentum_buffer``). Because a shard is a range of elements of
+a flat buffer whose layout (names, shapes, offsets) is in the manifest, the elements
+of any parameter can be found again whatever stage and world size saved them, and
+re-cut for any other: that is resharding (N ranks -> M ranks, stage S -> S').
+
+Directory format (version 1)::
+
+    DIR/step_00000040/            one complete checkpoint, after 40 steps
+        manifest.json             written last, by rank 0
+        rank_00000.pt ...         one torch.save file per rank of the saving job
+    DIR/.step_00000050.tmp/       a save in progress, or one that crashed (ignored)
+
+``manifest.json``: ``format`` ("zerolearn-checkpoint"), ``version``, ``step`` (steps
+completed), ``stage``, ``world_size``, ``dtype``, ``optimizer``, ``torch``;
+``scaler`` (fp16 loss scale: ``enabled``, ``scale``, ``clean_steps``,
+``skipped_steps``); ``params``: [name, shape] of every trainable parameter;
+``groups``: per flat group ``names``, ``shapes``, ``offsets`` (elements),
+``numel``, ``padded_numel`` and ``pieces``: [rank, start, stop, index], meaning
+elements [start, stop) of the group's flat buffer are piece ``index`` of that
+rank's file; ``state_keys``: the per-element optimizer states saved; ``aliases``
+(tied state_dict names -> saved name); ``module_keys`` (frozen parameters and
+buffers, saved whole by rank 0); ``files``: [{rank, file, bytes}]; ``extra`` (the
+caller's, e.g. the run's config).
+
+``rank_RRRRR.pt`` (``torch.load(..., weights_only=True)``): ``pieces``: a list of
+{``group``, ``start``, ``stop``, ``master`` (fp32, stop - start elements),
+``state`` {name: fp32 tensor of the same size}, ``scalars`` (e.g. Adam's ``step``)};
+``rng`` ({``torch``, ``cuda``} random states of that rank); rank 0 also ``module``.
+At stage 0 every rank holds the same state, so only rank 0 writes pieces.
+
+Crash safety: ranks write into ``.step_N.tmp`` (each file as ``.part``, fsynced, then
+renamed); after all report success, rank 0 writes the manifest and renames the folder
+to ``step_N`` (an atomic rename on one file system). A crash at any moment leaves the
+earlier checkpoints untouched; :func:`latest` only sees renamed folders.
+
+Loading validates everything first (manifest, every file present with its recorded
+size, names and shapes against the model, the optimizer, every element covered by
+some piece), on every rank, and agrees across ranks before any parameter changes;
+then it reads only the pieces that overlap this rank's new shards (files are
+memory-mapped).
+
+Why not ``torch.distributed.checkpoint`` (DCP)? DCP reshards tensors whose
+placement it knows (DTensor, ShardedTensor). Our shards are ranges of a padded flat
+buffer that cut across parameters (Sec 5's element-wise partitioning), which DCP
+cannot describe without first re-expressing every shard per parameter; the manifest
+above records exactly that mapping in a few lines of JSON, readable without torch.
+"""
+
+from zerolearn.checkpoint.engine_io import load, save
+from zerolearn.checkpoint.files import CheckpointError, consolidate, latest, read_full, read_manifest, resolve
+from zerolearn.errors import ConfigError
+
+
+def manifest(path: str) -> dict:
+    """The checked manifest of checkpoint ``path`` (or of the newest one under it)."""
+    return read_manifest(resolve(path))
+
+
+def resume(engine, directory: str | None, config: dict, must_match: tuple[str, ...] = ()) -> int:
+    """Load the newest complete checkpoint under ``directory`` into ``engine``, if any.
+
+    Returns the step to start at: the checkpoint's, or 0 when ``directory`` is None or
+    holds no complete checkpoint. ``config`` is saved as ``extra["config"]`` by the
+    training loop; the keys in ``must_match`` (data and model options) must equal the
+    saving run's. A collective (call on every rank).
+
+    Raises:
+        ConfigError: a key of ``must_match`` differs (named, with both values).
+        CheckpointError: see :func:`load` (nothing loaded).
+    """
+    if not directory or latest(directory) is None:
+        return 0
+    saved = manifest(directory)["extra"].get("config", {})
+    differ = [f"--{k.replace('_', '-')} {saved[k]} (this run: {config.get(k)})"
+              for k in must_match if k in saved and saved[k] != config.get(k)]
+    if differ:
+        raise ConfigError(f"{directory} holds a checkpoint of a run with " + ", ".join(differ)
+                          + "; resume with the same options or use another directory")
+    return load(engine, directory)
+
+
+__all__ = ["CheckpointError", "consolidate", "latest", "load", "manifest", "read_full", "resume", "save"]

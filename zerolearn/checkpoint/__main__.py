@@ -1,0 +1,46 @@
+"""``python -m zerolearn.checkpoint``: inspect and consolidate checkpoints.
+
+    python -m zerolearn.checkpoint consolidate DIR OUT   # fp32 state_dict for the plain model
+    python -m zerolearn.checkpoint info DIR              # step, stage, world size, sizes
+
+DIR is a checkpoint (``step_NNNNNNNN``) or a folder of them (the newest complete one
+is used). Exit codes: 0 done, 2 bad or damaged input (the message says what), 1 other.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from zerolearn.checkpoint import CheckpointError, consolidate, manifest, resolve
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m zerolearn.checkpoint", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+    c = sub.add_parser("consolidate", help="write one full-precision state_dict (torch.save) to OUT")
+    c.add_argument("dir")
+    c.add_argument("out")
+    i = sub.add_parser("info", help="print the manifest's summary")
+    i.add_argument("dir")
+    args = p.parse_args(argv)
+    try:
+        path = resolve(args.dir)
+        man = manifest(path)
+        if args.command == "consolidate":
+            state = consolidate(path, args.out)
+            numel = sum(t.numel() for k, t in state.items() if k not in man["aliases"])
+            print(f"{path}: step {man['step']}, stage {man['stage']}, {man['world_size']} rank(s) -> {args.out}: "
+                  f"{len(state)} tensors, {numel:,} elements, {numel * 4 / 2**20:.2f} MiB fp32")
+        else:
+            total = sum(f["bytes"] for f in man["files"])
+            print(f"{path}: step {man['step']}, stage {man['stage']}, world size {man['world_size']}, "
+                  f"{man['optimizer']} ({', '.join(man['state_keys']) or 'no state yet'}), {man['dtype']}, "
+                  f"{len(man['params'])} parameters, {total / 2**20:.2f} MiB in {len(man['files'])} files")
+    except CheckpointError as e:
+        p.exit(2, f"{p.prog}: error: {e}\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,290 @@
+"""Saving an engine's shards, and loading them into an engine of any stage and world size.
+
+Both are collectives: call them on every rank of the engine's process group.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from zerolearn import comm, compat
+from zerolearn.checkpoint.files import (
+    FORMAT,
+    VERSION,
+    CheckpointError,
+    Reader,
+    complete,
+    fsync_dir,
+    rank_file,
+    read_manifest,
+    remove,
+    resolve,
+    step_dir,
+    tmp_dir,
+    write_atomic,
+)
+from zerolearn.precision import DTYPES
+
+
+def _whole_world(engine) -> None:
+    # Under tensor parallelism (Nm > 1) several data-parallel groups would write files
+    # of the same names holding different model slices: not supported (yet).
+    if engine.world_size != torch.distributed.get_world_size():
+        raise CheckpointError(f"the engine's process group has {engine.world_size} of "
+                              f"{torch.distributed.get_world_size()} ranks (tensor parallelism?); "
+                              "checkpoints support data parallelism over all ranks only")
+
+
+def _cpu(t: torch.Tensor) -> torch.Tensor:
+    """``t`` on the CPU, owning exactly its elements (torch.save writes whole storages)."""
+    t = t.detach().cpu()
+    return t.clone() if t.untyped_storage().nbytes() != t.numel() * t.element_size() else t
+
+
+def _split_state(engine, g) -> tuple[dict, dict]:
+    """The optimizer's state of ``g.master``: (per-element tensors, scalars such as Adam's step)."""
+    per, scalars = {}, {}
+    for k, v in engine.optimizer.state.get(g.master, {}).items():
+        if torch.is_tensor(v) and v.dim() > 0 and v.shape == g.master.shape:
+            per[k] = _cpu(v)
+        else:
+            scalars[k] = _cpu(v) if torch.is_tensor(v) else v
+    return per, scalars
+
+
+def _module_state(engine, copy: bool = True) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
+    """(tied name -> saved name, frozen parameters and buffers by name) of the model."""
+    trainable = {id(p): n for g in engine.groups for n, p in zip(g.names, g.params)}
+    aliases, module = {}, {}
+    for key, t in engine.model.state_dict(keep_vars=True).items():
+        if id(t) in trainable:
+            if trainable[id(t)] != key:
+                aliases[key] = trainable[id(t)]
+        else:
+            module[key] = _cpu(t) if copy else t
+    return aliases, module
+
+
+def _payload(engine, step: int) -> dict:
+    pieces = []
+    # Stage 0 replicates everything (one shard): rank 0 alone writes it.
+    for gi, g in enumerate(engine.groups):
+        if engine.rank >= g.num_shards:
+            continue
+        per, scalars = _split_state(engine, g)
+        start, stop = g.shard_range
+        pieces.append({"group": gi, "start": start, "stop": stop, "master": _cpu(g.master.float()),
+                       "state": per, "scalars": scalars})
+    rng = {"torch": torch.get_rng_state(),
+           "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+    out = {"format": FORMAT, "version": VERSION, "rank": engine.rank, "step": step, "pieces": pieces, "rng": rng}
+    if engine.rank == 0:
+        out["module"] = _module_state(engine)[1]
+    return out
+
+
+def _write(engine, step: int, path: str) -> dict:
+    """Write this rank's file; what the manifest needs to know of it."""
+    payload = _payload(engine, step)
+    return {"bytes": write_atomic(path, lambda f: torch.save(payload, f)),
+            "pieces": [[p["group"], p["start"], p["stop"]] for p in payload["pieces"]],
+            "state_keys": sorted({k for p in payload["pieces"] for k in p["state"]})}
+
+
+def save(engine, directory: str, step: int, extra: dict | None = None, keep: int | None = None) -> str:
+    """Write ``engine``'s training state as checkpoint ``step`` under ``directory``.
+
+    Each rank writes its own shards into a temporary folder; rank 0 adds the manifest
+    and renames the folder to ``step_NNNNNNNN`` only when every rank's file is
+    complete, so a crash during the save leaves the previous checkpoints as they were.
+    A checkpoint of the same step is replaced. Collective (call on every rank).
+
+    Args:
+        step: steps completed; a resumed run starts at this step.
+        extra: JSON-serialisable data stored in the manifest (e.g. the run's config).
+        keep: keep only the newest ``keep`` complete checkpoints (None: all).
+
+    Returns: the checkpoint's path. Raises CheckpointError on every rank if any rank
+    failed to write (the previous checkpoints stay intact).
+    """
+    _whole_world(engine)
+    tmp, final = tmp_dir(directory, step), step_dir(directory, step)
+    problem = None
+    if engine.rank == 0:
+        try:
+            os.makedirs(directory, exist_ok=True)
+            for name in os.listdir(directory):  # leftovers of saves that crashed
+                if (name.startswith(".step_") and name.endswith(".tmp")
+                        or name.startswith("step_") and name.endswith(".old")):
+                    remove(os.path.join(directory, name))
+            os.makedirs(tmp)
+        except OSError as e:
+            problem = f"rank 0: {type(e).__name__}: {e}"
+    # Rank 0 has made the folder (or failed to): the others may write now (or give up).
+    problem = comm.gather_objects(problem, engine.pg)[0]
+    if problem is not None:
+        raise CheckpointError(f"checkpoint {final} not written: {problem}")
+    meta = {"rank": engine.rank, "file": rank_file(engine.rank), "error": None}
+    try:
+        meta.update(_write(engine, step, os.path.join(tmp, meta["file"])))
+    except Exception as e:  # noqa: BLE001 - reported to every rank below
+        meta["error"] = f"{type(e).__name__}: {e}"
+    metas = comm.gather_objects(meta, engine.pg)
+    status = _finish(engine, directory, step, extra, keep, metas) if engine.rank == 0 else None
+    status = comm.gather_objects(status, engine.pg)[0]
+    if status is not None:
+        raise CheckpointError(f"checkpoint {final} not written: {status}")
+    return final
+
+
+def _finish(engine, directory, step, extra, keep, metas) -> str | None:
+    """Rank 0: write the manifest and rename the folder; the error message, or None."""
+    tmp, final = tmp_dir(directory, step), step_dir(directory, step)
+    failed = [f"rank {m['rank']}: {m['error']}" for m in metas if m["error"]]
+    if failed:
+        remove(tmp)
+        return "; ".join(failed)
+    try:
+        groups = [{"names": g.names, "shapes": [list(s) for s in g.shapes], "offsets": g.offsets,
+                   "numel": g.numel, "padded_numel": g.padded_numel, "pieces": []} for g in engine.groups]
+        for m in metas:
+            for index, (gi, start, stop) in enumerate(m["pieces"]):
+                groups[gi]["pieces"].append([m["rank"], start, stop, index])
+        aliases, module = _module_state(engine, copy=False)
+        manifest = {
+            "format": FORMAT, "version": VERSION, "step": step, "stage": engine.stage,
+            "world_size": engine.world_size, "optimizer": engine.optimizer_name,
+            "dtype": next(k for k, v in DTYPES.items() if v == engine.dtype), "torch": compat.TORCH_VERSION,
+            "scaler": {"enabled": engine.scaler.enabled, **engine.scaler.state_dict()},
+            "params": [[n, list(s)] for g in engine.groups for n, s in zip(g.names, g.shapes)],
+            "state_keys": metas[0]["state_keys"], "groups": groups, "aliases": aliases,
+            "module_keys": sorted(module),
+            "files": [{"rank": m["rank"], "file": m["file"], "bytes": m["bytes"]} for m in metas],
+            "extra": extra or {}}
+        write_atomic(os.path.join(tmp, "manifest.json"),
+                     lambda f: f.write(json.dumps(manifest, indent=1).encode()))
+        fsync_dir(tmp)
+        if os.path.exists(final):  # same step saved again (e.g. after a restart)
+            os.replace(final, final + ".old")
+        os.replace(tmp, final)
+        fsync_dir(directory)
+        remove(final + ".old")
+        for _, old in complete(directory)[:-keep] if keep else []:
+            remove(old)
+    except Exception as e:  # noqa: BLE001
+        return f"rank 0: {type(e).__name__}: {e}"
+    return None
+
+
+def _same(a: dict, b: dict) -> bool:
+    def plain(d):
+        return {k: v.tolist() if torch.is_tensor(v) else v for k, v in d.items()}
+    return plain(a) == plain(b)
+
+
+def _check_model(engine, man: dict, path: str) -> None:
+    mine = {n: list(s) for g in engine.groups for n, s in zip(g.names, g.shapes)}
+    theirs = dict((n, s) for n, s in man["params"])
+    problems = [f"{n}: checkpoint {theirs[n]}, this model {s}" for n, s in mine.items()
+                if n in theirs and theirs[n] != s]
+    for what, names in (("missing from the checkpoint", [n for n in mine if n not in theirs]),
+                        ("not in this model", [n for n in theirs if n not in mine])):
+        if names:
+            problems.append(f"{what}: {', '.join(names[:5])}{' ...' * (len(names) > 5)}")
+    module = set(_module_state(engine, copy=False)[1])
+    if module != set(man["module_keys"]):
+        problems.append(f"frozen parameters and buffers differ: checkpoint {sorted(man['module_keys'])}, "
+                        f"this model {sorted(module)}")
+    if problems:
+        raise CheckpointError(f"{path} was saved from another model: " + "; ".join(problems))
+    if man["optimizer"] != engine.optimizer_name:
+        raise CheckpointError(f"{path} holds {man['optimizer']} state; this engine uses {engine.optimizer_name}")
+
+
+def _plan(engine, path: str) -> dict:
+    """Everything :func:`load` will set, read and checked, without touching the engine."""
+    path = resolve(path)
+    man = read_manifest(path)
+    _check_model(engine, man, path)
+    reader = Reader(path, man)
+    masters, state = [], {}
+    for j, g in enumerate(engine.groups):
+        a, b = g.shard_range  # the part of g's flat buffer this rank's master holds
+        master = torch.zeros(b - a)
+        per = {k: torch.zeros(b - a) for k in man["state_keys"]}
+        old = set()
+        for n, o in zip(g.names, g.offsets):
+            group, offset, numel = reader.where[n]
+            old.add(group)
+            lo, hi = max(a, o), min(b, o + numel)
+            if lo < hi:  # the saved elements [lo, hi) of n, wherever they are now
+                for key, out in (("master", master), *per.items()):
+                    reader.read(group, offset + lo - o, offset + hi - o, key, out[lo - a:hi - a])
+        scalars = [reader.scalars(group) for group in sorted(old)]
+        if any(not _same(s, scalars[0]) for s in scalars):
+            raise CheckpointError(f"{path}: saved groups disagree on the optimizer's {scalars}; cannot merge")
+        masters.append(master)
+        if per or scalars[0]:
+            # Copies: torch.optim steps its scalar state in place (Adam's step += 1), so
+            # two groups must never share one tensor, nor write into the mapped file.
+            state[j] = {**{k: v.clone() if torch.is_tensor(v) else v for k, v in scalars[0].items()}, **per}
+    optimizer = engine.optimizer.state_dict()
+    optimizer["state"] = state
+    plan = {"step": man["step"], "masters": masters, "optimizer": optimizer, "manifest": man, "rng": None}
+    if man["module_keys"]:
+        plan["module"] = reader.file(0)["module"]
+        mine = engine.model.state_dict(keep_vars=True)
+        for k, t in plan["module"].items():
+            if t.shape != mine[k].shape:
+                raise CheckpointError(f"{path} was saved from another model: {k}: checkpoint "
+                                      f"{list(t.shape)}, this model {list(mine[k].shape)}")
+    if man["world_size"] == engine.world_size:  # each rank gets its own random state back
+        plan["rng"] = reader.file(engine.rank)["rng"]
+    return plan
+
+
+@torch.no_grad()
+def load(engine, path: str, restore_rng: bool = True) -> int:
+    """Load checkpoint ``path`` (or the newest under it) into ``engine``; return its step.
+
+    The checkpoint may come from any stage and world size: for each parameter of
+    ``engine``, its saved elements (fp32 master, optimizer moments) are found in
+    whichever rank files hold them, and this rank's new shard is cut out. The loss
+    scale is restored when both runs use fp16, random states when the world size is
+    the same (each rank its own). Collective (call on every rank).
+
+    Raises:
+        CheckpointError: on every rank, if any rank finds the checkpoint missing,
+            damaged, from another model or optimizer, or unmappable. Raised before
+            anything changes: the engine is untouched.
+    """
+    _whole_world(engine)
+    plan, problem = None, None
+    try:
+        plan = _plan(engine, path)
+    except CheckpointError as e:
+        problem = str(e)
+    except Exception as e:  # noqa: BLE001 - every rank must hear of it, or the others hang
+        problem = f"{type(e).__name__}: {e}"
+    problems = comm.gather_objects(problem, engine.pg) if engine.world_size > 1 else [problem]
+    bad = [(r, p) for r, p in enumerate(problems) if p is not None]
+    if bad:
+        if len({p for _, p in bad}) == 1:
+            raise CheckpointError(f"cannot load the checkpoint: {bad[0][1]}")
+        raise CheckpointError("cannot load the checkpoint: " + "; ".join(f"rank {r}: {p}" for r, p in bad))
+    engine.load_shards(plan["masters"], plan["optimizer"])
+    man = plan["manifest"]
+    if man["scaler"]["enabled"] and engine.scaler.enabled:
+        engine.scaler.load_state_dict(man["scaler"])
+    if "module" in plan:
+        mine = engine.model.state_dict(keep_vars=True)
+        for k, t in plan["module"].items():
+            mine[k].copy_(t)
+    if restore_rng and plan["rng"] is not None:
+        torch.set_rng_state(plan["rng"]["torch"])
+        if plan["rng"]["cuda"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(plan["rng"]["cuda"])
+    return plan["step"]

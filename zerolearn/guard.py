@@ -1,0 +1,200 @@
+"""Ranks that disagree fail loudly: collective fingerprints and failure reports.
+
+Collectives pair up by the order in which ranks issue them, so a rank that takes
+another code path (skips a layer, runs an extra step) does not fail where it went
+wrong: it hangs, or silently reduces the wrong tensors. :mod:`zerolearn.comm` runs
+every call through two guards defined here:
+
+* Debug mode (:func:`set_debug`, ``--debug-collectives``, or the environment variable
+  ``ZEROLEARN_DEBUG_COLLECTIVES=1``): before each collective, the ranks exchange a
+  fingerprint (operation, shapes, dtype, calling unit) with ``all_gather_object`` and
+  raise :class:`CollectiveMismatch`, naming every rank and what it was about to do, at
+  the first disagreement. It costs one extra round trip per collective, so it is off
+  by default; its traffic stays out of the ledger (it is not the algorithm's).
+* Always (gloo): when a collective fails (the process-group timeout for a stuck peer,
+  a closed connection for a dead one), the rank posts what it was doing to the
+  process group's key-value store, waits ``REPORT_GRACE_S`` seconds (env
+  ``ZEROLEARN_REPORT_GRACE``, default 3) for the others'
+  posts and raises :class:`CollectiveError` naming the ranks that stayed silent (dead
+  or stuck) and what the others were doing. (NCCL reports failures from its watchdog
+  thread, which aborts the process before Python sees them.)
+
+The "calling unit" is the name set with :func:`unit` (``with comm.unit("blocks.1"):``)
+or, when none is set, read from the stack: the outermost engine frame holding a
+ZeRO-3 ``unit`` (the unit whose hook is running, which for a prefetch is not the unit
+being gathered), else the innermost flat group ``g`` being reduced.
+
+This module and :mod:`zerolearn.comm` are the only ones that call torch.distributed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import time
+from contextvars import ContextVar
+
+import torch
+import torch.distributed as dist
+
+
+class CollectiveMismatch(RuntimeError):
+    """Debug mode: ranks were about to run different collectives (would hang or mix data)."""
+
+
+class CollectiveError(RuntimeError):
+    """A collective failed (timeout, dead peer); the message names the silent ranks."""
+
+
+DEBUG_ENV = "ZEROLEARN_DEBUG_COLLECTIVES"
+REPORT_GRACE_S = float(os.environ.get("ZEROLEARN_REPORT_GRACE", "3"))  # wait for peers' posts, s
+_ENGINES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "engines")
+_debug = False
+_seq = 0  # collectives issued through comm in this process (the same on every rank)
+checks = 0  # fingerprint exchanges made (debug mode)
+_unit: ContextVar[str | None] = ContextVar("zerolearn_unit", default=None)
+
+
+def set_debug(on: bool = True) -> None:
+    """Turn debug mode (a fingerprint check before every collective) on or off."""
+    global _debug
+    _debug = on
+
+
+def debug_enabled() -> bool:
+    """True when :func:`set_debug` or ``ZEROLEARN_DEBUG_COLLECTIVES`` (not 0) asks for it."""
+    return _debug or os.environ.get(DEBUG_ENV, "0") not in ("", "0")
+
+
+@contextlib.contextmanager
+def unit(name: str):
+    """Collectives issued inside this block are attributed to unit ``name`` in debug mode."""
+    token = _unit.set(name)
+    try:
+        yield
+    finally:
+        _unit.reset(token)
+
+
+def _module_name(engine, module) -> str:
+    model = getattr(engine, "model", None)
+    for name, m in (model.named_modules() if model is not None else ()):
+        if m is module:
+            return name or "<model>"
+    return type(module).__name__
+
+
+def calling_unit() -> tuple[str, str]:
+    """(unit, engine function) that is issuing the current collective; "-" if unknown."""
+    found, group, func = None, None, None
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_filename.startswith(_ENGINES_DIR):
+            local = frame.f_locals
+            func = getattr(frame.f_code, "co_qualname", frame.f_code.co_name)  # outermost wins
+            u = local.get("unit")
+            if hasattr(u, "module") and hasattr(u, "groups"):
+                found = (local.get("self"), u.module)
+            g = local.get("g")
+            if group is None and hasattr(g, "names") and hasattr(g, "shard_range"):
+                group = f"group[{g.names[0]}..{g.names[-1]}]"
+        frame = frame.f_back
+    explicit = _unit.get()
+    if explicit is not None:
+        return explicit, func or "-"
+    if found is not None:
+        return _module_name(*found), func
+    return group or "-", func or "-"
+
+
+def group_ranks(group) -> list[int]:
+    """Global ranks of ``group`` (None: the default group), in group-rank order."""
+    return dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+
+
+def before(op: str, shapes: tuple, dtype: torch.dtype, group) -> None:
+    """Count a collective about to be issued; in debug mode, check every rank agrees.
+
+    Args:
+        op: the collective's name (with any detail that must agree, e.g. the source).
+        shapes: the tensors' shapes, input first.
+
+    Raises:
+        CollectiveMismatch: some rank's (op, shapes, dtype, unit) differs; the message
+            lists every rank's.
+    """
+    global _seq, checks
+    _seq += 1
+    if not debug_enabled() or dist.get_world_size(group) == 1 or dist.get_backend(group) == "fake":
+        return
+    where, func = calling_unit()
+    mine = {"fingerprint": (op, shapes, str(dtype).removeprefix("torch."), where), "function": func}
+    everyone = [None] * dist.get_world_size(group)
+    checks += 1
+    with loud("fingerprint exchange", group):
+        dist.all_gather_object(everyone, mine, group=group)
+    if all(e["fingerprint"] == mine["fingerprint"] for e in everyone):
+        return
+    lines = []
+    for r, e in zip(group_ranks(group), everyone):
+        o, s, d, w = e["fingerprint"]
+        lines.append(f"  rank {r}: {o} {d} {' -> '.join(str(list(x)) for x in s)} "
+                     f"from unit {w} (in {e['function']})")
+    raise CollectiveMismatch(f"collective #{_seq}: ranks disagree on what to run next "
+                             "(debug mode stopped it before it could hang or mix data):\n" + "\n".join(lines))
+
+
+def count() -> None:
+    """Count a monitoring collective (no fingerprint), so numbering stays aligned."""
+    global _seq
+    _seq += 1
+
+
+def current() -> int:
+    """Number of the latest collective issued through comm in this process."""
+    return _seq
+
+
+def _diagnose(op: str, group, seq: int | None, error: BaseException) -> str:
+    """Post what this rank was doing, collect the others' posts, name the silent ranks."""
+    me, ranks = dist.get_rank(), group_ranks(group)
+    doing = f"{op} #{_seq if seq is None else seq}"
+    first = (str(error).strip().splitlines() or [type(error).__name__])[0][:300]
+    head = f"rank {me}: {doing} failed ({first})"
+    # One namespace per torchrun attempt: restarts may share the store with the failed one.
+    key = ("zerolearn/failed/" + os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") + "/{}").format
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        store.set(key(me), doing)
+        heard, deadline = {me: doing}, time.monotonic() + REPORT_GRACE_S
+        while len(heard) < len(ranks) and time.monotonic() < deadline:
+            for r in ranks:
+                if r not in heard and store.check([key(r)]):
+                    heard[r] = store.get(key(r)).decode()
+            time.sleep(0.05)
+    except Exception as e:  # noqa: BLE001 - the store may have died with a peer
+        return f"{head}; could not ask the other ranks ({type(e).__name__}: {e})"
+    silent = [r for r in ranks if r not in heard]
+    parts = [head]
+    if silent:
+        parts.append(f"rank{'s' * (len(silent) > 1)} {', '.join(map(str, silent))} posted nothing within "
+                     f"{REPORT_GRACE_S:g} s: dead or stuck")
+    parts += [f"rank {r} failed in {d}" for r, d in sorted(heard.items()) if r != me]
+    return "; ".join(parts)
+
+
+@contextlib.contextmanager
+def loud(op: str, group=None, seq: int | None = None):
+    """Turn a gloo failure inside this block into a :class:`CollectiveError` naming ranks.
+
+    ``seq``: the number of the collective that failed (default: the latest issued).
+    """
+    try:
+        yield
+    except (CollectiveError, CollectiveMismatch):
+        raise
+    except RuntimeError as e:  # gloo: timeouts and closed connections
+        if not dist.is_initialized() or dist.get_backend(group) != "gloo":
+            raise
+        raise CollectiveError(_diagnose(op, group, seq, e)) from e
