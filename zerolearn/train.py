@@ -54,6 +54,7 @@ from zerolearn.memory import model as analytic
 from zerolearn.memory.ledger import MemoryLedger
 from zerolearn.models import MODELS, GPTConfig, build_model
 from zerolearn.precision import DTYPES
+from zerolearn.residual import setup as residual_setup
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -100,6 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fail-rank", type=int, default=0, help="testing: the rank that fails")
     p.add_argument("--fail-mode", choices=("kill", "hang"), default="kill",
                    help="testing: SIGKILL itself, or stop responding")
+    residual_setup.add_options(p)
     p.add_argument("--report", default=None, help="write the JSON report here (rank 0)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     return p
@@ -123,11 +125,13 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
                           "nothing whole to save")
     if args.fail_at_step is not None and not 0 <= args.fail_rank < world_size:
         raise ConfigError(f"--fail-rank {args.fail_rank}: allowed are 0 to {world_size - 1} (world size {world_size})")
-    if args.global_batch_size % (world_size * args.grad_accum_steps):
+    nd = residual_setup.validate(args, world_size)  # data-parallel ranks (world / Nm)
+    if args.global_batch_size % (nd * args.grad_accum_steps):
+        ranks = f"world size {world_size}" if nd == world_size else f"Nd = {nd} data-parallel groups"
         raise ConfigError(
-            f"--global-batch-size {args.global_batch_size} is not divisible by world size "
-            f"{world_size} x --grad-accum-steps {args.grad_accum_steps}; allowed are multiples "
-            f"of {world_size * args.grad_accum_steps}")
+            f"--global-batch-size {args.global_batch_size} is not divisible by {ranks} "
+            f"x --grad-accum-steps {args.grad_accum_steps}; allowed are multiples "
+            f"of {nd * args.grad_accum_steps}")
     zdist.resolve_backend_device(args.backend, args.device)
 
 
@@ -191,9 +195,11 @@ def train(args: argparse.Namespace, progress: bool = False) -> dict:
     model = build_model(args.model, args.seed, mlp_width=args.mlp_width, mlp_layers=args.mlp_layers,
                         gpt=GPTConfig(seq_len=args.seq_len, n_layer=args.n_layer, n_head=args.n_head,
                                       d_model=args.d_model)).to(ctx.device)
+    zero_r = residual_setup.apply(args, model)  # tensor parallelism, checkpoint store
+    nd, dp_rank = zero_r.groups.nd, zero_r.groups.dp_rank
     engine = make_engine(args.stage, model, optimizer=args.optimizer, lr=args.lr, momentum=args.momentum,
                          weight_decay=args.weight_decay, dtype=args.dtype, bucket_mb=args.bucket_mb,
-                         max_grad_norm=args.max_grad_norm)
+                         max_grad_norm=args.max_grad_norm, group=zero_r.groups.dp_group)
     engine.scaler.growth_interval = args.loss_scale_window
     first = checkpoint.resume(engine, args.checkpoint_dir, vars(args), RESUME_MUST_MATCH)
     cuda = ctx.device.type == "cuda"
@@ -201,6 +207,7 @@ def train(args: argparse.Namespace, progress: bool = False) -> dict:
         torch.cuda.reset_peak_memory_stats(ctx.device)
     comm.LEDGER.reset()
     losses, times, grads_bytes, ledger = [], [], 0, None
+    held_checkpoints, activations = (0, 0), 0
     config = {k: v for k, v in vars(args).items() if k != "quiet"}
     steps = range(first, args.steps)
     if progress and ctx.rank == 0:
@@ -214,11 +221,15 @@ def train(args: argparse.Namespace, progress: bool = False) -> dict:
         with ledger or contextlib.nullcontext():
             if ledger is not None:
                 ledger.track_engine(engine)
-            x, y = (data.rank_slice(t, ctx.rank, ctx.world_size).to(ctx.device) for t in batch(args, step))
+            # Tensor-parallel ranks of one group share their data-parallel slice.
+            x, y = (data.rank_slice(t, dp_rank, nd).to(ctx.device) for t in batch(args, step))
             local = 0.0
             for i, (xm, ym) in enumerate(zip(x.chunk(args.grad_accum_steps), y.chunk(args.grad_accum_steps))):
                 with _phase(ledger, "forward"):
                     loss = loss_fn(args, engine(xm), ym)
+                if last and i == 0:  # residual states as held at the end of forward
+                    held_checkpoints = zero_r.store.bytes_held() if zero_r.store else (0, 0)
+                    activations = ledger.live["activations"]
                 with _phase(ledger, "backward"):
                     # Each micro-batch is 1/accum of the step's batch: scale so the sum is the mean.
                     engine.backward(loss / args.grad_accum_steps, sync=i == args.grad_accum_steps - 1)
@@ -252,7 +263,10 @@ def train(args: argparse.Namespace, progress: bool = False) -> dict:
             "memory": memory,
             "comm": comm.LEDGER.as_dict(),
             "padding_elements": engine.padding,
-            "peak_grad_bytes": engine.peak_grad_bytes}
+            "peak_grad_bytes": engine.peak_grad_bytes,
+            "residual": residual_setup.report_entry(zero_r, held_checkpoints, engine.temp_buffer_peak_bytes,
+                                                    activations),
+            "comm_by_tag": comm.LEDGER.by_tag()}
     simulated = ctx.backend == "fake"
     return {"config": config,
             "world_size": ctx.world_size, "backend": ctx.backend, "device": ctx.device.type,
@@ -260,7 +274,9 @@ def train(args: argparse.Namespace, progress: bool = False) -> dict:
             "simulated": simulated,
             # Simulated: this process is rank 0 and the only one measured.
             "losses": losses, "ranks": [mine] if simulated else comm.gather_objects(mine),
-            "analytic": {"model_state_bytes": analytic_bytes(args, engine.psi, ctx.world_size)},
+            "data_parallel": nd, "tensor_parallel": args.tensor_parallel,
+            "analytic": {"model_state_bytes": analytic_bytes(args, engine.psi, nd),
+                         "residual": residual_setup.analytic_entry(args, nd)},
             "step_seconds_median": statistics.median(times) if times else 0.0}
 
 
