@@ -22,7 +22,7 @@ from zerolearn.memory.model import GB, STAGE_NAMES, comm_volume_elements, dtype_
 from zerolearn.residual import defrag
 
 __all__ = ["CATEGORIES", "GPUS", "NDS", "fewest_gpus", "fit_figure", "fragmentation", "fragmentation_figure",
-           "memory_by_stage", "memory_figure", "sec63_trace", "timeline_figure", "timeline_series",
+           "memory_by_stage", "memory_figure", "readable", "sec63_trace", "timeline_figure", "timeline_series",
            "tradeoff", "tradeoff_figure"]
 
 GPUS = {"V100 16 GB": 16 * GB, "V100 32 GB": 32 * GB, "RTX 4090 24 GB": 24 * GB, "A100 40 GB": 40 * GB,
@@ -44,6 +44,11 @@ PHASE_COLORS = {"forward": "#dbe9f6", "backward": "#fde2cf", "step": "#dff0d8"}
 
 def _label(stage: int) -> str:
     return f"{stage} {STAGE_NAMES[stage]}"
+
+
+def readable(category: str) -> str:
+    """A category as people read it: ``optimizer_states`` -> ``optimizer states``."""
+    return category.replace("_", " ")
 
 
 # ----- (1) memory explorer and (2) fit solver: the paper's formulas ------------------
@@ -95,12 +100,14 @@ def memory_figure(psi: float = 7.5e9, nd: int = 64, stage: int = 3, device_bytes
     for c in CATEGORIES:
         heights = [rows[s][c] / GB for s in x]
         if any(heights):
-            ax.bar(x, heights, bottom=bottom, color=COLORS[c], label=c)
+            ax.bar(x, heights, bottom=bottom, color=COLORS[c], label=readable(c))
             bottom = [b + h for b, h in zip(bottom, heights)]
-    ax.bar([stage], [bottom[stage]], fill=False, edgecolor="black", linewidth=2)
-    for s in x:
-        ax.annotate(f"{bottom[s]:,.1f}", (s, bottom[s]), ha="center", va="bottom", fontsize=8)
+    ax.bar([stage], [bottom[stage]], fill=False, edgecolor="black", linewidth=2, label=f"selected: stage {stage}")
     ax.axhline(device_bytes / GB, color="black", linestyle="--", label=f"device {device_bytes / GB:g} GB")
+    for s in x:  # on a white box, so the device line never runs through the number
+        ax.annotate(f"{bottom[s]:,.1f} GB", (s, bottom[s]), xytext=(0, 2), textcoords="offset points", ha="center",
+                    va="bottom", fontsize=8, bbox={"boxstyle": "square,pad=0.1", "fc": "white", "ec": "none"})
+    ax.set_ylim(0, 1.12 * max(*bottom, device_bytes / GB))  # room for the numbers above the bars
     ax.set_xticks(x, [_label(s) for s in x])
     ax.set_xlabel("ZeRO stage")
     ax.legend(fontsize=8)
@@ -155,7 +162,7 @@ def tradeoff_figure(psi: float = 7.5e9, nd: int = 64, *, optimizer: str = "adam"
                   label=_label(s))
         mem = per_device_bytes(psi, nd, s, optimizer=optimizer, dtype=dtype)["total"] / GB
         right.scatter([d["traffic_ratio"]], [mem], s=80, color=STAGE_COLORS[s], label=_label(s), zorder=3)
-        right.annotate(f"  {_label(s)}", (d["traffic_ratio"], mem), fontsize=8, va="center")
+        right.annotate(f"  {_label(s)}: {mem:,.1f} GB", (d["traffic_ratio"], mem), fontsize=8, va="center")
     left.axvline(nd, color="gray", linestyle=":")
     left.set_xscale("log", base=2)
     left.set_yscale("log")
@@ -163,8 +170,8 @@ def tradeoff_figure(psi: float = 7.5e9, nd: int = 64, *, optimizer: str = "adam"
     _gb_axis(left, f"Memory per device, Psi = {psi / 1e9:g}B")
     left.legend(fontsize=8)
     right.set_yscale("log")
-    right.set_xlim(0.8, 1.9)
-    right.set_xlabel("communication per step / DP's (Sec 7)")
+    right.set_xlim(0.8, 2.1)  # room for the labels right of the points
+    right.set_xlabel("communication per step, relative to DP (Sec 7)")
     _gb_axis(right, f"The trade-off at Nd = {nd}")
     return fig
 
@@ -208,13 +215,13 @@ def timeline_figure(report: dict, categories: tuple[str, ...] = ("params", "grad
                     fontsize=8)
     for c in categories:
         ax.step(series["index"], [v / 2**10 for v in series["by_category"][c]], where="post",
-                color=COLORS.get(c), label=c)
+                color=COLORS.get(c), label=readable(c))
     ax.set_xlabel("ledger event (an allocation, free or resize), in order")
     ax.set_ylabel("live bytes (KiB)")
     cfg = report["config"]
     ax.set_title(title or f"Measured memory of rank {rank} over one step: stage {cfg['stage']}, "
                           f"{report['world_size']} ranks", pad=14)
-    ax.legend(fontsize=8, loc="upper left")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the plot, not over the data
     ax.grid(alpha=0.3)
     return fig
 
@@ -292,6 +299,7 @@ def fragmentation_figure(trace: list[tuple] | None = None, capacity: int | None 
     ax.set_ylabel("bytes (MiB)")
     ax.set_title(f"Fragmentation (Sec 6.3): MD {'on' if md else 'off'}, "
                  f"{'fits' if r['ok'] else 'fails'} in {capacity / mib:g} MiB")
-    ax.legend(fontsize=8, loc="upper left")
+    ax.set_ylim(0, 1.3 * max(capacity, r["peak_live"]) / mib)  # a band above the arena line for the legend
+    ax.legend(fontsize=8, loc="upper left", ncols=3)
     ax.grid(alpha=0.3)
     return fig

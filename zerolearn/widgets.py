@@ -40,8 +40,12 @@ def gb(nbytes: float) -> str:
 
 
 def _psi_slider(value: float) -> w.FloatLogSlider:
+    # continuous_update=False: the browser's slider snaps its first position to the
+    # step grid and, when updating continuously, sends that back (7.5e9 would become
+    # 10**9.88 = 7.59e9 as soon as the view is drawn); without it only a move by the
+    # reader changes the value.
     return w.FloatLogSlider(value=value, base=10, min=8, max=12, step=0.01, description="Psi (parameters)",
-                            readout_format=".3g", style=_STYLE, layout=_WIDE)
+                            readout_format=".3g", continuous_update=False, style=_STYLE, layout=_WIDE)
 
 
 def _nd_slider(value: int) -> w.SelectionSlider:
@@ -57,9 +61,12 @@ def _dtype() -> w.Dropdown:
     return w.Dropdown(options=["bf16", "fp16", "fp32"], value="bf16", description="working dtype", style=_STYLE)
 
 
+DPI = 100  # the figure's pixels are shown one to one (see _Explorer): sharp text, no rescaling
+
+
 def _png(fig) -> bytes:
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=80)
+    fig.savefig(buf, format="png", dpi=DPI)
     return buf.getvalue()
 
 
@@ -75,7 +82,10 @@ class _Explorer(w.VBox):
 
     def __init__(self, controls: dict[str, w.Widget]):
         self.controls = controls
-        self.summary, self.view = w.HTML(), w.Image(format="png")
+        # The image at its own size (a box stretches its children to full width by
+        # default, which blurs the figure), but never wider than the output.
+        self.summary = w.HTML()
+        self.view = w.Image(format="png", layout=w.Layout(align_self="flex-start", max_width="100%"))
         self.result: dict = {}
         self._held = False
         grid = w.GridBox(list(controls.values()), layout=w.Layout(grid_template_columns="repeat(2, 440px)"))
@@ -102,8 +112,10 @@ class _Explorer(w.VBox):
 
     def refresh(self) -> None:
         self.result = self.compute()
-        self.summary.value = self.describe(self.result)
+        # The figure first, the summary last: the browser applies them in order, so a
+        # summary on the page is never ahead of the figure under it.
         self.view.value = _png(self.figure())
+        self.summary.value = self.describe(self.result)
 
     def compute(self) -> dict:  # pragma: no cover - every explorer overrides these
         raise NotImplementedError
@@ -129,8 +141,8 @@ class MemoryExplorer(_Explorer):
             "stage": w.Dropdown(options=_STAGES, value=stage, description="stage", **box),
             "optimizer": _optimizer(), "dtype": _dtype(),
             "gpu": w.Dropdown(options=list(views.GPUS), value=gpu, description="device", **box),
-            "activations": w.Checkbox(value=False, description="add activations (Sec 3.2)", **box),
-            "checkpointing": w.Checkbox(value=False, description="activation checkpointing", **box),
+            "activations": w.Checkbox(value=False, description="add activations (Sec 3.2)", layout=_WIDE, **box),
+            "checkpointing": w.Checkbox(value=False, description="activation checkpointing", layout=_WIDE, **box),
             "layers": w.BoundedIntText(value=48, min=1, max=1000, description="layers", **box),
             "hidden": w.BoundedIntText(value=1600, min=1, max=100_000, description="hidden", **box),
             "seq_len": w.BoundedIntText(value=1024, min=1, max=1_000_000, description="sequence length", **box),
@@ -155,7 +167,7 @@ class MemoryExplorer(_Explorer):
         rows = [[f"{s} {STAGE_NAMES[s]}", *(gb(b[c]) for c in views.CATEGORIES), gb(b["total"])]
                 for s, b in r["stages"].items()]
         verdict = "fits" if r["fits"] else "does not fit"
-        return (_table(["stage", *views.CATEGORIES, "total"], rows) +
+        return (_table(["stage", *map(views.readable, views.CATEGORIES), "total"], rows) +
                 f"<p>K = {r['k']} bytes per parameter. Stage {r['stage']} {STAGE_NAMES[r['stage']]} needs "
                 f"<b>{gb(r['total'])}</b> per device of {gb(r['device_bytes'])}: <b>{verdict}</b>.</p>")
 
@@ -191,7 +203,7 @@ class FitSolver(_Explorer):
             answer = (f"<p>Smallest fit: <b>stage {fit.stage} {fit.stage_name} on {fit.gpus} GPU(s)</b>, "
                       f"{gb(fit.bytes_per_device)} of {gb(fit.device_bytes)} per GPU "
                       f"({100 * fit.utilization:.1f} % used).</p>")
-        rows = [[f"{s} {STAGE_NAMES[s]}", "-" if n is None else str(n)] for s, n in r["gpus_by_stage"].items()]
+        rows = [[f"{s} {STAGE_NAMES[s]}", "over 1024" if n is None else str(n)] for s, n in r["gpus_by_stage"].items()]
         return answer + _table(["stage", "fewest GPUs"], rows)
 
     def figure(self):
@@ -255,7 +267,7 @@ class TimelineViewer(_Explorer):
                 "params_max": max(params), "events": len(series["index"])}
 
     def describe(self, r: dict) -> str:
-        rows = [[c, f"{b / 2**10:,.1f} KiB"] for c, b in r["peak_by_category"].items()]
+        rows = [[views.readable(c), f"{b / 2**10:,.1f} KiB"] for c, b in r["peak_by_category"].items()]
         return (f"<p>Stage {r['stage']}: peak <b>{r['peak_bytes'] / 2**10:,.1f} KiB</b> over {r['events']} events; "
                 f"parameters between {r['params_min'] / 2**10:,.1f} and {r['params_max'] / 2**10:,.1f} KiB.</p>"
                 + _table(["at the peak", "bytes"], rows))
@@ -281,7 +293,7 @@ class FragmentationSimulator(_Explorer):
         super().__init__({
             "capacity": w.IntSlider(value=-(-smallest["smallest_with_md"] // MIB), min=low, max=high,
                                     description="arena (MiB)", style=_STYLE, layout=_WIDE),
-            "md": w.Checkbox(value=False, description="MD: contiguous pool for long-lived tensors", style=_STYLE),
+            "md": w.Checkbox(value=False, description="MD: pool long-lived tensors", style=_STYLE, layout=_WIDE),
             "scale": w.SelectionSlider(options=[0.5, 1.0, 2.0, 4.0, 8.0], value=1.0, description="size-class scale",
                                        style=_STYLE, layout=_WIDE)})
 

@@ -1,0 +1,393 @@
+"""The explorers and the book in a real browser: JupyterLab and headless Chromium.
+
+What a reader sees is checked where a reader sees it. The first test starts
+JupyterLab on loopback, opens the memory explorer's notebook
+(``notebooks/06a_memory_explorer.ipynb``), runs it from the menu, moves the Nd slider
+and the stage selector with the keyboard and the mouse, and reads the per-GPU bytes
+the page then shows: they must be the paper's formula (``zerolearn.memory``) for the
+new setting. The others build the book from the stored notebooks (as ``make book``
+does, ``-W``) and open chapter 3, chapter 6 and appendix 6a from ``file://`` URLs with
+every network request refused: every figure must load and the math be typeset, no
+page may ask the network for anything, chapter 3's tables must be on the page, and
+chapter 6 must show a static figure under every explorer.
+
+Screenshots go to ``artifacts/screenshots/`` (gitignored), for people to look at.
+
+The tests skip only when Chromium (``/usr/bin/chromium``, Debian's package) or the
+Python ``playwright`` package is missing; with ``ZEROLEARN_BROWSER_TESTS=require``
+(set by ``.ci/run``) they fail instead. Playwright's own browser download is not
+used (it needs the network): Playwright drives Debian's Chromium.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import json
+import os
+import re
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from zerolearn import widgets
+from zerolearn.memory import GB, model_state_bytes, per_device_bytes
+
+ROOT = Path(__file__).resolve().parent.parent
+CHROMIUM = Path(os.environ.get("ZEROLEARN_CHROMIUM", "/usr/bin/chromium"))
+SHOTS = ROOT / "artifacts" / "screenshots"
+EXPLORER = ROOT / "notebooks" / "06a_memory_explorer.ipynb"
+# Chromium on a machine with a closed network: no first-run, sync, update or
+# background connections (each would be refused, many at a time), no GPU, and no
+# sandbox (CI runs as root). Playwright gives every launch a fresh empty profile.
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+TIMEOUT_MS = 30_000  # the longest any single wait in a page may take
+
+
+def unavailable(reason: str) -> None:
+    if os.environ.get("ZEROLEARN_BROWSER_TESTS") == "require":
+        pytest.fail(f"{reason}, and ZEROLEARN_BROWSER_TESTS=require")
+    pytest.skip(reason)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def shot(page_or_locator, name: str) -> Path:
+    SHOTS.mkdir(parents=True, exist_ok=True)
+    path = SHOTS / name
+    page_or_locator.screenshot(path=str(path))
+    return path
+
+
+# ----- fixtures: Chromium, JupyterLab, the built book; each always shut down ---------
+@pytest.fixture(scope="module")
+def browser():
+    if importlib.util.find_spec("playwright") is None:
+        unavailable("the Python package playwright is not installed (pip install -e '.[dev]')")
+    if not (CHROMIUM.is_file() and os.access(CHROMIUM, os.X_OK)):
+        unavailable(f"no Chromium at {CHROMIUM} (apt-get install chromium)")
+    from playwright.sync_api import sync_playwright
+
+    pw = sync_playwright().start()
+    try:
+        chromium = pw.chromium.launch(executable_path=str(CHROMIUM), headless=True, args=CHROMIUM_ARGS,
+                                      timeout=TIMEOUT_MS)
+        try:
+            yield chromium
+        finally:
+            chromium.close()
+    finally:
+        pw.stop()
+
+
+@contextlib.contextmanager
+def opened(browser, name: str, width: int = 1400, height: int = 1000) -> Iterator:
+    """``(page, errors)``: a page in a fresh context, closed afterwards; every wait in it times out.
+
+    ``errors`` collects the page's uncaught JavaScript errors. On a failure the page is
+    saved as ``artifacts/screenshots/FAILED-<name>.png`` and its errors printed.
+    """
+    context = browser.new_context(viewport={"width": width, "height": height})
+    try:
+        page = context.new_page()
+        page.set_default_timeout(TIMEOUT_MS)
+        errors: list[str] = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        try:
+            yield page, errors
+        except BaseException:
+            with contextlib.suppress(Exception):
+                shot(page, f"FAILED-{name}.png")
+            print(f"JavaScript errors on the page: {errors}")
+            raise
+    finally:
+        context.close()
+
+
+def _get(url: str) -> bytes:
+    with urllib.request.urlopen(url, timeout=5) as response:
+        return response.read()
+
+
+def _descendants(pid: int) -> list:
+    try:
+        import psutil
+        return psutil.Process(pid).children(recursive=True)
+    except Exception:  # psutil missing or the process gone: nothing more to find
+        return []
+
+
+@pytest.fixture(scope="module")
+def jupyterlab(tmp_path_factory):
+    """JupyterLab on 127.0.0.1, a free port and a random token, over a copy of the notebook.
+
+    The copy (outputs cleared, so every widget on the page comes from the run) keeps
+    the repository's notebook unchanged by JupyterLab's autosave. Settings, workspaces
+    and runtime files go to the temporary folder too. Yields ``(base_url, token)``.
+    """
+    import nbformat
+
+    home = tmp_path_factory.mktemp("jupyterlab")
+    root = home / "notebooks"
+    root.mkdir()
+    nb = nbformat.read(EXPLORER, as_version=4)
+    for cell in nb.cells:
+        if cell.cell_type == "code":
+            cell.outputs, cell.execution_count = [], None
+    nb.metadata.pop("widgets", None)
+    nbformat.write(nb, root / EXPLORER.name)
+
+    # No "get notified about Jupyter news?" pop-up over the page.
+    news = home / "settings" / "@jupyterlab" / "apputils-extension" / "notification.jupyterlab-settings"
+    news.parent.mkdir(parents=True)
+    news.write_text(json.dumps({"fetchNews": "false"}))
+
+    port, token = free_port(), secrets.token_hex(16)
+    env = {**os.environ, "JUPYTER_CONFIG_DIR": str(home / "config"), "JUPYTER_RUNTIME_DIR": str(home / "runtime"),
+           "JUPYTERLAB_SETTINGS_DIR": str(home / "settings"), "JUPYTERLAB_WORKSPACES_DIR": str(home / "workspaces"),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", "--ServerApp.ip=127.0.0.1",
+           f"--ServerApp.port={port}", "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}",
+           f"--ServerApp.root_dir={root}", "--LabApp.news_url=", "--LabApp.check_for_updates_class="
+           "jupyterlab.NeverCheckForUpdate", "--LabApp.extension_manager=readonly",
+           "--ServerApp.terminals_enabled=False", "--allow-root"]
+    log = (home / "jupyterlab.log").open("wb")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=root, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            if proc.poll() is not None:
+                raise RuntimeError(f"JupyterLab exited with {proc.returncode}: "
+                                   f"{(home / 'jupyterlab.log').read_text()[-3000:]}")
+            with contextlib.suppress(OSError):
+                json.loads(_get(f"{base}/api/status?token={token}"))
+                break
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"JupyterLab not up in 90 s: {(home / 'jupyterlab.log').read_text()[-3000:]}")
+            time.sleep(0.5)
+        yield base, token
+    finally:
+        kernels = _descendants(proc.pid)  # the kernels run in sessions of their own: find them now
+        with contextlib.suppress(Exception):  # the server shuts its kernels down, then itself
+            request = urllib.request.Request(f"{base}/api/shutdown?token={token}", method="POST")
+            urllib.request.urlopen(request, timeout=10).close()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=10)
+        for child in kernels:
+            with contextlib.suppress(Exception):
+                child.kill()
+        log.close()
+
+
+@pytest.fixture(scope="module")
+def book(tmp_path_factory) -> Path:
+    """The book built as ``make book`` builds it (``-W``), from the stored notebooks, into a temporary folder."""
+    out = tmp_path_factory.mktemp("book")
+    jb = Path(sys.executable).with_name("jupyter-book")
+    if not jb.exists():
+        pytest.fail(f"jupyter-book is not installed beside {sys.executable}")
+    done = subprocess.run([str(jb), "build", ".", "--config", "book/_config.yml", "--toc", "book/_toc.yml",
+                           "--path-output", str(out), "-W", "--keep-going"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
+    return out / "_build" / "html"
+
+
+# ----- the memory explorer, live ---------------------------------------------------------
+def wait_for_kernel(base: str, token: str, timeout: float = TIMEOUT_MS / 1000) -> None:
+    """Until the page's kernel has started, is idle and has the page connected (asked of the server).
+
+    The notebook's own status indicator says "idle" before the kernel is connected,
+    and cells run from the menu before then are dropped.
+    """
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        kernels = json.loads(_get(f"{base}/api/kernels?token={token}"))
+        if any(k["execution_state"] == "idle" and k["connections"] > 0 for k in kernels):
+            return
+        time.sleep(0.25)
+    raise TimeoutError(f"no idle, connected kernel in {timeout} s: {kernels}")
+
+
+def run_all_cells(page) -> None:
+    page.locator(".lm-MenuBar-itemLabel", has_text=re.compile(r"^Run$")).click()
+    page.locator(".lm-Menu-itemLabel", has_text=re.compile(r"^Run All Cells$")).click()
+
+
+def summary_bytes(page) -> float:
+    """The bytes per GPU the explorer's sentence shows for the selected stage, in bytes."""
+    text = page.locator(".widget-html-content", has_text="per device of").inner_text()
+    match = re.search(r"needs ([\d,.]+) GB per device", text)
+    assert match, text
+    return float(match.group(1).replace(",", "")) * GB
+
+
+def test_memory_explorer_in_jupyterlab_shows_the_formula_for_the_new_setting(browser, jupyterlab):
+    base, token = jupyterlab
+    with opened(browser, "explorer", height=1300) as (page, errors):
+        page.goto(f"{base}/lab/tree/{EXPLORER.name}?token={token}")
+        page.locator(".jp-Notebook").wait_for()
+        wait_for_kernel(base, token)
+        run_all_cells(page)
+
+        summary = page.locator(".widget-html-content", has_text="per device of")
+        summary.wait_for()
+        default = model_state_bytes(7.5e9, 64, 3)["total"]  # Fig 1: 16 x 7.5e9 / 64 = 1.875e9 bytes
+        assert summary_bytes(page) == pytest.approx(default, abs=0.005 * GB)
+        # Drawing the Psi slider must not move Psi (a slider snapping 7.5e9 to its step grid did).
+        assert "120.00 GB" in summary.locator("tr", has_text="0 DP").inner_text()  # 16 x 7.5e9 bytes
+        explorer = page.locator(".jp-OutputArea-output .widget-vbox").first
+        explorer.scroll_into_view_if_needed()
+        shot(page, "explorer_default.png")
+        figure = explorer.locator("img").first
+        before = figure.get_attribute("src")
+
+        # Nd: 64 -> 256, two steps right on the slider's handle (the keyboard a reader would use).
+        nd = page.locator(".widget-slider", has=page.get_by_text("Nd (data parallel)", exact=True))
+        nd.locator(".noUi-handle").click()
+        page.keyboard.press("ArrowRight")
+        page.keyboard.press("ArrowRight")
+        nd.locator(".widget-readout").filter(has_text=re.compile(r"^256$")).wait_for()
+        # Stage: the dropdown, 3 -> 2.
+        stage = page.locator(".widget-dropdown", has=page.get_by_text("stage", exact=True)).locator("select")
+        stage.select_option(label="2 P_os+g")
+
+        expected = model_state_bytes(7.5e9, 256, 2)["total"]  # 2 x 7.5e9 + 14 x 7.5e9 / 256 = 15.41e9
+        assert expected == per_device_bytes(7.5e9, 256, 2)["total"]
+        shown = f"needs {expected / GB:,.2f} GB per device"
+        page.locator(".widget-html-content", has_text=shown).wait_for()
+        assert summary_bytes(page) == pytest.approx(expected, abs=0.005 * GB)
+        # The sentence, the table row of the stage and the figure all follow the controls.
+        row = summary.locator("tr", has_text="2 P_os+g").first
+        assert f"{expected / GB:,.2f} GB" in row.inner_text()
+        # The explorer sends the figure before the summary, so the figure is new too.
+        assert figure.get_attribute("src") != before
+        page.wait_for_function("i => i.complete && i.naturalWidth > 0", arg=figure.element_handle())
+        explorer.scroll_into_view_if_needed()
+        shot(page, "explorer_nd256_stage2.png")
+        shot(explorer, "explorer_widget.png")
+        # No widget view failed to draw (ipywidgets shows those as an error box), and no
+        # uncaught error came from the widgets (JupyterLab's own are not ours to judge).
+        assert page.get_by_text("Click to show javascript error").count() == 0
+        assert not [e for e in errors if "widget" in e.lower()], errors
+
+
+# ----- the built book ----------------------------------------------------------------------
+def offline(page) -> list[str]:
+    """Refuse every request off the machine, as a reader without a network would see it.
+
+    Returns the list of refused URLs, which stays empty for a book that needs no
+    network (MathJax comes from sphinx-mathjax-offline, widgets are not embedded).
+    """
+    refused: list[str] = []
+
+    def refuse(route) -> None:
+        refused.append(route.request.url)
+        route.abort()
+
+    page.route(re.compile(r"^https?://"), refuse)
+    return refused
+
+
+def book_errors(errors: list[str]) -> list[str]:
+    """The page's JavaScript errors, less one of the theme's own that every jupyter-book 1.x page has.
+
+    sphinx-thebe (loaded by jupyter-book whether or not thebe is used) adds its inline
+    ``const THEBE_JS_URL = ...`` script twice under Sphinx 7, and the second copy fails.
+    """
+    return [e for e in errors if "THEBE_JS_URL" not in e]
+
+
+def open_page(page, path: Path) -> list[dict]:
+    """Open a built page from disk; wait for its images and its math. Returns the article's images."""
+    page.goto(path.as_uri())
+    page.locator("article h1").first.wait_for()
+    page.wait_for_function("() => Array.from(document.images).every(i => i.complete)")
+    # MathJax (from the book's own _static) typesets after load: wait for it, then no raw TeX may be left.
+    page.wait_for_function("() => window.MathJax && MathJax.startup && MathJax.startup.document")
+    page.evaluate("() => MathJax.startup.promise")
+    text = page.locator("article").inner_text()
+    assert "\\(" not in text and "$$" not in text, "TeX left untypeset"
+    return page.eval_on_selector_all(
+        "article img", "imgs => imgs.map(i => ({src: i.getAttribute('src'), w: i.naturalWidth, h: i.naturalHeight}))")
+
+
+def test_book_chapter_3_shows_its_figures_and_tables(browser, book):
+    with opened(browser, "book_ch03", width=1600) as (page, errors):
+        refused = offline(page)
+        images = open_page(page, book / "notebooks" / "03_zero2.html")
+        assert "Chapter 3" in page.locator("article h1").first.inner_text()
+        assert page.locator("article h1 mjx-container").count() == 1  # P_{os+g} in the title, typeset
+        shot(page, "book_ch03_top.png")
+        assert len(images) >= 3, images  # the timeline, the peaks by version, the bucket sweep
+        assert all(i["w"] > 0 and i["h"] > 0 for i in images), images
+        for n, img in enumerate(page.locator("article img").all()):
+            img.scroll_into_view_if_needed()
+            assert img.bounding_box()["width"] > 200
+            shot(img, f"book_ch03_figure{n}.png")
+        # The chapter's tables are printed by its cells, measured next to the formula:
+        # text tables in the outputs, '|' between column groups, one line per row.
+        outputs = page.locator("article .cell_output pre").all()
+        tables = [o for o in outputs if sum("|" in line for line in o.inner_text().splitlines()) >= 4]
+        assert len(tables) >= 4, [o.inner_text()[:200] for o in outputs]
+        for t in tables:
+            assert t.is_visible() and t.bounding_box()["height"] > 40
+        tables[0].scroll_into_view_if_needed()
+        shot(page, "book_ch03_table.png")
+        assert not refused, f"the page asked the network for {refused}"
+        assert not book_errors(errors), errors
+
+
+def test_book_chapter_6_shows_a_static_figure_under_every_explorer(browser, book):
+    with opened(browser, "book_ch06", width=1600) as (page, errors):
+        refused = offline(page)
+        open_page(page, book / "notebooks" / "06_at_scale.html")
+        cells = page.locator("article div.cell").all()
+        sources = [c.locator(".cell_input").inner_text() if c.locator(".cell_input").count() else "" for c in cells]
+        for name in widgets.__all__:
+            at = [i for i, s in enumerate(sources) if f"widgets.{name}(" in s]
+            assert at, f"chapter 6 has no cell showing widgets.{name}"
+            # Without a kernel the explorer shows as its text form (name and settings) ...
+            assert f"{name}(" in cells[at[0]].locator(".cell_output").inner_text()
+            # ... and the next cell draws its default view as a static figure.
+            assert "views." in sources[at[0] + 1], sources[at[0] + 1]
+            img = cells[at[0] + 1].locator(".cell_output img")
+            assert img.count() == 1, f"no static figure after widgets.{name}"
+            img.scroll_into_view_if_needed()
+            assert img.evaluate("i => i.complete ? i.naturalWidth : 0") > 0, f"the figure of {name} did not load"
+            shot(img, f"book_ch06_{name}.png")
+        assert not refused, f"the page asked the network for {refused}"
+        assert not book_errors(errors), errors
+
+
+def test_book_appendix_shows_the_memory_explorers_static_figure(browser, book):
+    with opened(browser, "book_06a", width=1600) as (page, errors):
+        refused = offline(page)
+        images = open_page(page, book / "notebooks" / EXPLORER.with_suffix(".html").name)
+        assert len(images) == 1 and images[0]["w"] > 0, images
+        table = page.locator("article table")  # the formulas of Sec 5, typeset
+        assert table.count() == 1 and table.locator("mjx-container").count() >= 8
+        shot(page, "book_06a_top.png")
+        assert not refused, f"the page asked the network for {refused}"
+        assert not book_errors(errors), errors
