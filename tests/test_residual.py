@@ -9,6 +9,7 @@ import residual_jobs
 from zerolearn.dist import launch
 from zerolearn.memory import model as analytic
 from zerolearn.residual import defrag
+from zerolearn.views import sec63_trace
 
 STAGES = (0, 1, 2, 3)
 VARIANTS = {
@@ -88,15 +89,7 @@ def test_allocator_fails_with_free_memory_when_long_lived_tensors_interleave():
     # The pattern of Sec 6.3, as lifetimes: per block, a large short-lived temporary and
     # a small long-lived checkpoint allocated after it; backward then needs a block of
     # the temporary's size plus a gradient kept until the step.
-    mib, trace, uid = 2**20, [], 0
-    for _ in range(8):
-        trace += [("alloc", uid, 12 * mib, "forward"), ("alloc", uid + 1, 2 * mib, "forward"),
-                  ("free", uid, 12 * mib, "forward")]
-        uid += 2
-    for block in range(8):
-        trace += [("alloc", uid, 24 * mib, "backward"), ("alloc", uid + 1, 1 * mib, "backward"),
-                  ("free", uid, 24 * mib, "backward"), ("free", 2 * (7 - block) + 1, 2 * mib, "backward")]
-        uid += 2
+    trace = sec63_trace(blocks=8, temp_mib=12, checkpoint_mib=2, grad_mib=1)
     capacity = defrag.smallest_capacity(trace, md=True)
     without = defrag.replay(trace, capacity, md=False)
     assert defrag.replay(trace, capacity, md=True).ok

@@ -3,8 +3,8 @@
 ``zero_r_run`` trains the book's small GPT on an Nd x Nm world with Megatron-style
 tensor parallelism, optionally with activation checkpointing and ZeRO-R's P_a,
 P_a+cpu or contiguous checkpoint pool (``zerolearn.residual``), and returns what it
-measured. ``sec63_trace`` builds the allocation pattern of Sec 6.3 for the allocator
-simulator of ``zerolearn.residual.defrag``.
+measured. ``sec63_trace`` (from ``zerolearn.views``) builds the allocation pattern of
+Sec 6.3 for the allocator simulator of ``zerolearn.residual.defrag``.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from zerolearn.memory.ledger import MemoryLedger
 from zerolearn.models import GPTConfig, build_model
 from zerolearn.residual.checkpointing import CheckpointStore
 from zerolearn.residual.tensor_parallel import make_parallel_groups, parallelize_gpt
+from zerolearn.views import sec63_trace  # noqa: F401 - the chapter's trace, one source
 
 GPT = GPTConfig(seq_len=32, n_layer=4, n_head=4, d_model=64)
 BATCH = 8  # global; divisible by Nd = 1, 2, 4
@@ -77,27 +78,6 @@ def bucket_sweep(widths: list[int], bucket_mbs: list[float], stage: int = 2) -> 
             out.append({"width": width, "psi": engine.psi, "bucket_mb": bucket_mb,
                         "peak": engine.temp_buffer_peak_bytes})
     return out
-
-
-def sec63_trace(blocks: int = 8, temp_mib: int = 12, checkpoint_mib: int = 2, grad_mib: int = 1):
-    """The lifetimes of Sec 6.3 as an allocation trace for ``residual.defrag``.
-
-    Forward: per block a large short-lived temporary, then a long-lived checkpoint
-    allocated after it, then the temporary freed. Backward, last block first: the
-    recomputation's larger temporary, a parameter gradient kept until the step, the
-    temporary and the block's checkpoint freed.
-    """
-    mib, trace, uid = 2**20, [], 0
-    for _ in range(blocks):
-        trace += [("alloc", uid, temp_mib * mib, "forward"), ("alloc", uid + 1, checkpoint_mib * mib, "forward"),
-                  ("free", uid, temp_mib * mib, "forward")]
-        uid += 2
-    for block in range(blocks):
-        checkpoint = 2 * (blocks - 1 - block) + 1
-        trace += [("alloc", uid, 2 * temp_mib * mib, "backward"), ("alloc", uid + 1, grad_mib * mib, "backward"),
-                  ("free", uid, 2 * temp_mib * mib, "backward"), ("free", checkpoint, checkpoint_mib * mib, "backward")]
-        uid += 2
-    return trace
 
 
 def check(exercise: str, answer) -> None:
