@@ -161,6 +161,14 @@ def analytic_bytes(args, psi: int, nd: int) -> dict[str, float]:
 RESUME_MUST_MATCH = ("model", "seed", "global_batch_size", "seq_len", "mlp_width", "optimizer")
 
 
+def say(line: str) -> None:
+    """Write a message and its newline to stderr in one system call, so messages from
+    ranks sharing the launcher's pipe never interleave (``print`` writes the text and
+    the newline separately; a pipe keeps a single write under 4 KiB whole)."""
+    sys.stderr.flush()
+    os.write(sys.stderr.fileno(), (line + "\n").encode(errors="replace"))
+
+
 def fail_on_purpose(args, step: int, rank: int) -> None:
     """``--fail-at-step``: kill or hang this rank, on the first attempt only.
 
@@ -171,7 +179,7 @@ def fail_on_purpose(args, step: int, rank: int) -> None:
         return
     if int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0:
         return
-    print(f"rank {rank}: failing on purpose in step {step} ({args.fail_mode})", file=sys.stderr, flush=True)
+    say(f"rank {rank}: failing on purpose in step {step} ({args.fail_mode})")
     if args.fail_mode == "kill":
         os.kill(os.getpid(), signal.SIGKILL)
     while True:  # "hang": alive, but never reaching the next collective
@@ -301,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
         zdist.teardown(clean=False)
         parser.exit(2, f"{parser.prog}: error: {e}\n")
     except Exception as e:  # noqa: BLE001 - exit 1 with the rank named, as DESIGN section 4 says
-        print(f"rank {ctx.rank}: {type(e).__name__}: {e}", file=sys.stderr)
+        say(f"rank {ctx.rank}: {type(e).__name__}: {e}")
         zdist.teardown(clean=False)
         return 1
     zdist.teardown()
