@@ -8,8 +8,9 @@ import jobs
 import residual_jobs
 from zerolearn.dist import launch
 from zerolearn.memory import model as analytic
+from zerolearn.models import GPTConfig, build_model
 from zerolearn.residual import defrag
-from zerolearn.views import sec63_trace
+from zerolearn.views import recorded_trace
 
 STAGES = (0, 1, 2, 3)
 VARIANTS = {
@@ -85,15 +86,52 @@ def test_constant_size_buffers_stay_under_the_cap_as_the_model_grows():
         assert naive["peak"] >= (large["psi"] * 4 if stage < 3 else 128 * 129 * 4)
 
 
-def test_allocator_fails_with_free_memory_when_long_lived_tensors_interleave():
-    # The pattern of Sec 6.3, as lifetimes: per block, a large short-lived temporary and
-    # a small long-lived checkpoint allocated after it; backward then needs a block of
-    # the temporary's size plus a gradient kept until the step.
-    trace = sec63_trace(blocks=8, temp_mib=12, checkpoint_mib=2, grad_mib=1)
+def test_recorded_trace_follows_real_tensors_lifetimes():
+    # A small GPT, two recorded steps: the lifetime classes are Sec 6.3's, sized by the model.
+    cfg = GPTConfig(seq_len=32, n_layer=2, n_head=2, d_model=32)
+    trace = defrag.record_gpt_steps(cfg, batch_size=4)
+    psi_bytes = sum(p.numel() * 4 for p in build_model("gpt", 0, gpt=cfg).parameters())
+    classes = defrag.lifetime_classes(trace)
+    allocated = {}  # bytes allocated over the trace, per lifetime class
+    for event, uid, nbytes, _ in trace:
+        if event == "alloc" and uid in classes:
+            allocated[classes[uid]] = allocated.get(classes[uid], 0) + nbytes
+    assert allocated["setup->end"] == psi_bytes  # the parameters, never freed
+    assert allocated["step->end"] == 2 * psi_bytes  # Adam's two moments, made by the first step
+    assert allocated["backward->step"] == 2 * psi_bytes  # each step's gradients, freed by zero_grad
+    checkpoints = [n for e, u, n, _ in trace if e == "alloc" and classes.get(u) == "forward->backward"]
+    assert checkpoints.count(4 * 32 * 32 * 4) >= 2 * cfg.n_layer  # each block's input, in each step
+    fused = [n for e, _, n, phase in trace if e == "alloc" and phase == "step" and n == psi_bytes]
+    assert len(fused) == 2  # the flattened gradients, once per step
+
+
+def test_allocator_fails_with_free_memory_on_a_real_trace_and_md_fixes_it():
+    # Sec 6.3 on two real training steps (recorded, replayed through the caching-allocator
+    # model): in the least memory that suffices with MD, the run without MD fails with
+    # over 30% of memory free, on the step's one large request, the flattened gradients.
+    trace = recorded_trace()
+    psi_bytes = sum(p.numel() * 4 for p in build_model("gpt", 0, gpt=GPTConfig(**defrag.FRAGMENTING_GPT)).parameters())
     capacity = defrag.smallest_capacity(trace, md=True)
-    without = defrag.replay(trace, capacity, md=False)
     assert defrag.replay(trace, capacity, md=True).ok
+    without = defrag.replay(trace, capacity, md=False)
     assert not without.ok and without.free_fraction > 0.3
+    assert without.failed_bytes == psi_bytes and trace[without.failed_event][3] == "step"
+    assert without.free_bytes_at_failure > psi_bytes  # enough memory free, not in one piece
+    assert defrag.smallest_capacity(trace, md=False) > capacity
+
+
+def test_caching_arena_gives_back_empty_segments_but_not_pinned_ones():
+    mib = 2**20
+    arena = defrag.CachingArena(capacity=40 * mib)
+    assert arena.alloc(0, 8 * mib) and arena.alloc(1, 8 * mib)  # one 20 MiB segment, 4 MiB left
+    assert arena.alloc(2, 12 * mib) and arena.reserved == 32 * mib  # its own 12 MiB segment
+    arena.free(2)
+    assert arena.alloc(3, 16 * mib)  # refused at first; the empty 12 MiB segment is given back
+    assert arena.reserved == 36 * mib
+    arena.free(3)
+    arena.free(0)  # the 20 MiB segment still holds block 1: 12 MiB free in it, but pinned
+    assert not arena.alloc(4, 24 * mib)  # 32 MiB free, 12 of them in the pinned segment: no 24 in one piece
+    assert arena.reserved == 20 * mib and arena.segments[False][0].free_bytes == 12 * mib
 
 
 def test_cli_2x2_with_pa_matches_1x1_and_reports_residual_memory_and_traffic():

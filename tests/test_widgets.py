@@ -179,9 +179,9 @@ def test_timeline_viewer_shows_the_ledgers_numbers_per_stage():
 
 def test_fragmentation_simulator_replays_through_defrag():
     sim = widgets.FragmentationSimulator()
-    trace = views.sec63_trace()
+    trace = views.recorded_trace()
     capacity = sim.controls["capacity"]
-    ranges = {"capacity": range(capacity.min, capacity.max + 1, 8), "md": [True, False], "scale": [0.5, 2.0, 8.0]}
+    ranges = {"capacity": range(capacity.min, capacity.max + 1, 64), "md": [True, False], "scale": [0.5, 2.0]}
     for _ in sweep(sim, ranges):
         cap, md, scale = (sim.controls[n].value for n in ranges)
         expected = defrag.replay(trace, cap * MIB, md=md, scale=scale)
@@ -193,7 +193,7 @@ def test_fragmentation_simulator_replays_through_defrag():
 
 def test_fragmentation_default_fails_with_a_third_free_until_md_is_on():
     sim = widgets.FragmentationSimulator()
-    assert sim.controls["capacity"].value * MIB == defrag.smallest_capacity(views.sec63_trace(), md=True)
+    assert sim.controls["capacity"].value == -(-defrag.smallest_capacity(views.recorded_trace(), md=True) // MIB)
     assert not sim.result["ok"] and sim.result["free_fraction"] > 0.3  # Sec 6.3: OOM with over 30% free
     sim.controls["md"].value = True
     assert sim.result["ok"]

@@ -22,7 +22,7 @@ from zerolearn.memory.model import GB, STAGE_NAMES, comm_volume_elements, dtype_
 from zerolearn.residual import defrag
 
 __all__ = ["CATEGORIES", "GPUS", "NDS", "fewest_gpus", "fit_figure", "fragmentation", "fragmentation_figure",
-           "memory_by_stage", "memory_figure", "readable", "sec63_trace", "timeline_figure", "timeline_series",
+           "memory_by_stage", "memory_figure", "readable", "recorded_trace", "timeline_figure", "timeline_series",
            "tradeoff", "tradeoff_figure"]
 
 GPUS = {"V100 16 GB": 16 * GB, "V100 32 GB": 32 * GB, "RTX 4090 24 GB": 24 * GB, "A100 40 GB": 40 * GB,
@@ -227,27 +227,21 @@ def timeline_figure(report: dict, categories: tuple[str, ...] = ("params", "grad
 
 
 # ----- (5) fragmentation (Sec 6.3) -------------------------------------------------------
-def sec63_trace(blocks: int = 8, temp_mib: int = 12, checkpoint_mib: int = 2, grad_mib: int = 1) -> list[tuple]:
-    """A synthetic trace with Sec 6.3's pattern, as ``MemoryLedger(record_trace=True)`` writes one.
+_PHASE_COLORS = {"setup": "tab:gray", "forward": "tab:blue", "backward": "tab:red", "step": "tab:green"}
 
-    Forward, per block: a large short-lived temporary, then a small long-lived
-    checkpoint allocated after it, then the temporary is freed. Backward, per block
-    in reverse: a temporary twice as large, a gradient kept until the end, the
-    temporary and that block's checkpoint freed. Entries are
-    ``(event, uid, bytes, phase)``. The defaults are those of the test of this
-    pattern in ``tests/test_residual.py``.
+
+@functools.lru_cache(maxsize=1)
+def _recorded() -> tuple:
+    return tuple(defrag.record_gpt_steps())
+
+
+def recorded_trace() -> list[tuple]:
+    """The allocation trace of two real training steps, ``defrag.record_gpt_steps()``.
+
+    Recorded once per process (about 10 s on two CPU cores) and reused by the
+    fragmentation views and the explorer. Entries are ``(event, uid, bytes, phase)``.
     """
-    mib, trace, uid = 2**20, [], 0
-    for _ in range(blocks):
-        trace += [("alloc", uid, temp_mib * mib, "forward"), ("alloc", uid + 1, checkpoint_mib * mib, "forward"),
-                  ("free", uid, temp_mib * mib, "forward")]
-        uid += 2
-    for block in range(blocks):
-        trace += [("alloc", uid, 2 * temp_mib * mib, "backward"), ("alloc", uid + 1, grad_mib * mib, "backward"),
-                  ("free", uid, 2 * temp_mib * mib, "backward"),
-                  ("free", 2 * (blocks - 1 - block) + 1, checkpoint_mib * mib, "backward")]
-        uid += 2
-    return trace
+    return list(_recorded())
 
 
 @functools.lru_cache(maxsize=64)
@@ -259,8 +253,9 @@ def fragmentation(trace: list[tuple], capacity: int, md: bool = False, scale: fl
     """Replay ``trace`` in an arena of ``capacity`` bytes (``defrag.replay``) and summarise.
 
     Returns ``ok``, ``failed_event``, ``request`` (the bytes that could not be placed),
-    ``free_bytes`` and ``free_fraction`` at the failure (0 when none failed), ``headroom`` (capacity
-    minus the live peak), ``live`` (bytes live after each event, the
+    ``free_bytes`` and ``free_fraction`` at the failure (0 when none failed),
+    ``headroom`` (capacity minus the live peak), ``reserved`` (bytes the allocator
+    holds after each event replayed), ``live`` (bytes live after each event, the
     trace's own count), ``peak_live``, and the smallest arena that works without
     and with MD (``smallest_without_md``, ``smallest_with_md``), all in bytes.
     """
@@ -270,7 +265,7 @@ def fragmentation(trace: list[tuple], capacity: int, md: bool = False, scale: fl
         now += nbytes if event == "alloc" else -nbytes
         live.append(now)
     key = tuple(trace)
-    return {"ok": result.ok, "capacity": capacity, "failed_event": result.failed_event,
+    return {"ok": result.ok, "reserved": result.reserved, "capacity": capacity, "failed_event": result.failed_event,
             "free_bytes": result.free_bytes_at_failure, "headroom": capacity - max(live),
             "free_fraction": result.free_fraction, "request": result.failed_bytes,
             "live": live, "peak_live": max(live), "smallest_without_md": _smallest(key, False, scale),
@@ -281,25 +276,43 @@ def fragmentation_figure(trace: list[tuple] | None = None, capacity: int | None 
                          scale: float = 1.0) -> Figure:
     """Live bytes over the trace, the arena's capacity, and where an allocation fails.
 
-    Defaults: :func:`sec63_trace` in the smallest arena that works *with* MD, replayed
-    without it, which fails with about a third of the arena free.
+    Defaults: :func:`recorded_trace` in the smallest arena that works *with* MD,
+    replayed without it, which fails with over 40% of the arena free. The bytes held
+    by long-lived tensors (``defrag.lifetime_classes``, what MD pools) are drawn too.
     """
-    trace = trace or sec63_trace()
+    trace = trace or recorded_trace()
     capacity = capacity or _smallest(tuple(trace), True, scale)
     r = fragmentation(trace, capacity, md, scale)
-    fig = Figure(figsize=(8, 3.6), layout="constrained")
+    fig = Figure(figsize=(8, 3.8), layout="constrained")
     ax = fig.add_subplot()
-    mib = 2**20
+    mib, top = 2**20, 1.35 * max(capacity, r["peak_live"]) / 2**20  # a band above the arena line for the legend
+    start = 0  # light bands for the phases, named at the bottom
+    for i in range(1, len(trace) + 1):
+        if i == len(trace) or trace[i][3] != trace[start][3]:
+            phase = trace[start][3]
+            ax.axvspan(start, i, color=_PHASE_COLORS.get(phase, "white"), alpha=0.12, lw=0)
+            if i - start > len(trace) / 25:
+                ax.text((start + i) / 2, 0.02 * top, phase, ha="center", va="bottom", fontsize=7, color="0.35")
+            start = i
+    ax.step(range(len(r["reserved"])), [v / mib for v in r["reserved"]], where="post", color="tab:orange",
+            label="reserved by the allocator")
     ax.step(range(len(trace)), [v / mib for v in r["live"]], where="post", label="live tensors")
-    ax.axhline(capacity / mib, color="black", linestyle="--", label=f"arena {capacity / mib:g} MiB")
+    long, held, now = defrag.lifetime_classes(trace), [], 0
+    for event, uid, nbytes, _ in trace:
+        now += (nbytes if event == "alloc" else -nbytes) if uid in long else 0
+        held.append(now / mib)
+    ax.step(range(len(trace)), held, where="post", color="tab:purple", label="long-lived (pooled by MD)")
+    ax.axhline(capacity / mib, color="black", linestyle="--", label=f"arena {capacity / mib:.0f} MiB")
     if not r["ok"]:
         i = r["failed_event"]
-        ax.axvline(i, color="tab:red", label=f"out of memory at event {i}, {r['free_bytes'] / mib:g} MiB free")
+        ax.axvline(i, color="tab:red", label=f"out of memory: {r['request'] / mib:.0f} MiB asked, "
+                                             f"{r['free_bytes'] / mib:.0f} MiB ({r['free_fraction']:.0%}) free")
     ax.set_xlabel("trace event (allocation or free), in order")
     ax.set_ylabel("bytes (MiB)")
     ax.set_title(f"Fragmentation (Sec 6.3): MD {'on' if md else 'off'}, "
-                 f"{'fits' if r['ok'] else 'fails'} in {capacity / mib:g} MiB")
-    ax.set_ylim(0, 1.3 * max(capacity, r["peak_live"]) / mib)  # a band above the arena line for the legend
-    ax.legend(fontsize=8, loc="upper left", ncols=3)
+                 f"{'fits' if r['ok'] else 'fails'} in {capacity / mib:.0f} MiB")
+    ax.set_xlim(0, len(trace))
+    ax.set_ylim(0, top)
+    ax.legend(fontsize=8, loc="upper left", ncols=2)
     ax.grid(alpha=0.3)
     return fig

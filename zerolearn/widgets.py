@@ -279,14 +279,14 @@ class TimelineViewer(_Explorer):
 class FragmentationSimulator(_Explorer):
     """Replay a trace through a simulated caching allocator, with and without MD (Sec 6.3).
 
-    Args: ``trace`` (default :func:`zerolearn.views.sec63_trace`). Controls: the
+    Args: ``trace`` (default :func:`zerolearn.views.recorded_trace`). Controls: the
     arena's ``capacity`` in MiB, ``md`` on or off, and ``scale`` (shrinks the
     allocator's size classes, ``defrag.CachingArena``). ``result``: see
     :func:`zerolearn.views.fragmentation`.
     """
 
     def __init__(self, trace: list[tuple] | None = None):
-        self.trace = trace or views.sec63_trace()
+        self.trace = trace or views.recorded_trace()
         smallest = views.fragmentation(self.trace, 2**40, True)
         low = max(1, int(smallest["peak_live"] // MIB))
         high = max(low + 1, -(-2 * smallest["smallest_without_md"] // MIB))

@@ -21,8 +21,9 @@ data-parallel groups, each splitting every transformer block across two ranks.
    all-gather per block that costs about 1/12 of the model parallelism's own traffic (Sec 8);
    and $P_{a+cpu}$, which moves checkpoints to host memory;
 4. show why fused buffers must have a constant size (CB, Sec 6.2);
-5. reproduce, with an allocator simulator, an out-of-memory error with a third of memory
-   still free, and its cure by contiguous pools (MD, Sec 6.3).
+5. reproduce, by replaying real training steps through a model of the caching allocator,
+   an out-of-memory error with over 30% of memory still free, and its cure by contiguous
+   pools (MD, Sec 6.3).
 """),
     ("code", r"""
 import inspect
@@ -165,32 +166,79 @@ plt.show()
 
 Sec 6.3: in forward, a block's checkpoint lives until backward while the block's
 temporaries die at once; in backward, parameter gradients live until the step while
-recomputed activations die at once. Long-lived tensors scattered among short-lived ones
-cut free memory into pieces too small for the next large request. ZeRO copies the
-long-lived tensors into pre-allocated contiguous pools.
+recomputed activations and activation gradients die at once. Long-lived tensors end up
+scattered among short-lived ones and cut free memory into pieces, too small for the next
+large request. The paper saw out-of-memory errors with over 30% of memory free. ZeRO's
+fix, MD, copies the long-lived tensors into pre-allocated contiguous pools.
 
-`zerolearn.residual.defrag` replays an allocation trace through a model of a caching
-allocator: best fit with block splitting inside segments reserved from the device, free
-blocks merging only within their segment. With MD, long-lived tensors get their own
-pool. The trace follows Sec 6.3's description: 8 blocks with 12 MiB temporaries and
-2 MiB checkpoints, then a backward that needs 24 MiB at a time.
+To see it without a GPU we record where memory goes in real training and replay it.
+`defrag.record_gpt_steps()` trains a 25M-parameter GPT (8 blocks, hidden 512, seq 512,
+batch 8, real text) for two steps as plain data parallelism did before ZeRO: one
+checkpoint per block, a gradient per parameter wherever the allocator puts it, all
+gradients flattened into one buffer for the all-reduce, an Adam step. The ledger writes
+down every allocation and free. `defrag.replay` runs them through a model of torch's
+caching allocator: memory reserved from the device in segments (2 MiB ones for requests
+up to 1 MiB, 20 MiB ones up to 10 MiB, larger requests alone), best fit inside them, free
+blocks merging only within their segment, and, before a request is refused, every
+segment with nothing left in it given back. With MD, each class of long-lived tensors
+gets a pool of its own.
 """),
     ("code", r"""
-trace = ch05.sec63_trace()
+from zerolearn import views
+
+trace = views.recorded_trace()
+classes = defrag.lifetime_classes(trace)
+print(f"{len(trace)} allocations and frees in two steps; the long-lived tensors, by lifetime:")
+for name, what in [("setup->end", "parameters"), ("step->end", "Adam's moments"),
+                   ("forward->backward", "kept for backward"), ("backward->step", "gradients")]:
+    members = {u for u, c in classes.items() if c == name}
+    print(f"  {name:18s} {what:17s} {len(members):4d} tensors, "
+          f"{defrag.pool_bytes(trace, members) / 2**20:6.1f} MiB at most at once")
 capacity = defrag.smallest_capacity(trace, md=True)
 with_md, without_md = defrag.replay(trace, capacity, md=True), defrag.replay(trace, capacity, md=False)
 print(f"device memory: {capacity / 2**20:.0f} MiB (the least that works with MD)")
 print(f"with MD:    ok = {with_md.ok}")
-print(f"without MD: ok = {without_md.ok}, failed asking for {without_md.failed_bytes / 2**20:.0f} MiB "
-      f"with {without_md.free_bytes_at_failure / 2**20:.0f} MiB free ({without_md.free_fraction:.0%} of memory)")
+print(f"without MD: ok = {without_md.ok}; in phase {trace[without_md.failed_event][3]!r} it asked for "
+      f"{without_md.failed_bytes / 2**20:.0f} MiB with {without_md.free_bytes_at_failure / 2**20:.0f} MiB free "
+      f"({without_md.free_fraction:.0%} of memory)")
 print(f"without MD it needs {defrag.smallest_capacity(trace, md=False) / 2**20:.0f} MiB")
 """),
     ("md", r"""
-On real traces the effect depends on sizes: recorded from this chapter's small GPT, whose
-tensors are a few hundred KiB, the simulated caching allocator packs them well and MD
-only adds its pools' size; the paper saw the problem on models whose activations are
-hundreds of MiB each. `MemoryLedger(record_trace=True)` records a real step's trace for
-`defrag.replay`, if you want to try your own.
+The request that fails is the flattened gradients, 98 MiB (4 bytes x 25.7M parameters).
+At that moment over 40% of memory is free, but the allocator cannot reserve a new
+segment that large: the segments it holds each keep a gradient, an optimizer state or a
+checkpoint alive somewhere inside, so none can be given back. The orange line is what the
+allocator holds; the blue one what tensors use; the purple one what MD would pool.
+"""),
+    ("code", r"""
+display(views.fragmentation_figure(trace, capacity, md=False))
+display(views.fragmentation_figure(trace, capacity, md=True))
+"""),
+    ("md", r"""
+MD is not free: each pool is as large as its own class ever needs, and the checkpoints'
+pool is idle while the gradients' pool fills, where without MD the same memory would
+serve both. It pays when fragmentation costs more. Three GPTs, each recorded the same way:
+"""),
+    ("code", r"""
+rows = ch05.md_comparison()
+print(f"{'GPT':>20s} {'Psi':>6s} {'live peak':>10s} {'without MD':>15s} {'with MD':>15s} {'MD pools':>9s} "
+      f"{'one pool':>9s}   without MD, in the memory MD needs")
+for r in rows:
+    outcome = ("fits" if r["ok"] else f"out of memory in {r['phase']!r} asking for {r['request'] / 2**20:.0f} MiB, "
+               f"{r['free_fraction']:.0%} free")
+    over = {k: f"{r[k] / 2**20:.0f} (+{(r[k] - r['live_peak']) / 2**20:.0f})" for k in ("without_md", "with_md")}
+    print(f"{r['n_layer']:2d} blocks, hidden {r['d_model']:3d} {r['psi'] / 1e6:5.1f}M {r['live_peak'] / 2**20:10.0f} "
+          f"{over['without_md']:>15s} {over['with_md']:>15s} {r['pools'] / 2**20:9.0f} {r['long_peak'] / 2**20:9.0f}"
+          f"   {outcome}")
+print("MiB. 'without MD', 'with MD': the least memory each needs (+ above the live peak).")
+"""),
+    ("md", r"""
+Above the live peak, the allocator without MD pays for segments kept alive by the tensors
+pinned in them; with MD it pays for the pools' separation (MD pools minus one pool) and for
+the segments of the short-lived tensors. As the model grows, the first cost grows faster
+than the second, and at 8 blocks MD needs less memory than no MD; the paper met the
+failure on models far larger (Sec 6.3). `MemoryLedger(record_trace=True)` records any
+step you write; `defrag.replay` takes its trace.
 
 ## Exercises
 
@@ -219,6 +267,9 @@ ch05.check("pa_ratio", answer)
   $N_m$ for one all-gather per block, 1/12 of model parallelism's traffic; $P_{a+cpu}$
   moves it off the device.
 - CB keeps fused buffers at a constant size; MD keeps long-lived tensors in contiguous
-  pools so free memory stays usable.
+  pools so free memory stays usable. Replayed through a model of the caching allocator,
+  two real training steps of a 25.7M-parameter GPT run out of memory with over 40% of it
+  free without MD, and fit in the same memory with it; on smaller GPTs the pools cost
+  more than they save.
 """),
 ]

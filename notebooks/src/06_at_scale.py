@@ -376,10 +376,11 @@ the limit once model states are partitioned.
 Residual memory has one more source: fragmentation. The paper saw out-of-memory
 errors with over 30% of memory still free, because long-lived tensors (activation
 checkpoints, parameter gradients) end up scattered between short-lived ones. The
-fragmentation explorer replays a trace of that pattern (`views.sec63_trace`) through
-the allocator simulator of `zerolearn.residual.defrag`: change the arena's size,
-turn MD (a contiguous pool for the long-lived tensors) on and off, and scale the
-allocator's size classes.
+fragmentation explorer replays the allocations of two real training steps of a
+25.7M-parameter GPT (`views.recorded_trace`, chapter 5 explains it) through the model
+of torch's caching allocator in `zerolearn.residual.defrag`: change the memory's size,
+turn MD (contiguous pools for the long-lived tensors) on and off, and scale the
+allocator's size classes (2 shrinks its segments to half their size).
 """),
 ("code", """
 display(widgets.FragmentationSimulator())

@@ -3,8 +3,9 @@
 ``zero_r_run`` trains the book's small GPT on an Nd x Nm world with Megatron-style
 tensor parallelism, optionally with activation checkpointing and ZeRO-R's P_a,
 P_a+cpu or contiguous checkpoint pool (``zerolearn.residual``), and returns what it
-measured. ``sec63_trace`` (from ``zerolearn.views``) builds the allocation pattern of
-Sec 6.3 for the allocator simulator of ``zerolearn.residual.defrag``.
+measured. ``md_comparison`` records real training steps of GPTs of several sizes and
+replays them through the allocator model of ``zerolearn.residual.defrag`` with and
+without MD (Sec 6.3).
 """
 
 from __future__ import annotations
@@ -18,9 +19,10 @@ from zerolearn.lessons.ch00 import grade
 from zerolearn.memory import model as analytic
 from zerolearn.memory.ledger import MemoryLedger
 from zerolearn.models import GPTConfig, build_model
+from zerolearn.residual import defrag
 from zerolearn.residual.checkpointing import CheckpointStore
 from zerolearn.residual.tensor_parallel import make_parallel_groups, parallelize_gpt
-from zerolearn.views import sec63_trace  # noqa: F401 - the chapter's trace, one source
+from zerolearn.views import recorded_trace
 
 GPT = GPTConfig(seq_len=32, n_layer=4, n_head=4, d_model=64)
 BATCH = 8  # global; divisible by Nd = 1, 2, 4
@@ -95,3 +97,35 @@ def check(exercise: str, answer) -> None:
               why=f"1 / 12 = {expected:.3f}: about 8%, whatever the model's size.")
     else:
         raise ValueError(f"unknown exercise {exercise!r}: allowed are 'pa_bytes', 'pa_ratio'")
+
+
+def md_comparison(sizes=((4, 256), (4, 512), (8, 512))) -> list[dict]:
+    """MD on real traces: for each ``(n_layer, d_model)`` GPT (seq 512, batch 8,
+    ``defrag.record_gpt_steps``), the smallest memory without and with MD, and what
+    happens without MD in the memory that is just enough with it.
+
+    Returns one dict per size: ``n_layer``, ``d_model``, ``psi`` (parameters),
+    ``without_md`` and ``with_md`` (smallest arena, bytes), ``ok`` (the step fits
+    without MD in ``with_md`` bytes), ``free_fraction`` (share of memory free when it
+    failed), ``request`` (bytes asked for then), ``phase`` (where it failed),
+    ``live_peak`` (most bytes live at once), ``pools`` (MD's pools, one per lifetime
+    class, each as large as its class's own peak) and ``long_peak`` (most bytes the
+    long-lived tensors hold at once: one shared pool would do with this).
+    """
+    rows = []
+    for n_layer, d_model in sizes:
+        cfg = GPTConfig(**{**defrag.FRAGMENTING_GPT, "n_layer": n_layer, "d_model": d_model})
+        default = cfg == GPTConfig(**defrag.FRAGMENTING_GPT)
+        trace = recorded_trace() if default else defrag.record_gpt_steps(cfg)
+        with_md = defrag.smallest_capacity(trace, md=True)
+        r, classes = defrag.replay(trace, with_md, md=False), defrag.lifetime_classes(trace)
+        rows.append({"n_layer": n_layer, "d_model": d_model,
+                     "psi": sum(p.numel() for p in build_model("gpt", 0, gpt=cfg).parameters()),
+                     "without_md": defrag.smallest_capacity(trace, md=False), "with_md": with_md, "ok": r.ok,
+                     "free_fraction": r.free_fraction, "request": r.failed_bytes,
+                     "phase": None if r.ok else trace[r.failed_event][3],
+                     "live_peak": defrag.pool_bytes(trace, {uid for _, uid, _, _ in trace}),
+                     "pools": sum(defrag.pool_bytes(trace, {u for u, c in classes.items() if c == name})
+                                  for name in set(classes.values())),
+                     "long_peak": defrag.pool_bytes(trace, set(classes))})
+    return rows

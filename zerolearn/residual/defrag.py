@@ -11,19 +11,34 @@ The paper saw out-of-memory with over 30% of memory still free.
 ZeRO's fix is to pre-allocate contiguous pools for the long-lived tensors and copy
 them in as they are produced (this package does it for real: checkpoints go to a
 pool with ``CheckpointStore(contiguous=True)``, gradients to flat buffers). Here a
-small allocator makes the effect visible anywhere, without a GPU: best fit over one
-arena with block splitting and coalescing, like the free lists of a caching
-allocator, replaying the allocations and frees recorded from a real training step
-(``MemoryLedger(record_trace=True)``). With ``md=True`` the long-lived tensors get a
-pool of their own at the bottom of the same arena.
+model of torch's caching allocator makes the effect visible anywhere, without a GPU:
+device memory reserved in segments, best fit with block splitting inside them, free
+blocks merging only within their segment, and, before an allocation is refused,
+every segment with nothing left in it given back (:class:`CachingArena`). A segment
+that still holds one live block stays reserved, however much of it is free: that is
+how long-lived tensors scattered among short-lived ones fragment memory.
+
+:func:`record_gpt_steps` records the allocations and frees of real training steps
+(``MemoryLedger(record_trace=True)``) and :func:`replay` runs them through the model,
+as they happened or (``md=True``) with each class of long-lived tensors in a
+pre-allocated pool of its own. On the GPT of :data:`FRAGMENTING_GPT` the step's
+one large request, the buffer that flattens every gradient for the all-reduce,
+fails without MD with over 40% of memory free, and fits with MD; on smaller models
+the pools cost more than they save (chapter 5 shows both).
 """
 
 from __future__ import annotations
 
 import bisect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
 
 ALIGN = 512  # bytes; allocations are rounded up to this, as CUDA's caching allocator does
+# 25.2M parameters; at batch 8 its tensors are 0.5 to 16 MiB, the sizes torch's caching
+# allocator sorts into its 2 MiB and 20 MiB segments.
+FRAGMENTING_GPT = dict(seq_len=512, n_layer=8, n_head=8, d_model=512)
 
 
 def _round(nbytes: int) -> int:
@@ -75,12 +90,18 @@ class CachingArena:
     """Device memory as a caching allocator manages it: segments, each a :class:`BestFit`.
 
     Memory is reserved from the device in segments (2 MiB for requests up to 1 MiB,
-    20 MiB or the request rounded to 2 MiB for larger ones, the defaults of torch's
-    CUDA caching allocator) and never given back. A request takes the best-fitting
-    free block of any segment of its size class, splitting it; freed blocks merge
-    only with free neighbours *in the same segment*. When no block fits and the
-    next segment would pass ``capacity``, the request fails, however much is free
-    inside the segments already reserved: that is fragmentation.
+    20 MiB for requests up to 10 MiB, larger ones rounded up to 2 MiB each: the
+    defaults of torch's CUDA caching allocator) and kept for reuse. A request takes
+    the best-fitting free block of any segment of its size class, splitting it;
+    freed blocks merge only with free neighbours *in the same segment*. When no
+    block fits and a new segment would pass ``capacity``, every segment with nothing
+    allocated in it is given back (torch frees its cached blocks and retries) and
+    the reservation tried again; if it still does not fit, the request fails,
+    however much is free inside the segments still held: that is fragmentation.
+
+    Args: ``capacity`` (bytes of device memory), ``reserved`` (bytes already taken,
+    e.g. by MD's pools), ``scale`` (divides the size classes above; > 1 lets a small
+    model's tensors meet them as a larger model's would).
     """
 
     def __init__(self, capacity: int, reserved: int = 0, scale: float = 1.0):
@@ -103,6 +124,8 @@ class CachingArena:
             seg_size = (self.SMALL_SEGMENT if small else
                         self.LARGE_SEGMENT if size < self.HUGE else -(-size // self.ROUND) * self.ROUND)
             if self.reserved + seg_size > self.capacity:
+                self.release_free_segments()  # what torch does before it reports out of memory
+            if self.reserved + seg_size > self.capacity:
                 return False
             self.reserved += seg_size
             seg = BestFit(seg_size)
@@ -112,6 +135,19 @@ class CachingArena:
 
     def free(self, uid: int) -> None:
         self.owner.pop(uid).free(uid)
+
+    def release_free_segments(self) -> int:
+        """Give every segment with nothing allocated in it back to the device; returns bytes.
+
+        A segment holding even one live block stays reserved, whatever is free around it.
+        """
+        released = 0
+        for small, segs in self.segments.items():
+            keep = [seg for seg in segs if seg.free_bytes < seg.capacity]
+            released += sum(seg.capacity for seg in segs) - sum(seg.capacity for seg in keep)
+            self.segments[small] = keep
+        self.reserved -= released
+        return released
 
     @property
     def used(self) -> dict[int, BestFit]:
@@ -124,7 +160,11 @@ class CachingArena:
 
 @dataclass
 class Replay:
-    """Outcome of replaying a trace: ``ok``, or where it ran out and how much was free then."""
+    """Outcome of replaying a trace: ``ok``, or where it ran out and how much was free then.
+
+    ``reserved``: bytes the allocator held from the device (segments plus MD's pools)
+    after each event replayed, up to the failure.
+    """
 
     ok: bool
     capacity: int
@@ -132,6 +172,7 @@ class Replay:
     failed_bytes: int = 0
     free_bytes_at_failure: int = 0
     largest_free_at_failure: int = 0
+    reserved: list[int] = field(default_factory=list)
 
     @property
     def free_fraction(self) -> float:
@@ -166,18 +207,21 @@ def pool_bytes(trace, members: set[int]) -> int:
 def replay(trace, capacity: int, md: bool = False, scale: float = 1.0) -> Replay:
     """Run ``trace`` through a :class:`CachingArena` of ``capacity`` bytes.
 
-    With ``md``, every long-lived tensor (:func:`lifetime_classes`) goes to one
-    contiguous pool reserved up front, as large as they ever need together; only
+    With ``md``, each class of long-lived tensors (:func:`lifetime_classes`: the
+    activation checkpoints, the gradients, ...) goes to a contiguous pool of its own,
+    reserved up front and as large as that class ever needs at once (Sec 6.3); only
     short-lived tensors go through the caching allocator's segments.
     """
-    long = set(lifetime_classes(trace)) if md else set()
-    pool = BestFit(pool_bytes(trace, long))
-    if pool.capacity > capacity:
-        return Replay(False, capacity, 0, pool.capacity, capacity, capacity)
-    cache = CachingArena(capacity, reserved=pool.capacity, scale=scale)
-    live = 0
+    classes = lifetime_classes(trace) if md else {}
+    pools = {name: BestFit(pool_bytes(trace, {u for u, c in classes.items() if c == name}))
+             for name in sorted(set(classes.values()))}
+    reserved = sum(pool.capacity for pool in pools.values())
+    if reserved > capacity:
+        return Replay(False, capacity, 0, reserved, capacity, capacity)
+    cache = CachingArena(capacity, reserved=reserved, scale=scale)
+    live, held = 0, []
     for i, (event, uid, nbytes, _) in enumerate(trace):
-        arena = pool if uid in long else cache
+        arena = pools[classes[uid]] if uid in classes else cache
         if event == "free":
             if uid in arena.used:
                 arena.free(uid)
@@ -186,8 +230,9 @@ def replay(trace, capacity: int, md: bool = False, scale: float = 1.0) -> Replay
             live += _round(nbytes)
         else:
             return Replay(False, capacity, i, nbytes, capacity - live, arena.largest_free
-                          if isinstance(arena, BestFit) else 0)
-    return Replay(True, capacity)
+                          if isinstance(arena, BestFit) else 0, held)
+        held.append(cache.reserved)
+    return Replay(True, capacity, reserved=held)
 
 
 def smallest_capacity(trace, md: bool, step: int = ALIGN, scale: float = 1.0) -> int:
@@ -198,6 +243,8 @@ def smallest_capacity(trace, md: bool, step: int = ALIGN, scale: float = 1.0) ->
         peak = max(peak, live)
     lo, hi = peak // step, 4 * peak // step + 1  # never less than the live peak
     while not replay(trace, hi * step, md, scale).ok:
+        if hi * step > 64 * peak:  # a pool that fragments itself: no capacity helps
+            raise ValueError(f"trace does not replay even in {hi * step} bytes (64 x its live peak)")
         hi *= 2
     while lo < hi:
         mid = (lo + hi) // 2
@@ -206,3 +253,60 @@ def smallest_capacity(trace, md: bool, step: int = ALIGN, scale: float = 1.0) ->
         else:
             lo = mid + 1
     return hi * step
+
+
+def record_gpt_steps(cfg=None, batch_size: int = 8, steps: int = 2, seed: int = 0,
+                     fused_allreduce: bool = True) -> list[tuple]:
+    """Record every allocation and free of a GPT's first ``steps`` training steps, on CPU.
+
+    The trace starts with the model's construction (its parameters are the first
+    allocations) and runs training as plain data parallelism did before ZeRO:
+    activation checkpointing per block (a :class:`~zerolearn.residual.checkpointing.CheckpointStore`,
+    not contiguous), per-parameter gradients wherever the allocator puts them, then,
+    with ``fused_allreduce``, every gradient flattened into one buffer for a single
+    all-reduce (the "fuse everything" buffer of Sec 6.2) and copied back, and an Adam
+    step, whose first call creates the optimizer states. On one process the
+    all-reduce itself has nothing to do and is left out; its buffer is allocated all
+    the same. Batches come from :func:`zerolearn.data.gpt_batch` (real text).
+
+    Args:
+        cfg: a :class:`~zerolearn.models.GPTConfig`; default ``GPTConfig(**FRAGMENTING_GPT)``.
+        batch_size: sequences per step.
+        steps: training steps recorded after the model's construction.
+
+    Returns:
+        ``MemoryLedger(record_trace=True).trace``: ``(event, uid, bytes, phase)`` in
+        order, ``event`` "alloc" or "free", ``bytes`` the storage's size, ``phase``
+        "setup" (construction), "forward", "backward" or "step". Parameters and
+        optimizer states are alive when the trace ends.
+    """
+    from zerolearn.data import gpt_batch
+    from zerolearn.memory.ledger import MemoryLedger
+    from zerolearn.models import GPTConfig, build_model
+    from zerolearn.residual.checkpointing import CheckpointStore
+
+    cfg = cfg or GPTConfig(**FRAGMENTING_GPT)
+    ledger = MemoryLedger(record_timeline=False, record_trace=True)
+    with ledger:
+        model = build_model("gpt", seed, gpt=cfg)  # the parameters: the trace's first allocations
+        model.checkpoint_store = CheckpointStore()
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+        for step in range(steps):
+            x, y = gpt_batch(step, batch_size, cfg.seq_len, seed)
+            with ledger.phase("forward"):
+                loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+            with ledger.phase("backward"):
+                loss.backward()
+                del loss
+            with ledger.phase("step"):
+                grads = [p.grad for p in model.parameters()]
+                if fused_allreduce:
+                    flat = torch.cat([g.flatten() for g in grads])
+                    for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+                        g.copy_(part.view_as(g))
+                    del flat, part, g
+                optimizer.step()  # the first step creates Adam's states
+                optimizer.zero_grad(set_to_none=True)
+                del grads, x, y
+        trace = list(ledger.trace)  # model and optimizer states are still alive: they live to the end
+    return trace
