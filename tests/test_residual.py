@@ -3,6 +3,7 @@
 import functools
 
 import pytest
+import torch
 
 import jobs
 import residual_jobs
@@ -118,6 +119,41 @@ def test_allocator_fails_with_free_memory_on_a_real_trace_and_md_fixes_it():
     assert without.failed_bytes == psi_bytes and trace[without.failed_event][3] == "step"
     assert without.free_bytes_at_failure > psi_bytes  # enough memory free, not in one piece
     assert defrag.smallest_capacity(trace, md=False) > capacity
+    # MD done for real in the step (a checkpoint pool, gradients in one flat buffer),
+    # replayed with no simulated pools, fits in that same memory.
+    real_md = defrag.record_gpt_steps(md=True)
+    assert defrag.replay(real_md, capacity, md=False).ok
+
+
+def test_real_md_step_keeps_checkpoints_and_gradients_in_pools():
+    cfg = GPTConfig(seq_len=32, n_layer=2, n_head=2, d_model=32)
+    psi_bytes = sum(p.numel() * 4 for p in build_model("gpt", 0, gpt=cfg).parameters())
+    trace = defrag.record_gpt_steps(cfg, batch_size=4, md=True)
+    classes = defrag.lifetime_classes(trace)
+    allocated = {}
+    for event, uid, nbytes, _ in trace:
+        if event == "alloc" and uid in classes:
+            allocated.setdefault(classes[uid], []).append(nbytes)
+    assert "backward->step" not in allocated  # no gradient is allocated and freed per step
+    assert allocated["setup->end"].count(psi_bytes) >= 1  # the flat gradient buffer, made once
+    assert 2 * 32 * 4 * 32 * 4 in allocated["forward->end"]  # the checkpoint pool: n_layer x b s h fp32
+    assert not any(p == "step" and n == psi_bytes for e, _, n, p in trace if e == "alloc")  # nothing to flatten
+
+
+def test_cuda_fragmentation_reads_torch_memory_stats():
+    stats = {"allocated_bytes.all.current": 10, "allocated_bytes.all.peak": 60, "reserved_bytes.all.current": 80,
+             "reserved_bytes.all.peak": 100, "inactive_split_bytes.all.current": 5,
+             "inactive_split_bytes.all.peak": 30, "num_alloc_retries": 2, "num_ooms": 1}
+    out = defrag.cuda_fragmentation(stats)
+    assert out["allocated_peak"] == 60 and out["reserved_peak"] == 100 and out["inactive_split_peak"] == 30
+    assert out["alloc_retries"] == 2 and out["ooms"] == 1 and out["fragmentation"] == pytest.approx(0.4)
+    assert defrag.cuda_fragmentation({})["fragmentation"] == 0.0
+    if torch.cuda.is_available():
+        plain, md = defrag.cuda_memory(md=False), defrag.cuda_memory(md=True)
+        assert plain["allocated_peak"] > 0 and md["allocated_peak"] > 0
+    else:
+        with pytest.raises(RuntimeError, match="needs a CUDA device"):
+            defrag.cuda_memory()
 
 
 def test_caching_arena_gives_back_empty_segments_but_not_pinned_ones():

@@ -6,7 +6,9 @@ Runs the tour's job for stages 0-3 at world size 1 on NCCL (one process, one GPU
 NCCL cannot put two ranks on one GPU), in fp32 and bf16, on the small GPT and on
 the seed experiment's MLP at a larger width, and writes each report
 (``peak_bytes`` from ``torch.cuda.max_memory_allocated``) to ``OUT/`` with a
-summary table. With more GPUs it also runs the tour on all of them.
+summary table. Then MD (Sec 6.3) from torch's own allocator statistics
+(``defrag.cuda_memory`` without and with MD, ``OUT/md.json``). With more GPUs it
+also runs the tour on all of them.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 
 from zerolearn import dist as zdist
 from zerolearn.report import format_rank_table
+from zerolearn.residual import defrag
 from zerolearn.train import build_parser, train
 
 JOBS = {
@@ -57,6 +60,7 @@ def main(argv: list[str] | None = None) -> int:
                             format_rank_table(report)]
     finally:
         zdist.teardown()
+    summary += ["", md_summary(out)]
     text = "\n".join(summary)
     (out / "summary.txt").write_text(text + "\n")
     print(text)
@@ -64,6 +68,21 @@ def main(argv: list[str] | None = None) -> int:
         from zerolearn.tour import main as tour
         tour(["--backend", "nccl", "--world-size", str(torch.cuda.device_count())])
     return 0
+
+
+def md_summary(out: Path) -> str:
+    """MD (Sec 6.3) on the device: ``defrag.cuda_memory`` without and with MD, written
+    to ``OUT/md.json``; torch's own statistics of reserved, allocated and inactive-split
+    bytes for the steps that the CPU chapters replay through the allocator model."""
+    runs = {"without MD": defrag.cuda_memory(md=False), "with MD": defrag.cuda_memory(md=True)}
+    (out / "md.json").write_text(json.dumps(runs, indent=1))
+    mib = 2**20
+    lines = ["MD on CUDA (defrag.FRAGMENTING_GPT, 2 steps): MiB at the peaks",
+             f"{'':12s} {'allocated':>10s} {'reserved':>10s} {'inactive split':>15s} {'unused':>7s} {'retries':>8s}"]
+    for name, r in runs.items():
+        lines.append(f"{name:12s} {r['allocated_peak'] / mib:10.0f} {r['reserved_peak'] / mib:10.0f} "
+                     f"{r['inactive_split_peak'] / mib:15.0f} {r['fragmentation']:7.1%} {r['alloc_retries']:8d}")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -215,6 +215,24 @@ display(views.fragmentation_figure(trace, capacity, md=False))
 display(views.fragmentation_figure(trace, capacity, md=True))
 """),
     ("md", r"""
+The simulator's MD moves the long-lived tensors into pools after the fact. The step can
+also do it itself, as ZeRO does: `record_gpt_steps(md=True)` copies each checkpoint into
+one pool reserved in the first forward (`CheckpointStore(contiguous=True)`) and lets every
+gradient accumulate into a view of one flat buffer allocated before training, which is
+also the buffer the all-reduce would send, so nothing is flattened. Replayed as it
+happened, with no simulated pools, that trace fits in the same memory:
+"""),
+    ("code", r"""
+real_md = defrag.record_gpt_steps(md=True)
+replayed = defrag.replay(real_md, capacity, md=False)
+print(f"MD in the step itself, in {capacity / 2**20:.0f} MiB: ok = {replayed.ok}; "
+      f"least memory it needs: {defrag.smallest_capacity(real_md, md=False) / 2**20:.0f} MiB")
+"""),
+    ("md", r"""
+On a GPU, `defrag.cuda_memory(md=False)` and `defrag.cuda_memory(md=True)` run the same
+steps on CUDA and read torch's own allocator statistics (reserved, allocated and
+inactive-split bytes, `torch.cuda.memory_stats`); `python -m zerolearn.gpu_check` prints them.
+
 MD is not free: each pool is as large as its own class ever needs, and the checkpoints'
 pool is idle while the gradients' pool fills, where without MD the same memory would
 serve both. It pays when fragmentation costs more. Three GPTs, each recorded the same way:

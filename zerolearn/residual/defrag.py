@@ -30,6 +30,7 @@ the pools cost more than they save (chapter 5 shows both).
 from __future__ import annotations
 
 import bisect
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -255,8 +256,44 @@ def smallest_capacity(trace, md: bool, step: int = ALIGN, scale: float = 1.0) ->
     return hi * step
 
 
+def _gpt_steps(cfg, batch_size: int, steps: int, seed: int, fused_allreduce: bool, md: bool,
+               device: str = "cpu", phase=lambda name: contextlib.nullcontext()):
+    """The training steps :func:`record_gpt_steps` records; returns (model, optimizer)."""
+    from zerolearn.data import gpt_batch
+    from zerolearn.models import build_model
+    from zerolearn.residual.checkpointing import CheckpointStore
+
+    with torch.device(device):
+        model = build_model("gpt", seed, gpt=cfg)  # the parameters: the first allocations
+    params = list(model.parameters())
+    model.checkpoint_store = CheckpointStore(contiguous=md)  # MD: one pool, reserved in the first forward
+    if md:  # MD for gradients: one flat buffer, each .grad a view that backward accumulates into
+        flat_grads = torch.zeros(sum(p.numel() for p in params), device=device)
+        for p, g in zip(params, flat_grads.split([p.numel() for p in params])):
+            p.grad = g.view_as(p)
+    optimizer = torch.optim.Adam(params, lr=1e-3)
+    for step in range(steps):
+        x, y = (t.to(device) for t in gpt_batch(step, batch_size, cfg.seq_len, seed))
+        with phase("forward"):
+            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        with phase("backward"):
+            loss.backward()
+            del loss
+        with phase("step"):
+            if fused_allreduce and not md:  # with MD the gradients are already one flat buffer
+                grads = [p.grad for p in params]
+                flat = torch.cat([g.flatten() for g in grads])
+                for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+                    g.copy_(part.view_as(g))
+                del flat, part, g, grads
+            optimizer.step()  # the first step creates Adam's states
+            optimizer.zero_grad(set_to_none=not md)
+            del x, y
+    return model, optimizer
+
+
 def record_gpt_steps(cfg=None, batch_size: int = 8, steps: int = 2, seed: int = 0,
-                     fused_allreduce: bool = True) -> list[tuple]:
+                     fused_allreduce: bool = True, md: bool = False) -> list[tuple]:
     """Record every allocation and free of a GPT's first ``steps`` training steps, on CPU.
 
     The trace starts with the model's construction (its parameters are the first
@@ -269,6 +306,10 @@ def record_gpt_steps(cfg=None, batch_size: int = 8, steps: int = 2, seed: int = 
     all-reduce itself has nothing to do and is left out; its buffer is allocated all
     the same. Batches come from :func:`zerolearn.data.gpt_batch` (real text).
 
+    With ``md=True`` the step does MD for real (Sec 6.3): checkpoints are copied into
+    a contiguous pool (``CheckpointStore(contiguous=True)``) and gradients accumulate
+    into one pre-allocated flat buffer, which is also what the all-reduce would send.
+
     Args:
         cfg: a :class:`~zerolearn.models.GPTConfig`; default ``GPTConfig(**FRAGMENTING_GPT)``.
         batch_size: sequences per step.
@@ -280,33 +321,57 @@ def record_gpt_steps(cfg=None, batch_size: int = 8, steps: int = 2, seed: int = 
         "setup" (construction), "forward", "backward" or "step". Parameters and
         optimizer states are alive when the trace ends.
     """
-    from zerolearn.data import gpt_batch
     from zerolearn.memory.ledger import MemoryLedger
-    from zerolearn.models import GPTConfig, build_model
-    from zerolearn.residual.checkpointing import CheckpointStore
+    from zerolearn.models import GPTConfig
 
     cfg = cfg or GPTConfig(**FRAGMENTING_GPT)
     ledger = MemoryLedger(record_timeline=False, record_trace=True)
     with ledger:
-        model = build_model("gpt", seed, gpt=cfg)  # the parameters: the trace's first allocations
-        model.checkpoint_store = CheckpointStore()
-        optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
-        for step in range(steps):
-            x, y = gpt_batch(step, batch_size, cfg.seq_len, seed)
-            with ledger.phase("forward"):
-                loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-            with ledger.phase("backward"):
-                loss.backward()
-                del loss
-            with ledger.phase("step"):
-                grads = [p.grad for p in model.parameters()]
-                if fused_allreduce:
-                    flat = torch.cat([g.flatten() for g in grads])
-                    for g, part in zip(grads, flat.split([g.numel() for g in grads])):
-                        g.copy_(part.view_as(g))
-                    del flat, part, g
-                optimizer.step()  # the first step creates Adam's states
-                optimizer.zero_grad(set_to_none=True)
-                del grads, x, y
+        model, optimizer = _gpt_steps(cfg, batch_size, steps, seed, fused_allreduce, md, phase=ledger.phase)
         trace = list(ledger.trace)  # model and optimizer states are still alive: they live to the end
     return trace
+
+
+def cuda_memory(cfg=None, batch_size: int = 8, steps: int = 2, seed: int = 0, md: bool = False) -> dict:
+    """The steps of :func:`record_gpt_steps` run on CUDA; torch's own allocator statistics.
+
+    Runs them after ``torch.cuda.empty_cache()`` and ``reset_peak_memory_stats()``
+    and returns :func:`cuda_fragmentation` of ``torch.cuda.memory_stats()``.
+
+    Raises:
+        RuntimeError: CUDA is not available.
+    """
+    from zerolearn.models import GPTConfig
+
+    if not torch.cuda.is_available():
+        raise RuntimeError("defrag.cuda_memory needs a CUDA device; torch.cuda.is_available() is False")
+    cfg = cfg or GPTConfig(**FRAGMENTING_GPT)
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    model, optimizer = _gpt_steps(cfg, batch_size, steps, seed, True, md, device="cuda")
+    torch.cuda.synchronize()
+    stats = cuda_fragmentation(torch.cuda.memory_stats())
+    del model, optimizer
+    torch.cuda.empty_cache()
+    return stats
+
+
+def cuda_fragmentation(stats: dict) -> dict:
+    """Summarise ``torch.cuda.memory_stats()``: what the caching allocator holds and why.
+
+    Returns bytes: ``allocated`` and ``reserved`` (now and ``*_peak``), ``inactive_split``
+    (free blocks inside segments that also hold live blocks, now and peak: the
+    fragmentation of Sec 6.3), and the counts ``alloc_retries`` (times torch had to
+    free its cache and retry a device allocation) and ``ooms``. ``fragmentation`` is
+    ``1 - allocated_peak / reserved_peak``, the share of reserved memory not in use
+    at the peaks (0 when nothing was reserved).
+    """
+    get = lambda key: int(stats.get(key, 0))  # noqa: E731
+    out = {"allocated": get("allocated_bytes.all.current"), "allocated_peak": get("allocated_bytes.all.peak"),
+           "reserved": get("reserved_bytes.all.current"), "reserved_peak": get("reserved_bytes.all.peak"),
+           "inactive_split": get("inactive_split_bytes.all.current"),
+           "inactive_split_peak": get("inactive_split_bytes.all.peak"),
+           "alloc_retries": get("num_alloc_retries"), "ooms": get("num_ooms")}
+    out["fragmentation"] = 1 - out["allocated_peak"] / out["reserved_peak"] if out["reserved_peak"] else 0.0
+    return out
