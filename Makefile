@@ -7,7 +7,7 @@ TORCH ?= torch==2.13.0
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: tour test book lint clean gpu-check
+.PHONY: tour test book lint clean gpu-check deepspeed
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -27,6 +27,15 @@ book: $(VENV)/.installed
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check zerolearn tests
+
+# DeepSpeed's own stages 0-3 on CPU (2 gloo ranks), stored for chapter 7.
+deepspeed: $(VENV)/.installed
+	DS_BUILD_OPS=0 $(PY) -m pip install --quiet --no-build-isolation deepspeed
+	rm -f notebooks/data/deepspeed_cpu.json
+	for stage in 0 1 2 3; do \
+		DS_ACCELERATOR=cpu $(VENV)/bin/torchrun --standalone --nproc-per-node=2 \
+			-m zerolearn.chapters.deepspeed_cpu --stage $$stage --out notebooks/data/deepspeed_cpu.json || exit 1; \
+	done
 
 gpu-check: $(VENV)/.installed
 	$(PY) -m zerolearn.gpu_check --out gpu

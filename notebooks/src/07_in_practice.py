@@ -23,6 +23,7 @@ systems hit most.
 """),
     ("code", r"""
 import importlib.util
+from pathlib import Path
 
 import matplotlib.pyplot as plt
 
@@ -88,13 +89,41 @@ hooks do; `contiguous_gradients` copies gradients into one flat buffer, as our f
 do (MD for gradients, Sec 6.3).
 
 DeepSpeed itself installs from the package registry as an optional extra
-(`DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed`) and runs its ZeRO stages
-on CPU with `DS_ACCELERATOR=cpu` under `torchrun`. When it is installed, the next cell
-says so; this book's checks do not depend on it.
+(`DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed`, no compiled ops: ZeRO's
+stages do not need them) and runs on CPU with `DS_ACCELERATOR=cpu` under `torchrun`.
+`make deepspeed` installs it and runs `zerolearn.chapters.deepspeed_cpu` for stages 0-3
+on 2 gloo ranks: the same GPT, batches and Adam as above, under `deepspeed.initialize`
+with the configs just printed. Its results are stored in `notebooks/data/deepspeed_cpu.json`,
+so this chapter shows them whether or not DeepSpeed is installed here:
 """),
     ("code", r"""
 # NBVAL_IGNORE_OUTPUT
-print("DeepSpeed installed:", importlib.util.find_spec("deepspeed") is not None)
+print("DeepSpeed installed here:", importlib.util.find_spec("deepspeed") is not None)
+"""),
+    ("code", r"""
+stored = json.loads(Path("data/deepspeed_cpu.json").read_text())
+print(f"DeepSpeed {stored['deepspeed, stage 0']['deepspeed']}, {stored['deepspeed, stage 0']['world_size']} ranks; "
+      "KiB per rank")
+print(f"{'':20} {'loss@3':>9} {'max |ours - DS|':>16} {'params':>8} {'fp32 copy':>10} {'optim':>8}")
+for stage in range(4):
+    ours, ds = results[f"ours, stage {stage}"], stored[f"deepspeed, stage {stage}"]
+    gap = max(abs(a - b) for a, b in zip(ours["losses"], ds["losses"]))
+    for name, r, copy in ((f"ours, stage {stage}", ours, 0), (f"DeepSpeed, stage {stage}", ds, ds["bytes"]["master"])):
+        shown = "" if r is ours else ("< 1e-6" if gap < 1e-6 else f"{gap:.1e}")
+        print(f"{name:20} {r['losses'][-1]:9.6f} {shown:>16} {r['bytes']['params'] / 1024:8.1f} "
+              f"{copy / 1024:10.1f} {r['bytes']['optimizer_states'] / 1024:8.1f}")
+"""),
+    ("md", r"""
+The losses agree within $10^{-6}$ over all four steps at every stage. The bytes differ in one place:
+at stages 1 and 2 DeepSpeed keeps an fp32 copy of this rank's partition of the parameters
+beside the parameters themselves, even though they are already fp32 here (its ZeRO
+optimizer always steps on its own fp32 partition); we step on the parameters' own
+storage when they are fp32, so $K = 8$ holds exactly for fp32 Adam.
+
+One setting had to be written down to get there: `"gradient_clipping": 0.0`. DeepSpeed
+clips the global gradient norm at 1.0 unless its config says otherwise; with its default,
+the losses part from every other implementation's at the third step. When a port to
+DeepSpeed "trains a bit differently", compare the configs before the code.
 """),
     ("md", r"""
 ## Choosing a stage
