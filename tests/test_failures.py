@@ -22,11 +22,10 @@ ARGV = ["--steps", "6", "--global-batch-size", "12", "--seq-len", "16", "--d-mod
 
 
 def torchrun(*args: str, nproc: int = 2, timeout: float = 120) -> subprocess.CompletedProcess:
-    # A fresh rendezvous store per attempt: with the shared one, restarted gloo ranks can
-    # read their peers' addresses from the previous attempt (see zerolearn.train's docstring).
-    env = {**os.environ, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    # torchrun's own defaults: restarts share its rendezvous store (zerolearn.dist.init
+    # keeps each attempt's keys apart; see zerolearn.train's docstring).
     return subprocess.run([TORCHRUN, "--standalone", f"--nproc-per-node={nproc}", *args],
-                          capture_output=True, text=True, timeout=timeout, env=env)
+                          capture_output=True, text=True, timeout=timeout)
 
 
 def test_killed_rank_restarts_and_finishes_exactly_like_an_uninterrupted_run(tmp_path):

@@ -156,7 +156,13 @@ def init(backend: str = "auto", device: str = "auto", timeout_s: float | None = 
         # A world of one needs no rendezvous: an in-memory store does.
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     else:
-        dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
+        # torchrun's agent keeps one rendezvous store for all restarts of a job; keys
+        # left by a failed attempt (peers' addresses) must not be read by the next one,
+        # so each attempt works under its own prefix.
+        store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timeout))
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        dist.init_process_group(backend, store=dist.PrefixStore(f"zerolearn/attempt{attempt}", store),
+                                rank=rank, world_size=world, timeout=timeout)
     _CONTEXT = DistContext(rank, world, local, backend, dev)
     return _CONTEXT
 

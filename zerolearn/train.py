@@ -21,15 +21,16 @@ every rank, which resume from the last checkpoint (the stage and world size may
 differ from the saving run's: checkpoints reshard). ``--fail-at-step K --fail-rank R``
 kills (or hangs) rank R during step K on the first attempt only, to test exactly that.
 
-    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nproc-per-node 2 --max-restarts 1 \\
+    torchrun --nproc-per-node 2 --max-restarts 1 \\
         -m zerolearn.train --stage 3 --steps 20 --checkpoint-dir ckpt --checkpoint-every 5 \\
         --fail-at-step 12 --fail-rank 1
 
-(Why the variable: by default torchrun's workers share its rendezvous store across
-restarts, and on torch 2.13 a restarted gloo rank can read a peer's address left by
-the previous attempt and fail with "Gloo connectFullMesh failed ... Connection
-refused"; in our tests 5 restarts in 8 did. With a fresh store per attempt, 8 in 8
-succeeded. Compare pytorch/pytorch#135712, the same stale-store problem with NCCL.)
+(torchrun's workers share its rendezvous store across restarts. A restarted gloo rank
+that reads a peer's address left by the failed attempt fails with "Gloo
+connectFullMesh failed ... Connection refused": on torch 2.13, 6 of 8 restarts of a
+job like this one did when all attempts used the same keys. :func:`zerolearn.dist.init`
+gives each attempt a key prefix of its own. Compare pytorch/pytorch#135712, the same
+stale-store problem with NCCL.)
 """
 
 from __future__ import annotations
