@@ -274,7 +274,7 @@ def train(args: argparse.Namespace, progress: bool = False) -> dict:
             "padding_elements": engine.padding,
             "peak_grad_bytes": engine.peak_grad_bytes,
             "residual": residual_setup.report_entry(zero_r, held_checkpoints, engine.temp_buffer_peak_bytes,
-                                                    activations),
+                                                    activations, ctx.device),
             "comm_by_tag": comm.LEDGER.by_tag()}
     simulated = ctx.backend == "fake"
     return {"config": config,

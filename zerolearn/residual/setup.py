@@ -5,11 +5,13 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
 from zerolearn.errors import ConfigError
 from zerolearn.memory import model as analytic
+from zerolearn.residual import defrag
 from zerolearn.residual.checkpointing import CheckpointStore
 from zerolearn.residual.tensor_parallel import ParallelGroups, make_parallel_groups, parallelize_gpt
 
@@ -71,13 +73,22 @@ def apply(args: argparse.Namespace, model: nn.Module) -> Residual:
     return Residual(groups, store)
 
 
-def report_entry(residual: Residual, held: tuple[int, int], temp_buffer_peak: int, activations: int) -> dict:
-    """The per-rank ``residual`` entry of the report (DESIGN section 4)."""
+def report_entry(residual: Residual, held: tuple[int, int], temp_buffer_peak: int, activations: int,
+                 device: torch.device | None = None) -> dict:
+    """The per-rank ``residual`` entry of the report (DESIGN section 4).
+
+    On a CUDA ``device`` it also holds ``fragmentation``: torch's allocator statistics
+    over the run (``defrag.cuda_fragmentation``: allocated, reserved and
+    inactive-split bytes, Sec 6.3).
+    """
     store = residual.store
-    return {"checkpoint_bytes_device": held[0], "checkpoint_bytes_host": held[1],
-            "temp_buffer_peak_bytes": temp_buffer_peak, "activation_bytes_end_of_forward": activations,
-            "transfer_seconds": store.transfer_seconds if store else 0.0,
-            "pa_allgather_elements": store.gathered_elements if store else 0}
+    entry = {"checkpoint_bytes_device": held[0], "checkpoint_bytes_host": held[1],
+             "temp_buffer_peak_bytes": temp_buffer_peak, "activation_bytes_end_of_forward": activations,
+             "transfer_seconds": store.transfer_seconds if store else 0.0,
+             "pa_allgather_elements": store.gathered_elements if store else 0}
+    if device is not None and device.type == "cuda":
+        entry["fragmentation"] = defrag.cuda_fragmentation(torch.cuda.memory_stats(device))
+    return entry
 
 
 def analytic_entry(args: argparse.Namespace, nd: int) -> dict:
