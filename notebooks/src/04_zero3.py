@@ -4,7 +4,7 @@ OUT = "../04_zero3.ipynb"
 
 CELLS = [
 ("md", """
-# Chapter 4: ZeRO-3, partitioning the parameters (P_os+g+p)
+# Chapter 4 · ZeRO-3 ($P_{os+g+p}$): partition the parameters too
 
 After ZeRO-2 a rank still keeps one thing in full: the working parameters, 2 bytes
 per parameter in mixed precision. At Psi = 7.5B and Nd = 64 that replica is 15 of the

@@ -4,7 +4,7 @@ OUT = "../06_at_scale.ipynb"
 
 CELLS = [
 ("md", """
-# Chapter 6: At scale, on paper and measured
+# Chapter 6 · At scale, on paper and measured
 
 The chapters so far measured small models on two ranks. The paper's claims are
 about billions of parameters on hundreds of GPUs: a 7.5B model in 1.9 GB per GPU at
