@@ -120,6 +120,9 @@ def torchrun_env(env: dict[str, str] | None = None) -> tuple[int, int, int] | No
     return rank, world, local
 
 
+_STORE: dist.Store | None = None  # the store behind the default process group (see store())
+
+
 def init(backend: str = "auto", device: str = "auto", timeout_s: float | None = None,
          simulate_world_size: int | None = None) -> DistContext:
     """Join (or create) the default process group and return this rank's context.
@@ -152,19 +155,29 @@ def init(backend: str = "auto", device: str = "auto", timeout_s: float | None = 
     else:
         dev = torch.device("cpu")
     timeout = datetime.timedelta(seconds=timeout_s or DEFAULT_TIMEOUT_S)
+    global _STORE
     if ranks is None:
         # A world of one needs no rendezvous: an in-memory store does.
-        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        _STORE = dist.HashStore()
+        dist.init_process_group(backend, store=_STORE, rank=0, world_size=1, timeout=timeout)
     else:
         # torchrun's agent keeps one rendezvous store for all restarts of a job; keys
         # left by a failed attempt (peers' addresses) must not be read by the next one,
         # so each attempt works under its own prefix.
         store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timeout))
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        dist.init_process_group(backend, store=dist.PrefixStore(f"zerolearn/attempt{attempt}", store),
-                                rank=rank, world_size=world, timeout=timeout)
+        _STORE = dist.PrefixStore(f"zerolearn/attempt{attempt}", store)
+        dist.init_process_group(backend, store=_STORE, rank=rank, world_size=world, timeout=timeout)
     _CONTEXT = DistContext(rank, world, local, backend, dev)
     return _CONTEXT
+
+
+def store() -> dist.Store | None:
+    """The key-value store this process's group was built on (None before :func:`init`).
+
+    Failure reports (:mod:`zerolearn.guard`) post to it; it outlives a failed collective.
+    """
+    return _STORE if dist.is_initialized() else None
 
 
 def _init_simulated(world_size: int, device_type: str, under_torchrun: bool) -> DistContext:

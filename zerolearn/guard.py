@@ -164,8 +164,12 @@ def _diagnose(op: str, group, seq: int | None, error: BaseException) -> str:
     head = f"rank {me}: {doing} failed ({first})"
     # One namespace per torchrun attempt: restarts may share the store with the failed one.
     key = ("zerolearn/failed/" + os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") + "/{}").format
+    from zerolearn.dist import store as process_group_store
+
+    store = process_group_store()
+    if store is None:
+        return f"{head}; could not ask the other ranks (the process group was not made by zerolearn.dist.init)"
     try:
-        store = dist.distributed_c10d._get_default_store()
         store.set(key(me), doing)
         heard, deadline = {me: doing}, time.monotonic() + REPORT_GRACE_S
         while len(heard) < len(ranks) and time.monotonic() < deadline:
