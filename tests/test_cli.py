@@ -80,6 +80,8 @@ def test_cli_writes_the_report(tmp_path):
     (["--backend", "nccl"], {}, "--backend nccl: CUDA is not available"),
     (["--device", "cuda"], {}, "--device cuda: CUDA is not available"),
     ([], {"RANK": "0", "WORLD_SIZE": "2"}, "torchrun environment incomplete"),
+    (["--cuda-memory-snapshot", "m.pickle", "--device", "cpu"], {},
+     "--cuda-memory-snapshot m.pickle: needs a CUDA device; this run is on cpu"),
 ])
 def test_bad_input_exits_2_with_a_message_naming_it(args, env, message):
     if torch.cuda.is_available() and "CUDA" in message:
@@ -109,3 +111,10 @@ def test_model_on_several_devices_is_refused():
 def test_engine_refuses_bad_arguments_before_any_work(kwargs, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):
         make_engine(model=nn.Linear(2, 2), **kwargs)
+
+
+def test_cuda_memory_snapshot_files_are_one_per_rank():
+    from zerolearn.train import snapshot_path
+
+    assert snapshot_path("run/mem.pickle", 0, 1) == "run/mem.pickle"
+    assert [snapshot_path("run/mem.pickle", r, 2) for r in (0, 1)] == ["run/mem_rank0.pickle", "run/mem_rank1.pickle"]

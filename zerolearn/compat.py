@@ -46,3 +46,17 @@ def fake_store():
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     return FakeStore()
+
+
+def record_cuda_memory_history(on: bool, max_entries: int = 100_000) -> None:
+    """Start (or stop) torch's record of every CUDA allocation with its stack.
+
+    ``torch.cuda.memory._record_memory_history`` has kept this signature from 2.1 to
+    2.13 but is underscored; its one caller goes through here.
+    """
+    torch.cuda.memory._record_memory_history("all" if on else None, max_entries=max_entries)
+
+
+def dump_cuda_memory_snapshot(path: str) -> None:
+    """Write the recorded history as a pickle for https://pytorch.org/memory_viz."""
+    torch.cuda.memory._dump_snapshot(path)

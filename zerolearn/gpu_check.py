@@ -6,7 +6,8 @@ Runs the tour's job for stages 0-3 at world size 1 on NCCL (one process, one GPU
 NCCL cannot put two ranks on one GPU), in fp32 and bf16, on the small GPT and on
 the seed experiment's MLP at a larger width, and writes each report
 (``peak_bytes`` from ``torch.cuda.max_memory_allocated``) to ``OUT/`` with a
-summary table. Then MD (Sec 6.3) from torch's own allocator statistics
+summary table; the bf16 GPT at stage 3 also leaves a CUDA memory snapshot
+(``--cuda-memory-snapshot``). Then MD (Sec 6.3) from torch's own allocator statistics
 (``defrag.cuda_memory`` without and with MD, ``OUT/md.json``). With more GPUs it
 also runs the tour on all of them.
 """
@@ -50,8 +51,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for name, extra in JOBS.items():
             for stage in range(4):
+                # One run also leaves torch's memory snapshot (pytorch.org/memory_viz): ZeRO-3's sawtooth.
+                snap = ["--cuda-memory-snapshot", str(out / f"{name}-stage{stage}-snapshot.pickle")] \
+                    if (name, stage) == ("gpt-bf16", 3) else []
                 run = build_parser().parse_args(["--stage", str(stage), "--steps", str(args.steps),
-                                                 "--quiet", "--backend", "nccl", "--device", "cuda", *extra])
+                                                 "--quiet", "--backend", "nccl", "--device", "cuda", *extra, *snap])
                 torch.cuda.empty_cache()
                 report = train(run)
                 (out / f"{name}-stage{stage}.json").write_text(json.dumps(report, indent=1))

@@ -87,6 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "and bytes, no data moved, losses not meaningful")
     p.add_argument("--memory-timeline", action="store_true",
                    help="add the last step's memory timeline to the report")
+    p.add_argument("--cuda-memory-snapshot", default=None, metavar="FILE",
+                   help="CUDA: record every allocation of the run and write torch's memory snapshot "
+                        "(open it at pytorch.org/memory_viz); one file per rank: FILE with _rankR added")
     p.add_argument("--checkpoint-dir", default=None, metavar="D",
                    help="save sharded checkpoints here; resume from the newest complete one")
     p.add_argument("--checkpoint-every", type=int, default=0, metavar="K",
@@ -133,7 +136,18 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
             f"--global-batch-size {args.global_batch_size} is not divisible by {ranks} "
             f"x --grad-accum-steps {args.grad_accum_steps}; allowed are multiples "
             f"of {nd * args.grad_accum_steps}")
-    zdist.resolve_backend_device(args.backend, args.device)
+    _, device = zdist.resolve_backend_device(args.backend, args.device)
+    if args.cuda_memory_snapshot and device != "cuda":
+        raise ConfigError(f"--cuda-memory-snapshot {args.cuda_memory_snapshot}: needs a CUDA device; "
+                          f"this run is on {device} (on CPU, --memory-timeline records the step instead)")
+
+
+def snapshot_path(path: str, rank: int, world_size: int) -> str:
+    """``--cuda-memory-snapshot`` FILE for ``rank``: unchanged on one rank, ``_rankR`` added otherwise."""
+    if world_size == 1:
+        return path
+    stem, ext = os.path.splitext(path)
+    return f"{stem}_rank{rank}{ext}"
 
 
 def batch(args, step: int):
@@ -214,6 +228,8 @@ def train(args: argparse.Namespace, progress: bool = False) -> dict:
     cuda = ctx.device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(ctx.device)
+        if args.cuda_memory_snapshot:
+            compat.record_cuda_memory_history(True)
     comm.LEDGER.reset()
     losses, times, grads_bytes, ledger = [], [], 0, None
     held_checkpoints, activations = (0, 0), 0
@@ -260,6 +276,9 @@ def train(args: argparse.Namespace, progress: bool = False) -> dict:
         if args.checkpoint_dir and (done == args.steps or args.checkpoint_every and done % args.checkpoint_every == 0):
             checkpoint.save(engine, args.checkpoint_dir, done, extra={"config": config},
                             keep=args.checkpoint_keep or None)
+    if cuda and args.cuda_memory_snapshot:
+        compat.dump_cuda_memory_snapshot(snapshot_path(args.cuda_memory_snapshot, ctx.rank, ctx.world_size))
+        compat.record_cuda_memory_history(False)
     held = engine.model_state_bytes()
     memory = ledger.summary() if ledger is not None else {"peak_bytes": None}  # None: no step left to run
     if args.memory_timeline and ledger is not None:
