@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import torch
-
 from jobs import LR, global_batch, gpt_loss, small_gpt
 from zerolearn import comm, data
 from zerolearn.engines import make_engine
 from zerolearn.memory.ledger import MemoryLedger
+from zerolearn.residual import buffers
 from zerolearn.residual.checkpointing import CheckpointStore
 from zerolearn.residual.tensor_parallel import make_parallel_groups, parallelize_gpt
 
@@ -45,11 +44,6 @@ def many_residual(runs: list[dict]) -> list[dict]:
 
 def fused_buffer_peak(stage: int, width: int, layers: int, bucket_mb: float) -> dict:
     """Largest fused communication buffer of one step of an MLP, bytes."""
-    from zerolearn.models import build_model
+    return buffers.fused_buffer_peak(stage, width, layers, bucket_mb)
 
-    model = build_model("mlp", 0, mlp_width=width, mlp_layers=layers)
-    engine = make_engine(stage, model, optimizer="sgd", lr=0.1, bucket_mb=bucket_mb)
-    x = torch.randn(4, width)
-    engine.backward(engine(x).pow(2).mean())
-    engine.step()
-    return {"peak": engine.temp_buffer_peak_bytes, "psi": engine.psi}
+

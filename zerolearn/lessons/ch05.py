@@ -10,7 +10,6 @@ without MD (Sec 6.3).
 
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 
 from zerolearn import comm, data
@@ -19,7 +18,7 @@ from zerolearn.lessons.ch00 import grade
 from zerolearn.memory import model as analytic
 from zerolearn.memory.ledger import MemoryLedger
 from zerolearn.models import GPTConfig, build_model
-from zerolearn.residual import defrag
+from zerolearn.residual import buffers, defrag
 from zerolearn.residual.checkpointing import CheckpointStore
 from zerolearn.residual.tensor_parallel import make_parallel_groups, parallelize_gpt
 from zerolearn.views import recorded_trace
@@ -70,16 +69,7 @@ def zero_r_runs(runs: list[dict]) -> list[dict]:
 
 def bucket_sweep(widths: list[int], bucket_mbs: list[float], stage: int = 2) -> list[dict]:
     """Largest fused buffer (bytes) of one MLP step per (width, bucket size): CB, Sec 6.2."""
-    out = []
-    for width in widths:
-        for bucket_mb in bucket_mbs:
-            model = build_model("mlp", 0, mlp_width=width, mlp_layers=6)
-            engine = make_engine(stage, model, optimizer="sgd", lr=0.1, bucket_mb=bucket_mb)
-            engine.backward(engine(torch.randn(4, width)).pow(2).mean())
-            engine.step()
-            out.append({"width": width, "psi": engine.psi, "bucket_mb": bucket_mb,
-                        "peak": engine.temp_buffer_peak_bytes})
-    return out
+    return [buffers.fused_buffer_peak(stage, width, 6, bucket_mb) for width in widths for bucket_mb in bucket_mbs]
 
 
 def check(exercise: str, answer) -> None:

@@ -1,8 +1,8 @@
 """ZeRO-R (paper Sec 6): what remains once model states are partitioned.
 
 ``checkpointing`` (activation checkpoints: P_a, P_a+cpu, contiguous pools),
-``tensor_parallel`` (a minimal Megatron-style model parallelism, Nm), ``defrag``
+``tensor_parallel`` (a minimal Megatron-style model parallelism, Nm), ``buffers``
+(CB: constant-size fused buffers, the engines' ``bucket_mb``, measured), ``defrag``
 (MD: real training steps recorded and replayed through a model of the caching
-allocator; CUDA allocator statistics) and ``setup`` (the train CLI's wiring). CB,
-constant-size fused buffers, is the engines' ``bucket_mb`` (:mod:`zerolearn.flat`).
+allocator; CUDA allocator statistics) and ``setup`` (the train CLI's wiring).
 """
