@@ -1,4 +1,4 @@
-"""MD, memory defragmentation (paper Sec 6.3), shown with an allocator simulator.
+"""MD, memory defragmentation (paper Sec 6.3), on real training steps and an allocator model.
 
 Training interleaves tensors of very different lifetimes. In forward, a block's
 checkpoint (kept until backward) is allocated between temporaries freed a moment
@@ -23,8 +23,10 @@ how long-lived tensors scattered among short-lived ones fragment memory.
 as they happened or (``md=True``) with each class of long-lived tensors in a
 pre-allocated pool of its own. On the GPT of :data:`FRAGMENTING_GPT` the step's
 one large request, the buffer that flattens every gradient for the all-reduce,
-fails without MD with over 40% of memory free, and fits with MD; on smaller models
-the pools cost more than they save (chapter 5 shows both).
+fails without MD with over 40% of memory free, and fits with MD, whether the pools
+are simulated or made by the step itself (``record_gpt_steps(md=True)``); on smaller
+models the pools cost more than they save (chapter 5 shows both). On a GPU,
+:func:`cuda_memory` runs the same steps and reads torch's own allocator statistics.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 ALIGN = 512  # bytes; allocations are rounded up to this, as CUDA's caching allocator does
-# 25.2M parameters; at batch 8 its tensors are 0.5 to 16 MiB, the sizes torch's caching
+# 25.7M parameters; at batch 8 its tensors are 0.5 to 16 MiB, the sizes torch's caching
 # allocator sorts into its 2 MiB and 20 MiB segments.
 FRAGMENTING_GPT = dict(seq_len=512, n_layer=8, n_head=8, d_model=512)
 
