@@ -239,16 +239,15 @@ serve both. It pays when fragmentation costs more. Three GPTs, each recorded the
 """),
     ("code", r"""
 rows = ch05.md_comparison()
-print(f"{'GPT':>20s} {'Psi':>6s} {'live peak':>10s} {'without MD':>15s} {'with MD':>15s} {'MD pools':>9s} "
-      f"{'one pool':>9s}   without MD, in the memory MD needs")
+print(f"{'GPT':>15s} {'Psi':>6s} {'live peak':>9s} {'without MD':>11s} {'with MD':>10s} {'MD pools':>8s} "
+      f"{'one pool':>8s}  without MD, in MD's memory")
 for r in rows:
-    outcome = ("fits" if r["ok"] else f"out of memory in {r['phase']!r} asking for {r['request'] / 2**20:.0f} MiB, "
-               f"{r['free_fraction']:.0%} free")
+    outcome = "fits" if r["ok"] else f"OOM: {r['request'] / 2**20:.0f} MiB asked, {r['free_fraction']:.0%} free"
     over = {k: f"{r[k] / 2**20:.0f} (+{(r[k] - r['live_peak']) / 2**20:.0f})" for k in ("without_md", "with_md")}
-    print(f"{r['n_layer']:2d} blocks, hidden {r['d_model']:3d} {r['psi'] / 1e6:5.1f}M {r['live_peak'] / 2**20:10.0f} "
-          f"{over['without_md']:>15s} {over['with_md']:>15s} {r['pools'] / 2**20:9.0f} {r['long_peak'] / 2**20:9.0f}"
-          f"   {outcome}")
-print("MiB. 'without MD', 'with MD': the least memory each needs (+ above the live peak).")
+    print(f"{r['n_layer']:2d} x {r['d_model']:3d} hidden {r['psi'] / 1e6:5.1f}M {r['live_peak'] / 2**20:9.0f} "
+          f"{over['without_md']:>11s} {over['with_md']:>10s} {r['pools'] / 2**20:8.0f} {r['long_peak'] / 2**20:8.0f}"
+          f"  {outcome}")
+print("blocks x hidden; MiB. 'without MD', 'with MD': the least memory each needs (+ above the live peak).")
 """),
     ("md", r"""
 Above the live peak, the allocator without MD pays for segments kept alive by the tensors
