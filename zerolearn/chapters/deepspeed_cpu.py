@@ -28,8 +28,6 @@ import statistics
 import sys
 import time
 
-import torch
-
 from zerolearn import comm
 from zerolearn import dist as zdist
 from zerolearn.lessons import ch07
@@ -42,17 +40,6 @@ def config(stage: int, world_size: int) -> dict:
             "optimizer": {"type": "Adam", "params": {"lr": ch07.LR, "torch_adam": True, "adam_w_mode": False,
                                                      "weight_decay": 0.0}},
             "gradient_clipping": 0.0, "steps_per_print": 10**9, **ch07.DEEPSPEED_CONFIG[stage]}
-
-
-def _bytes(tensors, skip: set[int] = frozenset()) -> tuple[int, set[int]]:
-    """Bytes of the distinct storages of ``tensors`` not in ``skip``; and their pointers."""
-    seen, total = set(), 0
-    for t in tensors:
-        ptr = t.untyped_storage().data_ptr()
-        if t.numel() > 1 and ptr not in seen and ptr not in skip:
-            seen.add(ptr)
-            total += t.untyped_storage().nbytes()
-    return total, seen
 
 
 def run(stage: int, steps: int = 4) -> dict:
@@ -73,13 +60,15 @@ def run(stage: int, steps: int = 4) -> dict:
         times.append(time.perf_counter() - t0)
         losses.append(comm.monitor_mean(loss.item()))
     params = [getattr(p, "ds_tensor", p) for p in engine.module.parameters()]  # stage 3: the partition
-    param_bytes, param_ptrs = _bytes(params)
     inner = getattr(optimizer, "optimizer", optimizer)  # a ZeRO optimizer wraps torch's Adam
-    master, _ = _bytes([p for group in inner.param_groups for p in group["params"]], skip=param_ptrs)
-    states, _ = _bytes([v for s in inner.state.values() for v in s.values() if torch.is_tensor(v)])
+    stepped = [p for group in inner.param_groups for p in group["params"]]
+    param_bytes = ch07._local_bytes(params)
+    # Storages are counted once, so what the optimizer steps on beyond the parameters is its own copy.
+    master = ch07._local_bytes(params + stepped) - param_bytes
     return {"losses": losses, "step_s": statistics.median(times), "deepspeed": deepspeed.__version__,
             "world_size": world_size, "rank": rank,
-            "bytes": {"params": param_bytes, "master": master, "optimizer_states": states}}
+            "bytes": {"params": param_bytes, "master": master,
+                      "optimizer_states": ch07._local_bytes(ch07._optimizer_tensors(inner))}}
 
 
 def main(argv: list[str] | None = None) -> int:
