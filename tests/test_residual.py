@@ -8,19 +8,13 @@ import torch
 import jobs
 import residual_jobs
 from zerolearn.dist import launch
+from zerolearn.lessons.ch05 import VARIANTS  # the chapter's variants, tested at every stage
 from zerolearn.memory import model as analytic
 from zerolearn.models import GPTConfig, build_model
 from zerolearn.residual import defrag
 from zerolearn.views import recorded_trace
 
 STAGES = (0, 1, 2, 3)
-VARIANTS = {
-    "tp": dict(nm=2),
-    "checkpointing": dict(nm=2, checkpointing=True),
-    "P_a": dict(nm=2, checkpointing=True, partition=True),
-    "P_a+cpu": dict(nm=2, checkpointing=True, partition=True, cpu=True),
-    "P_a+MD": dict(nm=2, checkpointing=True, partition=True, contiguous=True),
-}
 RUNS = [dict(stage=s, **kw) for s in STAGES for kw in VARIANTS.values()]
 
 
@@ -43,9 +37,9 @@ def test_2x2_with_and_without_pa_matches_single_process(stage, variant):
 
 def test_checkpoint_bytes_per_rank_divide_by_nm():
     for stage in STAGES:
-        plain = run(stage, "checkpointing")["checkpoint_bytes"]
-        assert run(stage, "P_a")["checkpoint_bytes"] == (plain[0] // 2, 0)
-        assert run(stage, "P_a+cpu")["checkpoint_bytes"] == (0, plain[0] // 2)  # on the host
+        plain = run(stage, "+ checkpointing")["checkpoint_bytes"]
+        assert run(stage, "+ P_a")["checkpoint_bytes"] == (plain[0] // 2, 0)
+        assert run(stage, "+ P_a+cpu")["checkpoint_bytes"] == (0, plain[0] // 2)  # on the host
 
 
 def test_checkpoints_match_section_3_2_formula():
@@ -53,18 +47,18 @@ def test_checkpoints_match_section_3_2_formula():
     cfg, local_batch = jobs.GPT, jobs.BATCH // 2
     expected = analytic.activation_bytes(cfg.d_model, local_batch, cfg.seq_len, cfg.n_layer,
                                          bytes_per_value=4, checkpointing=True)
-    assert run(0, "checkpointing")["checkpoint_bytes"][0] == expected
+    assert run(0, "+ checkpointing")["checkpoint_bytes"][0] == expected
 
 
 def test_checkpointing_cuts_measured_activation_memory():
     for stage in STAGES:
-        assert run(stage, "checkpointing")["activation_bytes"] < run(stage, "tp")["activation_bytes"]
-        assert run(stage, "P_a")["activation_bytes"] < run(stage, "checkpointing")["activation_bytes"]
+        assert run(stage, "+ checkpointing")["activation_bytes"] < run(stage, "Nm = 2")["activation_bytes"]
+        assert run(stage, "+ P_a")["activation_bytes"] < run(stage, "+ checkpointing")["activation_bytes"]
 
 
 def test_pa_adds_one_allgather_per_block_under_a_tenth_of_mp_traffic():
     cfg, local_batch, steps = jobs.GPT, jobs.BATCH // 2, 3
-    tags = run(0, "P_a")["by_tag"]
+    tags = run(0, "+ P_a")["by_tag"]
     block = local_batch * cfg.seq_len * cfg.d_model
     assert tags["pa"]["all_gather"]["elements"] == steps * cfg.n_layer * block
     # Megatron with recomputation: six all-reduces of a block's activations per block.

@@ -61,13 +61,9 @@ every variant of this chapter on 4 ranks (ZeRO-2 over the data-parallel groups) 
 plain model on one rank, and compare the losses.
 """),
     ("code", r"""
-VARIANTS = {
-    "Nm = 2": dict(nm=2),
-    "+ checkpointing": dict(nm=2, checkpointing=True),
-    "+ P_a": dict(nm=2, checkpointing=True, partition=True),
-    "+ P_a+cpu": dict(nm=2, checkpointing=True, partition=True, cpu=True),
-    "+ P_a, contiguous (MD)": dict(nm=2, checkpointing=True, partition=True, contiguous=True),
-}
+VARIANTS = ch05.VARIANTS
+for name, kwargs in VARIANTS.items():
+    print(f"{name:<24} {kwargs}")
 single = launch(ch05.zero_r_runs, 1, [dict(stage=2)])[0][0]
 runs = dict(zip(VARIANTS, launch(ch05.zero_r_runs, 4, [dict(stage=2, **kw) for kw in VARIANTS.values()])[0]))
 print(f"{'run':<24} " + " ".join(f"loss@{i}" for i in range(3)))

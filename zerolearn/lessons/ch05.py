@@ -25,6 +25,14 @@ from zerolearn.views import recorded_trace
 
 GPT = GPTConfig(seq_len=32, n_layer=4, n_head=4, d_model=64)
 BATCH = 8  # global; divisible by Nd = 1, 2, 4
+# The chapter's ZeRO-R variants on Nd x Nm = 2 x 2: keyword arguments of zero_r_run.
+VARIANTS = {
+    "Nm = 2": dict(nm=2),
+    "+ checkpointing": dict(nm=2, checkpointing=True),
+    "+ P_a": dict(nm=2, checkpointing=True, partition=True),
+    "+ P_a+cpu": dict(nm=2, checkpointing=True, partition=True, cpu=True),
+    "+ P_a, contiguous (MD)": dict(nm=2, checkpointing=True, partition=True, contiguous=True),
+}
 
 
 def zero_r_run(stage: int = 0, nm: int = 1, checkpointing: bool = False, partition: bool = False,
