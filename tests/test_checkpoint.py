@@ -15,6 +15,7 @@ import torch
 import jobs
 from zerolearn import checkpoint, train
 from zerolearn.checkpoint import __main__ as checkpoint_cli
+from zerolearn.checkpoint.checksums import NO_CHECKSUMS
 from zerolearn.dist import RankError, launch
 
 SAVE_AT, LAST = 3, 6
@@ -208,3 +209,183 @@ def test_bad_checkpoint_options_exit_2_before_any_work(args, message, tmp_path, 
         train.main(args)
     assert info.value.code == 2 and message in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
+
+
+# ----- checksums, fallback, non-finite losses (issue 17) --------------------------------
+
+TRAIN = ["--global-batch-size", "4", "--seq-len", "16", "--d-model", "32", "--n-head", "2",
+         "--bucket-mb", "0.01", "--quiet"]
+SAVED = ["--stage", "2", "--steps", "4", "--checkpoint-every", "2", "--checkpoint-keep", "0", *TRAIN]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> dict:
+    """2 ranks at stage 2 train 4 steps, saving after steps 2 and 4 (both kept)."""
+    d = tmp_path_factory.mktemp("verify") / "ck"
+    report = launch(jobs.train_jobs, 2, [[*SAVED, "--checkpoint-dir", str(d)]])[0][0]
+    return {"dir": d, "losses": report["losses"]}
+
+
+def damaged(saved, tmp_path, case: str) -> Path:
+    """A copy of the saved folder whose step-4 checkpoint is damaged as ``case`` says."""
+    d = tmp_path / "ck"
+    shutil.copytree(saved["dir"], d)
+    new, old = d / "step_00000004", d / "step_00000002"
+    if case == "flip":  # one bit of one byte in the middle of rank 1's shard
+        data = bytearray((new / "rank_00001.pt").read_bytes())
+        data[len(data) // 2] ^= 0x10
+        (new / "rank_00001.pt").write_bytes(bytes(data))
+    elif case == "truncate":
+        data = (new / "rank_00000.pt").read_bytes()
+        (new / "rank_00000.pt").write_bytes(data[:len(data) // 2])
+    elif case == "swap":
+        os.replace(new / "rank_00000.pt", new / "tmp")
+        os.replace(new / "rank_00001.pt", new / "rank_00000.pt")
+        os.replace(new / "tmp", new / "rank_00001.pt")
+    elif case == "other_step":  # rank 1's shard of step 2, as if restored from an old backup
+        shutil.copyfile(old / "rank_00001.pt", new / "rank_00001.pt")
+    return d
+
+
+DAMAGE = {
+    "flip": r"step_00000004/rank_00001.pt: SHA-256 [0-9a-f]{16}\.\.\. differs from the manifest's [0-9a-f]{16}",
+    "truncate": r"step_00000004/rank_00000.pt: \d+ bytes, the manifest says \d+: the file is truncated",
+    "swap": r"step_00000004/rank_00000.pt: its content is that of rank_00001.pt as saved, not rank 0's",
+    "other_step": r"step_00000004/rank_00001.pt: holds the shard of step 2 \(the manifest says 4\).*another checkpoint",
+}
+
+
+def test_manifest_records_each_shards_checksum_and_owner(saved):
+    import hashlib
+
+    man = checkpoint.manifest(str(saved["dir"]))
+    for rank, entry in enumerate(man["files"]):
+        data = (saved["dir"] / "step_00000004" / entry["file"]).read_bytes()
+        assert entry["sha256"] == hashlib.sha256(data).hexdigest() and entry["bytes"] == len(data)
+        assert {k: entry[k] for k in ("rank", "step", "world_size", "stage", "dtype")} == {
+            "rank": rank, "step": 4, "world_size": 2, "stage": 2, "dtype": "fp32"}
+    assert checkpoint.verify(checkpoint.latest(str(saved["dir"]))) is True
+
+
+@pytest.mark.parametrize("case", DAMAGE)
+def test_damaged_shard_is_named_by_verify_info_and_consolidate(saved, tmp_path, capsys, case):
+    d = damaged(saved, tmp_path, case)
+    with pytest.raises(checkpoint.CheckpointError, match=DAMAGE[case]):
+        checkpoint.verify(str(d / "step_00000004"))
+    for argv in (["info", str(d)], ["consolidate", str(d), str(tmp_path / "x.pt")]):
+        with pytest.raises(SystemExit) as info:
+            checkpoint_cli.main(argv)
+        assert info.value.code == 2, argv
+        assert re.search(DAMAGE[case], capsys.readouterr().err), argv
+    assert not (tmp_path / "x.pt").exists() and not (tmp_path / "x.pt.part").exists()
+    checkpoint.verify(str(d / "step_00000002"))  # the older checkpoint is untouched
+
+
+def test_cli_exits_2_on_a_flipped_byte_in_a_real_process(saved, tmp_path):
+    d = damaged(saved, tmp_path, "flip")
+    done = subprocess.run([sys.executable, "-m", "zerolearn.checkpoint", "consolidate", str(d),
+                           str(tmp_path / "x.pt")], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and re.search(DAMAGE["flip"], done.stderr), done.stderr
+    assert sorted(os.listdir(tmp_path)) == ["ck"]  # neither x.pt nor x.pt.part
+
+
+def test_a_failed_write_leaves_no_part_file(tmp_path):
+    from zerolearn.checkpoint.files import write_atomic
+
+    def fail(f):
+        f.write(b"half")
+        raise OSError("disk full")
+    with pytest.raises(OSError, match="disk full"):
+        write_atomic(str(tmp_path / "x.pt"), fail)
+    assert os.listdir(tmp_path) == []
+
+
+def save_that_is_damaged_on_disk(directory: str) -> tuple[str, list[str]]:
+    """(launched) Save step 1, then step 2 with keep=1, with a bit of step 2's shard
+    flipped on disk just before it is read back: the save fails, step 1 is kept."""
+    from zerolearn.checkpoint import engine_io
+
+    engine = jobs.ckpt_engine(0, "adam")
+    jobs.ckpt_steps(engine, 0, 1)
+    checkpoint.save(engine, directory, 1, keep=1)
+    jobs.ckpt_steps(engine, 1, 2)
+    real = engine_io.verify
+
+    def flip_then_verify(path, *args):
+        with open(os.path.join(path, "rank_00000.pt"), "r+b") as f:
+            f.seek(200)
+            byte = f.read(1)
+            f.seek(200)
+            f.write(bytes([byte[0] ^ 1]))
+        return real(path, *args)
+    engine_io.verify = flip_then_verify
+    try:
+        checkpoint.save(engine, directory, 2, keep=1)
+        message = None
+    except checkpoint.CheckpointError as e:
+        message = str(e)
+    finally:
+        engine_io.verify = real
+    return message, sorted(os.listdir(directory))
+
+
+def test_old_checkpoints_are_pruned_only_after_the_new_one_verifies(tmp_path):
+    message, names = launch(save_that_is_damaged_on_disk, 1, str(tmp_path / "ck"))[0]
+    assert re.search(r"step_00000002 not written: rank 0: it did not verify when read back, older checkpoints "
+                     r"kept: .*step_00000002/rank_00000.pt: SHA-256", message), message
+    assert names == ["step_00000001"]
+    checkpoint.verify(str(tmp_path / "ck" / "step_00000001"))
+
+
+def test_resume_falls_back_to_the_newest_checkpoint_that_verifies(saved, tmp_path, capfd):
+    # Rank 1's step-4 shard has a flipped bit: both ranks resume from step 2 (rank 0
+    # decides), say so once, and train steps 2-3 with the losses of the first run.
+    d = damaged(saved, tmp_path, "flip")
+    report = launch(jobs.train_jobs, 2, [[*SAVED, "--checkpoint-dir", str(d)]])[0][0]
+    assert report["first_step"] == 2 and report["losses"] == saved["losses"][2:]
+    err = capfd.readouterr().err
+    line = f"checkpoint {d / 'step_00000004'} fails verification, resuming from {d / 'step_00000002'} instead"
+    assert err.count(line) == 1, err
+    assert re.search(DAMAGE["flip"], err)
+    checkpoint.verify(str(d / "step_00000004"))  # saved again, whole
+
+
+def test_no_checkpoint_that_verifies_is_an_error_naming_each(saved, tmp_path):
+    d = damaged(saved, tmp_path, "flip")
+    (d / "step_00000002" / "rank_00000.pt").write_bytes(b"")
+    with pytest.raises(checkpoint.CheckpointError, match="none of its 2 checkpoint.* verifies: .*rank_00001.pt"
+                                                           ".*step_00000002/rank_00000.pt: 0 bytes"):
+        checkpoint.choose(str(d))
+
+
+def test_checkpoint_without_checksums_still_loads_and_says_so(saved, tmp_path, capfd):
+    import json
+
+    d = damaged(saved, tmp_path, "none")
+    for step in ("step_00000002", "step_00000004"):
+        name = d / step / "manifest.json"
+        man = json.loads(name.read_text())
+        for entry in man["files"]:  # as an older zerolearn wrote it
+            entry.pop("sha256")
+        name.write_text(json.dumps(man))
+    assert checkpoint.verify(str(d / "step_00000004")) is False
+    assert checkpoint.choose(str(d)) == (str(d / "step_00000004"), f"{d / 'step_00000004'}: {NO_CHECKSUMS}", [])
+    assert checkpoint_cli.main(["info", str(d)]) == 0
+    assert NO_CHECKSUMS in capfd.readouterr().out
+    # A run resumes from it (here on one rank), saying that only sizes were checked.
+    report = launch(jobs.train_jobs, 1, [[*SAVED, "--steps", "5", "--checkpoint-dir", str(d)]])[0][0]
+    assert report["first_step"] == 4 and len(report["losses"]) == 1
+    assert f"{d / 'step_00000004'}: {NO_CHECKSUMS}" in capfd.readouterr().err
+
+
+@pytest.mark.parametrize("extra, message", [
+    ([], "step 1: the global mean loss is nan"),  # step 0's update made every parameter NaN
+    (["--checkpoint-every", "1"], "step 0: its update made parameters NaN or inf"),  # caught before saving
+])
+def test_lr_inf_stops_naming_the_step_and_saves_nothing(tmp_path, extra, message):
+    done = subprocess.run([sys.executable, "-m", "zerolearn.train", *TRAIN, "--steps", "3", "--lr", "inf",
+                           "--checkpoint-dir", str(tmp_path / "ck"), *extra],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1, done.stderr
+    assert f"rank 0: NonFiniteError: {message}" in done.stderr
+    assert not (tmp_path / "ck").exists()

@@ -27,19 +27,30 @@ completed), ``stage``, ``world_size``, ``dtype``, ``optimizer``, ``torch``;
 elements [start, stop) of the group's flat buffer are piece ``index`` of that
 rank's file; ``state_keys``: the per-element optimizer states saved; ``aliases``
 (tied state_dict names -> saved name); ``module_keys`` (frozen parameters and
-buffers, saved whole by rank 0); ``files``: [{rank, file, bytes}]; ``extra`` (the
-caller's, e.g. the run's config).
+buffers, saved whole by rank 0); ``files``: [{file, bytes, sha256, rank, step,
+world_size, stage, dtype}]: each shard file's size, SHA-256 and what it belongs to;
+``extra`` (the caller's, e.g. the run's config).
 
 ``rank_RRRRR.pt`` (``torch.load(..., weights_only=True)``): ``pieces``: a list of
 {``group``, ``start``, ``stop``, ``master`` (fp32, stop - start elements),
 ``state`` {name: fp32 tensor of the same size}, ``scalars`` (e.g. Adam's ``step``)};
-``rng`` ({``torch``, ``cuda``} random states of that rank); rank 0 also ``module``.
+``rng`` ({``torch``, ``cuda``} random states of that rank); rank 0 also ``module``;
+and ``rank``, ``step``, ``world_size``, ``stage``, ``dtype`` as in the manifest.
 At stage 0 every rank holds the same state, so only rank 0 writes pieces.
 
 Crash safety: ranks write into ``.step_N.tmp`` (each file as ``.part``, fsynced, then
 renamed); after all report success, rank 0 writes the manifest and renames the folder
 to ``step_N`` (an atomic rename on one file system). A crash at any moment leaves the
-earlier checkpoints untouched; :func:`latest` only sees renamed folders.
+earlier checkpoints untouched; :func:`latest` only sees renamed folders. Older
+checkpoints are pruned (``keep``) only after the new one verifies, re-read from disk.
+
+Corruption (:mod:`zerolearn.checkpoint.checksums`): every shard is checked against the
+manifest's size and SHA-256 before it is trusted: by :func:`load`, by :func:`resume`
+(which falls back to the newest checkpoint that verifies, saying so), and by
+``python -m zerolearn.checkpoint info`` and ``consolidate`` (exit 2, naming the file
+and what differs: damaged, truncated, another rank's, another step's). Checkpoints
+saved before checksums were recorded still load, with a note that only sizes were
+checked.
 
 Loading validates everything first (manifest, every file present with its recorded
 size, names and shapes against the model, the optimizer, every element covered by
@@ -54,6 +65,11 @@ cannot describe without first re-expressing every shard per parameter; the manif
 above records exactly that mapping in a few lines of JSON, readable without torch.
 """
 
+import os
+import sys
+
+from zerolearn import comm
+from zerolearn.checkpoint.checksums import NO_CHECKSUMS, choose, verify
 from zerolearn.checkpoint.engine_io import load, save
 from zerolearn.checkpoint.files import CheckpointError, consolidate, latest, read_full, read_manifest, resolve
 from zerolearn.errors import ConfigError
@@ -64,27 +80,68 @@ def manifest(path: str) -> dict:
     return read_manifest(resolve(path))
 
 
+def _say(line: str) -> None:
+    """One line to stderr in one write (lines of several ranks never interleave)."""
+    sys.stderr.flush()
+    os.write(sys.stderr.fileno(), (line + "\n").encode(errors="replace"))
+
+
+def _decide(directory: str) -> tuple:
+    """Rank 0's choice of checkpoint: ("none",), ("load", path, note or None) or ("fail", message)."""
+    try:
+        path, note, skipped = choose(directory)
+    except CheckpointError as e:
+        return ("fail", str(e))
+    except Exception as e:  # noqa: BLE001 - the other ranks must hear of it, or they hang
+        return ("fail", f"{directory}: {type(e).__name__}: {e}")
+    if path is None:
+        return ("none",)
+    if skipped:
+        (newest, why), more = skipped[0], f" (and {len(skipped) - 1} more)" if len(skipped) > 1 else ""
+        fallback = f"checkpoint {newest}{more} fails verification, resuming from {path} instead: {why}"
+        note = fallback if note is None else f"{fallback} ({NO_CHECKSUMS})"
+    return ("load", path, note)
+
+
 def resume(engine, directory: str | None, config: dict, must_match: tuple[str, ...] = ()) -> int:
-    """Load the newest complete checkpoint under ``directory`` into ``engine``, if any.
+    """Load the newest complete checkpoint under ``directory`` that verifies into ``engine``.
 
     Returns the step to start at: the checkpoint's, or 0 when ``directory`` is None or
     holds no complete checkpoint. ``config`` is saved as ``extra["config"]`` by the
     training loop; the keys in ``must_match`` (data and model options) must equal the
     saving run's. A collective (call on every rank).
 
+    Rank 0 alone checks the checkpoints, newest first, against their manifests' sizes
+    and SHA-256 (:func:`zerolearn.checkpoint.checksums.choose`) and tells the others which
+    to load. If the newest fails, the newest one that verifies is loaded instead and
+    rank 0 prints one line to stderr naming both (and why the newest failed); a
+    checkpoint saved without checksums loads with a line saying so.
+
     Raises:
         ConfigError: a key of ``must_match`` differs (named, with both values).
-        CheckpointError: see :func:`load` (nothing loaded).
+        CheckpointError: complete checkpoints exist but none verifies (each named
+            with what differs); or see :func:`load` (nothing loaded).
     """
-    if not directory or latest(directory) is None:
+    if not directory:
         return 0
-    saved = manifest(directory)["extra"].get("config", {})
+    decision = _decide(directory) if engine.rank == 0 else None
+    if engine.world_size > 1:
+        decision = comm.gather_objects(decision, engine.pg)[0]  # rank 0 decides, the others follow
+    if decision[0] == "none":
+        return 0
+    if decision[0] == "fail":
+        raise CheckpointError(f"cannot resume: {decision[1]}")
+    path, note = decision[1], decision[2]
+    if note and engine.rank == 0:
+        _say(note)
+    saved = manifest(path)["extra"].get("config", {})
     differ = [f"--{k.replace('_', '-')} {saved[k]} (this run: {config.get(k)})"
               for k in must_match if k in saved and saved[k] != config.get(k)]
     if differ:
         raise ConfigError(f"{directory} holds a checkpoint of a run with " + ", ".join(differ)
                           + "; resume with the same options or use another directory")
-    return load(engine, directory)
+    return load(engine, path, verify_files=False)  # rank 0 has just verified every file
 
 
-__all__ = ["CheckpointError", "consolidate", "latest", "load", "manifest", "read_full", "resume", "save"]
+__all__ = ["CheckpointError", "choose", "consolidate", "latest", "load", "manifest", "read_full", "resume", "save",
+           "verify"]

@@ -4,7 +4,11 @@
     python -m zerolearn.checkpoint info DIR              # step, stage, world size, sizes
 
 DIR is a checkpoint (``step_NNNNNNNN``) or a folder of them (the newest complete one
-is used). Exit codes: 0 done, 2 bad or damaged input (the message says what), 1 other.
+is used). Both commands first verify every shard against the manifest (size and
+SHA-256); a checkpoint saved without checksums is accepted with a note that only
+sizes were checked. Exit codes: 0 done, 2 bad or damaged input (the message names the
+file and what differs; ``consolidate`` then writes nothing), 1 other (e.g. OUT cannot
+be written).
 """
 
 from __future__ import annotations
@@ -12,7 +16,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from zerolearn.checkpoint import CheckpointError, consolidate, manifest, resolve
+from zerolearn.checkpoint import CheckpointError, consolidate, resolve, verify
+from zerolearn.checkpoint.checksums import NO_CHECKSUMS
+from zerolearn.checkpoint.files import read_manifest
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,19 +32,24 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     try:
         path = resolve(args.dir)
-        man = manifest(path)
+        man = read_manifest(path, check_files=False)  # verify (consolidate does) checks the files
+        checksums = all("sha256" in f for f in man["files"])
+        files = f"{len(man['files'])} files" + (", SHA-256 verified" if checksums else f" ({NO_CHECKSUMS})")
         if args.command == "consolidate":
-            state = consolidate(path, args.out)
+            state = consolidate(path, args.out)  # verifies every shard first
             numel = sum(t.numel() for k, t in state.items() if k not in man["aliases"])
             print(f"{path}: step {man['step']}, stage {man['stage']}, {man['world_size']} rank(s) -> {args.out}: "
-                  f"{len(state)} tensors, {numel:,} elements, {numel * 4 / 2**20:.2f} MiB fp32")
+                  f"{len(state)} tensors, {numel:,} elements, {numel * 4 / 2**20:.2f} MiB fp32 ({files})")
         else:
+            verify(path, man)
             total = sum(f["bytes"] for f in man["files"])
             print(f"{path}: step {man['step']}, stage {man['stage']}, world size {man['world_size']}, "
                   f"{man['optimizer']} ({', '.join(man['state_keys']) or 'no state yet'}), {man['dtype']}, "
-                  f"{len(man['params'])} parameters, {total / 2**20:.2f} MiB in {len(man['files'])} files")
+                  f"{len(man['params'])} parameters, {total / 2**20:.2f} MiB in {files}")
     except CheckpointError as e:
         p.exit(2, f"{p.prog}: error: {e}\n")
+    except OSError as e:
+        p.exit(1, f"{p.prog}: error: {e}\n")
     return 0
 
 

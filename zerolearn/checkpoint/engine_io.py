@@ -11,6 +11,7 @@ import os
 import torch
 
 from zerolearn import comm, compat
+from zerolearn.checkpoint.checksums import sha256_file, verify, verify_share
 from zerolearn.checkpoint.files import (
     FORMAT,
     VERSION,
@@ -68,6 +69,12 @@ def _module_state(engine, copy: bool = True) -> tuple[dict[str, str], dict[str, 
     return aliases, module
 
 
+def _identity(engine, rank: int, step: int) -> dict:
+    """What a shard file belongs to (checksums.IDENTITY), recorded in it and in the manifest."""
+    return {"rank": rank, "step": step, "world_size": engine.world_size, "stage": engine.stage,
+            "dtype": next(k for k, v in DTYPES.items() if v == engine.dtype)}
+
+
 def _payload(engine, step: int) -> dict:
     pieces = []
     # Stage 0 replicates everything (one shard): rank 0 alone writes it.
@@ -80,7 +87,8 @@ def _payload(engine, step: int) -> dict:
                        "state": per, "scalars": scalars})
     rng = {"torch": torch.get_rng_state(),
            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
-    out = {"format": FORMAT, "version": VERSION, "rank": engine.rank, "step": step, "pieces": pieces, "rng": rng}
+    out = {"format": FORMAT, "version": VERSION, **_identity(engine, engine.rank, step), "pieces": pieces,
+           "rng": rng}
     if engine.rank == 0:
         out["module"] = _module_state(engine)[1]
     return out
@@ -89,7 +97,8 @@ def _payload(engine, step: int) -> dict:
 def _write(engine, step: int, path: str) -> dict:
     """Write this rank's file; what the manifest needs to know of it."""
     payload = _payload(engine, step)
-    return {"bytes": write_atomic(path, lambda f: torch.save(payload, f)),
+    size = write_atomic(path, lambda f: torch.save(payload, f))
+    return {"bytes": size, "sha256": sha256_file(path),
             "pieces": [[p["group"], p["start"], p["stop"]] for p in payload["pieces"]],
             "state_keys": sorted({k for p in payload["pieces"] for k in p["state"]})}
 
@@ -105,10 +114,13 @@ def save(engine, directory: str, step: int, extra: dict | None = None, keep: int
     Args:
         step: steps completed; a resumed run starts at this step.
         extra: JSON-serialisable data stored in the manifest (e.g. the run's config).
-        keep: keep only the newest ``keep`` complete checkpoints (None: all).
+        keep: keep only the newest ``keep`` complete checkpoints (None: all); older
+            ones are removed only after the new one verifies (sizes and SHA-256 of
+            every shard, read back from disk by rank 0).
 
     Returns: the checkpoint's path. Raises CheckpointError on every rank if any rank
-    failed to write (the previous checkpoints stay intact).
+    failed to write, or the new checkpoint did not verify when read back (then it is
+    removed; the previous checkpoints stay intact).
     """
     _whole_world(engine)
     tmp, final = tmp_dir(directory, step), step_dir(directory, step)
@@ -157,12 +169,13 @@ def _finish(engine, directory, step, extra, keep, metas) -> str | None:
         manifest = {
             "format": FORMAT, "version": VERSION, "step": step, "stage": engine.stage,
             "world_size": engine.world_size, "optimizer": engine.optimizer_name,
-            "dtype": next(k for k, v in DTYPES.items() if v == engine.dtype), "torch": compat.TORCH_VERSION,
+            "dtype": _identity(engine, 0, step)["dtype"], "torch": compat.TORCH_VERSION,
             "scaler": {"enabled": engine.scaler.enabled, **engine.scaler.state_dict()},
             "params": [[n, list(s)] for g in engine.groups for n, s in zip(g.names, g.shapes)],
             "state_keys": metas[0]["state_keys"], "groups": groups, "aliases": aliases,
             "module_keys": sorted(module),
-            "files": [{"rank": m["rank"], "file": m["file"], "bytes": m["bytes"]} for m in metas],
+            "files": [{"file": m["file"], "bytes": m["bytes"], "sha256": m["sha256"],
+                       **_identity(engine, m["rank"], step)} for m in metas],
             "extra": extra or {}}
         write_atomic(os.path.join(tmp, "manifest.json"),
                      lambda f: f.write(json.dumps(manifest, indent=1).encode()))
@@ -171,6 +184,13 @@ def _finish(engine, directory, step, extra, keep, metas) -> str | None:
             os.replace(final, final + ".old")
         os.replace(tmp, final)
         fsync_dir(directory)
+        try:  # read back from disk: only a checkpoint that verifies replaces or prunes others
+            verify(final)
+        except CheckpointError as e:
+            remove(final)
+            if os.path.exists(final + ".old"):
+                os.replace(final + ".old", final)
+            return f"rank 0: it did not verify when read back, older checkpoints kept: {e}"
         remove(final + ".old")
         for _, old in complete(directory)[:-keep] if keep else []:
             remove(old)
@@ -246,8 +266,18 @@ def _plan(engine, path: str) -> dict:
     return plan
 
 
+def _agree(engine, problem: str | None) -> None:
+    """Raise the same CheckpointError on every rank if any rank has a ``problem``."""
+    problems = comm.gather_objects(problem, engine.pg) if engine.world_size > 1 else [problem]
+    bad = [(r, p) for r, p in enumerate(problems) if p is not None]
+    if bad:
+        if len({p for _, p in bad}) == 1:
+            raise CheckpointError(f"cannot load the checkpoint: {bad[0][1]}")
+        raise CheckpointError("cannot load the checkpoint: " + "; ".join(f"rank {r}: {p}" for r, p in bad))
+
+
 @torch.no_grad()
-def load(engine, path: str, restore_rng: bool = True) -> int:
+def load(engine, path: str, restore_rng: bool = True, verify_files: bool = True) -> int:
     """Load checkpoint ``path`` (or the newest under it) into ``engine``; return its step.
 
     The checkpoint may come from any stage and world size: for each parameter of
@@ -256,12 +286,21 @@ def load(engine, path: str, restore_rng: bool = True) -> int:
     scale is restored when both runs use fp16, random states when the world size is
     the same (each rank its own). Collective (call on every rank).
 
+    With ``verify_files`` (default) every shard file is first checked against the
+    manifest's size and SHA-256 (the ranks share the hashing: each file is read once);
+    False checks sizes only (for a checkpoint verified just before, e.g. by
+    :func:`zerolearn.checkpoint.resume`). A checkpoint saved without checksums
+    loads after its sizes are checked (see :mod:`zerolearn.checkpoint.checksums`).
+
     Raises:
         CheckpointError: on every rank, if any rank finds the checkpoint missing,
-            damaged, from another model or optimizer, or unmappable. Raised before
-            anything changes: the engine is untouched.
+            damaged (the file named, with what differs from the manifest), from
+            another model or optimizer, or unmappable. Raised before anything
+            changes: the engine is untouched.
     """
     _whole_world(engine)
+    if verify_files:
+        _agree(engine, verify_share(path, engine.rank, engine.world_size))
     plan, problem = None, None
     try:
         plan = _plan(engine, path)
@@ -269,12 +308,7 @@ def load(engine, path: str, restore_rng: bool = True) -> int:
         problem = str(e)
     except Exception as e:  # noqa: BLE001 - every rank must hear of it, or the others hang
         problem = f"{type(e).__name__}: {e}"
-    problems = comm.gather_objects(problem, engine.pg) if engine.world_size > 1 else [problem]
-    bad = [(r, p) for r, p in enumerate(problems) if p is not None]
-    if bad:
-        if len({p for _, p in bad}) == 1:
-            raise CheckpointError(f"cannot load the checkpoint: {bad[0][1]}")
-        raise CheckpointError("cannot load the checkpoint: " + "; ".join(f"rank {r}: {p}" for r, p in bad))
+    _agree(engine, problem)
     engine.load_shards(plan["masters"], plan["optimizer"])
     man = plan["manifest"]
     if man["scaler"]["enabled"] and engine.scaler.enabled:

@@ -79,13 +79,22 @@ def resolve(path: str) -> str:
 
 
 def write_atomic(path: str, write) -> int:
-    """Write ``path`` through ``write(file)`` into ``path.part``, fsync, rename; return bytes."""
+    """Write ``path`` through ``write(file)`` into ``path.part``, fsync, rename; return bytes.
+
+    If anything fails, ``path.part`` is removed (and ``path`` is untouched) before the
+    error propagates.
+    """
     part = path + ".part"
-    with open(part, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(part, path)
+    try:
+        with open(part, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(part, path)
+    except BaseException:
+        if os.path.exists(part):  # never leave a half-written file behind
+            os.remove(part)
+        raise
     return os.path.getsize(path)
 
 
@@ -101,13 +110,14 @@ def remove(path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def read_manifest(path: str) -> dict:
+def read_manifest(path: str, check_files: bool = True) -> dict:
     """The manifest of checkpoint ``path``, checked for completeness and consistency.
 
-    Checks: the format and version, every rank file listed once and present with the
-    recorded size (a truncated or missing shard fails here), and every element of
-    every parameter held by some piece (else the checkpoint cannot be mapped onto any
-    world size).
+    Checks: the format and version, every rank file listed once and (unless
+    ``check_files`` is False) present with the recorded size (a truncated or missing
+    shard fails here; :func:`zerolearn.checkpoint.checksums.verify` also checks contents),
+    and every element of every parameter held by some piece (else the checkpoint
+    cannot be mapped onto any world size).
 
     Raises:
         CheckpointError: naming the file and what is wrong.
@@ -124,15 +134,8 @@ def read_manifest(path: str) -> dict:
     if sorted(f["rank"] for f in files) != list(range(man["world_size"])):
         raise CheckpointError(f"{name}: world size {man['world_size']} but rank files for ranks "
                               f"{sorted(f['rank'] for f in files)}; this checkpoint cannot be mapped")
-    for f in files:
-        full = os.path.join(path, f["file"])
-        if not os.path.isfile(full):
-            raise CheckpointError(f"{path}: shard {f['file']} of rank {f['rank']} (of {man['world_size']}) "
-                                  "is missing")
-        size = os.path.getsize(full)
-        if size != f["bytes"]:
-            raise CheckpointError(f"{full}: {size} bytes, the manifest says {f['bytes']}: the file is "
-                                  "truncated or was changed after the save")
+    for f in files if check_files else []:
+        check_size(path, man, f)
     for gi, g in enumerate(man["groups"]):
         held = sorted((start, stop) for _, start, stop, _ in g["pieces"])
         end = 0
@@ -144,6 +147,23 @@ def read_manifest(path: str) -> dict:
             raise CheckpointError(f"{name}: elements {end}.. of group {gi} ({g['names'][0]}, ...) are in no "
                                   f"rank's shard; this checkpoint cannot be mapped onto any world size")
     return man
+
+
+def check_size(path: str, man: dict, entry: dict) -> int:
+    """The size in bytes of the rank file of manifest entry ``entry``, checked.
+
+    Raises:
+        CheckpointError: the file is missing, or its size is not the recorded one.
+    """
+    full = os.path.join(path, entry["file"])
+    if not os.path.isfile(full):
+        raise CheckpointError(f"{path}: shard {entry['file']} of rank {entry['rank']} (of {man['world_size']}) "
+                              "is missing")
+    size = os.path.getsize(full)
+    if size != entry["bytes"]:
+        raise CheckpointError(f"{full}: {size} bytes, the manifest says {entry['bytes']}: the file is "
+                              "truncated or was changed after the save")
+    return size
 
 
 class Reader:
@@ -235,13 +255,20 @@ def consolidate(path: str, out: str) -> dict[str, torch.Tensor]:
     The result loads with ``model.load_state_dict(torch.load(out), strict=True)`` into
     the plain ``nn.Module``: trainable parameters in fp32 from the masters, tied
     names included, plus frozen parameters and buffers as rank 0 held them (floating
-    ones as fp32). Written to ``out.part`` and renamed when complete. Returns it.
+    ones as fp32). Every shard is first verified against the manifest (size and
+    SHA-256; see :mod:`zerolearn.checkpoint.checksums`). Written to ``out.part`` and
+    renamed when complete; on any failure no ``out.part`` is left. Returns it.
 
     Raises:
-        CheckpointError: see :func:`read_full`.
+        CheckpointError: a shard does not verify (named, with what differs); see
+            :func:`read_full`.
+        OSError: ``out`` cannot be written.
     """
+    from zerolearn.checkpoint.checksums import verify  # verify imports this module
+
     path = resolve(path)
-    man = read_manifest(path)
+    man = read_manifest(path, check_files=False)
+    verify(path, man)
     state = read_full(path, "master")
     for key, name in man["aliases"].items():
         state[key] = state[name]
