@@ -53,8 +53,13 @@ def frozen_model(seed: int = 0) -> nn.Module:
 
 def train_engine(stage: int, optimizer: str = "sgd", dtype: str = "fp32", steps: int = 4,
                  accum: int = 1, model: str = "gpt", bucket_mb: float = 0.01,
-                 max_grad_norm: float | None = None) -> dict:
-    """Train with our engine on this rank's slices; return losses, params, ledgers."""
+                 max_grad_norm: float | None = None, accum_style: str = "sync") -> dict:
+    """Train with our engine on this rank's slices; return losses, params, ledgers.
+
+    ``accum_style`` says how micro-batches are written: ``"sync"`` (``sync=False``
+    until the last), ``"no_sync"`` (the context manager) or ``"repeated"`` (plain
+    ``backward`` each time, as a PyTorch user writes it).
+    """
     ctx = zdist.context()
     net = small_gpt() if model == "gpt" else frozen_model()
     engine = make_engine(stage, net, optimizer=optimizer, lr=LR[optimizer], dtype=dtype,
@@ -70,7 +75,12 @@ def train_engine(stage: int, optimizer: str = "sgd", dtype: str = "fp32", steps:
                 loss = gpt_loss(engine(xm), ym)
             else:
                 loss = F.mse_loss(engine(xm.to(engine.dtype), step % 2 == 1).float(), ym)
-            engine.backward(loss / accum, sync=i == accum - 1)
+            last = i == accum - 1
+            if accum_style == "no_sync" and not last:
+                with engine.no_sync():
+                    engine.backward(loss / accum)
+            else:
+                engine.backward(loss / accum, sync=last or accum_style == "repeated")
             local += loss.item() / accum
         grads_bytes = engine.model_state_bytes()["grads"]
         engine.step()

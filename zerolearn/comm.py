@@ -172,8 +172,8 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async_op: 
                 async_op, group, (tuple(input.shape), tuple(output.shape)), tag=tag)
 
 
-def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False) -> Handle:
+def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False, tag: str = "dp") -> Handle:
     """Copy ``tensor`` from global rank ``src`` to every rank of ``group``, in place."""
     return _run("broadcast", tensor,
                 lambda: dist.broadcast(tensor, src=src, group=group, async_op=async_op), async_op,
-                group, (tuple(tensor.shape),), detail=f"src={src}")
+                group, (tuple(tensor.shape),), detail=f"src={src}", tag=tag)

@@ -49,8 +49,11 @@ class FlatGroup:
         # Engine state (None when not held). full: working params, padded_numel
         # elements; shard: working-param shard (ZeRO-3); master: the optimizer's
         # fp32 parameter; grad_full / grad_shard: gradients before / after reduction.
+        # reduced: the output of a reduction in flight when it cannot go straight into
+        # grad_shard (stage 1 always; stages 2-3 when a previous backward's reduced
+        # gradient is being accumulated into).
         self.full = self.shard = self.master = None
-        self.grad_full = self.grad_shard = None
+        self.grad_full = self.grad_shard = self.reduced = None
         self.ready = 0  # parameters whose gradient has arrived in this backward
 
     @property

@@ -18,7 +18,11 @@ the newest complete one in D: ``--steps`` stays the run's total, so a resumed pr
 runs the remaining steps and its report's ``first_step`` says where its ``losses``
 begin. Under ``torchrun --max-restarts 1`` a rank that dies makes torchrun restart
 every rank, which resume from the last checkpoint (the stage and world size may
-differ from the saving run's: checkpoints reshard). ``--fail-at-step K --fail-rank R``
+differ from the saving run's: checkpoints reshard; a checkpoint that fails its
+checksums is skipped for the newest one that verifies, with a line saying so).
+A step whose global loss is NaN or inf (other than an fp16 step that the loss scaler
+skipped) stops the run with exit code 1, naming the step, and no checkpoint of the
+broken state is written. ``--fail-at-step K --fail-rank R``
 kills (or hangs) rank R during step K on the first attempt only, to test exactly that.
 
     torchrun --nproc-per-node 2 --max-restarts 1 \\
@@ -38,6 +42,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import signal
 import statistics
@@ -201,6 +206,34 @@ def fail_on_purpose(args, step: int, rank: int) -> None:
         time.sleep(3600)
 
 
+class NonFiniteError(RuntimeError):
+    """The training state became NaN or inf: the run stops rather than save or report it."""
+
+
+def check_finite(loss: float, skipped: bool, step: int) -> None:
+    """Raise NonFiniteError if the global ``loss`` of ``step`` is NaN or inf.
+
+    ``skipped``: fp16's dynamic loss scaler skipped this step (an overflow, expected
+    and allowed). Every rank sees the same global loss, so every rank raises alike
+    (no collective is left waiting).
+    """
+    if not math.isfinite(loss) and not skipped:
+        raise NonFiniteError(f"step {step}: the global mean loss is {loss}; stopping without saving a "
+                             "checkpoint of this state (is --lr too high?)")
+
+
+def check_finite_params(engine, step: int) -> None:
+    """Raise NonFiniteError (on every rank) if any rank's fp32 master holds NaN or inf.
+
+    Called before a checkpoint of the state after ``step`` is saved (one collective):
+    an update can break the parameters while the loss before it was finite.
+    """
+    broken = any(not torch.isfinite(g.master).all().item() for g in engine.groups)
+    if comm.monitor_mean(float(broken)) > 0:
+        raise NonFiniteError(f"step {step}: its update made parameters NaN or inf; stopping without saving "
+                             "a checkpoint of this state (is --lr too high?)")
+
+
 def _phase(ledger: MemoryLedger | None, name: str):
     return ledger.phase(name) if ledger is not None else contextlib.nullcontext()
 
@@ -222,7 +255,8 @@ def train(args: argparse.Namespace, progress: bool = False) -> dict:
     nd, dp_rank = zero_r.groups.nd, zero_r.groups.dp_rank
     engine = make_engine(args.stage, model, optimizer=args.optimizer, lr=args.lr, momentum=args.momentum,
                          weight_decay=args.weight_decay, dtype=args.dtype, bucket_mb=args.bucket_mb,
-                         max_grad_norm=args.max_grad_norm, group=zero_r.groups.dp_group)
+                         max_grad_norm=args.max_grad_norm, group=zero_r.groups.dp_group,
+                         model_parallel_group=zero_r.groups.tp_group if zero_r.groups.nm > 1 else None)
     engine.scaler.growth_interval = args.loss_scale_window
     first = checkpoint.resume(engine, args.checkpoint_dir, vars(args), RESUME_MUST_MATCH)
     cuda = ctx.device.type == "cuda"
@@ -264,16 +298,18 @@ def train(args: argparse.Namespace, progress: bool = False) -> dict:
             if last:
                 grads_bytes = engine.model_state_bytes()["grads"]  # as held after backward
             with _phase(ledger, "step"):
-                engine.step()
+                stepped = engine.step()
                 engine.zero_grad()
         if cuda:
             torch.cuda.synchronize(ctx.device)
         times.append(time.perf_counter() - t0)
         losses.append(comm.monitor_mean(local))
+        check_finite(losses[-1], engine.scaler.enabled and not stepped, step)
         if hasattr(steps, "set_postfix"):
             steps.set_postfix(loss=f"{losses[-1]:.4f}")
         done = step + 1
         if args.checkpoint_dir and (done == args.steps or args.checkpoint_every and done % args.checkpoint_every == 0):
+            check_finite_params(engine, step)
             checkpoint.save(engine, args.checkpoint_dir, done, extra={"config": config},
                             keep=args.checkpoint_keep or None)
     if cuda and args.cuda_memory_snapshot:

@@ -26,6 +26,7 @@ it. Frozen parameters (``requires_grad=False``) are not flattened or sharded at 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -98,8 +99,25 @@ class Engine:
         bucket_mb: largest gradient bucket / flat group, MiB of working dtype.
         max_grad_norm: clip the global gradient norm to this (None: no clipping).
         group: process group over the Nd data-parallel ranks (default: all ranks).
-        units: ZeRO-3's gather/free units (default ``model.units()`` if it exists,
-            else the model's direct children).
+        units: ZeRO-3's gather/free units in forward order (default ``model.units()``
+            if it exists, else the model's direct children; parameters shared by two
+            units, such as tied embeddings, go to the root unit). A unit's parameters
+            may be read only inside its own forward: the next unit in the list is
+            prefetched while the current one runs, and a unit is freed when its
+            forward returns.
+        model_parallel_group: the tensor-parallel group of this rank (Nm > 1), so that
+            clipping and the fp16 overflow check see the whole gradient: parameters
+            marked ``tensor_parallel = True`` are slices that differ per rank, the
+            others are replicas counted once.
+        broadcast_buffers: copy every buffer (BatchNorm's running statistics) from
+            data-parallel rank 0 at the start of each forward, as torch DDP does, so
+            ranks never drift apart; False leaves them per rank (SyncBatchNorm is
+            the way to make the statistics themselves global).
+
+    Parameters no rank used in a step get a zero gradient, not "no gradient": plain
+    SGD leaves them alone, but Adam's moments and weight decay still move them, where
+    torch.optim skips a parameter whose ``.grad`` is None. A flat shard cannot tell
+    "unused" from "zero" without a collective per step; DeepSpeed behaves the same.
 
     Raises:
         ConfigError: bad optimizer, dtype, lr or bucket size; parameters on several
@@ -113,7 +131,8 @@ class Engine:
                  weight_decay: float = 0.0, momentum: float = 0.0,
                  betas: tuple[float, float] = (0.9, 0.999), dtype: str = "fp32",
                  bucket_mb: float = 4.0, max_grad_norm: float | None = None,
-                 group=None, units: list[nn.Module] | None = None):
+                 group=None, units: list[nn.Module] | None = None, model_parallel_group=None,
+                 broadcast_buffers: bool = True):
         self.dtype = parse_dtype(dtype)
         if optimizer not in OPTIMIZERS:
             raise ConfigError(f"--optimizer {optimizer!r}: allowed are {', '.join(OPTIMIZERS)}")
@@ -124,9 +143,11 @@ class Engine:
         if max_grad_norm is not None and not max_grad_norm > 0:
             raise ConfigError(f"--max-grad-norm {max_grad_norm}: must be > 0")
         self.device = model_device(model)
-        self.model, self.pg = model, group
+        self.model, self.pg, self.mp_group = model, group, model_parallel_group
         self.rank = torch.distributed.get_rank(group)
         self.world_size = torch.distributed.get_world_size(group)
+        self.buffer_src = torch.distributed.get_global_rank(group, 0) if group is not None else 0
+        self.broadcast_buffers = broadcast_buffers and self.world_size > 1
         self.optimizer_name, self.max_grad_norm = optimizer, max_grad_norm
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.scaler = LossScaler(enabled=self.dtype == torch.float16)
@@ -137,6 +158,7 @@ class Engine:
             raise ConfigError("the model has no trainable parameters (all requires_grad=False)")
         self.psi = sum(p.numel() for _, p in trainable)
         self.groups = self._build_groups(trainable, units)
+        self._norm_weights = self._replica_weights() if model_parallel_group is not None else None
         self._publishing: list[comm.Handle] = []  # all_gathers of updated shards in flight
         masters32 = [g.flatten(torch.float32, self.device) for g in self.groups]
         model.to(self.dtype)  # working precision for everything, frozen params included
@@ -149,6 +171,8 @@ class Engine:
             for i, p in enumerate(g.params):
                 p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, g, i))
         self._next, self._pending, self._sync = 0, [], True
+        self._no_sync_depth = 0  # > 0 inside no_sync()
+        self.holds_reduced = False  # a sync backward ran since the last zero_grad()
         self.peak_grad_bytes = 0  # most gradient bytes held at once, measured
         self.temp_buffer_peak_bytes = 0  # largest fused communication buffer, bytes (Sec 6.2)
         self.in_backward = False
@@ -168,25 +192,61 @@ class Engine:
         """Zero elements added to make groups divide into Nd equal shards."""
         return sum(g.padding for g in self.groups)
 
+    def _replica_weights(self) -> list[list[tuple[int, int, float]]]:
+        """Per group, ``(start, end, weight)`` element ranges of the gradient this rank
+        steps with (:meth:`_grad_for_step`): weight 1 for a tensor-parallel slice,
+        1/Nm for a replica, so the sum over the Nm ranks counts each element once."""
+        nm = torch.distributed.get_world_size(self.mp_group)
+        out = []
+        for g in self.groups:
+            lo, hi = (0, g.padded_numel) if self.stage == 0 else g.shard_range
+            ranges = []
+            for p, off in zip(g.params, g.offsets):
+                a, b = max(off, lo), min(off + p.numel(), hi)
+                if a < b:
+                    ranges.append((a - lo, b - lo, 1.0 if getattr(p, "tensor_parallel", False) else 1.0 / nm))
+            out.append(ranges)
+        return out
+
     # ----- forward / backward ------------------------------------------------------
     def forward(self, *args, **kwargs):
         """Run the model on this rank's slice of the batch.
 
         Floating-point tensor arguments are cast to the working dtype (the model runs
-        in it); integer ones (token ids) pass unchanged.
+        in it); integer ones (token ids) pass unchanged. Buffers are first broadcast
+        from data-parallel rank 0 (``broadcast_buffers``), except in forwards run
+        inside backward (activation-checkpoint recomputation).
         """
+        if self.broadcast_buffers and not self.in_backward:
+            for buf in self.model.buffers():
+                comm.broadcast(buf, src=self.buffer_src, group=self.pg, tag="buffers")
         cast = [a.to(self.dtype) if torch.is_tensor(a) and a.is_floating_point() else a for a in args]
         return self.model(*cast, **kwargs)
 
-    __call__ = forward
+    def __call__(self, *args, **kwargs):
+        return self.forward(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor, sync: bool = True) -> None:
         """Backpropagate ``loss`` (a scalar, this rank's mean) into the flat gradients.
 
-        With ``sync=False`` gradients only accumulate locally (a micro-batch of
-        gradient accumulation); the next ``sync=True`` backward reduces the sum once.
-        Scale the loss by 1 / micro-batches yourself; the fp16 loss scale is applied here.
+        Gradient accumulation works however it is written; scale each micro-batch's
+        loss by 1 / micro-batches yourself (the fp16 loss scale is applied here):
+
+        * ``backward`` several times before ``step`` (as with plain PyTorch): every
+          backward reduces its micro-batch at once and adds the result to the
+          reduced gradient of the earlier ones. Stages 2 and 3 keep their saving
+          (only the 1/Nd shard is held between micro-batches), at the price of one
+          reduction per micro-batch (DeepSpeed does the same).
+        * ``sync=False`` (or inside :meth:`no_sync`) for all but the last micro-batch:
+          gradients add up locally and the last backward reduces the sum once, like
+          DDP's ``no_sync``. One reduction per step, but every stage holds the full
+          gradient (2 Psi bytes) until then, so stages 2 and 3 lose their gradient
+          saving while accumulating.
         """
+        sync = sync and self._no_sync_depth == 0
+        if self.holds_reduced:
+            for g in self.groups:
+                self._keep_reduced(g)
         for g in self.groups:
             g.ready = 0
         self._next, self._sync = 0, sync
@@ -202,7 +262,23 @@ class Engine:
             self._next = len(self.groups)
             while self._pending:
                 self._finish_oldest()
+            self.holds_reduced = True
         self._after_backward()
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backward passes inside this block accumulate gradients locally, unreduced;
+        the first backward after it reduces the sum (as ``DistributedDataParallel.no_sync``).
+        Saves communication, costs memory at stages 2 and 3 (see :meth:`backward`)."""
+        self._no_sync_depth += 1
+        try:
+            yield
+        finally:
+            self._no_sync_depth -= 1
+
+    def _keep_reduced(self, g: FlatGroup) -> None:
+        """Hook: a backward starts while ``g`` holds an earlier backward's reduced
+        gradient; set it aside so this backward's reduction adds to it (stage 1)."""
 
     def _ensure_grad_buffer(self, g: FlatGroup) -> None:
         if g.grad_full is None:
@@ -261,15 +337,17 @@ class Engine:
 
         Global-norm clipping and the overflow check share one number: the sum of
         squares of this rank's gradient elements, all-reduced over ranks when ranks
-        hold different parts (stages 1-3), the same formula as
-        ``torch.nn.utils.clip_grad_norm_``.
+        hold different parts (stages 1-3, and the tensor-parallel group), the same
+        formula as ``torch.nn.utils.clip_grad_norm_``.
         """
         grads = [self._grad_for_step(g) for g in self.groups]
         coef, found_inf = 1.0 / self.scaler.scale, False
         if self.max_grad_norm is not None or self.scaler.enabled:
-            sq = torch.stack([gr.float().pow(2).sum() for gr in grads]).sum()
+            sq = self._sum_of_squares(grads)
             if self.shards_grads_for_norm and self.world_size > 1:
                 comm.all_reduce(sq, group=self.pg)
+            if self.mp_group is not None:  # tensor-parallel ranks hold other slices
+                comm.all_reduce(sq, group=self.mp_group, tag="tp")
             norm = sq.sqrt().item() / self.scaler.scale
             found_inf = not torch.isfinite(torch.tensor(norm)).item()
             if self.max_grad_norm is not None and not found_inf:
@@ -291,6 +369,14 @@ class Engine:
         self._finish_publish()
         return True
 
+    def _sum_of_squares(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """Sum of squares of this rank's gradient elements (fp32 scalar); replicas of
+        tensor parallelism weighted 1/Nm (:meth:`_replica_weights`)."""
+        if self._norm_weights is None:
+            return torch.stack([gr.float().pow(2).sum() for gr in grads]).sum()
+        return torch.stack([gr[a:b].float().pow(2).sum() * w for gr, ranges in zip(grads, self._norm_weights)
+                            for a, b, w in ranges] or [torch.zeros((), device=self.device)]).sum()
+
     def _finish_publish(self) -> None:
         """Wait for the parameter all_gathers that :meth:`_publish` launched."""
         for handle in self._publishing:
@@ -301,6 +387,7 @@ class Engine:
         """Drop all gradients (buffers are allocated again in the next backward)."""
         for g in self.groups:
             g.grad_full = g.grad_shard = None
+        self.holds_reduced = False
 
     # ----- ledgers ------------------------------------------------------------------
     def _optimizer_state(self, master: torch.Tensor) -> list[torch.Tensor]:

@@ -18,6 +18,7 @@ from torch import nn
 from zerolearn import comm
 from zerolearn.engines.base import MAX_IN_FLIGHT, Engine
 from zerolearn.flat import FlatGroup
+from zerolearn.memory.ledger import category
 
 
 class Zero1Engine(Engine):
@@ -43,8 +44,21 @@ class Zero1Engine(Engine):
     def _after_reduce(self, g: FlatGroup) -> None:
         # Keep the reduced shard in place inside the full gradient buffer: stage 1
         # does not partition gradients, so the buffer stays allocated (2 Psi).
-        g.shard_of(g.grad_full).copy_(g.reduced)
+        mine = g.shard_of(g.grad_full)
+        mine.copy_(g.reduced)
         g.reduced = None
+        if g.grad_shard is not None:  # an earlier micro-batch's reduced gradient
+            mine.add_(g.grad_shard)
+            g.grad_shard = None
+
+    def _keep_reduced(self, g: FlatGroup) -> None:
+        # The buffer holds the reduced shard and this rank's unreduced rest; the next
+        # backward adds into it, so move the shard aside (Psi / Nd elements, only while
+        # accumulating) and start from zeros.
+        if g.grad_full is not None:
+            with category("grads"):
+                g.grad_shard = g.shard_of(g.grad_full).clone()
+            g.grad_full.zero_()
 
     def _grad_for_step(self, g: FlatGroup) -> torch.Tensor:
         return g.shard_of(g.grad_full)

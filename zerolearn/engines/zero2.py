@@ -32,13 +32,22 @@ class Zero2Engine(Zero1Engine):
     stage = 2
 
     def _reduce(self, g: FlatGroup) -> comm.Handle:
+        # The first reduction of a step writes the shard; a later micro-batch's
+        # (accumulation) reduces into a temporary and adds it in _after_reduce.
         with category("grads"):
-            g.grad_shard = torch.empty(g.shard_numel, dtype=self.dtype, device=self.device)
+            out = torch.empty(g.shard_numel, dtype=self.dtype, device=self.device)
+        if g.grad_shard is None:
+            g.grad_shard = out
+        else:
+            g.reduced = out
         self._track_grad_bytes()
-        return comm.reduce_scatter(g.grad_shard, g.grad_full, group=self.pg, async_op=True)
+        return comm.reduce_scatter(out, g.grad_full, group=self.pg, async_op=True)
 
     def _after_reduce(self, g: FlatGroup) -> None:
         g.grad_full = None  # the full bucket is no longer needed: free it now
+        if g.reduced is not None:
+            g.grad_shard.add_(g.reduced)
+            g.reduced = None
 
     def _grad_for_step(self, g: FlatGroup) -> torch.Tensor:
         return g.grad_shard

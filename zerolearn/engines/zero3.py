@@ -17,9 +17,20 @@ keep the memory alive. Instead each unit's flat buffer keeps its tensor object a
 its *storage* is resized to 0 bytes, then back to full size and re-filled before
 backward reads it: the views autograd saved point into that storage, so they see
 the gathered values again, and while freed they really hold no memory.
+
+Shared parameters (tied embeddings: GPT-2's ``lm_head.weight is wte.weight``) belong
+to two units. They go to the root unit, the model itself, which is gathered for the
+whole forward and the whole backward, so every user finds them gathered; the cost is
+that those parameters stay gathered throughout (FSDP2 and DeepSpeed make the same
+trade for a tied weight that is used far apart). A parameter read *outside* its
+unit's forward (``F.linear(h, self.emb.weight)`` in the parent's forward) is already
+freed there: that fails with a ConfigError naming the parameter, its unit and the fix.
 """
 
 from __future__ import annotations
+
+import math
+import re
 
 import torch
 from torch import nn
@@ -51,8 +62,9 @@ class Zero3Engine(Zero2Engine):
     at most about two gathered units during forward and backward.
     Traffic per step: all_gather 2 Psi + reduce_scatter Psi elements.
 
-    Raises (at construction):
-        ConfigError: a parameter belongs to two units.
+    Raises:
+        ConfigError: (in forward) the model read a unit's parameter after that unit's
+            forward had freed it.
     """
 
     stage = 3
@@ -62,14 +74,13 @@ class Zero3Engine(Zero2Engine):
     def _build_groups(self, trainable, units) -> list[FlatGroup]:
         if units is None:
             units = self.model.units() if hasattr(self.model, "units") else list(self.model.children())
+        # Parameters outside every unit, and parameters shared by several units (tied
+        # weights), form a last unit, the root, around the whole model.
+        root = len(units)
         owner: dict[int, int] = {}
         for u, module in enumerate(units):
             for p in module.parameters():
-                if id(p) in owner and owner[id(p)] != u:
-                    raise ConfigError(f"a parameter of shape {tuple(p.shape)} belongs to ZeRO-3 units "
-                                      f"{owner[id(p)]} and {u}; units must not share parameters")
-                owner[id(p)] = u
-        # Parameters outside every unit form a last unit, the root, around the whole model.
+                owner[id(p)] = root if owner.get(id(p), u) != u else u
         modules = [*units, self.model]
         per_unit: list[list] = [[] for _ in modules]
         for name, p in trainable:
@@ -96,6 +107,29 @@ class Zero3Engine(Zero2Engine):
         g.full = full
         g.bind(full)  # parameters are views of the full buffer, whose storage we free
         _free(g)
+
+    def forward(self, *args, **kwargs):
+        try:
+            return super().forward(*args, **kwargs)
+        except RuntimeError as e:
+            if "storage of size 0" not in str(e):
+                raise
+            raise ConfigError(self._used_while_freed(str(e))) from e
+
+    def _used_while_freed(self, message: str) -> str:
+        # torch names the shape of the view it could not read (a weight, or its
+        # transpose): match its size to the freed parameters.
+        m = re.search(r"sizes \[([\d, ]*)\]", message)
+        numel = math.prod(int(s) for s in m.group(1).split(",") if s.strip()) if m else None
+        suspects = [(name, unit) for unit in self.units for g in unit.groups
+                    for name, p in zip(g.names, g.params)
+                    if g.full.untyped_storage().nbytes() == 0 and numel in (None, p.numel())]
+        named = ", ".join(f"{name} (unit {unit.index}: {type(unit.module).__name__})" for name, unit in suspects[:4])
+        return (f"ZeRO-3: the model read parameter {named or 'of a freed unit'} after that unit's forward had "
+                "returned and its gathered parameters were freed (for example F.linear(h, self.emb.weight) in "
+                "the parent's forward). Tie through modules instead (lm_head.weight = emb.weight: shared "
+                "parameters stay gathered in the root unit), or pass units= so that the module that reads the "
+                "parameter and the module that owns it are in one unit.")
 
     # ----- gather / free -------------------------------------------------------------
     def _start_gather(self, unit: Unit) -> None:

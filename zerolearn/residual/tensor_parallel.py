@@ -105,6 +105,9 @@ class ColumnParallelLinear(nn.Module):
         self.group = group
         self.weight = nn.Parameter(full.weight.detach()[index].clone())
         self.bias = nn.Parameter(full.bias.detach()[index].clone()) if full.bias is not None else None
+        for p in (self.weight, self.bias):
+            if p is not None:
+                p.tensor_parallel = True  # a slice: other ranks of the group hold other slices
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(_CopyToParallel.apply(x, self.group), self.weight, self.bias)
@@ -117,7 +120,8 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.group = group
         self.weight = nn.Parameter(full.weight.detach()[:, index].clone())
-        self.bias = nn.Parameter(full.bias.detach().clone()) if full.bias is not None else None
+        self.weight.tensor_parallel = True
+        self.bias = nn.Parameter(full.bias.detach().clone()) if full.bias is not None else None  # a replica
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = _ReduceFromParallel.apply(F.linear(x, self.weight), self.group)
