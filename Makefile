@@ -1,5 +1,7 @@
 # make tour   train the small GPT under DP, ZeRO-1, ZeRO-2, ZeRO-3 on 4 ranks; print the table
-# make test   run the test suite, then the chapter notebooks under nbval
+# make test   run the test suite, then the chapter notebooks under strict nbval
+# make check  the quick loop: unit tests, world-size-2 equivalence, one short notebook
+# make notebooks  re-execute every chapter from notebooks/src/ and store its outputs
 # make book   build the book from the stored notebooks (book/_build/html)
 # The first use creates .venv with a pinned torch (override: make TORCH=torch==2.11.0 ...).
 PYTHON ?= python3
@@ -7,7 +9,7 @@ TORCH ?= torch==2.13.0
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: tour test book lint clean gpu-check deepspeed
+.PHONY: tour test check notebooks book lint clean gpu-check deepspeed
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,11 +24,21 @@ test: $(VENV)/.installed
 	$(PY) -m pytest tests
 	$(PY) -m pytest --nbval notebooks -p no:cacheprovider
 
+# Under about 3 minutes on 2 cores: everything not marked slow or browser (tests/conftest.py)
+# and the shortest chapter under nbval.
+check: $(VENV)/.installed
+	$(PY) -m pytest tests -m "not slow and not browser" -q
+	$(PY) -m pytest --nbval notebooks/00_memory_wall.ipynb -p no:cacheprovider -q
+
+# NB=02_zero1 rebuilds one chapter; chapters that read another's results are rebuilt in order.
+notebooks: $(VENV)/.installed
+	$(PY) notebooks/build.py $(NB)
+
 book: $(VENV)/.installed
 	$(VENV)/bin/jupyter-book build . --config book/_config.yml --toc book/_toc.yml --path-output book -W --keep-going
 
 lint: $(VENV)/.installed
-	$(VENV)/bin/ruff check zerolearn tests
+	$(VENV)/bin/ruff check zerolearn tests notebooks
 
 # DeepSpeed's own stages 0-3 on CPU (2 gloo ranks), stored for chapter 7.
 deepspeed: $(VENV)/.installed

@@ -4,3 +4,23 @@ import sys
 # Spawned ranks import test jobs by module name ("jobs"), so this folder must be on
 # sys.path before they start; spawn copies the parent's sys.path.
 sys.path.insert(0, os.path.dirname(__file__))
+
+import pytest  # noqa: E402
+
+# Test tiers (README): `make check` runs what is not marked slow or browser in a few
+# minutes; `make test` runs everything. Whole modules that start many rank processes,
+# torchrun jobs, failure injection or a book build are slow; so is every multi-rank
+# test at world size 3 or 4 (world size 2 stays in the quick tier).
+SLOW_MODULES = {"test_checkpoint", "test_failures", "test_cli", "test_residual", "test_simulated_world",
+                "test_deepspeed_cpu", "test_seed_experiment"}
+BROWSER_MODULES = {"test_browser"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        module = item.module.__name__.rsplit(".", 1)[-1] if getattr(item, "module", None) else ""
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        if module in BROWSER_MODULES:
+            item.add_marker(pytest.mark.browser)
+        elif module in SLOW_MODULES or params.get("world_size", 2) > 2:
+            item.add_marker(pytest.mark.slow)

@@ -17,6 +17,7 @@ from zerolearn.costmodel import (
     throughput_per_gpu,
 )
 from zerolearn.dist import ConfigError
+from zerolearn.lessons import ch06
 from zerolearn.memory.fit import ActivationSpec, gpt_params, per_device_bytes
 from zerolearn.memory.model import GB
 
@@ -149,6 +150,12 @@ def test_dp_max_batch_does_not_change_with_nd():
     assert len(batches) == 1
 
 
+def test_paper_cluster_gives_each_gpu_a_sixteenth_of_800_gbps_between_nodes():
+    # Sec 10.1: 800 Gbps per DGX-2 node, 16 V100s per node.
+    assert ch06.DGX2.inter_node_GBps == pytest.approx(800e9 / 8 / 16 / 1e9) == 6.25
+    assert ch06.DGX2.gpus_per_node == 16
+
+
 def test_nothing_fits_gives_batch_zero():
     # 60B under DP with Nm = 16: 16 x 60.8e9 / 16 = 60.8 GB of model states on a 32 GB GPU.
     psi = gpt_params(**GPT_60B)
@@ -160,7 +167,7 @@ def test_nothing_fits_gives_batch_zero():
 def test_zero2_throughput_per_gpu_grows_from_64_to_400_gpus():
     """Fig 3's shape: a 60B model with Nm = 16 on 64 ... 400 V100-like GPUs (Nd = GPUs / 16)."""
     psi = gpt_params(**GPT_60B)
-    dgx2 = Hardware(tflops_achieved=40, intra_node_GBps=300, inter_node_GBps=12.5, gpus_per_node=16)
+    dgx2 = ch06.DGX2
     curve = EfficiencyCurve(peak_tflops=60, b_half=4)  # an assumption, not the paper's curve
     gpus = [64, 128, 256, 400]
     runs = [throughput_per_gpu(psi, 32 * GB, 2, g // 16, dgx2, curve, seq_len=1024, nm=16, **GPT_60B)

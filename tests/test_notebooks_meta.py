@@ -1,21 +1,58 @@
-"""Every chapter notebook is stored executed, in order, with outputs (nbval compares them)."""
+"""The stored chapter notebooks are what their sources say, executed top to bottom.
+
+Each chapter's source is a jupytext percent script in ``notebooks/src/``; ``make
+notebooks`` (``notebooks/build.py``) turns it into ``notebooks/<name>.ipynb`` and
+executes it. nbval then compares the stored outputs with a fresh run. These tests catch
+the two ways that can go stale: a source edited without rebuilding its notebook, and a
+notebook saved out of order.
+"""
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
 
-NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("*.ipynb"))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "notebooks"))
+import build  # noqa: E402  (notebooks/build.py)
+
+NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
+SOURCES = build.sources()
+
+pytestmark = pytest.mark.notebook
+
+
+def _cells(nb) -> list[tuple[str, str]]:
+    return [(c["cell_type"], "".join(c["source"])) for c in nb["cells"]]
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
 def test_notebook_was_executed_in_order_with_outputs(path):
     cells = [c for c in json.loads(path.read_text())["cells"] if c["cell_type"] == "code"]
     counts = [c["execution_count"] for c in cells if "".join(c["source"]).strip()]
-    assert counts == list(range(1, len(counts) + 1)), "run top to bottom in a fresh kernel, then save"
+    assert counts == list(range(1, len(counts) + 1)), f"rebuild it in a fresh kernel: make notebooks NB={path.stem}"
     assert any(c["outputs"] for c in cells)
 
 
-def test_notebook_sources_are_kept_beside_the_notebooks():
-    sources = {p.stem for p in (NOTEBOOKS[0].parent / "src").glob("[0-9]*.py")} if NOTEBOOKS else set()
-    assert {p.stem for p in NOTEBOOKS} <= sources
+def test_every_source_has_its_notebook_and_every_notebook_its_source():
+    assert [p.stem for p in SOURCES] == [p.stem for p in NOTEBOOKS]
+
+
+@pytest.mark.parametrize("src", SOURCES, ids=[p.stem for p in SOURCES])
+def test_stored_notebook_has_the_cells_of_its_source(src):
+    stored = _cells(json.loads((ROOT / "notebooks" / f"{src.stem}.ipynb").read_text()))
+    wanted = _cells(build.read_source(src))
+    for i, (have, want) in enumerate(zip(stored, wanted)):
+        assert have == want, (f"cell {i} of notebooks/{src.stem}.ipynb differs from notebooks/src/{src.name}; "
+                              f"run: make notebooks NB={src.stem}\nstored:\n{have[1]}\nsource:\n{want[1]}")
+    assert len(stored) == len(wanted), (f"notebooks/{src.stem}.ipynb has {len(stored)} cells, its source "
+                                        f"{len(wanted)}; run: make notebooks NB={src.stem}")
+
+
+def test_the_freshness_check_sees_an_edited_source(tmp_path):
+    src = SOURCES[0]
+    edited = tmp_path / src.name
+    edited.write_text(src.read_text().replace("# %%\n", "# %%\nx = 1  # an edit\n", 1))
+    stored = _cells(json.loads((ROOT / "notebooks" / f"{src.stem}.ipynb").read_text()))
+    assert _cells(build.read_source(edited)) != stored

@@ -65,8 +65,9 @@ class Hardware:
     tflops_achieved: sustained TFLOP/s per GPU on this job (not the datasheet peak;
         the paper's V100s reached 38-41, Sec 10.2, 10.6).
     intra_node_GBps, inter_node_GBps: per-GPU bus bandwidth of a ring collective
-        inside one node and across nodes, decimal GB/s (the paper's DGX-2 cluster,
-        Sec 10.2: NVSwitch 300 GB/s, an InfiniBand EDR link 12.5 GB/s). inf is allowed.
+        inside one node and across nodes, decimal GB/s (the paper's DGX-2 cluster:
+        NVSwitch 300 GB/s, Sec 10.2; 800 Gbps per node of 16 GPUs, Sec 10.1, so
+        6.25 GB/s per GPU between nodes). inf is allowed.
     gpus_per_node: GPUs sharing the fast intra-node links (16 on a DGX-2).
     latency_s_per_collective: fixed cost of one collective launch, seconds (>= 0).
     """

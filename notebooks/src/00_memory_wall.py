@@ -1,39 +1,34 @@
-"""Chapter 0: the memory wall. Build with: python notebooks/src/_nb.py notebooks/src/00_memory_wall.py"""
+# %% [markdown]
+# # Chapter 0 · The memory wall
+#
+# A GPT-2 with 1.5 billion parameters stores its weights in 3 GB at 16-bit precision, a tenth of a
+# 32 GB V100. Yet plain data parallelism cannot train it on such a GPU, and the ZeRO paper reports
+# that PyTorch's data parallelism runs out of memory at about 1.4B parameters on 32 GB devices
+# (Rajbhandari et al., *ZeRO: Memory Optimizations Toward Training Trillion Parameter Models*,
+# SC'20, arXiv 1910.02054; Sec 1 and Sec 10.4). Before removing memory, we have to know where it
+# goes. The paper's Sec 3 splits it in two:
+#
+# * **model states** (Sec 3.1): the parameters, their gradients and the optimizer's states;
+# * **residual states** (Sec 3.2): activations, temporary buffers and fragmentation.
+#
+# This chapter measures both on a real GPT and puts every measurement beside the paper's formula.
+#
+# **Learning goals.** After this chapter you can
+#
+# 1. count the bytes of parameters, gradients and Adam's states from real tensors, and derive the
+#    paper's 16 Ψ bytes for mixed-precision Adam: 2 + 2 + K with K = 12 (Sec 3.1);
+# 2. explain why fp32 training costs the same 16 Ψ, and how K changes with the optimizer;
+# 3. measure a transformer's activations with the memory ledger, with and without activation
+#    checkpointing, and compare them with the paper's 12 · h · b · s · L values (Sec 3.2);
+# 4. reproduce the paper's GPT-2 1.5B example: 24 GB of model states and about 60 GB of
+#    activations at sequence length 1K and batch 32 (Sec 3.1, Sec 3.2).
+#
+# Notation, fixed for the whole book: `psi` (Ψ) is the number of trainable parameters, `k` (K) the
+# optimizer's bytes per parameter, `nd` (N<sub>d</sub>) the data-parallel degree, `nm` (N<sub>m</sub>)
+# the model-parallel degree. Sizes in GB are decimal (10<sup>9</sup> bytes, the paper's
+# convention); KiB are 1024 bytes.
 
-OUT = "../00_memory_wall.ipynb"
-
-CELLS = [
-("md", r"""
-# Chapter 0 · The memory wall
-
-A GPT-2 with 1.5 billion parameters stores its weights in 3 GB at 16-bit precision, a tenth of a
-32 GB V100. Yet plain data parallelism cannot train it on such a GPU, and the ZeRO paper reports
-that PyTorch's data parallelism runs out of memory at about 1.4B parameters on 32 GB devices
-(Rajbhandari et al., *ZeRO: Memory Optimizations Toward Training Trillion Parameter Models*,
-SC'20, arXiv 1910.02054; Sec 1 and Sec 10.4). Before removing memory, we have to know where it
-goes. The paper's Sec 3 splits it in two:
-
-* **model states** (Sec 3.1): the parameters, their gradients and the optimizer's states;
-* **residual states** (Sec 3.2): activations, temporary buffers and fragmentation.
-
-This chapter measures both on a real GPT and puts every measurement beside the paper's formula.
-
-**Learning goals.** After this chapter you can
-
-1. count the bytes of parameters, gradients and Adam's states from real tensors, and derive the
-   paper's 16 Ψ bytes for mixed-precision Adam: 2 + 2 + K with K = 12 (Sec 3.1);
-2. explain why fp32 training costs the same 16 Ψ, and how K changes with the optimizer;
-3. measure a transformer's activations with the memory ledger, with and without activation
-   checkpointing, and compare them with the paper's 12 · h · b · s · L values (Sec 3.2);
-4. reproduce the paper's GPT-2 1.5B example: 24 GB of model states and about 60 GB of
-   activations at sequence length 1K and batch 32 (Sec 3.1, Sec 3.2).
-
-Notation, fixed for the whole book: `psi` (Ψ) is the number of trainable parameters, `k` (K) the
-optimizer's bytes per parameter, `nd` (N<sub>d</sub>) the data-parallel degree, `nm` (N<sub>m</sub>)
-the model-parallel degree. Sizes in GB are decimal (10<sup>9</sup> bytes, the paper's
-convention); KiB are 1024 bytes.
-"""),
-("code", r"""
+# %%
 import inspect
 
 import matplotlib.pyplot as plt
@@ -48,28 +43,28 @@ from zerolearn.memory.fit import gpt_params
 from zerolearn.models import GPTConfig, build_model
 
 GB = analytic.GB  # 10**9 bytes, as in the paper
-"""),
-("md", r"""
-## 1. Model states, counted from tensors
 
-Our model is a small GPT over bytes (vocabulary 256): width h = 64, two transformer blocks,
-context 32 bytes. Each block has 12 h² + 13 h parameters (attention 4 h² + 4 h, the MLP
-8 h² + 5 h, two LayerNorms 4 h), the formula `gpt_params` also uses for the paper's models.
-"""),
-("code", r"""
+# %% [markdown]
+# ## 1. Model states, counted from tensors
+#
+# Our model is a small GPT over bytes (vocabulary 256): width h = 64, two transformer blocks,
+# context 32 bytes. Each block has 12 h² + 13 h parameters (attention 4 h² + 4 h, the MLP
+# 8 h² + 5 h, two LayerNorms 4 h), the formula `gpt_params` also uses for the paper's models.
+
+# %%
 cfg = GPTConfig(seq_len=32, n_layer=2, n_head=4, d_model=64)
 model = build_model("gpt", seed=0, gpt=cfg)
 psi = sum(p.numel() for p in model.parameters() if p.requires_grad)
 print(f"psi, counted from the tensors:        {psi:,} parameters")
 print(f"psi, from 12 h^2 + 13 h per block etc: "
       f"{gpt_params(2, 64, vocab=256, seq_len=32, tied_embeddings=False):,} parameters")
-"""),
-("md", r"""
-Now one training step in plain PyTorch, fp32, with Adam. After `step()` three kinds of tensor
-exist: the parameters, their gradients (`p.grad`), and Adam's two running averages per parameter
-(`exp_avg`, the momentum, and `exp_avg_sq`, the variance). We add up their bytes.
-"""),
-("code", r"""
+
+# %% [markdown]
+# Now one training step in plain PyTorch, fp32, with Adam. After `step()` three kinds of tensor
+# exist: the parameters, their gradients (`p.grad`), and Adam's two running averages per parameter
+# (`exp_avg`, the momentum, and `exp_avg_sq`, the variance). We add up their bytes.
+
+# %%
 x, y = data.gpt_batch(0, batch_size=8, seq_len=32)
 opt = torch.optim.Adam(model.parameters(), lr=1e-3)
 loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
@@ -91,33 +86,33 @@ for name, tensors in counted.items():
     print(f"{name:<17} {nb / 1024:7.1f} KiB = {nb / psi:4.1f} bytes per parameter")
 print(f"{'total':<17} {sum(nbytes(t) for t in counted.values()) / 1024:7.1f} KiB = "
       f"{sum(nbytes(t) for t in counted.values()) / psi:4.1f} bytes per parameter")
-"""),
-("md", r"""
-Four bytes of parameter, four of gradient, eight of optimizer state: **16 bytes per parameter**,
-and K = 8 for fp32 Adam.
 
-**Mixed precision** (Sec 3.1) runs forward and backward in a 2-byte format (fp16 or bf16), so
-parameters and gradients take 2 Ψ + 2 Ψ bytes. The optimizer must still update in fp32, or
-small updates vanish in rounding: it keeps an fp32 *master* copy of the parameters (4 Ψ) beside
-the fp32 momentum and variance (4 Ψ + 4 Ψ). The paper counts the master copy in the optimizer
-states: K = 12, and in total
+# %% [markdown]
+# Four bytes of parameter, four of gradient, eight of optimizer state: **16 bytes per parameter**,
+# and K = 8 for fp32 Adam.
+#
+# **Mixed precision** (Sec 3.1) runs forward and backward in a 2-byte format (fp16 or bf16), so
+# parameters and gradients take 2 Ψ + 2 Ψ bytes. The optimizer must still update in fp32, or
+# small updates vanish in rounding: it keeps an fp32 *master* copy of the parameters (4 Ψ) beside
+# the fp32 momentum and variance (4 Ψ + 4 Ψ). The paper counts the master copy in the optimizer
+# states: K = 12, and in total
+#
+# $$(2 + 2 + K)\,\Psi = 16\,\Psi \text{ bytes}.$$
+#
+# Mixed precision does not shrink model states at all; it saves activation memory and makes the
+# arithmetic faster. K depends on the optimizer: SGD with momentum keeps one fp32 buffer, plain
+# SGD none.
+#
+# Let us measure this with the book's engine instead of by hand. `ch00.reports` runs the training
+# command line (`python -m zerolearn.train`) once per configuration, on one spawned gloo rank, and
+# returns its JSON reports. Each report holds the bytes the rank *holds* per category, measured
+# from the tensors themselves (a storage shared by two roles is counted once: in fp32 the working
+# parameters *are* the master copy), and the paper's formula for the same run.
 
-$$(2 + 2 + K)\,\Psi = 16\,\Psi \text{ bytes}.$$
-
-Mixed precision does not shrink model states at all; it saves activation memory and makes the
-arithmetic faster. K depends on the optimizer: SGD with momentum keeps one fp32 buffer, plain
-SGD none.
-
-Let us measure this with the book's engine instead of by hand. `ch00.reports` runs the training
-command line (`python -m zerolearn.train`) once per configuration, on one spawned gloo rank, and
-returns its JSON reports. Each report holds the bytes the rank *holds* per category, measured
-from the tensors themselves (a storage shared by two roles is counted once: in fp32 the working
-parameters *are* the master copy), and the paper's formula for the same run.
-"""),
-("code", r"""
+# %%
 print(inspect.getsource(ch00.reports))
-"""),
-("code", r"""
+
+# %%
 common = ["--model", "gpt", "--d-model", "64", "--n-layer", "2", "--seq-len", "32",
           "--global-batch-size", "8", "--steps", "2", "--quiet"]
 runs = {  # label: (dtype, optimizer, SGD momentum)
@@ -129,8 +124,8 @@ runs = {  # label: (dtype, optimizer, SGD momentum)
 }
 argvs = [common + ["--dtype", d, "--optimizer", o, "--momentum", str(m)] for d, o, m in runs.values()]
 reports = dict(zip(runs, launch(ch00.reports, 1, argvs)[0]))  # [0]: rank 0's results
-"""),
-("code", r"""
+
+# %%
 cats = ("params", "grads", "optimizer_states")
 print(f"bytes per parameter held by rank 0 (psi = {psi:,}), measured | formula (2 + 2 + K) Psi\n")
 print(f"{'run':<13} {'params':>13} {'grads':>13} {'optim states':>13} {'total':>13}   K")
@@ -142,27 +137,27 @@ for label, r in reports.items():
     cells = " ".join(f"{held[c] / psi:6.2f}|{formula[c] / psi:<6.2f}" for c in cats)
     total, total_f = sum(held.values()) / psi, sum(formula.values()) / psi
     print(f"{label:<13} {cells} {total:6.2f}|{total_f:<6.2f} {k:>3}")
-"""),
-("md", r"""
-Measured equals formula in every cell: nothing here is padded (padding appears in chapter 2,
-when states are split into N<sub>d</sub> equal shards), and each storage is counted once. Both
-fp32 and mixed-precision Adam hold 16 bytes per parameter. Scaled up, 16 Ψ is the wall: a 7.5B
-model needs 120 GB of model states (Fig 1), four V100s' worth, before a single activation.
 
-### One step, event by event
+# %% [markdown]
+# Measured equals formula in every cell: nothing here is padded (padding appears in chapter 2,
+# when states are split into N<sub>d</sub> equal shards), and each storage is counted once. Both
+# fp32 and mixed-precision Adam hold 16 bytes per parameter. Scaled up, 16 Ψ is the wall: a 7.5B
+# model needs 120 GB of model states (Fig 1), four V100s' worth, before a single activation.
+#
+# ### One step, event by event
+#
+# The memory ledger (`zerolearn.memory.ledger.MemoryLedger`) watches every tensor an operator
+# creates, assigns it a category when it appears and follows it until its storage is freed.
+# `ch00.step_timeline` runs two bf16 Adam steps of the same GPT through the engine on one spawned
+# rank and watches the second. Model states sit at the bottom
+# for the whole step; gradients appear during backward and go at `zero_grad()`; activations rise
+# during forward and are released as backward consumes them; temporaries (activation gradients,
+# casting and communication buffers) come and go.
 
-The memory ledger (`zerolearn.memory.ledger.MemoryLedger`) watches every tensor an operator
-creates, assigns it a category when it appears and follows it until its storage is freed.
-`ch00.step_timeline` runs two bf16 Adam steps of the same GPT through the engine on one spawned
-rank and watches the second. Model states sit at the bottom
-for the whole step; gradients appear during backward and go at `zero_grad()`; activations rise
-during forward and are released as backward consumes them; temporaries (activation gradients,
-casting and communication buffers) come and go.
-"""),
-("code", r"""
+# %%
 print(inspect.getsource(ch00.step_timeline))
-"""),
-("code", r"""
+
+# %%
 watched = launch(ch00.step_timeline, 1, dtype="bf16", optimizer="adam")[0]
 timeline = watched["timeline"]  # [index, phase, total bytes, bytes by category]
 order = ("params", "optimizer_states", "grads", "activations", "temporary")
@@ -182,47 +177,47 @@ plt.show()
 print(f"peak: {watched['peak_bytes'] / 1024:,.1f} KiB, of which")
 for c, nb in watched["peak_by_category"].items():
     print(f"  {c:<17} {nb / 1024:8.1f} KiB")
-"""),
-("md", r"""
-For this tiny model, activations and temporaries are as large as the model states. For
-billion-parameter models, model states dominate (Sec 3.1), which is why ZeRO attacks them
-first; but activations grow with batch and sequence length, as section 2 shows.
 
-### Exercise 1: K for SGD with momentum
+# %% [markdown]
+# For this tiny model, activations and temporaries are as large as the model states. For
+# billion-parameter models, model states dominate (Sec 3.1), which is why ZeRO attacks them
+# first; but activations grow with batch and sequence length, as section 2 shows.
+#
+# ### Exercise 1: K for SGD with momentum
+#
+# Mixed precision (bf16) with SGD and momentum 0.9: how many bytes of model states per parameter
+# does a rank hold? Work it out from the paper's accounting, then set `answer` to a number. (You
+# can confirm it with `launch(ch00.reports, 1, [common + ["--dtype", "bf16", "--optimizer", "sgd",
+# "--momentum", "0.9"]])`.)
 
-Mixed precision (bf16) with SGD and momentum 0.9: how many bytes of model states per parameter
-does a rank hold? Work it out from the paper's accounting, then set `answer` to a number. (You
-can confirm it with `launch(ch00.reports, 1, [common + ["--dtype", "bf16", "--optimizer", "sgd",
-"--momentum", "0.9"]])`.)
-"""),
-("code", r"""
+# %%
 answer = None  # bytes per parameter, e.g. 16
-"""),
-("code", r"""
+
+# %%
 ch00.check("sgd_bytes_per_param", answer)
-"""),
-("md", r"""
-## 2. Residual states: activations
 
-Backward needs the inputs of every operation of forward: autograd *saves* them. These
-activations scale with batch size b, sequence length s, hidden width h and depth L. The paper
-estimates about 12 · h · b · s · L values for a GPT-2-like model (Sec 3.2). **Activation
-checkpointing** keeps only each block's input (b · s · h values per block) and recomputes the
-rest of the block during backward, for about 33% more compute (Sec 3.2).
+# %% [markdown]
+# ## 2. Residual states: activations
+#
+# Backward needs the inputs of every operation of forward: autograd *saves* them. These
+# activations scale with batch size b, sequence length s, hidden width h and depth L. The paper
+# estimates about 12 · h · b · s · L values for a GPT-2-like model (Sec 3.2). **Activation
+# checkpointing** keeps only each block's input (b · s · h values per block) and recomputes the
+# rest of the block during backward, for about 33% more compute (Sec 3.2).
+#
+# `ch00.measure_activations` runs one forward pass under the memory ledger and reports what is
+# still held when forward ends. The parameters are registered first, so that views of weights
+# (a transposed matrix) are not mistaken for new tensors.
 
-`ch00.measure_activations` runs one forward pass under the memory ledger and reports what is
-still held when forward ends. The parameters are registered first, so that views of weights
-(a transposed matrix) are not mistaken for new tensors.
-"""),
-("code", r"""
+# %%
 print(inspect.getsource(ch00.measure_activations))
-"""),
-("md", r"""
-We measure 1, 2 and 4 blocks, fp32 (4 bytes per value), b = 8, s = 64, h = 64. The embedding
-output and the logits (b · s · 256 values) do not grow with depth, so the cost *per block* is
-the slope: the difference between 4 blocks and 1 block, divided by 3.
-"""),
-("code", r"""
+
+# %% [markdown]
+# We measure 1, 2 and 4 blocks, fp32 (4 bytes per value), b = 8, s = 64, h = 64. The embedding
+# output and the logits (b · s · 256 values) do not grow with depth, so the cost *per block* is
+# the slope: the difference between 4 blocks and 1 block, divided by 3.
+
+# %%
 b, s, h = 8, 64, 64
 layers = (1, 2, 4)
 measured = {ckpt: [ch00.measure_activations(L, b, s, h, checkpointing=ckpt) for L in layers]
@@ -238,14 +233,14 @@ for ckpt, name in ((False, "no checkpointing"), (True, "checkpointing")):
     formula = analytic.activation_bytes(h, b, s, layers=1, bytes_per_value=4, checkpointing=ckpt)
     print(f"{name:<24} {slope / 1024:>9,.1f} {formula / 1024:>9,.1f} {slope / formula:>6.3f}"
           f"  {slope / (4 * b * s * h):>6.3f}")
-"""),
-("md", r"""
-With checkpointing the measurement equals the formula: one b · s · h tensor per block. Without
-it, our block keeps about 16 values per b · s · h, a third more than the paper's 12. The paper's
-factor is a rough estimate for GPT-2-like models; the exact number depends on which tensors an
-implementation keeps. Ours, listed by walking autograd's graph of one block:
-"""),
-("code", r"""
+
+# %% [markdown]
+# With checkpointing the measurement equals the formula: one b · s · h tensor per block. Without
+# it, our block keeps about 16 values per b · s · h, a third more than the paper's 12. The paper's
+# factor is a rough estimate for GPT-2-like models; the exact number depends on which tensors an
+# implementation keeps. Ours, listed by walking autograd's graph of one block:
+
+# %%
 block = build_model("gpt", 0, gpt=GPTConfig(seq_len=s, n_layer=1, n_head=4, d_model=h)).blocks[0]
 xb = torch.randn(b, s, h, requires_grad=True)
 unit = 4 * b * s * h  # bytes of one fp32 b*s*h tensor
@@ -257,19 +252,19 @@ for r in rows:
     print(f"{by:<60} {str(r['shape']):<15} {r['bytes'] / unit:>7.3f}")
 values_per_bsh = 1 + sum(r["bytes"] for r in rows) / unit
 print(f"{'total':<76} {values_per_bsh:>7.3f}")
-"""),
-("md", r"""
-Read top to bottom, in forward order: each LayerNorm keeps a mean and a 1/std per token
-(`result1`, `result2`); the fused q, k, v projection (`Addmm`) keeps its input, the first
-LayerNorm's output; attention keeps q, k and v (three views of the projection's one output, 3
-b · s · h), a log-sum-exp per row and its output, which the output projection keeps too; the
-second LayerNorm keeps the residual stream; the MLP keeps the LayerNorm output (1), the GELU's
-input (4, width 4h) and the GELU's output (4). CPU attention here is a fused kernel that keeps no
-s × s attention matrix; an implementation that keeps it adds values that grow with s².
-Whatever the constant, activations are linear in b, s, h and L: a batch or a context twice as
-large doubles them, while model states stay put.
-"""),
-("code", r"""
+
+# %% [markdown]
+# Read top to bottom, in forward order: each LayerNorm keeps a mean and a 1/std per token
+# (`result1`, `result2`); the fused q, k, v projection (`Addmm`) keeps its input, the first
+# LayerNorm's output; attention keeps q, k and v (three views of the projection's one output, 3
+# b · s · h), a log-sum-exp per row and its output, which the output projection keeps too; the
+# second LayerNorm keeps the residual stream; the MLP keeps the LayerNorm output (1), the GELU's
+# input (4, width 4h) and the GELU's output (4). CPU attention here is a fused kernel that keeps no
+# s × s attention matrix; an implementation that keeps it adds values that grow with s².
+# Whatever the constant, activations are linear in b, s, h and L: a batch or a context twice as
+# large doubles them, while model states stay put.
+
+# %%
 fig, ax = plt.subplots(figsize=(7, 4))
 for ckpt, name, factor in ((False, "no checkpointing", 12), (True, "checkpointing", 1)):
     line, = ax.plot(layers, [m / 1024 for m in measured[ckpt]], "o-", label=f"measured, {name}")
@@ -281,42 +276,42 @@ ax.set_title(f"Activations of our GPT, fp32, b={b}, s={s}, h={h}")
 ax.set_xticks(layers)
 ax.legend(fontsize=8)
 plt.show()
-"""),
-("md", r"""
-The measured lines lie above the formula lines by the constant part (embedding output, final
-LayerNorm, logits) and, without checkpointing, by the steeper slope of 16 instead of 12 values.
 
-## 3. Residual states: temporary buffers and fragmentation
+# %% [markdown]
+# The measured lines lie above the formula lines by the constant part (embedding output, final
+# LayerNorm, logits) and, without checkpointing, by the steeper slope of 16 instead of 12 values.
+#
+# ## 3. Residual states: temporary buffers and fragmentation
+#
+# **Temporary buffers** (Sec 3.2). Communication libraries move one large buffer faster than many
+# small ones, so implementations fuse all gradients into one flat buffer before an all-reduce. For
+# 1.5B parameters an fp32 fused buffer alone is 6 GB, and it grows with the model. Our engines
+# fuse gradients into buckets of at most `--bucket-mb` MiB instead, which is ZeRO-R's fix
+# (constant-size buffers, CB, Sec 6.2); the `temporary` category of the step above also holds
+# activation gradients and casting buffers.
+#
+# **Fragmentation** (Sec 3.2). Short-lived tensors (recomputed activations, activation gradients)
+# are interleaved with long-lived ones (checkpoints, parameter gradients). Free memory ends up in
+# holes between long-lived tensors, and a large allocation can fail although the sum of the holes
+# would hold it. ZeRO-R pre-allocates contiguous buffers for long-lived tensors (MD, Sec 6.3).
+# Chapter 5 measures both.
 
-**Temporary buffers** (Sec 3.2). Communication libraries move one large buffer faster than many
-small ones, so implementations fuse all gradients into one flat buffer before an all-reduce. For
-1.5B parameters an fp32 fused buffer alone is 6 GB, and it grows with the model. Our engines
-fuse gradients into buckets of at most `--bucket-mb` MiB instead, which is ZeRO-R's fix
-(constant-size buffers, CB, Sec 6.2); the `temporary` category of the step above also holds
-activation gradients and casting buffers.
-
-**Fragmentation** (Sec 3.2). Short-lived tensors (recomputed activations, activation gradients)
-are interleaved with long-lived ones (checkpoints, parameter gradients). Free memory ends up in
-holes between long-lived tensors, and a large allocation can fail although the sum of the holes
-would hold it. ZeRO-R pre-allocates contiguous buffers for long-lived tensors (MD, Sec 6.3).
-Chapter 5 measures both.
-"""),
-("code", r"""
+# %%
 print(f"fused fp32 gradient buffer, 1.5B parameters: {analytic.fused_buffer_bytes(1.5e9, 4) / GB:.0f} GB")
 print(f"capped at 256 MiB (CB):                      "
       f"{analytic.constant_buffer_bytes(1.5e9, cap_bytes=256 * 2**20) / GB:.2f} GB")
 print(f"temporaries at the peak of our bf16 step:    "
       f"{watched['peak_by_category']['temporary'] / 1024:.1f} KiB")
-"""),
-("md", r"""
-## 4. The paper's example: GPT-2 with 1.5B parameters
 
-Sec 3.1 takes GPT-2 with Ψ = 1.5B and mixed-precision Adam: at least 24 GB of model states,
-though the fp16 weights alone are 3 GB. Sec 3.2 adds the activations of the same model (48
-blocks, hidden 1600) at sequence length 1K and batch 32: about 60 GB, and about 8 GB with
-activation checkpointing. `zerolearn.memory` gives the same numbers from the same formulas.
-"""),
-("code", r"""
+# %% [markdown]
+# ## 4. The paper's example: GPT-2 with 1.5B parameters
+#
+# Sec 3.1 takes GPT-2 with Ψ = 1.5B and mixed-precision Adam: at least 24 GB of model states,
+# though the fp16 weights alone are 3 GB. Sec 3.2 adds the activations of the same model (48
+# blocks, hidden 1600) at sequence length 1K and batch 32: about 60 GB, and about 8 GB with
+# activation checkpointing. `zerolearn.memory` gives the same numbers from the same formulas.
+
+# %%
 psi_gpt2 = 1.5e9
 states = analytic.model_state_bytes(psi_gpt2, nd=1, stage=0, k=12)  # 2 + 2 + K bytes per parameter
 act = analytic.activation_bytes(hidden=1600, batch=32, seq_len=1024, layers=48)
@@ -329,21 +324,21 @@ print(f"  with checkpointing, one/block  {act_ckpt / GB:6.1f} GB  (the paper: ab
 print(f"  with our block's {values_per_bsh:.1f} values   {act * values_per_bsh / 12 / GB:6.1f} GB")
 print(f"\nlargest psi whose model states fit a 32 GB V100 under DP: "
       f"{analytic.max_model_params(analytic.V100_BYTES, nd=1, stage=0) / 1e9:.1f}B parameters")
-"""),
-("md", r"""
-The paper's "about 8 GB" with checkpointing is not derived from a formula (it cites square-root
-checkpointing); one checkpoint per block is 5.0 GB, and recomputing one block during backward
-adds another 12 b · s · h values of that block on top. Even with no activations at all, 16 Ψ on a
-32 GB GPU stops at 2B parameters; with activations and buffers, the paper's measured limit for
-PyTorch data parallelism is 1.4B.
-"""),
-("code", r"""
+
+# %% [markdown]
+# The paper's "about 8 GB" with checkpointing is not derived from a formula (it cites square-root
+# checkpointing); one checkpoint per block is 5.0 GB, and recomputing one block during backward
+# adds another 12 b · s · h values of that block on top. Even with no activations at all, 16 Ψ on a
+# 32 GB GPU stops at 2B parameters; with activations and buffers, the paper's measured limit for
+# PyTorch data parallelism is 1.4B.
+
+# %%
 parts = {"params (fp16)": states["params"], "grads (fp16)": states["grads"],
          "optimizer states (fp32)": states["optimizer_states"]}
 scenarios = {"no checkpointing": act, "checkpointing": act_ckpt}
 fig, ax = plt.subplots(figsize=(7, 4.5))
 totals = []
-for i, (label, activations) in enumerate(scenarios.items()):
+for i, activations in enumerate(scenarios.values()):
     bottom = 0.0
     for j, (name, v) in enumerate({**parts, "activations (fp16)": activations}.items()):
         ax.bar(i, v / GB, bottom=bottom, color=f"C{j}", label=name if i == 0 else None)
@@ -356,38 +351,36 @@ ax.set_ylabel("memory per GPU (GB, 10^9 bytes)")
 ax.set_title("GPT-2 1.5B, mixed-precision Adam, seq 1K, batch 32 (Sec 3.1, 3.2)")
 ax.legend(fontsize=8, loc="upper right")
 plt.show()
-"""),
-("md", r"""
-### Exercise 2: how large a batch fits?
 
-Keep GPT-2 1.5B with mixed-precision Adam on one 32 GB V100 (32 · 10<sup>9</sup> bytes), sequence
-length 1024, **no** activation checkpointing, and the paper's 12 h · b · s · L activation
-values of 2 bytes. Ignoring temporary buffers and fragmentation, how many sequences per step
-(batch size b) fit beside the 24 GB of model states? Set `answer` to an integer.
-"""),
-("code", r"""
+# %% [markdown]
+# ### Exercise 2: how large a batch fits?
+#
+# Keep GPT-2 1.5B with mixed-precision Adam on one 32 GB V100 (32 · 10<sup>9</sup> bytes), sequence
+# length 1024, **no** activation checkpointing, and the paper's 12 h · b · s · L activation
+# values of 2 bytes. Ignoring temporary buffers and fragmentation, how many sequences per step
+# (batch size b) fit beside the 24 GB of model states? Set `answer` to an integer.
+
+# %%
 answer = None  # sequences per step, e.g. 32
-"""),
-("code", r"""
+
+# %%
 ch00.check("gpt2_batch", answer)
-"""),
-("md", r"""
-## Summary
 
-* Training memory is **model states** (parameters, gradients, optimizer states; Sec 3.1) plus
-  **residual states** (activations, temporary buffers, fragmentation; Sec 3.2).
-* Mixed-precision Adam holds (2 + 2 + K) Ψ = 16 Ψ bytes with K = 12 (fp32 master, momentum,
-  variance); fp32 Adam also holds 16 Ψ (4 + 4 + 8). We measured both from the tensors a rank
-  holds, and they equal the formula exactly.
-* Activations grow linearly with batch, sequence, width and depth. Our GPT block keeps about
-  16 b · s · h values against the paper's estimate of 12. Checkpointing cuts this to one b · s · h
-  per block, exactly as the formula says, at about 33% more compute.
-* Fused communication buffers grow with the model (6 GB for 1.5B in fp32); fragmentation can
-  make an allocation fail with memory still free. Chapter 5 treats both.
-* GPT-2 1.5B: 24 GB of model states and about 60 GB of activations at seq 1K, batch 32. That
-  does not fit a 32 GB GPU.
-
-Data parallelism, the subject of chapter 1, adds GPUs but gives every one of them the full
-16 Ψ: the memory wall stays where it is. ZeRO's stages (chapters 2 to 4) remove that redundancy.
-"""),
-]
+# %% [markdown]
+# ## Summary
+#
+# * Training memory is **model states** (parameters, gradients, optimizer states; Sec 3.1) plus
+#   **residual states** (activations, temporary buffers, fragmentation; Sec 3.2).
+# * Mixed-precision Adam holds (2 + 2 + K) Ψ = 16 Ψ bytes with K = 12 (fp32 master, momentum,
+#   variance); fp32 Adam also holds 16 Ψ (4 + 4 + 8). We measured both from the tensors a rank
+#   holds, and they equal the formula exactly.
+# * Activations grow linearly with batch, sequence, width and depth. Our GPT block keeps about
+#   16 b · s · h values against the paper's estimate of 12. Checkpointing cuts this to one b · s · h
+#   per block, exactly as the formula says, at about 33% more compute.
+# * Fused communication buffers grow with the model (6 GB for 1.5B in fp32); fragmentation can
+#   make an allocation fail with memory still free. Chapter 5 treats both.
+# * GPT-2 1.5B: 24 GB of model states and about 60 GB of activations at seq 1K, batch 32. That
+#   does not fit a 32 GB GPU.
+#
+# Data parallelism, the subject of chapter 1, adds GPUs but gives every one of them the full
+# 16 Ψ: the memory wall stays where it is. ZeRO's stages (chapters 2 to 4) remove that redundancy.

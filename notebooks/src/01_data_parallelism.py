@@ -1,40 +1,34 @@
-"""Chapter 1: data parallelism from scratch. Build with:
-python notebooks/src/_nb.py notebooks/src/01_data_parallelism.py"""
+# %% [markdown]
+# # Chapter 1 · Data parallelism from scratch
+#
+# Data parallelism (DP) is the baseline ZeRO improves on (Sec 2.1). Each of N<sub>d</sub> processes,
+# the *ranks*, holds a full replica of the model and trains on 1/N<sub>d</sub> of every global batch.
+# After backward the ranks average their gradients, so all of them take the same optimizer step
+# and the replicas stay identical. The computation per rank shrinks with N<sub>d</sub>, and
+# communication is cheap: one all-reduce of the gradients per step. Memory does not shrink at
+# all: every rank holds all the model states of chapter 0, so DP runs out of memory exactly where
+# one GPU does (Sec 1: about 1.4B parameters on 32 GB GPUs).
+#
+# In this chapter we build DP on real `torch.distributed` process groups: gloo ranks spawned on
+# this CPU, the same code that runs on GPUs with NCCL.
+#
+# **Learning goals.** After this chapter you can
+#
+# 1. use the three collectives ZeRO is made of, all-reduce, reduce-scatter and all-gather, and
+#    show on real ranks that an all-reduce *is* a reduce-scatter followed by an all-gather, moving
+#    2 Ψ elements per rank (Sec 7.1);
+# 2. write naive DP (one blocking all-reduce per parameter after backward) and explain why real
+#    implementations instead reduce constant-size gradient *buckets* launched from autograd hooks
+#    during backward (the scheme Sec 5.2 relies on);
+# 3. check that DP is single-process training on the global batch: the same losses as one process
+#    and as PyTorch's `DistributedDataParallel`;
+# 4. measure the redundancy: every rank holds all 16 Ψ bytes of model states, whatever
+#    N<sub>d</sub> is, and moves 2 Ψ elements per step.
+#
+# Names as in chapter 0: `psi` (Ψ) parameters, `nd` (N<sub>d</sub>) data-parallel ranks, `rank`
+# (0 to `world_size` − 1), `k` (K) optimizer bytes per parameter.
 
-OUT = "../01_data_parallelism.ipynb"
-
-CELLS = [
-("md", r"""
-# Chapter 1 · Data parallelism from scratch
-
-Data parallelism (DP) is the baseline ZeRO improves on (Sec 2.1). Each of N<sub>d</sub> processes,
-the *ranks*, holds a full replica of the model and trains on 1/N<sub>d</sub> of every global batch.
-After backward the ranks average their gradients, so all of them take the same optimizer step
-and the replicas stay identical. The computation per rank shrinks with N<sub>d</sub>, and
-communication is cheap: one all-reduce of the gradients per step. Memory does not shrink at
-all: every rank holds all the model states of chapter 0, so DP runs out of memory exactly where
-one GPU does (Sec 1: about 1.4B parameters on 32 GB GPUs).
-
-In this chapter we build DP on real `torch.distributed` process groups: gloo ranks spawned on
-this CPU, the same code that runs on GPUs with NCCL.
-
-**Learning goals.** After this chapter you can
-
-1. use the three collectives ZeRO is made of, all-reduce, reduce-scatter and all-gather, and
-   show on real ranks that an all-reduce *is* a reduce-scatter followed by an all-gather, moving
-   2 Ψ elements per rank (Sec 7.1);
-2. write naive DP (one blocking all-reduce per parameter after backward) and explain why real
-   implementations instead reduce constant-size gradient *buckets* launched from autograd hooks
-   during backward (the scheme Sec 5.2 relies on);
-3. check that DP is single-process training on the global batch: the same losses as one process
-   and as PyTorch's `DistributedDataParallel`;
-4. measure the redundancy: every rank holds all 16 Ψ bytes of model states, whatever
-   N<sub>d</sub> is, and moves 2 Ψ elements per step.
-
-Names as in chapter 0: `psi` (Ψ) parameters, `nd` (N<sub>d</sub>) data-parallel ranks, `rank`
-(0 to `world_size` − 1), `k` (K) optimizer bytes per parameter.
-"""),
-("code", r"""
+# %%
 import inspect
 
 import matplotlib.pyplot as plt
@@ -47,24 +41,24 @@ from zerolearn.lessons import ch00, ch01
 from zerolearn.memory import model as analytic
 from zerolearn.models import build_model
 from zerolearn.report import kib, volume_per_step
-"""),
-("md", r"""
-## 1. Collectives on four ranks
 
-`zerolearn.dist.launch(fn, world_size, *args)` spawns `world_size` processes, joins them into a
-gloo process group, runs `fn(*args)` on each and returns the results in rank order. Spawned
-processes import `fn` by name, so it lives in the package: this chapter's functions are in
-`zerolearn.lessons.ch01`. Every collective goes through `zerolearn.comm`, whose ledger counts
-calls and elements.
+# %% [markdown]
+# ## 1. Collectives on four ranks
+#
+# `zerolearn.dist.launch(fn, world_size, *args)` spawns `world_size` processes, joins them into a
+# gloo process group, runs `fn(*args)` on each and returns the results in rank order. Spawned
+# processes import `fn` by name, so it lives in the package: this chapter's functions are in
+# `zerolearn.lessons.ch01`. Every collective goes through `zerolearn.comm`, whose ledger counts
+# calls and elements.
+#
+# Each rank starts from a different 8-element "gradient". All-reduce sums them on every rank.
+# Reduce-scatter also sums them, but leaves rank r only the r-th quarter of the sum; all-gather
+# then hands every quarter to every rank.
 
-Each rank starts from a different 8-element "gradient". All-reduce sums them on every rank.
-Reduce-scatter also sums them, but leaves rank r only the r-th quarter of the sum; all-gather
-then hands every quarter to every rank.
-"""),
-("code", r"""
+# %%
 print(inspect.getsource(ch01.collectives))
-"""),
-("code", r"""
+
+# %%
 res = launch(ch01.collectives, 4)
 print(f"{'rank':>4} | {'gradient (before)':<34} | {'reduce_scatter':<12} | {'all_gather':<34} | all_reduce")
 for rank, r in enumerate(res):
@@ -72,8 +66,8 @@ for rank, r in enumerate(res):
           f" | {str(r['all_gather'].int().tolist()):<34} | {r['all_reduce'].int().tolist()}")
 same = all((r["all_gather"] == r["all_reduce"]).all().item() for r in res)
 print(f"\nall_gather(reduce_scatter(gradient)) == all_reduce(gradient) on every rank: {same}")
-"""),
-("code", r"""
+
+# %%
 world_size, numel = len(res), len(res[0]["grad"])
 chunk = numel // world_size
 before = np.stack([r["grad"].numpy() for r in res])
@@ -99,20 +93,20 @@ axes[0].set_ylabel("rank")
 axes[0].set_yticks(range(world_size))
 fig.suptitle("All-reduce = reduce-scatter + all-gather, measured on 4 gloo ranks (Sec 7.1)", y=1.04)
 plt.show()
-"""),
-("md", r"""
-**How much does an all-reduce move?** A ring all-reduce runs exactly these two phases. In the
-reduce-scatter, each of N<sub>d</sub> − 1 steps passes one chunk of Ψ/N<sub>d</sub> elements to
-the next rank, which adds its own; in the all-gather, N<sub>d</sub> − 1 more steps pass the
-finished chunks around. Each rank sends 2 (N<sub>d</sub> − 1)/N<sub>d</sub> · Ψ elements, which
-the paper rounds to **2 Ψ** per rank (Sec 7.1), independent of N<sub>d</sub>.
 
-The ledger counts each call's full logical tensor (the input of a reduce-scatter, the output of
-an all-gather, the tensor of an all-reduce), so the paper's volume is
-2 · all_reduce + reduce_scatter + all_gather. Here one all-reduce and one reduce-scatter +
-all-gather pair of the same 8 elements:
-"""),
-("code", r"""
+# %% [markdown]
+# **How much does an all-reduce move?** A ring all-reduce runs exactly these two phases. In the
+# reduce-scatter, each of N<sub>d</sub> − 1 steps passes one chunk of Ψ/N<sub>d</sub> elements to
+# the next rank, which adds its own; in the all-gather, N<sub>d</sub> − 1 more steps pass the
+# finished chunks around. Each rank sends 2 (N<sub>d</sub> − 1)/N<sub>d</sub> · Ψ elements, which
+# the paper rounds to **2 Ψ** per rank (Sec 7.1), independent of N<sub>d</sub>.
+#
+# The ledger counts each call's full logical tensor (the input of a reduce-scatter, the output of
+# an all-gather, the tensor of an all-reduce), so the paper's volume is
+# 2 · all_reduce + reduce_scatter + all_gather. Here one all-reduce and one reduce-scatter +
+# all-gather pair of the same 8 elements:
+
+# %%
 ledger = res[0]["ledger"]
 for op in ("all_reduce", "reduce_scatter", "all_gather"):
     print(f"{op:<15} calls {ledger[op]['calls']}  elements {ledger[op]['elements']:>2}  "
@@ -122,89 +116,89 @@ print(f"volume of the all_reduce:                  2 x {ledger['all_reduce']['el
 print(f"volume of reduce_scatter + all_gather:     {ledger['reduce_scatter']['elements']} + "
       f"{ledger['all_gather']['elements']} = "
       f"{ledger['reduce_scatter']['elements'] + ledger['all_gather']['elements']} elements")
-"""),
-("md", r"""
-### Exercise 1: what a ring really sends
 
-A ring all-reduce of Ψ = 1,000,000 elements on N<sub>d</sub> = 8 ranks: how many elements does
-each rank send? Set `answer` to a number.
-"""),
-("code", r"""
+# %% [markdown]
+# ### Exercise 1: what a ring really sends
+#
+# A ring all-reduce of Ψ = 1,000,000 elements on N<sub>d</sub> = 8 ranks: how many elements does
+# each rank send? Set `answer` to a number.
+
+# %%
 answer = None  # elements sent per rank
-"""),
-("code", r"""
+
+# %%
 ch01.check("ring_elements", answer)
-"""),
-("md", r"""
-## 2. Naive data parallelism
 
-The simplest DP: run forward and backward on this rank's slice of the batch, then all-reduce
-each parameter's gradient and divide by N<sub>d</sub>, so every rank holds the gradient of the
-*global* batch; then step. All ranks build the model from the same seed, so the replicas start
-identical without a broadcast (PyTorch's DDP broadcasts rank 0's weights instead).
-"""),
-("code", r"""
+# %% [markdown]
+# ## 2. Naive data parallelism
+#
+# The simplest DP: run forward and backward on this rank's slice of the batch, then all-reduce
+# each parameter's gradient and divide by N<sub>d</sub>, so every rank holds the gradient of the
+# *global* batch; then step. All ranks build the model from the same seed, so the replicas start
+# identical without a broadcast (PyTorch's DDP broadcasts rank 0's weights instead).
+
+# %%
 print(inspect.getsource(ch01.naive_dp_step))
-"""),
-("md", r"""
-### Exercise 2: how many collectives?
 
-Our GPT (`ch01.GPT`: width 64, two blocks, byte vocabulary; embeddings, per block two
-LayerNorms and four Linear layers with biases, a final LayerNorm and an output projection
-without bias) has Ψ = 134,912 parameters. How many `all_reduce` calls does `naive_dp_step` make
-per step? Set `answer`; the next section measures it.
-"""),
-("code", r"""
+# %% [markdown]
+# ### Exercise 2: how many collectives?
+#
+# Our GPT (`ch01.GPT`: width 64, two blocks, byte vocabulary; embeddings, per block two
+# LayerNorms and four Linear layers with biases, a final LayerNorm and an output projection
+# without bias) has Ψ = 134,912 parameters. How many `all_reduce` calls does `naive_dp_step` make
+# per step? Set `answer`; the next section measures it.
+
+# %%
 answer = None  # all_reduce calls per step
-"""),
-("code", r"""
-ch01.check("naive_calls", answer)
-"""),
-("md", r"""
-Naive DP is correct but wasteful twice over. Communication starts only after the whole backward
-is done, though the last layer's gradients were ready at its very beginning. And every tensor
-pays a collective's fixed start-up cost, however small it is: a LayerNorm bias of 64 elements
-waits for its own round trip just like a weight matrix.
 
-**Buckets from autograd hooks.** Real implementations (PyTorch DDP, DeepSpeed, and our engines)
-lay the gradients out in a few flat *buckets* of bounded size, fill them as backward produces
-gradients, and launch each bucket's reduction asynchronously the moment it is complete, while
-backward goes on with earlier layers. The engine's constructor puts a hook on every parameter:
-"""),
-("code", r"""
+# %%
+ch01.check("naive_calls", answer)
+
+# %% [markdown]
+# Naive DP is correct but wasteful twice over. Communication starts only after the whole backward
+# is done, though the last layer's gradients were ready at its very beginning. And every tensor
+# pays a collective's fixed start-up cost, however small it is: a LayerNorm bias of 64 elements
+# waits for its own round trip just like a weight matrix.
+#
+# **Buckets from autograd hooks.** Real implementations (PyTorch DDP, DeepSpeed, and our engines)
+# lay the gradients out in a few flat *buckets* of bounded size, fill them as backward produces
+# gradients, and launch each bucket's reduction asynchronously the moment it is complete, while
+# backward goes on with earlier layers. The engine's constructor puts a hook on every parameter:
+
+# %%
 source = inspect.getsource(Engine.__init__).splitlines()
 at = next(i for i, line in enumerate(source) if "register_post_accumulate_grad_hook" in line)
 print("\n".join(source[at - 2:at + 1]))
-"""),
-("md", r"""
-Autograd calls `_on_grad` once a parameter's gradient for this backward is complete (the hook
-receives the *parameter*; its `.grad` holds the gradient). The gradient is copied into its
-bucket's flat buffer and autograd's copy is dropped. When a bucket has all its gradients,
-`_on_group_ready` launches it, and every earlier bucket that is also complete, in one fixed
-order: collectives must be issued in the same order on every rank, or they pair up wrongly.
-"""),
-("code", r"""
+
+# %% [markdown]
+# Autograd calls `_on_grad` once a parameter's gradient for this backward is complete (the hook
+# receives the *parameter*; its `.grad` holds the gradient). The gradient is copied into its
+# bucket's flat buffer and autograd's copy is dropped. When a bucket has all its gradients,
+# `_on_group_ready` launches it, and every earlier bucket that is also complete, in one fixed
+# order: collectives must be issued in the same order on every rank, or they pair up wrongly.
+
+# %%
 for method in (Engine._on_grad, Engine._on_group_ready, Engine._launch, Engine._finish_oldest,
                DDPEngine._reduce):
     print(inspect.getsource(method))
-"""),
-("md", r"""
-`_launch` divides by N<sub>d</sub> before the sum (so fp16 gradients cannot overflow in the sum)
-and keeps at most two reductions in flight, which bounds the gradient buffers alive at once. For
-DP, `_reduce` is one asynchronous `all_reduce` of the bucket. The same hooks, with a
-reduce-scatter instead, are what ZeRO-2 uses to drop gradients it does not own (Sec 5.2).
 
-### Three DP implementations against one process
+# %% [markdown]
+# `_launch` divides by N<sub>d</sub> before the sum (so fp16 gradients cannot overflow in the sum)
+# and keeps at most two reductions in flight, which bounds the gradient buffers alive at once. For
+# DP, `_reduce` is one asynchronous `all_reduce` of the bucket. The same hooks, with a
+# reduce-scatter instead, are what ZeRO-2 uses to drop gradients it does not own (Sec 5.2).
+#
+# ### Three DP implementations against one process
+#
+# `ch01.compare_dp` trains the same GPT for five steps with naive DP, with the book's stage-0
+# engine (buckets of at most 0.25 MiB) and with PyTorch's `DistributedDataParallel`, each on 4
+# ranks with a global batch of 16 sequences of 32 bytes, fp32 Adam. `ch01.single_process` trains
+# it in this process on the whole global batch.
 
-`ch01.compare_dp` trains the same GPT for five steps with naive DP, with the book's stage-0
-engine (buckets of at most 0.25 MiB) and with PyTorch's `DistributedDataParallel`, each on 4
-ranks with a global batch of 16 sequences of 32 bytes, fp32 Adam. `ch01.single_process` trains
-it in this process on the whole global batch.
-"""),
-("code", r"""
+# %%
 print(inspect.getsource(ch01.compare_dp))
-"""),
-("code", r"""
+
+# %%
 steps = 5
 dp = launch(ch01.compare_dp, 4, steps)[0]  # every rank returns the same global losses
 reference = ch01.single_process(steps)
@@ -215,28 +209,28 @@ for step in range(steps):
     print(f"{step:>4} " + " ".join(f"{losses[step]:>12.4f}" for losses in runs.values()))
 worst = max(abs(a - b) for losses in runs.values() for a, b in zip(losses, reference))
 print(f"\nevery DP run matches one process to within 1e-5 at every step: {worst < 1e-5}")
-"""),
-("code", r"""
+
+# %%
 psi = sum(p.numel() for p in build_model("gpt", 0, gpt=ch01.GPT).parameters())
 print(f"{'collectives per step':<22} {'naive':>8} {'engine':>8}")
 for what in ("calls", "elements"):
     print(f"all_reduce {what:<11} " + " ".join(
         f"{dp[name]['ledger']['all_reduce'][what] // steps:>8,}" for name in ("naive", "engine")))
 print(f"\nthe engine's buckets: {dp['engine']['buckets']}; both move Psi = {psi:,} elements per step")
-"""),
-("md", r"""
-Both move the same Ψ elements per step; the naive version needs 29 calls for it, the engine 3.
-The losses agree to the printed digits: data parallelism changes where the arithmetic runs, not
-what it computes. (The last digits differ a little, because a sum over ranks adds the same
-numbers in another order than one process does.) The timings below are run-dependent and not
-a benchmark, but the naive version is usually the slowest by a clear margin:
-"""),
-("code", r"""
+
+# %% [markdown]
+# Both move the same Ψ elements per step; the naive version needs 29 calls for it, the engine 3.
+# The losses agree to the printed digits: data parallelism changes where the arithmetic runs, not
+# what it computes. (The last digits differ a little, because a sum over ranks adds the same
+# numbers in another order than one process does.) The timings below are run-dependent and not
+# a benchmark, but the naive version is usually the slowest by a clear margin:
+
+# %%
 # NBVAL_IGNORE_OUTPUT
 for name in ("naive", "engine", "torch_ddp"):
     print(f"{name:<10} {dp[name]['step_seconds_median'] * 1e3:7.1f} ms per step (median, 4 ranks on this CPU)")
-"""),
-("code", r"""
+
+# %%
 fig, ax = plt.subplots(figsize=(7, 4))
 for (name, losses), marker in zip(runs.items(), "os^x"):
     ax.plot(range(steps), losses, marker=marker, ms=8 if marker == "o" else 6, label=name,
@@ -247,16 +241,16 @@ ax.set_title("Same losses: one process and three DP implementations on 4 ranks")
 ax.set_xticks(range(steps))
 ax.legend()
 plt.show()
-"""),
-("md", r"""
-## 3. The redundancy: every rank holds 16 Ψ
 
-Now the memory side. We run the training command line at stage 0 (DP) with mixed-precision
-Adam (bf16 working copies, K = 12) on N<sub>d</sub> = 1, 2 and 4 ranks and read, from each
-rank's report, the bytes it holds, measured from its tensors, beside the paper's formula
-(2 + 2 + K) Ψ (Sec 3.1, Fig 1 baseline).
-"""),
-("code", r"""
+# %% [markdown]
+# ## 3. The redundancy: every rank holds 16 Ψ
+#
+# Now the memory side. We run the training command line at stage 0 (DP) with mixed-precision
+# Adam (bf16 working copies, K = 12) on N<sub>d</sub> = 1, 2 and 4 ranks and read, from each
+# rank's report, the bytes it holds, measured from its tensors, beside the paper's formula
+# (2 + 2 + K) Ψ (Sec 3.1, Fig 1 baseline).
+
+# %%
 argv = ["--stage", "0", "--dtype", "bf16", "--optimizer", "adam", "--d-model", "64", "--n-layer", "2",
         "--seq-len", "32", "--global-batch-size", "16", "--steps", "3", "--quiet"]
 dp_reports = {nd: launch(ch00.reports, nd, [argv])[0][0] for nd in (1, 2, 4)}
@@ -275,15 +269,15 @@ for nd, report in dp_reports.items():
         volume = volume_per_step(entry, len(report["losses"])) / psi
         theory = analytic.comm_volume_elements(psi, stage=0) / psi  # Sec 7.1
         print(f"{nd:>3} {entry['rank']:>4} | {cells} | {volume:>5.3f}|{theory:.1f}")
-"""),
-("md", r"""
-Every rank holds the same 2,108 KiB = 16 Ψ bytes at every N<sub>d</sub>, exactly the formula,
-and the ledger counts 2 Ψ elements per step (one all-reduce of Ψ, counted twice). At
-N<sub>d</sub> = 1 the all-reduce has no peer and the ring would send nothing,
-(N<sub>d</sub> − 1)/N<sub>d</sub> = 0; the ledger still counts the call. Adding ranks divides the
-batch, not the memory:
-"""),
-("code", r"""
+
+# %% [markdown]
+# Every rank holds the same 2,108 KiB = 16 Ψ bytes at every N<sub>d</sub>, exactly the formula,
+# and the ledger counts 2 Ψ elements per step (one all-reduce of Ψ, counted twice). At
+# N<sub>d</sub> = 1 the all-reduce has no peer and the ring would send nothing,
+# (N<sub>d</sub> − 1)/N<sub>d</sub> = 0; the ledger still counts the call. Adding ranks divides the
+# batch, not the memory:
+
+# %%
 one_copy = analytic.model_state_bytes(psi, nd=1, stage=0, k=12)["total"] / 1024  # KiB, 16 psi
 fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2), gridspec_kw={"width_ratios": [2, 1]})
 labels, x = [], 0
@@ -315,42 +309,41 @@ right.set_ylim(bottom=0)
 right.legend(fontsize=8)
 fig.tight_layout()
 plt.show()
-"""),
-("md", r"""
-The right panel is the redundancy ZeRO removes: N<sub>d</sub> ranks hold N<sub>d</sub> identical
-copies of the parameters, the gradients and, the largest part, the optimizer states (Sec 4).
-Each rank then runs the same optimizer step on the same numbers. ZeRO-1 (chapter 2) gives each
-rank 1/N<sub>d</sub> of the optimizer states and of the step, keeping DP's 2 Ψ of communication
-(Sec 5.1, Sec 7.2.1).
 
-### Exercise 3: the paper's 7.5B model under DP
+# %% [markdown]
+# The right panel is the redundancy ZeRO removes: N<sub>d</sub> ranks hold N<sub>d</sub> identical
+# copies of the parameters, the gradients and, the largest part, the optimizer states (Sec 4).
+# Each rank then runs the same optimizer step on the same numbers. ZeRO-1 (chapter 2) gives each
+# rank 1/N<sub>d</sub> of the optimizer states and of the step, keeping DP's 2 Ψ of communication
+# (Sec 5.1, Sec 7.2.1).
+#
+# ### Exercise 3: the paper's 7.5B model under DP
+#
+# The paper's Fig 1 runs a model with Ψ = 7.5B on N<sub>d</sub> = 64 GPUs with mixed-precision
+# Adam. Under plain DP, how many GB (10<sup>9</sup> bytes) of model states do the 64 GPUs hold
+# *together*? Set `answer` to a number of GB.
 
-The paper's Fig 1 runs a model with Ψ = 7.5B on N<sub>d</sub> = 64 GPUs with mixed-precision
-Adam. Under plain DP, how many GB (10<sup>9</sup> bytes) of model states do the 64 GPUs hold
-*together*? Set `answer` to a number of GB.
-"""),
-("code", r"""
+# %%
 answer = None  # GB, all 64 GPUs together
-"""),
-("code", r"""
+
+# %%
 ch01.check("dp_total_gb", answer)
-"""),
-("md", r"""
-## Summary
 
-* All-reduce = reduce-scatter + all-gather; we showed it on 4 gloo ranks. A ring all-reduce
-  sends 2 (N<sub>d</sub> − 1)/N<sub>d</sub> · Ψ elements per rank, the paper's 2 Ψ (Sec 7.1); the
-  ledger counts exactly that.
-* Naive DP (one blocking all-reduce per tensor after backward) is correct but pays one latency
-  per tensor and cannot overlap communication with backward. Real DP fills constant-size
-  buckets from `post_accumulate_grad` hooks and reduces each asynchronously as soon as it is
-  full (29 calls per step became 3 for our GPT).
-* Naive DP, our bucketed engine and PyTorch's DDP all reproduce single-process training on the
-  global batch, step by step.
-* Every DP rank holds all (2 + 2 + K) Ψ = 16 Ψ bytes of model states, measured at
-  N<sub>d</sub> = 1, 2 and 4: adding GPUs adds copies, not room.
-
-Next, chapter 2 partitions the optimizer states (P<sub>os</sub>, Sec 5.1): 4 Ψ + K Ψ/N<sub>d</sub>
-per rank, for the same 2 Ψ of communication.
-"""),
-]
+# %% [markdown]
+# ## Summary
+#
+# * All-reduce = reduce-scatter + all-gather; we showed it on 4 gloo ranks. A ring all-reduce
+#   sends 2 (N<sub>d</sub> − 1)/N<sub>d</sub> · Ψ elements per rank, the paper's 2 Ψ (Sec 7.1); the
+#   ledger counts exactly that.
+# * Naive DP (one blocking all-reduce per tensor after backward) is correct but pays one latency
+#   per tensor and cannot overlap communication with backward. Real DP fills constant-size
+#   buckets from `post_accumulate_grad` hooks and reduces each asynchronously as soon as it is
+#   full (29 calls per step became 3 for our GPT).
+# * Naive DP, our bucketed engine and PyTorch's DDP all reproduce single-process training on the
+#   global batch, step by step, to within 1e-5 (sums over ranks add in another order, so
+#   the last bits differ).
+# * Every DP rank holds all (2 + 2 + K) Ψ = 16 Ψ bytes of model states, measured at
+#   N<sub>d</sub> = 1, 2 and 4: adding GPUs adds copies, not room.
+#
+# Next, chapter 2 partitions the optimizer states (P<sub>os</sub>, Sec 5.1): 4 Ψ + K Ψ/N<sub>d</sub>
+# per rank, for the same 2 Ψ of communication.

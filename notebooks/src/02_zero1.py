@@ -1,46 +1,41 @@
-"""Chapter 2, ZeRO-1 (P_os). Build: .venv/bin/python notebooks/src/_nb.py notebooks/src/02_zero1.py"""
+# %% [markdown]
+# # Chapter 2 · ZeRO-1 ($P_{os}$): partition the optimizer states
+#
+# In data parallelism every rank keeps a full copy of Adam's state, yet each rank could
+# update just a slice of the parameters and share the result. ZeRO's first stage does
+# exactly that (paper Sec 5.1). This chapter builds it twice: first the way many
+# tutorials write it, then the way the package does it, and measures both on real
+# gloo ranks.
+#
+# **Learning goals.** After this chapter you can
+#
+# 1. state ZeRO-1's model-state memory per rank, $4\Psi + K\Psi/N_d$ bytes in mixed
+#    precision (Sec 5.1, Fig 1), and check it against bytes measured on running ranks;
+# 2. explain why giving each rank *whole tensors* leaves shards unequal, and how flat
+#    buffers padded to a multiple of $N_d$ make them equal (`zerolearn.flat`);
+# 3. trace one ZeRO-1 step as reduce-scatter, local update, all-gather, and count its
+#    traffic: $2\Psi$ per step, the same as DP (Sec 7.2.1);
+# 4. measure why the common "all-reduce, then broadcast from each owner" version moves
+#    $3\Psi$ instead, while computing exactly the same losses.
 
-OUT = "../02_zero1.ipynb"
+# %% [markdown]
+# ## 1. The idea in numbers
+#
+# With mixed-precision Adam a rank holds $2\Psi$ bytes of fp16/bf16 parameters,
+# $2\Psi$ of gradients and $K\Psi$ of optimizer state, $K = 12$: an fp32 master copy and
+# Adam's two fp32 moments (Sec 3.1). Only the optimizer uses those $12\Psi$ bytes, and
+# only to update parameters. If rank $r$ updates just its $1/N_d$ of the parameters, it
+# needs just $1/N_d$ of that state (Sec 5.1):
+#
+# $$\text{DP: } (2 + 2 + K)\,\Psi \qquad\longrightarrow\qquad \text{ZeRO-1: } 4\Psi + \frac{K\Psi}{N_d}.$$
+#
+# Fig 1's example, $\Psi = 7.5\text{B}$ and $N_d = 64$, goes from 120 GB to 31.4 GB per
+# GPU. In pure fp32 there is no separate master copy: parameters and gradients take
+# 4 bytes each and Adam's moments $K = 8$, so the same argument gives
+# $8\Psi + 8\Psi/N_d$. The formulas live in `zerolearn.memory.model`; every number
+# below is compared with them.
 
-CELLS = [
-    ("md", r"""
-# Chapter 2 · ZeRO-1 ($P_{os}$): partition the optimizer states
-
-In data parallelism every rank keeps a full copy of Adam's state, yet each rank could
-update just a slice of the parameters and share the result. ZeRO's first stage does
-exactly that (paper Sec 5.1). This chapter builds it twice: first the way many
-tutorials write it, then the way the package does it, and measures both on real
-gloo ranks.
-
-**Learning goals.** After this chapter you can
-
-1. state ZeRO-1's model-state memory per rank, $4\Psi + K\Psi/N_d$ bytes in mixed
-   precision (Sec 5.1, Fig 1), and check it against bytes measured on running ranks;
-2. explain why giving each rank *whole tensors* leaves shards unequal, and how flat
-   buffers padded to a multiple of $N_d$ make them equal (`zerolearn.flat`);
-3. trace one ZeRO-1 step as reduce-scatter, local update, all-gather, and count its
-   traffic: $2\Psi$ per step, the same as DP (Sec 7.2.1);
-4. measure why the common "all-reduce, then broadcast from each owner" version moves
-   $3\Psi$ instead, while computing exactly the same losses.
-"""),
-    ("md", r"""
-## 1. The idea in numbers
-
-With mixed-precision Adam a rank holds $2\Psi$ bytes of fp16/bf16 parameters,
-$2\Psi$ of gradients and $K\Psi$ of optimizer state, $K = 12$: an fp32 master copy and
-Adam's two fp32 moments (Sec 3.1). Only the optimizer uses those $12\Psi$ bytes, and
-only to update parameters. If rank $r$ updates just its $1/N_d$ of the parameters, it
-needs just $1/N_d$ of that state (Sec 5.1):
-
-$$\text{DP: } (2 + 2 + K)\,\Psi \qquad\longrightarrow\qquad \text{ZeRO-1: } 4\Psi + \frac{K\Psi}{N_d}.$$
-
-Fig 1's example, $\Psi = 7.5\text{B}$ and $N_d = 64$, goes from 120 GB to 31.4 GB per
-GPU. In pure fp32 there is no separate master copy: parameters and gradients take
-4 bytes each and Adam's moments $K = 8$, so the same argument gives
-$8\Psi + 8\Psi/N_d$. The formulas live in `zerolearn.memory.model`; every number
-below is compared with them.
-"""),
-    ("code", r"""
+# %%
 import inspect
 import time
 
@@ -60,72 +55,72 @@ sizes = ch02.gpt_tensor_sizes(D_MODEL, SEQ_LEN, N_LAYER)
 psi = sum(sizes)
 print(f"GPT: Psi = {psi:,} parameters in {len(sizes)} tensors; "
       f"largest tensor {max(sizes):,} elements, smallest {min(sizes):,} elements")
-"""),
-    ("md", r"""
-## 2. The version many write: each rank owns whole tensors
 
-The most direct reading of "each rank updates $1/N_d$ of the parameters" is to hand
-out *tensors*: rank 0 takes the first few, rank 1 the next few, and so on. The blog
-reproduction this book starts from does exactly that, splitting the list of tensors
-into equal *counts*. Each rank builds Adam over its own tensors only, so Adam keeps
-state only for them. A smarter whole-tensor split deals the largest tensor first to
-the emptiest rank. Both are in `zerolearn/lessons/ch02.py`:
-"""),
-    ("code", r"""
+# %% [markdown]
+# ## 2. The version many write: each rank owns whole tensors
+#
+# The most direct reading of "each rank updates $1/N_d$ of the parameters" is to hand
+# out *tensors*: rank 0 takes the first few, rank 1 the next few, and so on. The blog
+# reproduction this book starts from does exactly that, splitting the list of tensors
+# into equal *counts*. Each rank builds Adam over its own tensors only, so Adam keeps
+# state only for them. A smarter whole-tensor split deals the largest tensor first to
+# the emptiest rank. Both are in `zerolearn/lessons/ch02.py`:
+
+# %%
 print(inspect.getsource(ch02.owners_by_count))
 print(inspect.getsource(ch02.owners_by_size))
-"""),
-    ("md", r"""
-The naive optimizer around them all-reduces every gradient, steps Adam on the owned
-tensors, then has each owner broadcast its tensors so that every rank again holds the
-same parameters. It is correct; the rest of this chapter measures what it costs.
-"""),
-    ("code", r"""
+
+# %% [markdown]
+# The naive optimizer around them all-reduces every gradient, steps Adam on the owned
+# tensors, then has each owner broadcast its tensors so that every rank again holds the
+# same parameters. It is correct; the rest of this chapter measures what it costs.
+
+# %%
 print(inspect.getsource(ch02.NaiveZero1))
-"""),
-    ("md", r"""
-Before running anything we can already see the problem in the layout. A rank keeps
-Adam state only for the elements it owns, so the owned elements per rank are its
-optimizer memory in units of 8 bytes (fp32 Adam). With whole tensors these counts
-cannot be equal: tensors come in very different sizes (a LayerNorm bias has 128
-elements, an MLP weight 65,536). The table gives owned elements per rank; the last
-column is the largest rank's share relative to a perfect $\Psi/N_d$.
-"""),
-    ("code", r"""
+
+# %% [markdown]
+# Before running anything we can already see the problem in the layout. A rank keeps
+# Adam state only for the elements it owns, so the owned elements per rank are its
+# optimizer memory in units of 8 bytes (fp32 Adam). With whole tensors these counts
+# cannot be equal: tensors come in very different sizes (a LayerNorm bias has 128
+# elements, an MLP weight 65,536). The table gives owned elements per rank; the last
+# column is the largest rank's share relative to a perfect $\Psi/N_d$.
+
+# %%
 for nd in (3, 4):
     for policy in ("count", "size"):
         owned = ch02.owned_elements(sizes, ch02.OWNERS[policy](sizes, nd), nd)
         cells = "  ".join(f"{n:>8,}" for n in owned)
         print(f"Nd = {nd}, split by {policy:<5}: {cells}   largest / (Psi/Nd) = {max(owned) / (psi / nd):.3f}")
-"""),
-    ("md", r"""
-Every rank has to be provisioned for the largest shard, so the imbalance is memory
-lost on every other rank. Splitting by size helps, but no whole-tensor split can give
-a rank less than the largest tensor: once $\Psi/N_d$ drops below it, the imbalance
-grows with $N_d$ (the plot in Section 5 shows it).
 
-## 3. Flat padded shards
+# %% [markdown]
+# Every rank has to be provisioned for the largest shard, so the imbalance is memory
+# lost on every other rank. Splitting by size helps, but no whole-tensor split can give
+# a rank less than the largest tensor: once $\Psi/N_d$ drops below it, the imbalance
+# grows with $N_d$ (the plot in Section 5 shows it).
+#
+# ## 3. Flat padded shards
+#
+# ZeRO partitions by *element*, not by tensor (Sec 5). `zerolearn.flat` lays a group
+# of parameters end to end in one 1-D buffer, pads it with zeros to a multiple of the
+# number of shards, and gives rank $r$ the $r$-th equal slice. The constructor does the
+# arithmetic:
 
-ZeRO partitions by *element*, not by tensor (Sec 5). `zerolearn.flat` lays a group
-of parameters end to end in one 1-D buffer, pads it with zeros to a multiple of the
-number of shards, and gives rank $r$ the $r$-th equal slice. The constructor does the
-arithmetic:
-"""),
-    ("code", r"""
+# %%
 src = inspect.getsource(flat.FlatGroup.__init__)
 print(src[:src.index("        # Engine state")])  # the layout; the rest declares the engine's buffers
 print(inspect.getsource(flat.FlatGroup.shard_of))
 print(inspect.getsource(flat.FlatGroup.views))
-"""),
-    ("md", r"""
-Parameters keep their shapes as *views* into the buffer, so the model computes as
-before while the optimizer sees one flat tensor. Groups are capped at a bucket size
-(`make_groups`), which later chapters use to overlap communication with backward
-(Sec 5.2) and to bound temporary buffers (Sec 6.2). Here is a toy group of three
-tensors of 10, 7 and 5 elements on $N_d = 3$ ranks: 22 elements padded to 24, so each
-rank's shard has 8 elements, and shards cut straight through tensors.
-"""),
-    ("code", r"""
+
+# %% [markdown]
+# Parameters keep their shapes as *views* into the buffer, so the model computes as
+# before while the optimizer sees one flat tensor. Groups are capped at a bucket size
+# (`make_groups`), which later chapters use to overlap communication with backward
+# (Sec 5.2) and to bound temporary buffers (Sec 6.2). Here is a toy group of three
+# tensors of 10, 7 and 5 elements on $N_d = 3$ ranks: 22 elements padded to 24, so each
+# rank's shard has 8 elements, and shards cut straight through tensors.
+
+# %%
 import torch
 from torch import nn
 
@@ -134,52 +129,53 @@ for rank in range(3):
     g = flat.make_groups(toy, bucket_bytes=1 << 20, element_size=4, num_shards=3, shard_index=rank)[0]
     print(f"rank {rank}: shard = elements [{g.shard_range[0]:>2}, {g.shard_range[1]:>2}) "
           f"of {g.padded_numel} ({g.numel} real + {g.padding} padding); tensor offsets {g.offsets}")
-"""),
-    ("md", r"""
-### Exercise 1 · a flat layout
 
-Three tensors of 10, 7 and 6 elements form one group on $N_d = 4$ ranks. How many
-padding elements does the group get, and which elements `(start, end)` does rank 3
-own? Write `answer = (padding, (start, end))`.
-"""),
-    ("code", r"""
+# %% [markdown]
+# ### Exercise 1 · a flat layout
+#
+# Three tensors of 10, 7 and 6 elements form one group on $N_d = 4$ ranks. How many
+# padding elements does the group get, and which elements `(start, end)` does rank 3
+# own? Write `answer = (padding, (start, end))`.
+
+# %%
 answer = None  # e.g. (3, (10, 15))
 ch02.check_flat_layout(answer)
-"""),
-    ("md", r"""
-## 4. Reduce-scatter, update, all-gather
 
-With equal flat shards the ZeRO-1 step is three moves (Sec 5.1, Sec 7.2.1):
+# %% [markdown]
+# ## 4. Reduce-scatter, update, all-gather
+#
+# With equal flat shards the ZeRO-1 step is three moves (Sec 5.1, Sec 7.2.1):
+#
+# 1. **reduce-scatter** the gradient buffer: rank $r$ receives the sum over ranks of
+#    slice $r$ only, exactly the slice it updates ($\Psi$ elements in the paper's count);
+# 2. **update** the shard: Adam over the fp32 master shard and its moments, $K\Psi/N_d$ bytes;
+# 3. **all-gather** the updated shards into every rank's full parameter buffer
+#    ($\Psi$ more).
+#
+# A ring all-reduce *is* a reduce-scatter followed by an all-gather (Sec 7.1), so ZeRO-1
+# moves the $2\Psi$ that DP moves, and simply does the update in between. The
+# package's engine is short because the shared base class (`engines/base.py`) launches
+# a group's reduction from autograd hooks as soon as its gradients are complete:
 
-1. **reduce-scatter** the gradient buffer: rank $r$ receives the sum over ranks of
-   slice $r$ only, exactly the slice it updates ($\Psi$ elements in the paper's count);
-2. **update** the shard: Adam over the fp32 master shard and its moments, $K\Psi/N_d$ bytes;
-3. **all-gather** the updated shards into every rank's full parameter buffer
-   ($\Psi$ more).
-
-A ring all-reduce *is* a reduce-scatter followed by an all-gather (Sec 7.1), so ZeRO-1
-moves the $2\Psi$ that DP moves, and simply does the update in between. The
-package's engine is short because the shared base class (`engines/base.py`) launches
-a group's reduction from autograd hooks as soon as its gradients are complete:
-"""),
-    ("code", r"""
+# %%
 print(inspect.getsource(zero1.Zero1Engine))
-"""),
-    ("md", r"""
-To see the two collectives act on numbers you can follow, `ch02.collectives_demo`
-gives rank $r$ the "gradient" $(r+1)\cdot[0, 1, \dots, 5]$ on 3 ranks. The sum is
-$6\cdot[0, \dots, 5]$; reduce-scatter hands each rank two elements of it; each rank
-subtracts 0.5 from its slice ("the update"); all-gather puts the six updated values on
-every rank.
 
-## 5. Running it on real ranks
 
-One cell runs every experiment of this chapter, since starting ranks costs seconds:
-for $N_d = 2, 3, 4$ the package's ZeRO-1 engine (`train`, stage 1, fp32 and bf16,
-3 steps), and for $N_d = 3, 4$ the naive version with both splits, on the same model,
-seed and global batches. The demo runs on the 3 ranks.
-"""),
-    ("code", r"""
+# %% [markdown]
+# To see the two collectives act on numbers you can follow, `ch02.collectives_demo`
+# gives rank $r$ the "gradient" $(r+1)\cdot[0, 1, \dots, 5]$ on 3 ranks. The sum is
+# $6\cdot[0, \dots, 5]$; reduce-scatter hands each rank two elements of it; each rank
+# subtracts 0.5 from its slice ("the update"); all-gather puts the six updated values on
+# every rank.
+#
+# ## 5. Running it on real ranks
+#
+# One cell runs every experiment of this chapter, since starting ranks costs seconds:
+# for $N_d = 2, 3, 4$ the package's ZeRO-1 engine (`train`, stage 1, fp32 and bf16,
+# 3 steps), and for $N_d = 3, 4$ the naive version with both splits, on the same model,
+# seed and global batches. The demo runs on the 3 ranks.
+
+# %%
 # NBVAL_IGNORE_OUTPUT
 def specs(nd):
     jobs = [("train", GPT + ["--stage", "1", "--dtype", dtype]) for dtype in ("fp32", "bf16")]
@@ -190,20 +186,21 @@ def specs(nd):
 t0 = time.perf_counter()
 results = {nd: launch(ch02.jobs, nd, specs(nd)) for nd in (2, 3, 4)}  # results[nd][rank][job]
 print(f"{sum((2, 3, 4))} ranks in 3 launches: {time.perf_counter() - t0:.0f} s")
-"""),
-    ("code", r"""
+
+# %%
 for rank, per_rank in enumerate(results[3]):
     d = per_rank[-1]
     print(f"rank {rank}: gradient {d['grad']} -> reduce-scatter {d['shard']} -> all-gather {d['full']}")
-"""),
-    ("md", r"""
-### 5.1 Optimizer memory per rank: whole tensors against flat shards
 
-`NaiveZero1` reports the bytes of Adam state it really holds (the tensors in
-`optimizer.state`); the engine's report measures its tensors the same way. Both train
-in fp32, so Adam keeps 8 bytes per element it updates.
-"""),
-    ("code", r"""
+
+# %% [markdown]
+# ### 5.1 Optimizer memory per rank: whole tensors against flat shards
+#
+# `NaiveZero1` reports the bytes of Adam state it really holds (the tensors in
+# `optimizer.state`); the engine's report measures its tensors the same way. Both train
+# in fp32, so Adam keeps 8 bytes per element it updates.
+
+# %%
 def kib(n):
     return f"{n / 1024:,.1f}"
 
@@ -215,15 +212,15 @@ for nd in (3, 4):
         print(f"{nd:>2} {rank:>4} | {kib(by_count['optimizer_state_bytes']):>23} "
               f"{kib(by_size['optimizer_state_bytes']):>22} {kib(mine):>20}")
     print(f"{'':>7} | {'perfect split 8 Psi / Nd = ' + kib(8 * psi / nd) + ' KiB':>67}")
-"""),
-    ("md", r"""
-The flat shards are equal to the byte on every rank, and exceed $8\Psi/N_d$ only by
-the padding (a few elements per group). Whole tensors leave one rank with far more
-than its share when split by count, and even the size-aware split cannot go below the
-largest tensor. The plot extends the comparison to larger $N_d$ (computed from the
-layout, as in Section 2; the dots are the measured runs above).
-"""),
-    ("code", r"""
+
+# %% [markdown]
+# The flat shards are equal to the byte on every rank, and exceed $8\Psi/N_d$ only by
+# the padding (a few elements per group). Whole tensors leave one rank with far more
+# than its share when split by count, and even the size-aware split cannot go below the
+# largest tensor. The plot extends the comparison to larger $N_d$ (computed from the
+# layout, as in Section 2; the dots are the measured runs above).
+
+# %%
 nds = list(range(1, 17))
 bucket = int(0.25 * 2**20)  # the train CLI's default --bucket-mb 0.25
 curves = {
@@ -253,18 +250,18 @@ ax.set_title("Optimizer state on the fullest rank, relative to a perfect split")
 ax.set_ylim(0.9, None)
 ax.legend(fontsize=8)
 plt.show()
-"""),
-    ("md", r"""
-### 5.2 Bytes per rank against $4\Psi + K\Psi/N_d$
 
-Now the whole of the model states. For each run the report holds, per rank, the
-bytes of parameters, gradients (as held after backward) and optimizer states measured
-from the tensors, and the paper's formula for the same run (`analytic`, from
-`zerolearn.memory.model`, which uses the unpadded $\Psi$). The last columns explain
-the difference: the flat buffers hold $\Psi + \text{padding}$ elements, so measured
-minus formula must equal padding $\times$ (param bytes + grad bytes + $K/N_d$).
-"""),
-    ("code", r"""
+# %% [markdown]
+# ### 5.2 Bytes per rank against $4\Psi + K\Psi/N_d$
+#
+# Now the whole of the model states. For each run the report holds, per rank, the
+# bytes of parameters, gradients (as held after backward) and optimizer states measured
+# from the tensors, and the paper's formula for the same run (`analytic`, from
+# `zerolearn.memory.model`, which uses the unpadded $\Psi$). The last columns explain
+# the difference: the flat buffers hold $\Psi + \text{padding}$ elements, so measured
+# minus formula must equal padding $\times$ (param bytes + grad bytes + $K/N_d$).
+
+# %%
 rows = []
 print(f"{'Nd':>2} {'dtype':>5} {'K':>2} | {'params KiB':>10} {'grads KiB':>10} {'optim KiB':>10} | "
       f"{'total KiB':>10} {'formula KiB':>11} | {'padding':>7} {'meas - formula':>14} {'padding x (p+g+K/Nd)':>20}")
@@ -281,17 +278,17 @@ for nd in (2, 3, 4):
         print(f"{nd:>2} {dtype:>5} {k:>2} | {kib(held['params']):>10} {kib(held['grads']):>10} "
               f"{kib(held['optimizer_states']):>10} | {kib(total):>10} {kib(formula):>11} | {pad:>7} "
               f"{total - formula:>11,.0f} B {pad * (2 * width + k / nd):>18,.0f} B")
-"""),
-    ("md", r"""
-Measured equals the formula once padding is counted, on every rank (the `assert`
-checks that all ranks hold the same bytes). In bf16 the optimizer column is the
-largest even at $N_d = 4$: $K = 12$ bytes per parameter against 2 + 2 for the
-working copies, which is why partitioning it first pays most. The plot shows the
-same numbers per parameter: the formula approaches $4\Psi$ (bf16) or $8\Psi$ (fp32) as
-$N_d$ grows, never lower, because ZeRO-1 still replicates parameters and gradients.
-Those are the next two chapters.
-"""),
-    ("code", r"""
+
+# %% [markdown]
+# Measured equals the formula once padding is counted, on every rank (the `assert`
+# checks that all ranks hold the same bytes). In bf16 the optimizer column is the
+# largest even at $N_d = 4$: $K = 12$ bytes per parameter against 2 + 2 for the
+# working copies, which is why partitioning it first pays most. The plot shows the
+# same numbers per parameter: the formula approaches $4\Psi$ (bf16) or $8\Psi$ (fp32) as
+# $N_d$ grows, never lower, because ZeRO-1 still replicates parameters and gradients.
+# Those are the next two chapters.
+
+# %%
 fig, ax = plt.subplots(figsize=(7, 4))
 grid = list(range(1, 17))
 for dtype, color in (("bf16", "C0"), ("fp32", "C1")):
@@ -308,18 +305,18 @@ ax.set_title(r"ZeRO-1: $(2+2)\Psi + K\Psi/N_d$ bytes per rank (Sec 5.1, Fig 1)")
 ax.set_ylim(0, 17)
 ax.legend(fontsize=8)
 plt.show()
-"""),
-    ("md", r"""
-### 5.3 Traffic: $2\Psi$ against $3\Psi$
 
-Every collective goes through `zerolearn.comm`, whose ledger counts the elements of
-each call: the input of a reduce-scatter, the output of an all-gather, the tensor of
-an all-reduce or broadcast. In that count the paper's per-rank volume (Sec 7.1) is
-$2\cdot$all-reduce + reduce-scatter + all-gather + broadcast, since an all-reduce moves
-its tensor twice (a reduce-scatter and an all-gather). The paper, as here, leaves out
-the ring's factor $(N_d - 1)/N_d$.
-"""),
-    ("code", r"""
+# %% [markdown]
+# ### 5.3 Traffic: $2\Psi$ against $3\Psi$
+#
+# Every collective goes through `zerolearn.comm`, whose ledger counts the elements of
+# each call: the input of a reduce-scatter, the output of an all-gather, the tensor of
+# an all-reduce or broadcast. In that count the paper's per-rank volume (Sec 7.1) is
+# $2\cdot$all-reduce + reduce-scatter + all-gather + broadcast, since an all-reduce moves
+# its tensor twice (a reduce-scatter and an all-gather). The paper, as here, leaves out
+# the ring's factor $(N_d - 1)/N_d$.
+
+# %%
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
 print(f"{'Nd':>2} {'version':<26} | " + " ".join(f"{op:>14}" for op in OPS) + f" | {'calls':>5} | {'Psi/step':>8}")
 for nd in (3, 4):
@@ -327,61 +324,61 @@ for nd in (3, 4):
     for name, ops in (("engine (RS + AG)", eng["ranks"][0]["comm"]), ("naive (AR + broadcast)", by_count["comm"])):
         steps = 3
         per_step = {op: ops[op]["elements"] // steps for op in OPS}
-        volume = 2 * per_step["all_reduce"] + per_step["reduce_scatter"] + per_step["all_gather"] + per_step["broadcast"]
+        volume = (2 * per_step["all_reduce"] + per_step["reduce_scatter"] + per_step["all_gather"]
+                  + per_step["broadcast"])
         calls = sum(ops[op]["calls"] for op in OPS) // steps
         print(f"{nd:>2} {name:<26} | " + " ".join(f"{per_step[op]:>14,}" for op in OPS)
               + f" | {calls:>5} | {volume / psi:>8.3f}")
 print(f"elements per step; Psi = {psi:,}; paper (Sec 7.2.1): ZeRO-1 moves "
       f"{analytic.comm_volume_elements(1, 1)} Psi per step, like DP")
-"""),
-    ("md", r"""
-The engine moves $2\Psi$ (plus the few padding elements) with one reduce-scatter and
-one all-gather per flat group (12 groups of at most 0.25 MiB here). The naive version moves $3\Psi$:
-its all-reduce already delivers every averaged gradient to every rank, $2\Psi$, and
-then the broadcasts send all parameters again. It also makes two calls per tensor,
-which on a real network adds a latency per call. The extra $\Psi$ buys nothing: each
-rank used only the gradients of the tensors it owns.
 
-### 5.4 Same arithmetic, same losses
+# %% [markdown]
+# The engine moves $2\Psi$ (plus the few padding elements) with one reduce-scatter and
+# one all-gather per flat group (12 groups of at most 0.25 MiB here). The naive version moves $3\Psi$:
+# its all-reduce already delivers every averaged gradient to every rank, $2\Psi$, and
+# then the broadcasts send all parameters again. It also makes two calls per tensor,
+# which on a real network adds a latency per call. The extra $\Psi$ buys nothing: each
+# rank used only the gradients of the tensors it owns.
+#
+# ### 5.4 Same arithmetic, same losses
+#
+# Both versions apply the same Adam update to the same averaged gradients, so the
+# losses must agree, step by step, to rounding (the engine averages before summing,
+# the naive version after). bf16 computes in a different precision, so its losses
+# differ slightly. Losses are printed to the digits that are information: fp32 to 5
+# significant digits, bf16 to 3 (an 8-bit mantissa; further digits change with the CPU).
 
-Both versions apply the same Adam update to the same averaged gradients, so the
-losses must agree, step by step, to rounding (the engine averages before summing,
-the naive version after). bf16 computes in a different precision, so its losses
-differ slightly.
-"""),
-    ("code", r"""
+# %%
 for nd in (3, 4):
     eng, eng16, by_count, by_size = results[nd][0][:4]
     print(f"Nd = {nd}")
     for step in range(3):
-        print(f"  step {step}: engine fp32 {eng['losses'][step]:.5f} | naive by count {by_count['losses'][step]:.5f} "
-              f"| naive by size {by_size['losses'][step]:.5f} | engine bf16 {eng16['losses'][step]:.5f}")
+        print(f"  step {step}: engine fp32 {eng['losses'][step]:.4f} | naive by count {by_count['losses'][step]:.4f} "
+              f"| naive by size {by_size['losses'][step]:.4f} | engine bf16 {eng16['losses'][step]:#.3g}")
     gap = max(abs(a - b) for run in (by_count, by_size) for a, b in zip(eng["losses"], run["losses"]))
     print(f"  fp32 engine and naive agree within 1e-5: {gap < 1e-5}")
-"""),
-    ("md", r"""
-### Exercise 2 · Fig 1, recomputed
 
-Fig 1's model has $\Psi = 7.5\text{B}$ parameters, trained with mixed-precision Adam
-($K = 12$) on $N_d = 64$ GPUs. How many GB (decimal, $10^9$ bytes, as the paper
-counts) of model states does each GPU hold under ZeRO-1? Two decimals.
-"""),
-    ("code", r"""
+# %% [markdown]
+# ### Exercise 2 · Fig 1, recomputed
+#
+# Fig 1's model has $\Psi = 7.5\text{B}$ parameters, trained with mixed-precision Adam
+# ($K = 12$) on $N_d = 64$ GPUs. How many GB (decimal, $10^9$ bytes, as the paper
+# counts) of model states does each GPU hold under ZeRO-1? Two decimals.
+
+# %%
 answer = None  # GB per GPU
 ch02.check_fig1_zero1(answer)
-"""),
-    ("md", r"""
-## Summary
 
-- ZeRO-1 keeps full parameters and gradients but only $1/N_d$ of the optimizer state:
-  $4\Psi + K\Psi/N_d$ bytes per rank in mixed precision (Sec 5.1, Fig 1). Measured
-  bytes on 2, 3 and 4 gloo ranks equal the formula once padding is counted.
-- Sharding by whole tensor leaves ranks unequal, and no whole-tensor split goes
-  below the largest tensor. Flat buffers padded to a multiple of $N_d$ give equal
-  shards at the cost of fewer than $N_d$ zeros per group.
-- A step is reduce-scatter, local update, all-gather: $2\Psi$ per step, as in DP
-  (Sec 7.2.1). All-reduce plus broadcast computes the same losses but moves $3\Psi$.
-- Parameters and gradients are still replicated: $4\Psi$ is ZeRO-1's floor. The
-  next chapter partitions the gradients.
-"""),
-]
+# %% [markdown]
+# ## Summary
+#
+# - ZeRO-1 keeps full parameters and gradients but only $1/N_d$ of the optimizer state:
+#   $4\Psi + K\Psi/N_d$ bytes per rank in mixed precision (Sec 5.1, Fig 1). Measured
+#   bytes on 2, 3 and 4 gloo ranks equal the formula once padding is counted.
+# - Sharding by whole tensor leaves ranks unequal, and no whole-tensor split goes
+#   below the largest tensor. Flat buffers padded to a multiple of $N_d$ give equal
+#   shards at the cost of fewer than $N_d$ zeros per group.
+# - A step is reduce-scatter, local update, all-gather: $2\Psi$ per step, as in DP
+#   (Sec 7.2.1). All-reduce plus broadcast computes the same losses but moves $3\Psi$.
+# - Parameters and gradients are still replicated: $4\Psi$ is ZeRO-1's floor. The
+#   next chapter partitions the gradients.

@@ -1,50 +1,45 @@
-"""Chapter 3, ZeRO-2 (P_os+g). Build: .venv/bin/python notebooks/src/_nb.py notebooks/src/03_zero2.py"""
+# %% [markdown]
+# # Chapter 3 · ZeRO-2 ($P_{os+g}$): partition the gradients too
+#
+# After ZeRO-1 a rank updates only its shard, yet it still holds the gradient of every
+# parameter. ZeRO-2 keeps only the gradient shard it will use (paper Sec 5.2). The
+# saving is real only if the full gradient never exists at once: gradients have to be
+# reduced in buckets *during* backward and each bucket freed as soon as it is reduced.
+# This chapter measures that on real ranks, and takes apart a well-known reproduction
+# that found ZeRO-2's peak memory *above* ZeRO-1's.
+#
+# **Learning goals.** After this chapter you can
+#
+# 1. state ZeRO-2's model-state memory, $2\Psi + (2 + K)\Psi/N_d$ bytes (Sec 5.2, Fig 1),
+#    and check it against bytes measured on running ranks;
+# 2. follow a gradient from autograd hook to bucket to reduce-scatter to freed memory in
+#    the package's `Zero2Engine`, and read the result off a memory timeline;
+# 3. explain, with measurements, why an implementation that keeps full gradients and
+#    builds each reduce-scatter input from $N_d$ copies of the gradient ends up with a
+#    higher peak than ZeRO-1;
+# 4. choose a bucket size knowing what it does to the peak (Sec 5.2, Sec 6.2).
 
-OUT = "../03_zero2.ipynb"
+# %% [markdown]
+# ## 1. The idea in numbers
+#
+# Under ZeRO-1 rank $r$ receives, through the reduce-scatter, the averaged gradient of
+# its shard, and never reads the rest of the gradient buffer again. ZeRO-2 stops
+# keeping the rest (Sec 5.2). Per rank, in mixed precision:
+#
+# $$\text{ZeRO-1: } 2\Psi + 2\Psi + \frac{K\Psi}{N_d} \qquad\longrightarrow\qquad
+# \text{ZeRO-2: } 2\Psi + \frac{(2 + K)\Psi}{N_d}.$$
+#
+# Fig 1's $\Psi = 7.5\text{B}$ at $N_d = 64$ goes from 31.4 GB to 16.6 GB per GPU. The
+# communication does not change: reduce-scatter of gradients plus all-gather of
+# parameters, $2\Psi$ per step (Sec 7.2.1).
+#
+# The formula counts what a rank *keeps*. The peak also includes what exists for a
+# moment: a gradient has to be computed in full before it can be reduced. The paper's
+# answer is bucketization (Sec 5.2): reduce gradients in buckets as backward produces
+# them, and release each bucket once reduced, so only a few buckets of full gradient
+# are ever alive; Sec 6.2 keeps such buffers at a constant size.
 
-CELLS = [
-    ("md", r"""
-# Chapter 3 · ZeRO-2 ($P_{os+g}$): partition the gradients too
-
-After ZeRO-1 a rank updates only its shard, yet it still holds the gradient of every
-parameter. ZeRO-2 keeps only the gradient shard it will use (paper Sec 5.2). The
-saving is real only if the full gradient never exists at once: gradients have to be
-reduced in buckets *during* backward and each bucket freed as soon as it is reduced.
-This chapter measures that on real ranks, and takes apart a well-known reproduction
-that found ZeRO-2's peak memory *above* ZeRO-1's.
-
-**Learning goals.** After this chapter you can
-
-1. state ZeRO-2's model-state memory, $2\Psi + (2 + K)\Psi/N_d$ bytes (Sec 5.2, Fig 1),
-   and check it against bytes measured on running ranks;
-2. follow a gradient from autograd hook to bucket to reduce-scatter to freed memory in
-   the package's `Zero2Engine`, and read the result off a memory timeline;
-3. explain, with measurements, why an implementation that keeps full gradients and
-   builds each reduce-scatter input from $N_d$ copies of the gradient ends up with a
-   higher peak than ZeRO-1;
-4. choose a bucket size knowing what it does to the peak (Sec 5.2, Sec 6.2).
-"""),
-    ("md", r"""
-## 1. The idea in numbers
-
-Under ZeRO-1 rank $r$ receives, through the reduce-scatter, the averaged gradient of
-its shard, and never reads the rest of the gradient buffer again. ZeRO-2 stops
-keeping the rest (Sec 5.2). Per rank, in mixed precision:
-
-$$\text{ZeRO-1: } 2\Psi + 2\Psi + \frac{K\Psi}{N_d} \qquad\longrightarrow\qquad
-\text{ZeRO-2: } 2\Psi + \frac{(2 + K)\Psi}{N_d}.$$
-
-Fig 1's $\Psi = 7.5\text{B}$ at $N_d = 64$ goes from 31.4 GB to 16.6 GB per GPU. The
-communication does not change: reduce-scatter of gradients plus all-gather of
-parameters, $2\Psi$ per step (Sec 7.2.1).
-
-The formula counts what a rank *keeps*. The peak also includes what exists for a
-moment: a gradient has to be computed in full before it can be reduced. The paper's
-answer is bucketization (Sec 5.2): reduce gradients in buckets as backward produces
-them, and release each bucket once reduced, so only a few buckets of full gradient
-are ever alive; Sec 6.2 keeps such buffers at a constant size.
-"""),
-    ("code", r"""
+# %%
 import argparse
 import inspect
 import time
@@ -69,42 +64,43 @@ print(f"GPT: Psi = {psi:,} parameters; full fp32 gradient = {4 * psi / 2**10:,.1
 
 def kib(n):
     return f"{n / 1024:,.1f}"
-"""),
-    ("md", r"""
-## 2. Buckets during backward
 
-The shared engine base registers a hook on every parameter that fires once autograd
-has accumulated that parameter's gradient. The hook copies the gradient into its
-group's flat buffer, drops autograd's copy, and when the group is complete launches
-the group's reduction asynchronously, while backward carries on with earlier layers:
-"""),
-    ("code", r"""
+
+# %% [markdown]
+# ## 2. Buckets during backward
+#
+# The shared engine base registers a hook on every parameter that fires once autograd
+# has accumulated that parameter's gradient. The hook copies the gradient into its
+# group's flat buffer, drops autograd's copy, and when the group is complete launches
+# the group's reduction asynchronously, while backward carries on with earlier layers:
+
+# %%
 print(inspect.getsource(base.Engine._on_grad))
 print(inspect.getsource(base.Engine._launch))
 print(inspect.getsource(base.Engine._finish_oldest))
 print(f"MAX_IN_FLIGHT = {base.MAX_IN_FLIGHT}  # reductions launched but not finished")
-"""),
-    ("md", r"""
-A group is a flat buffer of at most `--bucket-mb` MiB (chapter 2). Groups are
-launched in one fixed order on every rank, because collectives pair up by order.
-`MAX_IN_FLIGHT` bounds the reductions in progress: when one more is launched, the
-oldest is waited for and finished. ZeRO-2 differs from ZeRO-1 in three short
-methods: it reduce-scatters into a shard that it keeps, and frees the full bucket
-the moment the reduction is done.
-"""),
-    ("code", r"""
-print(inspect.getsource(zero2.Zero2Engine))
-"""),
-    ("md", r"""
-## 3. Measured: bytes per rank and the gradient timeline
 
-The next cell runs the GPT on 4 ranks under ZeRO-1 and ZeRO-2 for several bucket
-sizes (used in Section 5), plus a bf16 run, all with `--memory-timeline`: the last
-step runs under `MemoryLedger`, which follows every tensor storage by category
-(params, grads, optimizer states, activations, temporary) and records the total after
-each allocation and free. A second launch on 2 ranks gives the $N_d = 2$ rows.
-"""),
-    ("code", r"""
+# %% [markdown]
+# A group is a flat buffer of at most `--bucket-mb` MiB (chapter 2). Groups are
+# launched in one fixed order on every rank, because collectives pair up by order.
+# `MAX_IN_FLIGHT` bounds the reductions in progress: when one more is launched, the
+# oldest is waited for and finished. ZeRO-2 differs from ZeRO-1 in three short
+# methods: it reduce-scatters into a shard that it keeps, and frees the full bucket
+# the moment the reduction is done.
+
+# %%
+print(inspect.getsource(zero2.Zero2Engine))
+
+# %% [markdown]
+# ## 3. Measured: bytes per rank and the gradient timeline
+#
+# The next cell runs the GPT on 4 ranks under ZeRO-1 and ZeRO-2 for several bucket
+# sizes (used in Section 5), plus a bf16 run, all with `--memory-timeline`: the last
+# step runs under `MemoryLedger`, which follows every tensor storage by category
+# (params, grads, optimizer states, activations, temporary) and records the total after
+# each allocation and free. A second launch on 2 ranks gives the $N_d = 2$ rows.
+
+# %%
 # NBVAL_IGNORE_OUTPUT
 BUCKETS = (0.05, 0.1, 0.2, 0.5, 2.0)  # MiB; the whole fp32 gradient is 1.77 MiB
 t0 = time.perf_counter()
@@ -113,13 +109,13 @@ jobs4 += [("train", GPT + ["--stage", "2", "--bucket-mb", "0.2", "--dtype", "bf1
 nd4 = launch(ch02.jobs, 4, jobs4)[0]  # train() reports are the same on every rank
 sweep = {(r["config"]["stage"], r["config"]["bucket_mb"]): r for r in nd4[:-1]}
 print(f"4 ranks, {len(jobs4)} runs: {time.perf_counter() - t0:.0f} s")
-"""),
-    ("md", r"""
-The $N_d = 2$ launch also runs the blog experiment of Section 4 (one launch instead of
-two): the blog's MLP, 6 square Linear layers, at width 512 instead of 10,000, under
-our ZeRO-1 and ZeRO-2 and under the two blog-style versions.
-"""),
-    ("code", r"""
+
+# %% [markdown]
+# The $N_d = 2$ launch also runs the blog experiment of Section 4 (one launch instead of
+# two): the blog's MLP, 6 square Linear layers, at width 512 instead of 10,000, under
+# our ZeRO-1 and ZeRO-2 and under the two blog-style versions.
+
+# %%
 # NBVAL_IGNORE_OUTPUT
 ns = argparse.Namespace(width=512, layers=6, batch=16, steps=2, dtype="fp32", bucket_mb=1.0,
                         simulate_world_size=None)
@@ -130,16 +126,16 @@ jobs2 += [("train", mlp[1]), ("train", mlp[2]),
 t0 = time.perf_counter()
 nd2 = launch(ch02.jobs, 2, jobs2)  # nd2[rank][job]
 print(f"2 ranks, {len(jobs2)} runs: {time.perf_counter() - t0:.0f} s")
-"""),
-    ("md", r"""
-First, what each rank keeps, against the formula (Sec 5.2). Gradients are measured as
-held after backward, before the step; the formula uses the unpadded $\Psi$, and the
-padding (under $N_d$ elements per group) is shown. Then come the most gradient bytes
-alive at any moment of backward (measured by the engine), ZeRO-1's full gradient for
-comparison, the largest bucket, and the peak's excess over the shards in units of
-that bucket.
-"""),
-    ("code", r"""
+
+# %% [markdown]
+# First, what each rank keeps, against the formula (Sec 5.2). Gradients are measured as
+# held after backward, before the step; the formula uses the unpadded $\Psi$, and the
+# padding (under $N_d$ elements per group) is shown. Then come the most gradient bytes
+# alive at any moment of backward (measured by the engine), ZeRO-1's full gradient for
+# comparison, the largest bucket, and the peak's excess over the shards in units of
+# that bucket.
+
+# %%
 runs = [(2, nd2[0][0]), (2, nd2[0][1]), (4, sweep[(2, 0.2)]), (4, nd4[-1])]
 print(f"{'Nd':>2} {'dtype':>5} | {'params KiB':>17} | {'grads KiB':>17} | {'optim KiB':>17} | {'pad':>3} | "
       f"{'peak grads':>10} {'ZeRO-1':>7} | {'largest':>7} {'(peak-shards)':>13}")
@@ -157,22 +153,23 @@ for nd, rep in runs:
           f"{kib(entry['peak_grad_bytes']):>10} {kib(width * psi):>7} | {kib(largest):>7} {alive:>13.2f}")
 print(f"the engine's bound: peak grads <= shards + (MAX_IN_FLIGHT + 2) x largest bucket, i.e. the last column "
       f"<= {base.MAX_IN_FLIGHT + 2}\n(buckets in flight, one more being launched, one filling)")
-"""),
-    ("md", r"""
-What a rank keeps matches the formula exactly: $2\Psi/N_d$ bytes of gradients in bf16
-($4\Psi/N_d$ in fp32), and the other two columns as in chapter 2. The *peak* of
-gradient memory is higher than the shards, since buckets are alive while they fill
-and while they are reduced: the last column measures that excess in buckets, and it
-stays within the engine's bound. Those few buckets are a constant (Sec 6.2), while
-the shards shrink with $N_d$ and the full gradient grows with the model. In this small GPT a 0.2 MiB
-bucket is a sizeable part of the model, so in bf16 at $N_d = 2$ the peak even
-slightly exceeds ZeRO-1's full gradient; for a model of billions of parameters the
-same buckets are negligible. The timeline shows the mechanism: the `grads` category
-over the last training step, for ZeRO-1 and ZeRO-2 with 0.2 MiB buckets, rank 0 of 4,
-fp32. (The first events of the step register the tensors that already exist,
-parameters and optimizer states, which is why the totals start by climbing.)
-"""),
-    ("code", r"""
+
+
+# %% [markdown]
+# What a rank keeps matches the formula exactly: $2\Psi/N_d$ bytes of gradients in bf16
+# ($4\Psi/N_d$ in fp32), and the other two columns as in chapter 2. The *peak* of
+# gradient memory is higher than the shards, since buckets are alive while they fill
+# and while they are reduced: the last column measures that excess in buckets, and it
+# stays within the engine's bound. Those few buckets are a constant (Sec 6.2), while
+# the shards shrink with $N_d$ and the full gradient grows with the model. In this small GPT a 0.2 MiB
+# bucket is a sizeable part of the model, so in bf16 at $N_d = 2$ the peak even
+# slightly exceeds ZeRO-1's full gradient; for a model of billions of parameters the
+# same buckets are negligible. The timeline shows the mechanism: the `grads` category
+# over the last training step, for ZeRO-1 and ZeRO-2 with 0.2 MiB buckets, rank 0 of 4,
+# fp32. (The first events of the step register the tensors that already exist,
+# parameters and optimizer states, which is why the totals start by climbing.)
+
+# %%
 def phase_spans(timeline):
     # (phase, first event, last event) in order
     spans = []
@@ -200,52 +197,52 @@ axes[1].set_xlabel("allocation and free events during the last step (event index
 fig.suptitle("Memory over one training step, by the memory ledger")
 fig.tight_layout()
 plt.show()
-"""),
-    ("md", r"""
-Under ZeRO-1 the gradient climbs during backward to the full $4\Psi$ bytes and
-stays there through the step. Under ZeRO-2 it rises and falls bucket by bucket: each
-bucket fills, is reduce-scattered, and leaves only its shard behind. The step then
-works on shards only.
 
-## 4. Why a reproduction found ZeRO-2's peak above ZeRO-1's
+# %% [markdown]
+# Under ZeRO-1 the gradient climbs during backward to the full $4\Psi$ bytes and
+# stays there through the step. Under ZeRO-2 it rises and falls bucket by bucket: each
+# bucket fills, is reduce-scattered, and leaves only its shard behind. The step then
+# works on shards only.
+#
+# ## 4. Why a reproduction found ZeRO-2's peak above ZeRO-1's
+#
+# The blog reproduction this book starts from trained 6 Linear layers of width 10,000
+# (600M parameters, fp32 Adam, batch 16) on 2 GPUs and reported peak memory of
+# 8,090 MB under its ZeRO-1 and 8,470 MB under its ZeRO-2, attributing the difference
+# to reduce-scatter buffers. ZeRO-2 holds strictly less than ZeRO-1 (Sec 5.2), so the
+# surplus has to come from the implementation. Its ZeRO-2 did three things, rebuilt
+# faithfully in `ch03.BlogZero2`:
+#
+# 1. hooks meant to *discard* the gradients a rank does not own, by returning `None`;
+# 2. after backward, for each tensor, a reduce-scatter whose input is the full gradient
+#    concatenated $N_d$ times and whose output is full size;
+# 3. only then, tensor by tensor, dropping the gradients it does not own.
 
-The blog reproduction this book starts from trained 6 Linear layers of width 10,000
-(600M parameters, fp32 Adam, batch 16) on 2 GPUs and reported peak memory of
-8,090 MB under its ZeRO-1 and 8,470 MB under its ZeRO-2, attributing the difference
-to reduce-scatter buffers. ZeRO-2 holds strictly less than ZeRO-1 (Sec 5.2), so the
-surplus has to come from the implementation. Its ZeRO-2 did three things, rebuilt
-faithfully in `ch03.BlogZero2`:
-
-1. hooks meant to *discard* the gradients a rank does not own, by returning `None`;
-2. after backward, for each tensor, a reduce-scatter whose input is the full gradient
-   concatenated $N_d$ times and whose output is full size;
-3. only then, tensor by tensor, dropping the gradients it does not own.
-"""),
-    ("code", r"""
+# %%
 print(inspect.getsource(ch03.BlogZero2))
-"""),
-    ("md", r"""
-### Exercise 1 · what does a hook returning `None` do?
 
-`tensor.register_hook(fn)` calls `fn(grad)` when the gradient of `tensor` is computed.
-Does `lambda grad: None` *discard* the gradient, so that `tensor.grad` stays `None`?
-Answer `True` (it discards it) or `False` (the gradient is kept). The check runs the
-hook on a tiny tensor.
-"""),
-    ("code", r"""
+# %% [markdown]
+# ### Exercise 1 · what does a hook returning `None` do?
+#
+# `tensor.register_hook(fn)` calls `fn(grad)` when the gradient of `tensor` is computed.
+# Does `lambda grad: None` *discard* the gradient, so that `tensor.grad` stays `None`?
+# Answer `True` (it discards it) or `False` (the gradient is kept). The check runs the
+# hook on a tiny tensor.
+
+# %%
 answer = None  # True or False
 ch03.check_hook(answer)
-"""),
-    ("md", r"""
-(PyTorch's rule: a hook may return a new gradient to use *instead*; returning `None`
-means "keep the original".) So every rank still holds the full gradient after
-backward, exactly as in ZeRO-1. On top of it, each reduce-scatter briefly needs
-$N_d$ copies of the tensor's gradient plus a full-size output, and since every rank
-receives the full sum the "reduce-scatter" is an all-reduce that moves $N_d$ times
-the data. Our run of the blog's MLP at width 512 on 2 ranks measures all four
-versions; one Linear layer of fp32 gradient is 1,026 KiB here.
-"""),
-    ("code", r"""
+
+# %% [markdown]
+# (PyTorch's rule: a hook may return a new gradient to use *instead*; returning `None`
+# means "keep the original".) So every rank still holds the full gradient after
+# backward, exactly as in ZeRO-1. On top of it, each reduce-scatter briefly needs
+# $N_d$ copies of the tensor's gradient plus a full-size output, and since every rank
+# receives the full sum the "reduce-scatter" is an all-reduce that moves $N_d$ times
+# the data. Our run of the blog's MLP at width 512 on 2 ranks measures all four
+# versions; one Linear layer of fp32 gradient is 1,026 KiB here.
+
+# %%
 ours1, ours2, blog1, blog2 = nd2[0][2:]
 layer = 512 * 513 * 4  # bytes of one Linear(512, 512) gradient in fp32
 mlp_psi = ours1["num_params"]
@@ -260,16 +257,16 @@ for (name, entry), run in zip(versions, losses):
     ops = {op: entry["comm"][op]["elements"] / 2 / mlp_psi for op in entry["comm"]}  # per step
     volume = 2 * ops["all_reduce"] + ops["reduce_scatter"] + ops["all_gather"] + ops["broadcast"]
     print(f"{name:<28} | {kib(held):>24} | {ops['reduce_scatter']:>17.2f} {volume:>14.2f} | "
-          f"{run['losses'][-1]:>10.5f}")
-"""),
-    ("md", r"""
-Peaks come from the memory ledger over the last step. A tensor handed to a
-collective is released when gloo's background thread lets go of it, a moment that
-varies from run to run, so the blog-style ZeRO-2's peak can move by a layer or so
-between runs, and the others slightly (this cell's output is not compared by the
-tests); the conclusions printed after it hold in every run.
-"""),
-    ("code", r"""
+          f"{run['losses'][-1]:>10.4f}")
+
+# %% [markdown]
+# Peaks come from the memory ledger over the last step. A tensor handed to a
+# collective is released when gloo's background thread lets go of it, a moment that
+# varies from run to run, so the blog-style ZeRO-2's peak can move by a layer or so
+# between runs, and the others slightly (this cell's output is not compared by the
+# tests); the conclusions printed after it hold in every run.
+
+# %%
 # NBVAL_IGNORE_OUTPUT
 print(f"{'version':<28} | {'peak KiB':>9} | {'grads at peak':>13} {'temporary at peak':>17} | "
       f"{'peak - its ZeRO-1, layers':>25}")
@@ -278,38 +275,39 @@ for i, (name, entry) in enumerate(versions):
     ref = versions[0 if i < 2 else 2][1]["peak_bytes"]
     print(f"{name:<28} | {kib(entry['peak_bytes']):>9} | {kib(at_peak['grads']):>13} "
           f"{kib(at_peak['temporary']):>17} | {(entry['peak_bytes'] - ref) / layer:>+25.2f}")
-"""),
-    ("code", r"""
+
+# %%
 peak = {name: entry["peak_bytes"] for name, entry in versions}
 (b1, b2, o1, o2) = peak.values()
 print(f"blog-style ZeRO-2 peaks above blog-style ZeRO-1, by more than 1 layer: {b2 - b1 > layer}")
 print(f"our ZeRO-2 peaks below our ZeRO-1, by more than 2 layers:             {o1 - o2 > 2 * layer}")
 print(f"our ZeRO-2 peaks below both blog-style versions:                     {o2 < min(b1, b2)}")
-"""),
-    ("md", r"""
-The measurements reproduce the blog's finding and show where it comes from. Both
-blog-style versions hold the full gradient at their peak; the ZeRO-2 one adds several
-layers' worth of temporary memory on top (the $N_d$ concatenated copies, the full-size
-output and its averaged copy), so its peak lands above its own ZeRO-1, whose
-temporaries are Adam's scratch for one tensor. It also moves $N_d\Psi$ of
-reduce-scatter input plus $\Psi$ of broadcasts per step. Our ZeRO-2 never holds the full gradient, its reduce-scatter
-input is the bucket itself, and its peak is below our ZeRO-1's, as the paper says.
-All four versions compute the same losses. (Our ZeRO-1 peaks a little above the
-blog-style ZeRO-1: during the step our engines keep a copy of each updated shard
-until all the parameter all-gathers have finished, about $4\Psi/N_d$ bytes here,
-where the blog-style version updates in place and broadcasts. ZeRO-1 and ZeRO-2 pay
-it alike, so the comparison between them stands.) The seed experiment's own table
-(`zerolearn.chapters.seed_experiment.format_seed_table`) shows our two runs against
-the formulas:
-"""),
-    ("code", r"""
+
+# %% [markdown]
+# The measurements reproduce the blog's finding and show where it comes from. Both
+# blog-style versions hold the full gradient at their peak; the ZeRO-2 one adds several
+# layers' worth of temporary memory on top (the $N_d$ concatenated copies, the full-size
+# output and its averaged copy), so its peak lands above its own ZeRO-1, whose
+# temporaries are Adam's scratch for one tensor. It also moves $N_d\Psi$ of
+# reduce-scatter input plus $\Psi$ of broadcasts per step. Our ZeRO-2 never holds the full gradient, its reduce-scatter
+# input is the bucket itself, and its peak is below our ZeRO-1's, as the paper says.
+# All four versions compute the same losses. (Our ZeRO-1 peaks a little above the
+# blog-style ZeRO-1: during the step our engines keep a copy of each updated shard
+# while its parameter all-gather is in flight, a few buckets' shards at once
+# (`engines.base.MAX_IN_FLIGHT` gathers), where the blog-style version updates in place
+# and broadcasts. ZeRO-1 and ZeRO-2 pay
+# it alike, so the comparison between them stands.) The seed experiment's own table
+# (`zerolearn.chapters.seed_experiment.format_seed_table`) shows our two runs against
+# the formulas:
+
+# %%
 # NBVAL_IGNORE_OUTPUT
 print(seed_experiment.format_seed_table([ours1, ours2]))  # the peak column can move slightly between runs
-"""),
-    ("md", r"""
-Over the step the difference looks like this (total tracked bytes on rank 0):
-"""),
-    ("code", r"""
+
+# %% [markdown]
+# Over the step the difference looks like this (total tracked bytes on rank 0):
+
+# %%
 fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
 for ax, pair, title in ((axes[0], versions[:2], "blog-style versions"), (axes[1], versions[2:], "the engines")):
     for (name, entry), style in zip(pair, ("--", "-")):
@@ -322,19 +320,19 @@ axes[0].set_ylabel("tracked memory on rank 0 (MiB)")
 fig.suptitle("MLP 6 x Linear(512, 512), 2 ranks, fp32 Adam: memory over one step")
 fig.tight_layout()
 plt.show()
-"""),
-    ("md", r"""
-## 5. Bucket size and ZeRO-2's peak
 
-Bucketing is what turns the $2\Psi/N_d$ of the formula into a low peak, so the bucket
-size matters. Small buckets keep only a little full gradient alive; one bucket as
-large as the model keeps the whole gradient alive until backward ends, exactly like
-ZeRO-1. A parameter is never split across buckets, so the largest tensor sets the
-smallest possible bucket. Smaller buckets mean more collective calls, each paying a
-latency; that trade-off is why the paper fixes a constant, performance-tuned buffer
-size (CB, Sec 6.2). The sweep ran in Section 3 (GPT, 4 ranks, fp32):
-"""),
-    ("code", r"""
+# %% [markdown]
+# ## 5. Bucket size and ZeRO-2's peak
+#
+# Bucketing is what turns the $2\Psi/N_d$ of the formula into a low peak, so the bucket
+# size matters. Small buckets keep only a little full gradient alive; one bucket as
+# large as the model keeps the whole gradient alive until backward ends, exactly like
+# ZeRO-1. A parameter is never split across buckets, so the largest tensor sets the
+# smallest possible bucket. Smaller buckets mean more collective calls, each paying a
+# latency; that trade-off is why the paper fixes a constant, performance-tuned buffer
+# size (CB, Sec 6.2). The sweep ran in Section 3 (GPT, 4 ranks, fp32):
+
+# %%
 print(f"{'bucket MiB':>10} | {'groups':>6} {'largest group KiB':>17} | {'ZeRO-2 peak grads KiB':>21} "
       f"{'ZeRO-2 RS calls/step':>20}")
 for b in BUCKETS:
@@ -344,27 +342,27 @@ for b in BUCKETS:
           f"{kib(two['peak_grad_bytes']):>21} {two['comm']['reduce_scatter']['calls'] // 2:>20}")
 print(f"(ZeRO-1 keeps the full gradient, {kib(4 * psi)} KiB, at every bucket size; ZeRO-2's shards are "
       f"{kib(psi)} KiB)")
-"""),
-    ("md", r"""
-The peak of *all* memory (ledger, last step) against bucket size, for both stages;
-as in Section 4 these totals can move slightly between runs, so the table is not
-compared by the tests and the claims after it are:
-"""),
-    ("code", r"""
+
+# %% [markdown]
+# The peak of *all* memory (ledger, last step) against bucket size, for both stages;
+# as in Section 4 these totals can move slightly between runs, so the table is not
+# compared by the tests and the claims after it are:
+
+# %%
 # NBVAL_IGNORE_OUTPUT
 print(f"{'bucket MiB':>10} | {'ZeRO-1 peak KiB':>15} {'ZeRO-2 peak KiB':>15} | {'ZeRO-2 / ZeRO-1':>15}")
 for b in BUCKETS:
     one, two = (sweep[(s, b)]["ranks"][0]["peak_bytes"] for s in (1, 2))
     print(f"{b:>10} | {kib(one):>15} {kib(two):>15} | {two / one:>15.3f}")
-"""),
-    ("code", r"""
+
+# %%
 ratio = {b: sweep[(2, b)]["ranks"][0]["peak_bytes"] / sweep[(1, b)]["ranks"][0]["peak_bytes"] for b in BUCKETS}
 print(f"ZeRO-2's peak below ZeRO-1's for buckets up to 0.2 MiB, by more than 5 %: "
       f"{all(ratio[b] < 0.95 for b in BUCKETS if b <= 0.2)}")
 print(f"with one bucket for the whole model ({BUCKETS[-1]} MiB), within 2 % of ZeRO-1's: "
       f"{abs(ratio[BUCKETS[-1]] - 1) < 0.02}")
-"""),
-    ("code", r"""
+
+# %%
 fig, ax = plt.subplots(figsize=(7, 4))
 ax.plot(BUCKETS, [sweep[(1, b)]["ranks"][0]["peak_bytes"] / 1024 for b in BUCKETS], "o--", color="C0",
         label="ZeRO-1 peak, all memory")
@@ -380,50 +378,82 @@ ax.set_ylabel("peak on rank 0 (KiB)")
 ax.set_title("GPT on 4 ranks, fp32: peak memory against bucket size")
 ax.legend(fontsize=8)
 plt.show()
-"""),
-    ("md", r"""
-With buckets much smaller than the model, ZeRO-2's gradient peak stays near the
-shards plus a few buckets, and its overall peak sits below ZeRO-1's. As buckets grow
-the gradient peak grows with them; with a single bucket for the whole model the full
-gradient exists at the end of backward and ZeRO-2 loses its advantage (its gradient
-peak is then the full gradient *plus* the shard being reduced into). Below
-about 0.25 MiB the gradient peak hardly falls: the largest tensors (65,536 elements,
-256 KiB in fp32) form buckets of their own, whatever the cap.
 
-### Exercise 2 · Fig 1, recomputed for ZeRO-2
+# %% [markdown]
+# With buckets much smaller than the model, ZeRO-2's gradient peak stays near the
+# shards plus a few buckets, and its overall peak sits below ZeRO-1's. As buckets grow
+# the gradient peak grows with them; with a single bucket for the whole model the full
+# gradient exists at the end of backward and ZeRO-2 loses its advantage (its gradient
+# peak is then the full gradient *plus* the shard being reduced into). Below
+# about 0.25 MiB the gradient peak hardly falls: the largest tensors (65,536 elements,
+# 256 KiB in fp32) form buckets of their own, whatever the cap.
+#
+# ### Exercise 2 · Fig 1, recomputed for ZeRO-2
+#
+# For Fig 1's $\Psi = 7.5\text{B}$, $K = 12$, $N_d = 64$: how many GB (decimal) of
+# model states does each GPU hold under ZeRO-2? Two decimals.
 
-For Fig 1's $\Psi = 7.5\text{B}$, $K = 12$, $N_d = 64$: how many GB (decimal) of
-model states does each GPU hold under ZeRO-2? Two decimals.
-"""),
-    ("code", r"""
+# %%
 answer = None  # GB per GPU
 ch03.check_fig1_zero2(answer)
-"""),
-    ("md", r"""
-### Exercise 3 · the blog's traffic
 
-In the ledger's count (reduce-scatter input, broadcast tensor), how many $\Psi$ per
-step does the blog-style ZeRO-2 move on $N_d = 8$ ranks? Use the table of Section 4
-($N_d = 2$) to find the pattern.
-"""),
-    ("code", r"""
+# %% [markdown]
+# ### Exercise 3 · the blog's traffic
+#
+# In the ledger's count (reduce-scatter input, broadcast tensor), how many $\Psi$ per
+# step does the blog-style ZeRO-2 move on $N_d = 8$ ranks? Use the table of Section 4
+# ($N_d = 2$) to find the pattern.
+
+# %%
 answer = None  # Psi per step
 ch03.check_blog_volume(answer)
-"""),
-    ("md", r"""
-## Summary
 
-- ZeRO-2 keeps $2\Psi + (2 + K)\Psi/N_d$ bytes of model states (Sec 5.2, Fig 1);
-  measured bytes on 2 and 4 gloo ranks match it up to padding, and traffic stays
-  $2\Psi$ per step (Sec 7.2.1).
-- The saving reaches the *peak* only if gradients are reduced in buckets during
-  backward and each full bucket is freed at once; the memory timeline shows ZeRO-2's
-  gradients rising and falling bucket by bucket while ZeRO-1's climb to $4\Psi$.
-- A ZeRO-2 that keeps full gradients (a hook returning `None` does not discard
-  anything) and builds each reduce-scatter input from $N_d$ copies of the gradient
-  holds everything ZeRO-1 holds plus temporaries, so its peak is higher, and it moves
-  $(N_d + 1)\Psi$ per step. That is what the blog measured.
-- Smaller buckets lower ZeRO-2's peak down to the largest tensor; a single bucket
-  gives the advantage away. Next: partition the parameters themselves (ZeRO-3).
-"""),
-]
+# %% [markdown]
+# ## 6. Gradient accumulation: traffic against memory
+#
+# With gradient accumulation a step runs several micro-batches before one update. ZeRO-2
+# can accumulate in two ways. Calling `backward` once per micro-batch, as plain PyTorch
+# code does, reduce-scatters every micro-batch at once and adds the result into the
+# rank's shard: between micro-batches only $2\Psi/N_d$ bytes of gradient are held, but
+# each micro-batch costs a full reduce-scatter. `engine.no_sync()` (as in torch DDP) lets
+# gradients add up locally and reduces once, after the last micro-batch: a quarter of
+# the calls here, but the whole gradient, $2\Psi$ bytes, lives until then, which is
+# ZeRO-1's gradient memory. Both give the same update. Four micro-batches on 2 ranks,
+# fp32, measured:
+
+# %%
+acc = launch(ch03.accumulation_tradeoff, 2)[0]
+print(f"{'way':<26} | {'reduce-scatter calls':>20} {'elements/step':>14} | {'peak grads KiB':>14} | "
+      f"{'losses':>15}")
+for way, r in acc.items():
+    losses = " ".join(f"{x:.4f}" for x in r["losses"])
+    print(f"{way:<26} | {r['reduce_scatter_calls']:>20} {r['reduce_scatter_elements']:>14,} | "
+          f"{kib(r['peak_grad_bytes']):>14} | {losses:>15}")
+print(f"full fp32 gradient: {kib(4 * acc['no_sync']['psi'])} KiB")
+
+# %% [markdown]
+# The one-reduction way moves a quarter of the data and holds the full gradient at its
+# peak; the per-micro-batch way moves the gradient once per micro-batch and peaks lower,
+# at the buckets waiting for their turn plus the shards (gradients arrive in another
+# order than buckets launch, so several buckets wait at once). DeepSpeed's ZeRO-2 does
+# the latter by default; when the interconnect, not memory, is the limit, `no_sync` is
+# the better trade.
+
+# %% [markdown]
+# ## Summary
+#
+# - ZeRO-2 keeps $2\Psi + (2 + K)\Psi/N_d$ bytes of model states (Sec 5.2, Fig 1);
+#   measured bytes on 2 and 4 gloo ranks match it up to padding, and traffic stays
+#   $2\Psi$ per step (Sec 7.2.1).
+# - The saving reaches the *peak* only if gradients are reduced in buckets during
+#   backward and each full bucket is freed at once; the memory timeline shows ZeRO-2's
+#   gradients rising and falling bucket by bucket while ZeRO-1's climb to $4\Psi$.
+# - A ZeRO-2 that keeps full gradients (a hook returning `None` does not discard
+#   anything) and builds each reduce-scatter input from $N_d$ copies of the gradient
+#   holds everything ZeRO-1 holds plus temporaries, so its peak is higher, and it moves
+#   $(N_d + 1)\Psi$ per step. That is what the blog measured.
+# - Smaller buckets lower ZeRO-2's peak down to the largest tensor; a single bucket
+#   gives the advantage away.
+# - Accumulating by calling `backward` per micro-batch keeps the saving and pays one
+#   reduction per micro-batch; `no_sync` pays one reduction per step and holds the full
+#   gradient meanwhile. Next: partition the parameters themselves (ZeRO-3).

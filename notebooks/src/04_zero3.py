@@ -1,35 +1,29 @@
-"""Chapter 4: ZeRO-3 (P_os+g+p). Build with: python notebooks/src/_nb.py notebooks/src/04_zero3.py"""
+# %% [markdown]
+# # Chapter 4 · ZeRO-3 ($P_{os+g+p}$): partition the parameters too
+#
+# After ZeRO-2 a rank still keeps one thing in full: the working parameters, 2 bytes
+# per parameter in mixed precision. At Psi = 7.5B and Nd = 64 that replica is 15 of the
+# 16.6 GB a ZeRO-2 rank holds (Fig 1). ZeRO-3 partitions the parameters too, so every
+# model state is divided by Nd: (2 + 2 + K) Psi / Nd bytes per rank (Sec 5.3). The
+# price is communication: a rank must fetch the parameters it does not own each time
+# it needs them, once in forward and once in backward, which raises the traffic from
+# 2 Psi to 3 Psi per step (Sec 7.2.2).
+#
+# **Learning goals.** After this chapter you can
+#
+# 1. explain how ZeRO-3 cuts the model into *units* and gathers, uses and frees each
+#    unit around its forward and its backward, with the next unit prefetched;
+# 2. free a gathered tensor so that its memory is really released, and show with the
+#    memory ledger why reassigning `.data` does not do it;
+# 3. read ZeRO-3's sawtooth in a measured memory timeline and bound its peak by the
+#    shards plus two gathered units;
+# 4. measure 3 Psi of traffic per step against DP's 2 Psi;
+# 5. measure per-rank memory at Nd = 8, 64 and 1024 and compare it with the formula
+#    and with the trend of Table 1.
 
-OUT = "../04_zero3.ipynb"
-
-CELLS = [
-("md", """
-# Chapter 4 · ZeRO-3 ($P_{os+g+p}$): partition the parameters too
-
-After ZeRO-2 a rank still keeps one thing in full: the working parameters, 2 bytes
-per parameter in mixed precision. At Psi = 7.5B and Nd = 64 that replica is 15 of the
-16.6 GB a ZeRO-2 rank holds (Fig 1). ZeRO-3 partitions the parameters too, so every
-model state is divided by Nd: (2 + 2 + K) Psi / Nd bytes per rank (Sec 5.3). The
-price is communication: a rank must fetch the parameters it does not own each time
-it needs them, once in forward and once in backward, which raises the traffic from
-2 Psi to 3 Psi per step (Sec 7.2.2).
-
-**Learning goals.** After this chapter you can
-
-1. explain how ZeRO-3 cuts the model into *units* and gathers, uses and frees each
-   unit around its forward and its backward, with the next unit prefetched;
-2. free a gathered tensor so that its memory is really released, and show with the
-   memory ledger why reassigning `.data` does not do it;
-3. read ZeRO-3's sawtooth in a measured memory timeline and bound its peak by the
-   shards plus two gathered units;
-4. measure 3 Psi of traffic per step against DP's 2 Psi;
-5. measure per-rank memory at Nd = 8, 64 and 1024 and compare it with the formula
-   and with the trend of Table 1.
-"""),
-("code", """
-%matplotlib inline
+# %%
+# %matplotlib inline
 import inspect
-
 
 from zerolearn import views
 from zerolearn.dist import launch
@@ -38,130 +32,130 @@ from zerolearn.lessons import ch04
 from zerolearn.memory.model import STAGE_NAMES, TABLE1_GB, comm_volume_elements, model_state_bytes
 from zerolearn.models import GPTConfig, build_model
 from zerolearn.report import volume_per_step
-"""),
-("md", """
-## 1. Units: what is gathered together
 
-ZeRO-3 could gather one parameter at a time, but every collective has a fixed cost,
-and a model has hundreds of tensors. It could gather the whole model, but then it
-would hold the whole replica again, if only for a moment. It gathers *units*
-instead: groups of modules that run together. Our GPT's units are the embedding,
-each transformer block and the head (`GPT.units()`); the engine lays each unit's
-parameters into its own flat buffers, so a unit is gathered with one all-gather per
-buffer.
+# %% [markdown]
+# ## 1. Units: what is gathered together
+#
+# ZeRO-3 could gather one parameter at a time, but every collective has a fixed cost,
+# and a model has hundreds of tensors. It could gather the whole model, but then it
+# would hold the whole replica again, if only for a moment. It gathers *units*
+# instead: groups of modules that run together. Our GPT's units are the embedding,
+# each transformer block and the head (`GPT.units()`); the engine lays each unit's
+# parameters into its own flat buffers, so a unit is gathered with one all-gather per
+# buffer.
+#
+# The run below uses a 4-block GPT of width 64 in bf16 (2 bytes per parameter).
 
-The run below uses a 4-block GPT of width 64 in bf16 (2 bytes per parameter).
-"""),
-("code", """
+# %%
 GPT_ARGS = ['--model', 'gpt', '--n-layer', '4', '--d-model', '64', '--n-head', '4', '--seq-len', '32']
 model = build_model('gpt', 0, gpt=GPTConfig(seq_len=32, n_layer=4, n_head=4, d_model=64))
 psi = sum(p.numel() for p in model.parameters())
 units = [(type(u).__name__, sum(p.numel() for p in u.parameters())) for u in model.units()]
 print(ch04.text_table(['unit', 'parameters', 'bf16 bytes'], [[n, c, 2 * c] for n, c in units]))
 print(f'Psi = {psi:,} parameters; a block has 12 h^2 + 13 h = {12 * 64**2 + 13 * 64:,} of them (h = 64)')
-"""),
-("md", """
-Between uses, a rank of an Nd-rank job keeps only its 1/Nd shard of every unit. The
-engine's `_init_group` keeps the shard, builds the full buffer once so that each
-parameter becomes a *view* of it, and then frees that buffer's memory at once:
-"""),
-("code", """
+
+# %% [markdown]
+# Between uses, a rank of an Nd-rank job keeps only its 1/Nd shard of every unit. The
+# engine's `_init_group` keeps the shard, builds the full buffer once so that each
+# parameter becomes a *view* of it, and then frees that buffer's memory at once:
+
+# %%
 print(inspect.getsource(Zero3Engine._init_group))
 print(inspect.getsource(_free))
-"""),
-("md", """
-## 2. Freeing memory for real
 
-`_free` does not delete the buffer, and it does not point the parameters somewhere
-else; it resizes the buffer's *storage* to 0 bytes. The reason is autograd. When a
-unit runs forward, autograd saves what backward will need, and for a linear layer
-that includes the weight, as a view of the same storage. Any tensor that shares the
-storage keeps all of its bytes alive. So the common way of "freeing" a gathered
-parameter, reassigning `param.data` to an empty tensor and dropping the buffer,
-frees nothing while a graph exists: the saved view still holds the storage.
+# %% [markdown]
+# ## 2. Freeing memory for real
+#
+# `_free` does not delete the buffer, and it does not point the parameters somewhere
+# else; it resizes the buffer's *storage* to 0 bytes. The reason is autograd. When a
+# unit runs forward, autograd saves what backward will need, and for a linear layer
+# that includes the weight, as a view of the same storage. Any tensor that shares the
+# storage keeps all of its bytes alive. So the common way of "freeing" a gathered
+# parameter, reassigning `param.data` to an empty tensor and dropping the buffer,
+# frees nothing while a graph exists: the saved view still holds the storage.
+#
+# Here is that pitfall, measured. A `Linear(256, 256)` has a weight of 256 x 256 fp32
+# values, 262,144 bytes, laid into a flat buffer as ZeRO-3 lays a gathered unit. The
+# `MemoryLedger` (`zerolearn.memory.ledger`) follows every storage that is allocated,
+# freed or resized while it is active, and reports the live bytes per category.
 
-Here is that pitfall, measured. A `Linear(256, 256)` has a weight of 256 x 256 fp32
-values, 262,144 bytes, laid into a flat buffer as ZeRO-3 lays a gathered unit. The
-`MemoryLedger` (`zerolearn.memory.ledger`) follows every storage that is allocated,
-freed or resized while it is active, and reports the live bytes per category.
-"""),
-("code", """
+# %%
 print(inspect.getsource(ch04.free_by_reassigning_data))
 for moment, nbytes in ch04.free_by_reassigning_data().items():
     print(f'{moment:>30}: {nbytes:>9,} bytes of parameters live')
-"""),
-("md", """
-The bytes stay until the graph is released, which in training is the end of
-backward: exactly when freeing them no longer helps. (The parameter is also empty
-now, so backward would fail besides.)
 
-Resizing the storage frees the bytes while every view keeps pointing at the same,
-now empty, storage. Before backward the engine grows the storage back and
-all-gathers into it; the views autograd saved then read the gathered values, and
-backward runs on the same graph:
-"""),
-("code", """
+# %% [markdown]
+# The bytes stay until the graph is released, which in training is the end of
+# backward: exactly when freeing them no longer helps. (The parameter is also empty
+# now, so backward would fail besides.)
+#
+# Resizing the storage frees the bytes while every view keeps pointing at the same,
+# now empty, storage. Before backward the engine grows the storage back and
+# all-gathers into it; the views autograd saved then read the gathered values, and
+# backward runs on the same graph:
+
+# %%
 print(inspect.getsource(ch04.free_by_resizing_storage))
 for moment, value in ch04.free_by_resizing_storage().items():
     unit = '' if moment == 'x_grad_sum' else ' bytes of parameters live'
     print(f'{moment:>16}: {value:>9,}{unit}')
-"""),
-("md", """
-The input was all ones, so the gradient of `y.sum()` with respect to each input
-element is a column sum of the weight, and `x_grad_sum` (4 rows of those sums) is a
-real number computed from the re-filled values. The engine's gather and free are
-these two moves, around a collective:
-"""),
-("code", """
+
+# %% [markdown]
+# The input was all ones, so the gradient of `y.sum()` with respect to each input
+# element is a column sum of the weight, and `x_grad_sum` (4 rows of those sums) is a
+# real number computed from the re-filled values. The engine's gather and free are
+# these two moves, around a collective:
+
+# %%
 for method in (Zero3Engine._start_gather, Zero3Engine._gather, Zero3Engine._free_unit):
     print(inspect.getsource(method))
-"""),
-("md", """
-## 3. Gather and free around forward and backward, with prefetch
 
-Module hooks place the gathers (Sec 5.3):
+# %% [markdown]
+# ## 3. Gather and free around forward and backward, with prefetch
+#
+# Module hooks place the gathers (Sec 5.3):
+#
+# * **forward**: a forward *pre*-hook gathers the unit and starts the all-gather of the
+#   next unit (prefetch), so the next unit's data is on its way while this one
+#   computes; a forward hook frees the unit again and registers a hook on its output;
+# * **backward**: that output hook fires when the output's gradient is ready, i.e.
+#   just before autograd enters the unit's backward; it gathers the unit again and
+#   prefetches the *previous* unit, the next one backward will reach;
+# * once all of a unit's gradients have arrived in their buckets, the unit is freed.
+#
+# So, between units, a rank holds its shards; during a unit's compute, that unit plus
+# at most one prefetched neighbour: about two gathered units.
 
-* **forward**: a forward *pre*-hook gathers the unit and starts the all-gather of the
-  next unit (prefetch), so the next unit's data is on its way while this one
-  computes; a forward hook frees the unit again and registers a hook on its output;
-* **backward**: that output hook fires when the output's gradient is ready, i.e.
-  just before autograd enters the unit's backward; it gathers the unit again and
-  prefetches the *previous* unit, the next one backward will reach;
-* once all of a unit's gradients have arrived in their buckets, the unit is freed.
-
-So, between units, a rank holds its shards; during a unit's compute, that unit plus
-at most one prefetched neighbour: about two gathered units.
-"""),
-("code", """
+# %%
 for method in (Zero3Engine._pre_forward, Zero3Engine._post_forward, Zero3Engine._pre_backward,
                Zero3Engine._on_group_ready):
     print(inspect.getsource(method))
-"""),
-("md", """
-## 4. Measured: every stage on two real ranks
 
-`all_stages` trains the same GPT under each stage, one after the other, on two gloo
-ranks spawned from this notebook (one spawn for all four runs). Each run takes 3
-steps of a global batch of 8 sequences and writes the report of `zerolearn.train`;
-`--memory-timeline` keeps the ledger's timeline of the last step.
-"""),
-("code", """
+# %% [markdown]
+# ## 4. Measured: every stage on two real ranks
+#
+# `all_stages` trains the same GPT under each stage, one after the other, on two gloo
+# ranks spawned from this notebook (one spawn for all four runs). Each run takes 3
+# steps of a global batch of 8 sequences and writes the report of `zerolearn.train`;
+# `--memory-timeline` keeps the ledger's timeline of the last step.
+
+# %%
 print(inspect.getsource(ch04.all_stages))
-"""),
-("code", """
+
+# %%
 RUN = [*GPT_ARGS, '--global-batch-size', '8', '--steps', '3', '--dtype', 'bf16', '--memory-timeline']
 reports = launch(ch04.all_stages, 2, RUN)[0]  # rank 0's reports, stages 0-3
 for r in reports:
-    losses = ', '.join(f'{v:.4f}' for v in r['losses'])
+    losses = ', '.join(f'{v:#.3g}' for v in r['losses'])  # bf16: 3 significant digits
     print(f"stage {r['config']['stage']} {STAGE_NAMES[r['config']['stage']]:<9} losses {losses}")
-"""),
-("md", """
-The losses agree: ZeRO changes where states live, not the arithmetic. Now the bytes
-rank 0 holds, measured from its tensors, beside the formula
-`model_state_bytes(psi, nd, stage, k=12)` (Sec 5, Fig 1), and the elements its
-collectives moved per step in units of Psi, beside Sec 7's 2 Psi and 3 Psi:
-"""),
-("code", """
+
+# %% [markdown]
+# The losses agree: ZeRO changes where states live, not the arithmetic. Now the bytes
+# rank 0 holds, measured from its tensors, beside the formula
+# `model_state_bytes(psi, nd, stage, k=12)` (Sec 5, Fig 1), and the elements its
+# collectives moved per step in units of Psi, beside Sec 7's 2 Psi and 3 Psi:
+
+# %%
 rows = []
 for r in reports:
     stage, entry = r['config']['stage'], r['ranks'][0]
@@ -172,15 +166,15 @@ for r in reports:
                  f'{comm_volume_elements(1, stage):.1f}'])
 print(ch04.text_table(['stage', 'params B', 'formula', 'grads B', 'formula', 'optim B', 'formula',
                        'Psi/step', 'Sec 7'], rows))
-"""),
-("md", """
-Every measured byte count equals the formula: the shards divide evenly here, so
-there is no padding. The traffic column is the paper's count, 2 x all-reduce +
-reduce-scatter + all-gather elements (Sec 7.1). Stages 0 to 2 move 2 Psi per step;
-ZeRO-3 moves 3 Psi: one Psi all-gathered in forward, one again in backward, one
-reduce-scattered as gradients. Per collective and step:
-"""),
-("code", """
+
+# %% [markdown]
+# Every measured byte count equals the formula: the shards divide evenly here, so
+# there is no padding. The traffic column is the paper's count, 2 x all-reduce +
+# reduce-scatter + all-gather elements (Sec 7.1). Stages 0 to 2 move 2 Psi per step;
+# ZeRO-3 moves 3 Psi: one Psi all-gathered in forward, one again in backward, one
+# reduce-scattered as gradients. Per collective and step:
+
+# %%
 rows = []
 for r in reports:
     steps, comm = len(r['losses']), r['ranks'][0]['comm']
@@ -188,17 +182,17 @@ for r in reports:
                  *(comm[op]['elements'] // steps for op in ('all_reduce', 'reduce_scatter', 'all_gather'))])
 print(ch04.text_table(['stage', 'all_reduce', 'reduce_scatter', 'all_gather'], rows))
 print(f'Psi = {psi:,}')
-"""),
-("md", """
-## 5. The sawtooth
 
-The ledger recorded every allocation, free and resize of rank 0 during the last step
-of the ZeRO-3 run. Plotting only the `params` category shows the schedule of
-Section 3: each rise is an all-gather into a unit's buffer, each fall a unit freed.
-The dotted lines mark the shards, the shards plus one block, and the shards plus
-two blocks.
-"""),
-("code", """
+# %% [markdown]
+# ## 5. The sawtooth
+#
+# The ledger recorded every allocation, free and resize of rank 0 during the last step
+# of the ZeRO-3 run. Plotting only the `params` category shows the schedule of
+# Section 3: each rise is an all-gather into a unit's buffer, each fall a unit freed.
+# The dotted lines mark the shards, the shards plus one block, and the shards plus
+# two blocks.
+
+# %%
 z3 = reports[3]
 shards = z3['ranks'][0]['model_state_bytes']['params']
 block = 2 * (12 * 64**2 + 13 * 64)  # bytes of one gathered block in bf16
@@ -209,41 +203,41 @@ for n, label in ((0, 'shards'), (1, 'shards + 1 block'), (2, 'shards + 2 blocks'
     ax.axhline((shards + n * block) / 2**10, color='gray', linestyle=':', linewidth=1)
     ax.annotate(label, (last, (shards + n * block) / 2**10), fontsize=8, va='bottom', ha='right')
 fig
-"""),
-("code", """
+
+# %%
 series = views.timeline_series(z3)
 params = series['by_category']['params']
 print(f'shards (formula, 2 Psi / Nd): {model_state_bytes(psi, 2, 3)["params"]:>9,} bytes')
 print(f'lowest over the step        : {min(params):>9,} bytes')
 print(f'highest over the step       : {max(params):>9,} bytes = shards + {(max(params) - shards) / block:.2f} blocks')
 print(f'all-gathers into a buffer   : {sum(1 for a, b in zip(params, params[1:]) if b > a)}')
-"""),
-("md", """
-Forward climbs unit by unit, never above two gathered blocks; at the end of forward
-only the shards remain. Backward gathers each unit again in reverse order. At no
-moment does a rank hold the whole model: that is Sec 4's observation that not all
-states are needed at all times, turned into a schedule.
 
-## 6. Table 1's trend at Nd = 8, 64 and 1024
+# %% [markdown]
+# Forward climbs unit by unit, never above two gathered blocks; at the end of forward
+# only the shards remain. Backward gathers each unit again in reverse order. At no
+# moment does a rank hold the whole model: that is Sec 4's observation that not all
+# states are needed at all times, turned into a schedule.
+#
+# ## 6. Table 1's trend at Nd = 8, 64 and 1024
+#
+# Two CPU cores cannot run 1024 ranks. But rank 0's memory does not depend on the
+# other ranks being real: `python -m zerolearn.train --simulate-world-size N` runs
+# rank 0 of N ranks in one process on torch's "fake" process group, whose collectives
+# move no data. Every flat buffer is still padded and sharded for N ranks, so the bytes
+# are those rank 0 of a real N-rank job would hold. `ch04.simulate` is that command,
+# run in this process:
 
-Two CPU cores cannot run 1024 ranks. But rank 0's memory does not depend on the
-other ranks being real: `python -m zerolearn.train --simulate-world-size N` runs
-rank 0 of N ranks in one process on torch's "fake" process group, whose collectives
-move no data. Every flat buffer is still padded and sharded for N ranks, so the bytes
-are those rank 0 of a real N-rank job would hold. `ch04.simulate` is that command,
-run in this process:
-"""),
-("code", """
+# %%
 print(inspect.getsource(ch04.simulate))
-"""),
-("md", """
-We run a 2-block GPT of width 32 (one flat buffer per stage: `--bucket-mb 64`) under
-each ZeRO stage at Nd = 8, 64 and 1024, one sequence per rank. Table 1 is in GB for
-models of 7.5B parameters and more; what carries over to any model size is the
-*ratio* to DP's 16 Psi, e.g. 31.4 / 120 = 0.262 for P_os at Nd = 64. The last column
-is that ratio from Table 1's printed numbers, where Table 1 has the Nd.
-"""),
-("code", """
+
+# %% [markdown]
+# We run a 2-block GPT of width 32 (one flat buffer per stage: `--bucket-mb 64`) under
+# each ZeRO stage at Nd = 8, 64 and 1024, one sequence per rank. Table 1 is in GB for
+# models of 7.5B parameters and more; what carries over to any model size is the
+# *ratio* to DP's 16 Psi, e.g. 31.4 / 120 = 0.262 for P_os at Nd = 64. The last column
+# is that ratio from Table 1's printed numbers, where Table 1 has the Nd.
+
+# %%
 SMALL = ['--d-model', '32', '--n-head', '2', '--seq-len', '16', '--steps', '1', '--dtype', 'bf16',
          '--bucket-mb', '64']
 rows = []
@@ -261,79 +255,77 @@ for nd in (8, 64, 1024):
 print(f'Psi = {small_psi:,} parameters; DP holds 16 Psi = {16 * small_psi:,} bytes at every Nd')
 print(ch04.text_table(['Nd', 'stage', 'measured B', 'formula B', 'padding', 'formula(Psi+pad)', 'measured/DP',
                        'Table 1/DP'], rows))
-"""),
-("md", """
-The measured bytes equal the formula until Nd no longer divides the flat buffers.
-Then each buffer is padded with zeros to a multiple of Nd (the `padding` column, in
-elements; at stage 3 every unit has buffers of its own, so there is more of it), and
-the formula applied to Psi plus the padding gives the measured bytes exactly. At
-Nd = 1024 a rank of this tiny model holds under 1 KB and the padding is a few percent
-of Psi, which is why the measured ratios drift from Table 1's there; for a model of
-billions of parameters the same few thousand elements are negligible. Otherwise the
-ratios follow Table 1 to its printed digits: P_os tends to 4/16 of DP's memory,
-P_os+g to 2/16, and P_os+g+p keeps falling as 1/Nd, the only stage with no floor.
 
-## Exercises
+# %% [markdown]
+# The measured bytes equal the formula until Nd no longer divides the flat buffers.
+# Then each buffer is padded with zeros to a multiple of Nd (the `padding` column, in
+# elements; at stage 3 every unit has buffers of its own, so there is more of it), and
+# the formula applied to Psi plus the padding gives the measured bytes exactly. At
+# Nd = 1024 a rank of this tiny model holds under 1 KB and the padding is a few percent
+# of Psi, which is why the measured ratios drift from Table 1's there; for a model of
+# billions of parameters the same few thousand elements are negligible. Otherwise the
+# ratios follow Table 1 to its printed digits: P_os tends to 4/16 of DP's memory,
+# P_os+g to 2/16, and P_os+g+p keeps falling as 1/Nd, the only stage with no floor.
+#
+# ## Exercises
+#
+# **Exercise 1.** From the units table of Section 1 and the shards of the ZeRO-3 run,
+# predict the most parameter bytes rank 0 holds at any moment of a step (shards plus
+# the two largest units it can hold at once; here both are blocks). Give bytes.
 
-**Exercise 1.** From the units table of Section 1 and the shards of the ZeRO-3 run,
-predict the most parameter bytes rank 0 holds at any moment of a step (shards plus
-the two largest units it can hold at once; here both are blocks). Give bytes.
-"""),
-("code", """
+# %%
 answer_peak = None  # bytes, e.g. 123456
 ch04.check_peak_params(answer_peak, z3)
-"""),
-("md", """
-<details><summary>Solution</summary>
 
-Shards 234,880 bytes (2 Psi / 2 in bf16) plus two blocks of 2 x 49,984 = 99,968
-bytes each: 434,816 bytes. The measured timeline's maximum is exactly that.
-</details>
+# %% [markdown]
+# <details><summary>Solution</summary>
+#
+# Shards 234,880 bytes (2 Psi / 2 in bf16) plus two blocks of 2 x 49,984 = 99,968
+# bytes each: 434,816 bytes. The measured timeline's maximum is exactly that.
+# </details>
+#
+# **Exercise 2.** Table 1 prints 15.6 GB for Psi = 1T parameters at Nd = 1024 under
+# P_os+g+p (K = 12). Compute the exact value in GB (1 GB = 1e9 bytes).
 
-**Exercise 2.** Table 1 prints 15.6 GB for Psi = 1T parameters at Nd = 1024 under
-P_os+g+p (K = 12). Compute the exact value in GB (1 GB = 1e9 bytes).
-"""),
-("code", """
+# %%
 answer_gb = None  # GB
 ch04.check_trillion_gb(answer_gb)
-"""),
-("md", """
-<details><summary>Solution</summary>
 
-16 bytes x 1e12 / 1024 = 15.625e9 bytes = 15.625 GB; the table truncates it to 15.6.
-</details>
+# %% [markdown]
+# <details><summary>Solution</summary>
+#
+# 16 bytes x 1e12 / 1024 = 15.625e9 bytes = 15.625 GB; the table truncates it to 15.6.
+# </details>
+#
+# **Exercise 3.** How many elements does each rank of the 2-rank ZeRO-3 run
+# all-gather per step, in terms of Psi? Give the number of elements.
 
-**Exercise 3.** How many elements does each rank of the 2-rank ZeRO-3 run
-all-gather per step, in terms of Psi? Give the number of elements.
-"""),
-("code", """
+# %%
 answer_gathered = None  # elements per step
 ch04.check_gathered_elements(answer_gathered, z3)
-"""),
-("md", """
-<details><summary>Solution</summary>
 
-2 Psi = 469,760 elements: the whole model once before forward and once before
-backward (Sec 7.2.2); the ledger counts the full output of each all-gather.
-</details>
-
-## Summary
-
-* ZeRO-3 partitions the last replicated model state, the parameters: every rank
-  holds (2 + 2 + K) Psi / Nd bytes of model states, the Nd-fold cut of Fig 1 and
-  Sec 5.3.
-* Parameters are gathered per unit just before its forward and again before its
-  backward, freed right after, with the neighbour's gather prefetched: live
-  parameters are the shards plus about two units (measured: exactly two blocks).
-* Freeing must release the storage: reassigning `.data` leaves the bytes alive in
-  autograd's saved views until the graph dies; resizing the storage to 0 bytes
-  releases them at once and lets the same views be re-filled before backward.
-* The price is traffic: 3 Psi per step instead of 2 Psi (Sec 7.2.2), measured by the
-  communication ledger.
-* Per-rank memory measured at Nd = 8, 64 and 1024 follows the formula (up to
-  padding) and Table 1's trend: only P_os+g+p keeps falling as 1/Nd.
-
-Chapter 6 takes these formulas to the paper's scale: Table 1, Table 2, and which
-hardware fits which model.
-"""),
-]
+# %% [markdown]
+# <details><summary>Solution</summary>
+#
+# 2 Psi = 469,760 elements: the whole model once before forward and once before
+# backward (Sec 7.2.2); the ledger counts the full output of each all-gather.
+# </details>
+#
+# ## Summary
+#
+# * ZeRO-3 partitions the last replicated model state, the parameters: every rank
+#   holds (2 + 2 + K) Psi / Nd bytes of model states, the Nd-fold cut of Fig 1 and
+#   Sec 5.3.
+# * Parameters are gathered per unit just before its forward and again before its
+#   backward, freed right after, with the neighbour's gather prefetched: live
+#   parameters are the shards plus about two units (measured: exactly two blocks).
+# * Freeing must release the storage: reassigning `.data` leaves the bytes alive in
+#   autograd's saved views until the graph dies; resizing the storage to 0 bytes
+#   releases them at once and lets the same views be re-filled before backward.
+# * The price is traffic: 3 Psi per step instead of 2 Psi (Sec 7.2.2), measured by the
+#   communication ledger.
+# * Per-rank memory measured at Nd = 8, 64 and 1024 follows the formula (up to
+#   padding) and Table 1's trend: only P_os+g+p keeps falling as 1/Nd.
+#
+# Chapter 6 takes these formulas to the paper's scale: Table 1, Table 2, and which
+# hardware fits which model.

@@ -1,31 +1,26 @@
-"""Chapter 5, ZeRO-R. Build: .venv/bin/python notebooks/src/_nb.py notebooks/src/05_zero_r.py"""
+# %% [markdown]
+# # Chapter 5 · ZeRO-R: the memory that is left
+#
+# ZeRO-DP removes the redundant copies of model states. What remains on each GPU is the
+# *residual* memory of Sec 3.2: activations, temporary buffers and fragmentation. The
+# paper's second pillar, ZeRO-R (Sec 6), attacks all three. This chapter runs each of its
+# pieces for real on 4 gloo ranks, arranged as $N_d \times N_m = 2 \times 2$: two
+# data-parallel groups, each splitting every transformer block across two ranks.
+#
+# **Learning goals.** After this chapter you can
+#
+# 1. explain activation checkpointing and measure what it saves (Sec 3.2);
+# 2. build Megatron-style tensor parallelism from two layers, column- and row-parallel,
+#    and check it trains exactly like one process;
+# 3. measure $P_a$ (Sec 6.1): checkpoint bytes per rank divided by $N_m$, for one extra
+#    all-gather per block that costs about 1/12 of the model parallelism's own traffic (Sec 8);
+#    and $P_{a+cpu}$, which moves checkpoints to host memory;
+# 4. show why fused buffers must have a constant size (CB, Sec 6.2);
+# 5. reproduce, by replaying real training steps through a model of the caching allocator,
+#    an out-of-memory error with over 30% of memory still free, and its cure by contiguous
+#    pools (MD, Sec 6.3).
 
-OUT = "../05_zero_r.ipynb"
-
-CELLS = [
-    ("md", r"""
-# Chapter 5 · ZeRO-R: the memory that is left
-
-ZeRO-DP removes the redundant copies of model states. What remains on each GPU is the
-*residual* memory of Sec 3.2: activations, temporary buffers and fragmentation. The
-paper's second pillar, ZeRO-R (Sec 6), attacks all three. This chapter runs each of its
-pieces for real on 4 gloo ranks, arranged as $N_d \times N_m = 2 \times 2$: two
-data-parallel groups, each splitting every transformer block across two ranks.
-
-**Learning goals.** After this chapter you can
-
-1. explain activation checkpointing and measure what it saves (Sec 3.2);
-2. build Megatron-style tensor parallelism from two layers, column- and row-parallel,
-   and check it trains exactly like one process;
-3. measure $P_a$ (Sec 6.1): checkpoint bytes per rank divided by $N_m$, for one extra
-   all-gather per block that costs about 1/12 of the model parallelism's own traffic (Sec 8);
-   and $P_{a+cpu}$, which moves checkpoints to host memory;
-4. show why fused buffers must have a constant size (CB, Sec 6.2);
-5. reproduce, by replaying real training steps through a model of the caching allocator,
-   an out-of-memory error with over 30% of memory still free, and its cure by contiguous
-   pools (MD, Sec 6.3).
-"""),
-    ("code", r"""
+# %%
 import inspect
 
 import matplotlib.pyplot as plt
@@ -38,56 +33,56 @@ from zerolearn.residual import checkpointing, defrag, tensor_parallel
 cfg, batch = ch05.GPT, ch05.BATCH
 print(f"GPT: {cfg.n_layer} blocks, hidden {cfg.d_model}, {cfg.n_head} heads, seq {cfg.seq_len}; "
       f"global batch {batch}")
-"""),
-    ("md", r"""
-## 1. Tensor parallelism in two layers
 
-Model parallelism splits each layer across $N_m$ ranks. Megatron-LM's recipe needs two
-kinds of Linear layer. A *column-parallel* layer keeps $1/N_m$ of the output features:
-every rank sees the same input, so forward needs no communication, and backward sums
-the input gradient over the group. A *row-parallel* layer keeps $1/N_m$ of the input
-features: its partial outputs are summed with an all-reduce in forward. Attention is
-column-parallel by heads, then row-parallel for the output projection; the MLP is
-column-parallel, GELU, row-parallel.
-"""),
-    ("code", r"""
+# %% [markdown]
+# ## 1. Tensor parallelism in two layers
+#
+# Model parallelism splits each layer across $N_m$ ranks. Megatron-LM's recipe needs two
+# kinds of Linear layer. A *column-parallel* layer keeps $1/N_m$ of the output features:
+# every rank sees the same input, so forward needs no communication, and backward sums
+# the input gradient over the group. A *row-parallel* layer keeps $1/N_m$ of the input
+# features: its partial outputs are summed with an all-reduce in forward. Attention is
+# column-parallel by heads, then row-parallel for the output projection; the MLP is
+# column-parallel, GELU, row-parallel.
+
+# %%
 print(inspect.getsource(tensor_parallel.ColumnParallelLinear))
 print(inspect.getsource(tensor_parallel.RowParallelLinear))
-"""),
-    ("md", r"""
-Each rank's slices are cut from the full model built from the same seed, so the
-$2 \times 2$ world starts from exactly the parameters of a single process. We train
-every variant of this chapter on 4 ranks (ZeRO-2 over the data-parallel groups) and the
-plain model on one rank, and compare the losses.
-"""),
-    ("code", r"""
+
+# %% [markdown]
+# Each rank's slices are cut from the full model built from the same seed, so the
+# $2 \times 2$ world starts from exactly the parameters of a single process. We train
+# every variant of this chapter on 4 ranks (ZeRO-2 over the data-parallel groups) and the
+# plain model on one rank, and compare the losses.
+
+# %%
 VARIANTS = ch05.VARIANTS
 for name, kwargs in VARIANTS.items():
     print(f"{name:<24} {kwargs}")
 single = launch(ch05.zero_r_runs, 1, [dict(stage=2)])[0][0]
 runs = dict(zip(VARIANTS, launch(ch05.zero_r_runs, 4, [dict(stage=2, **kw) for kw in VARIANTS.values()])[0]))
 print(f"{'run':<24} " + " ".join(f"loss@{i}" for i in range(3)))
-print(f"{'1 rank, Nm = 1':<24} " + " ".join(f"{x:.5f}" for x in single["losses"]))
+print(f"{'1 rank, Nm = 1':<24} " + " ".join(f"{x:.4f}" for x in single["losses"]))
 for name, r in runs.items():
-    print(f"{name:<24} " + " ".join(f"{x:.5f}" for x in r["losses"]))
+    print(f"{name:<24} " + " ".join(f"{x:.4f}" for x in r["losses"]))
 same = all(abs(a - b) <= 1e-5 * abs(b) for r in runs.values() for a, b in zip(r["losses"], single["losses"]))
 print("all equal to the single process within 1e-5:", same)
-"""),
-    ("md", r"""
-## 2. Activation checkpointing and $P_a$
 
-Without checkpointing, each block keeps every intermediate its backward needs. With
-it, a block keeps only its input, $b \times s \times h$ values (the *checkpoint*), and
-recomputes the rest in backward, about a third more compute (Sec 3.2). Under model
-parallelism every rank of the group keeps the *same* checkpoint. $P_a$ keeps $1/N_m$ of
-it per rank and all-gathers it just before the recomputation; $P_{a+cpu}$ parks that
-part in host memory. The store that holds them:
-"""),
-    ("code", r"""
+# %% [markdown]
+# ## 2. Activation checkpointing and $P_a$
+#
+# Without checkpointing, each block keeps every intermediate its backward needs. With
+# it, a block keeps only its input, $b \times s \times h$ values (the *checkpoint*), and
+# recomputes the rest in backward, about a third more compute (Sec 3.2). Under model
+# parallelism every rank of the group keeps the *same* checkpoint. $P_a$ keeps $1/N_m$ of
+# it per rank and all-gathers it just before the recomputation; $P_{a+cpu}$ parks that
+# part in host memory. The store that holds them:
+
+# %%
 print(inspect.getsource(checkpointing.CheckpointStore.save))
 print(inspect.getsource(checkpointing.CheckpointStore.load))
-"""),
-    ("code", r"""
+
+# %%
 local_batch = batch // 2  # Nd = 2
 formula = analytic.activation_bytes(cfg.d_model, local_batch, cfg.seq_len, cfg.n_layer, bytes_per_value=4,
                                     checkpointing=True)
@@ -97,23 +92,23 @@ print(f"{'run':<24} {'ckpt device KiB':>15} {'ckpt host KiB':>13} {'activations 
 for name, r in runs.items():
     device, host = r["checkpoint_bytes"]
     print(f"{name:<24} {device / 1024:>15.1f} {host / 1024:>13.1f} {r['activation_bytes'] / 1024:>15.1f}")
-"""),
-    ("md", r"""
-The checkpoint column matches the formula exactly: $b s h$ values per block, halved by
-$P_a$, moved to the host by $P_{a+cpu}$ (on this CPU-only machine "host" and "device"
-are the same memory; on a GPU the device column is what the GPU keeps). The contiguous
-variant shows its pool, reserved once for all blocks. The activations column is
-everything the ledger saw allocated in forward and still alive at its end: the
-checkpoints, plus the embedding and the head, which are not checkpointed.
 
-### What $P_a$ costs
+# %% [markdown]
+# The checkpoint column matches the formula exactly: $b s h$ values per block, halved by
+# $P_a$, moved to the host by $P_{a+cpu}$ (on this CPU-only machine "host" and "device"
+# are the same memory; on a GPU the device column is what the GPU keeps). The contiguous
+# variant shows its pool, reserved once for all blocks. The activations column is
+# everything the ledger saw allocated in forward and still alive at its end: the
+# checkpoints, plus the embedding and the head, which are not checkpointed.
+#
+# ### What $P_a$ costs
+#
+# Each block's model parallelism all-reduces $b s h$ values twice in forward and twice
+# in backward, and twice more when checkpointing recomputes the forward: six
+# all-reduces, $12\,b s h$ elements of traffic in the paper's count (an all-reduce moves
+# twice its size). $P_a$ adds one all-gather of $b s h$ per block (Sec 8):
 
-Each block's model parallelism all-reduces $b s h$ values twice in forward and twice
-in backward, and twice more when checkpointing recomputes the forward: six
-all-reduces, $12\,b s h$ elements of traffic in the paper's count (an all-reduce moves
-twice its size). $P_a$ adds one all-gather of $b s h$ per block (Sec 8):
-"""),
-    ("code", r"""
+# %%
 pa = runs["+ P_a"]["by_tag"]
 tp_elements = pa["tp"]["all_reduce"]["elements"]
 pa_elements = pa["pa"]["all_gather"]["elements"]
@@ -130,18 +125,18 @@ ax.set_ylabel("elements per step (thousands)")
 ax.set_title("Traffic per rank per step, Nm = 2 (paper's count)")
 plt.tight_layout()
 plt.show()
-"""),
-    ("md", r"""
-## 3. CB: fused buffers of constant size
 
-Reducing gradients one tensor at a time wastes bandwidth, so implementations fuse
-them into one buffer. If that buffer grows with the model, it becomes a memory problem
-of its own: fusing all gradients of a 3B-parameter model in fp32 takes 12 GB (Sec 6.2).
-ZeRO caps it. Here every gradient reduction and parameter gather goes through flat
-groups of at most `--bucket-mb`; the sweep measures the largest buffer of one step as
-the MLP grows, with a cap of 0.25 MiB and with no cap ("fuse everything").
-"""),
-    ("code", r"""
+# %% [markdown]
+# ## 3. CB: fused buffers of constant size
+#
+# Reducing gradients one tensor at a time wastes bandwidth, so implementations fuse
+# them into one buffer. If that buffer grows with the model, it becomes a memory problem
+# of its own: fusing all gradients of a 3B-parameter model in fp32 takes 12 GB (Sec 6.2).
+# ZeRO caps it. Here every gradient reduction and parameter gather goes through flat
+# groups of at most `--bucket-mb`; the sweep measures the largest buffer of one step as
+# the MLP grows, with a cap of 0.25 MiB and with no cap ("fuse everything").
+
+# %%
 sweep = launch(ch05.bucket_sweep, 1, [64, 128, 256], [0.25, 1e6])[0]  # one rank: the buffers, not the traffic
 fig, ax = plt.subplots(figsize=(6, 3.4))
 for cap, label in ((0.25, "cap 0.25 MiB"), (1e6, "fuse everything")):
@@ -156,30 +151,30 @@ ax.set_title("CB: the buffer stays under the cap as the model grows")
 ax.legend()
 plt.tight_layout()
 plt.show()
-"""),
-    ("md", r"""
-## 4. MD: out of memory with memory free
 
-Sec 6.3: in forward, a block's checkpoint lives until backward while the block's
-temporaries die at once; in backward, parameter gradients live until the step while
-recomputed activations and activation gradients die at once. Long-lived tensors end up
-scattered among short-lived ones and cut free memory into pieces, too small for the next
-large request. The paper saw out-of-memory errors with over 30% of memory free. ZeRO's
-fix, MD, copies the long-lived tensors into pre-allocated contiguous pools.
+# %% [markdown]
+# ## 4. MD: out of memory with memory free
+#
+# Sec 6.3: in forward, a block's checkpoint lives until backward while the block's
+# temporaries die at once; in backward, parameter gradients live until the step while
+# recomputed activations and activation gradients die at once. Long-lived tensors end up
+# scattered among short-lived ones and cut free memory into pieces, too small for the next
+# large request. The paper saw out-of-memory errors with over 30% of memory free. ZeRO's
+# fix, MD, copies the long-lived tensors into pre-allocated contiguous pools.
+#
+# To see it without a GPU we record where memory goes in real training and replay it.
+# `defrag.record_gpt_steps()` trains a 25M-parameter GPT (8 blocks, hidden 512, seq 512,
+# batch 8, real text) for two steps as plain data parallelism did before ZeRO: one
+# checkpoint per block, a gradient per parameter wherever the allocator puts it, all
+# gradients flattened into one buffer for the all-reduce, an Adam step. The ledger writes
+# down every allocation and free. `defrag.replay` runs them through a model of torch's
+# caching allocator: memory reserved from the device in segments (2 MiB ones for requests
+# up to 1 MiB, 20 MiB ones up to 10 MiB, larger requests alone), best fit inside them, free
+# blocks merging only within their segment, and, before a request is refused, every
+# segment with nothing left in it given back. With MD, each class of long-lived tensors
+# gets a pool of its own.
 
-To see it without a GPU we record where memory goes in real training and replay it.
-`defrag.record_gpt_steps()` trains a 25M-parameter GPT (8 blocks, hidden 512, seq 512,
-batch 8, real text) for two steps as plain data parallelism did before ZeRO: one
-checkpoint per block, a gradient per parameter wherever the allocator puts it, all
-gradients flattened into one buffer for the all-reduce, an Adam step. The ledger writes
-down every allocation and free. `defrag.replay` runs them through a model of torch's
-caching allocator: memory reserved from the device in segments (2 MiB ones for requests
-up to 1 MiB, 20 MiB ones up to 10 MiB, larger requests alone), best fit inside them, free
-blocks merging only within their segment, and, before a request is refused, every
-segment with nothing left in it given back. With MD, each class of long-lived tensors
-gets a pool of its own.
-"""),
-    ("code", r"""
+# %%
 from zerolearn import views
 
 trace = views.recorded_trace()
@@ -198,42 +193,42 @@ print(f"without MD: ok = {without_md.ok}; in phase {trace[without_md.failed_even
       f"{without_md.failed_bytes / 2**20:.0f} MiB with {without_md.free_bytes_at_failure / 2**20:.0f} MiB free "
       f"({without_md.free_fraction:.0%} of memory)")
 print(f"without MD it needs {defrag.smallest_capacity(trace, md=False) / 2**20:.0f} MiB")
-"""),
-    ("md", r"""
-The request that fails is the flattened gradients, 98 MiB (4 bytes x 25.7M parameters).
-At that moment over 40% of memory is free, but the allocator cannot reserve a new
-segment that large: the segments it holds each keep a gradient, an optimizer state or a
-checkpoint alive somewhere inside, so none can be given back. The orange line is what the
-allocator holds; the blue one what tensors use; the purple one what MD would pool.
-"""),
-    ("code", r"""
+
+# %% [markdown]
+# The request that fails is the flattened gradients, 98 MiB (4 bytes x 25.7M parameters).
+# At that moment over 40% of memory is free, but the allocator cannot reserve a new
+# segment that large: the segments it holds each keep a gradient, an optimizer state or a
+# checkpoint alive somewhere inside, so none can be given back. The orange line is what the
+# allocator holds; the blue one what tensors use; the purple one what MD would pool.
+
+# %%
 display(views.fragmentation_figure(trace, capacity, md=False))
 display(views.fragmentation_figure(trace, capacity, md=True))
-"""),
-    ("md", r"""
-The simulator's MD moves the long-lived tensors into pools after the fact. The step can
-also do it itself, as ZeRO does: `record_gpt_steps(md=True)` copies each checkpoint into
-one pool reserved in the first forward (`CheckpointStore(contiguous=True)`) and lets every
-gradient accumulate into a view of one flat buffer allocated before training, which is
-also the buffer the all-reduce would send, so nothing is flattened. Replayed as it
-happened, with no simulated pools, that trace fits in the same memory:
-"""),
-    ("code", r"""
+
+# %% [markdown]
+# The simulator's MD moves the long-lived tensors into pools after the fact. The step can
+# also do it itself, as ZeRO does: `record_gpt_steps(md=True)` copies each checkpoint into
+# one pool reserved in the first forward (`CheckpointStore(contiguous=True)`) and lets every
+# gradient accumulate into a view of one flat buffer allocated before training, which is
+# also the buffer the all-reduce would send, so nothing is flattened. Replayed as it
+# happened, with no simulated pools, that trace fits in the same memory:
+
+# %%
 real_md = defrag.record_gpt_steps(md=True)
 replayed = defrag.replay(real_md, capacity, md=False)
 print(f"MD in the step itself, in {capacity / 2**20:.0f} MiB: ok = {replayed.ok}; "
       f"least memory it needs: {defrag.smallest_capacity(real_md, md=False) / 2**20:.0f} MiB")
-"""),
-    ("md", r"""
-On a GPU, `defrag.cuda_memory(md=False)` and `defrag.cuda_memory(md=True)` run the same
-steps on CUDA and read torch's own allocator statistics (reserved, allocated and
-inactive-split bytes, `torch.cuda.memory_stats`); `python -m zerolearn.gpu_check` prints them.
 
-MD is not free: each pool is as large as its own class ever needs, and the checkpoints'
-pool is idle while the gradients' pool fills, where without MD the same memory would
-serve both. It pays when fragmentation costs more. Three GPTs, each recorded the same way:
-"""),
-    ("code", r"""
+# %% [markdown]
+# On a GPU, `defrag.cuda_memory(md=False)` and `defrag.cuda_memory(md=True)` run the same
+# steps on CUDA and read torch's own allocator statistics (reserved, allocated and
+# inactive-split bytes, `torch.cuda.memory_stats`); `python -m zerolearn.gpu_check` prints them.
+#
+# MD is not free: each pool is as large as its own class ever needs, and the checkpoints'
+# pool is idle while the gradients' pool fills, where without MD the same memory would
+# serve both. It pays when fragmentation costs more. Three GPTs, each recorded the same way:
+
+# %%
 rows = ch05.md_comparison()
 print(f"{'GPT':>15s} {'Psi':>6s} {'live peak':>9s} {'without MD':>11s} {'with MD':>10s} {'MD pools':>8s} "
       f"{'one pool':>8s}  without MD, in MD's memory")
@@ -244,45 +239,43 @@ for r in rows:
           f"{over['without_md']:>11s} {over['with_md']:>10s} {r['pools'] / 2**20:8.0f} {r['long_peak'] / 2**20:8.0f}"
           f"  {outcome}")
 print("blocks x hidden; MiB. 'without MD', 'with MD': the least memory each needs (+ above the live peak).")
-"""),
-    ("md", r"""
-Above the live peak, the allocator without MD pays for segments kept alive by the tensors
-pinned in them; with MD it pays for the pools' separation (MD pools minus one pool) and for
-the segments of the short-lived tensors. As the model grows, the first cost grows faster
-than the second, and at 8 blocks MD needs less memory than no MD; the paper met the
-failure on models far larger (Sec 6.3). `MemoryLedger(record_trace=True)` records any
-step you write; `defrag.replay` takes its trace.
 
-## Exercises
+# %% [markdown]
+# Above the live peak, the allocator without MD pays for segments kept alive by the tensors
+# pinned in them; with MD it pays for the pools' separation (MD pools minus one pool) and for
+# the segments of the short-lived tensors. As the model grows, the first cost grows faster
+# than the second, and at 8 blocks MD needs less memory than no MD; the paper met the
+# failure on models far larger (Sec 6.3). `MemoryLedger(record_trace=True)` records any
+# step you write; `defrag.replay` takes its trace.
+#
+# ## Exercises
+#
+# **1.** A 100B-parameter-class block has hidden 8192; at batch 4 and sequence 1024 in
+# fp16, how many bytes of checkpoint does each rank keep per block with $P_a$ at
+# $N_m = 16$?
 
-**1.** A 100B-parameter-class block has hidden 8192; at batch 4 and sequence 1024 in
-fp16, how many bytes of checkpoint does each rank keep per block with $P_a$ at
-$N_m = 16$?
-"""),
-    ("code", r"""
+# %%
 answer = None  # bytes
 ch05.check("pa_bytes", answer)
-"""),
-    ("md", r"""
-**2.** For the same block, what fraction of model parallelism's traffic does $P_a$ add
-(Sec 8)? Give a number between 0 and 1.
-"""),
-    ("code", r"""
+
+# %% [markdown]
+# **2.** For the same block, what fraction of model parallelism's traffic does $P_a$ add
+# (Sec 8)? Give a number between 0 and 1.
+
+# %%
 answer = None
 ch05.check("pa_ratio", answer)
-"""),
-    ("md", r"""
-## Summary
 
-- Tensor parallelism splits each block across $N_m$ ranks with two all-reduces in
-  forward and two in backward; our $2 \times 2$ world trains exactly like one process.
-- Activation checkpointing keeps one $b s h$ checkpoint per block; $P_a$ divides it by
-  $N_m$ for one all-gather per block, 1/12 of model parallelism's traffic; $P_{a+cpu}$
-  moves it off the device.
-- CB keeps fused buffers at a constant size; MD keeps long-lived tensors in contiguous
-  pools so free memory stays usable. Replayed through a model of the caching allocator,
-  two real training steps of a 25.7M-parameter GPT run out of memory with over 40% of it
-  free without MD, and fit in the same memory with it; on smaller GPTs the pools cost
-  more than they save.
-"""),
-]
+# %% [markdown]
+# ## Summary
+#
+# - Tensor parallelism splits each block across $N_m$ ranks with two all-reduces in
+#   forward and two in backward; our $2 \times 2$ world trains exactly like one process.
+# - Activation checkpointing keeps one $b s h$ checkpoint per block; $P_a$ divides it by
+#   $N_m$ for one all-gather per block, 1/12 of model parallelism's traffic; $P_{a+cpu}$
+#   moves it off the device.
+# - CB keeps fused buffers at a constant size; MD keeps long-lived tensors in contiguous
+#   pools so free memory stays usable. Replayed through a model of the caching allocator,
+#   two real training steps of a 25.7M-parameter GPT run out of memory with over 40% of it
+#   free without MD, and fit in the same memory with it; on smaller GPTs the pools cost
+#   more than they save.

@@ -1,36 +1,31 @@
-"""Chapter 6: at scale, on paper and measured. Build with: python notebooks/src/_nb.py notebooks/src/06_at_scale.py"""
+# %% [markdown]
+# # Chapter 6 · At scale, on paper and measured
+#
+# The chapters so far measured small models on two ranks. The paper's claims are
+# about billions of parameters on hundreds of GPUs: a 7.5B model in 1.9 GB per GPU at
+# Nd = 64 (Fig 1), a trillion parameters on 1024 GPUs (Table 1), a 60B model that
+# trains faster per GPU as GPUs are added (Fig 3). This chapter checks each claim
+# twice: with the formulas of `zerolearn.memory` at the paper's scale, and with
+# measurements of our engines where a CPU can make them, using the simulated world
+# size of chapter 4 to play rank 0 of up to 1024 ranks.
+#
+# **Learning goals.** After this chapter you can
+#
+# 1. reproduce Table 1 and Table 2 from the formulas and say where the printed values
+#    are rounded;
+# 2. measure Table 1's trend on real shards, up to Nd = 1024, on one CPU;
+# 3. answer "can my hardware fit this model?" with the fit solver, activations
+#    included;
+# 4. weigh memory against communication across stages, and reason about step time
+#    with a first-order cost model;
+# 5. explain the super-linear scaling of Sec 10.3 (Fig 3);
+# 6. use the five explorers of `zerolearn.widgets`.
+#
+# Every explorer below is shown twice: live (it needs a running kernel), and as a
+# static figure of its default view.
 
-OUT = "../06_at_scale.ipynb"
-
-CELLS = [
-("md", """
-# Chapter 6 · At scale, on paper and measured
-
-The chapters so far measured small models on two ranks. The paper's claims are
-about billions of parameters on hundreds of GPUs: a 7.5B model in 1.9 GB per GPU at
-Nd = 64 (Fig 1), a trillion parameters on 1024 GPUs (Table 1), a 60B model that
-trains faster per GPU as GPUs are added (Fig 3). This chapter checks each claim
-twice: with the formulas of `zerolearn.memory` at the paper's scale, and with
-measurements of our engines where a CPU can make them, using the simulated world
-size of chapter 4 to play rank 0 of up to 1024 ranks.
-
-**Learning goals.** After this chapter you can
-
-1. reproduce Table 1 and Table 2 from the formulas and say where the printed values
-   are rounded;
-2. measure Table 1's trend on real shards, up to Nd = 1024, on one CPU;
-3. answer "can my hardware fit this model?" with the fit solver, activations
-   included;
-4. weigh memory against communication across stages, and reason about step time
-   with a first-order cost model;
-5. explain the super-linear scaling of Sec 10.3 (Fig 3);
-6. use the five explorers of `zerolearn.widgets`.
-
-Every explorer below is shown twice: live (it needs a running kernel), and as a
-static figure of its default view.
-"""),
-("code", """
-%matplotlib inline
+# %%
+# %matplotlib inline
 import inspect
 
 import matplotlib.pyplot as plt
@@ -42,20 +37,20 @@ from zerolearn.dist import launch
 from zerolearn.lessons import ch04, ch06
 from zerolearn.memory.fit import ActivationSpec, gpt_params, smallest_fit
 from zerolearn.memory.model import GB, STAGE_NAMES, TABLE1_GB, V100_BYTES, max_model_params, model_state_bytes
-"""),
-("md", """
-## 1. Table 1 from the formulas
 
-Table 1 lists the model-state memory per device for three model sizes and six
-data-parallel degrees, with mixed-precision Adam (K = 12): P_os holds
-4 Psi + 12 Psi / Nd bytes, P_os+g 2 Psi + 14 Psi / Nd, P_os+g+p 16 Psi / Nd (Sec 5).
-`ch06.table1_rows` computes each entry with `model_state_bytes` beside the printed
-value:
-"""),
-("code", """
+# %% [markdown]
+# ## 1. Table 1 from the formulas
+#
+# Table 1 lists the model-state memory per device for three model sizes and six
+# data-parallel degrees, with mixed-precision Adam (K = 12): P_os holds
+# 4 Psi + 12 Psi / Nd bytes, P_os+g 2 Psi + 14 Psi / Nd, P_os+g+p 16 Psi / Nd (Sec 5).
+# `ch06.table1_rows` computes each entry with `model_state_bytes` beside the printed
+# value:
+
+# %%
 print(inspect.getsource(ch06.table1_rows))
-"""),
-("code", """
+
+# %%
 worst = 0.0
 for psi in TABLE1_GB:
     print(f'Psi = {psi / 1e9:g}B parameters, GB per device (computed | printed)')
@@ -64,25 +59,25 @@ for psi in TABLE1_GB:
         cells = [f'{c:,.2f} | {p:g}' for c, p in zip(row['computed'], row['printed'])]
         rows.append([row['nd'], *cells])
         worst = max(worst, *(abs(c - p) / p for c, p in zip(row['computed'], row['printed'])))
-    print(ch04.text_table(['Nd', 'P_os', 'P_os+g', 'P_os+g+p'], rows), end='\\n\\n')
+    print(ch04.text_table(['Nd', 'P_os', 'P_os+g', 'P_os+g+p'], rows), end='\n\n')
 print(f'largest relative difference from the printed values: {100 * worst:.1f} %')
-"""),
-("md", """
-The formulas give every entry. The differences are the paper's rounding: it prints
-three significant digits and sometimes truncates (4187.5 is printed 4187, 0.1171875
-as 0.12). The bottom-right entry is the paper's headline: a trillion parameters need
-15.6 GB per device at Nd = 1024 under P_os+g+p, which fits a 32 GB V100 (Sec 1).
 
-## 2. Table 1 measured, up to Nd = 1024
+# %% [markdown]
+# The formulas give every entry. The differences are the paper's rounding: it prints
+# three significant digits and sometimes truncates (4187.5 is printed 4187, 0.1171875
+# as 0.12). The bottom-right entry is the paper's headline: a trillion parameters need
+# 15.6 GB per device at Nd = 1024 under P_os+g+p, which fits a 32 GB V100 (Sec 1).
+#
+# ## 2. Table 1 measured, up to Nd = 1024
+#
+# The bytes rank 0 holds are set by its shards, not by the other ranks, so the
+# simulated world size of chapter 4 (`--simulate-world-size`, torch's fake process
+# group) measures them for any Nd on one CPU. We train one step of a small GPT
+# (Psi = 42,368) under each stage at the Nd of Table 1 and divide the measured bytes
+# by DP's 16 Psi: Table 1's entries divided by its Nd = 1 column give the same ratios,
+# whatever the model size.
 
-The bytes rank 0 holds are set by its shards, not by the other ranks, so the
-simulated world size of chapter 4 (`--simulate-world-size`, torch's fake process
-group) measures them for any Nd on one CPU. We train one step of a small GPT
-(Psi = 42,368) under each stage at the Nd of Table 1 and divide the measured bytes
-by DP's 16 Psi: Table 1's entries divided by its Nd = 1 column give the same ratios,
-whatever the model size.
-"""),
-("code", """
+# %%
 print(inspect.getsource(ch06.measure_per_rank))
 SMALL = ['--d-model', '32', '--n-head', '2', '--seq-len', '16', '--steps', '1', '--dtype', 'bf16', '--bucket-mb', '64']
 NDS = (4, 16, 64, 256, 1024)
@@ -97,15 +92,15 @@ for m in measured:
                  f"{m['bytes'] / (16 * small_psi):.4f}", f'{ratio:.4f}'])
 print(f'Psi = {small_psi:,}; 16 Psi = {16 * small_psi:,} bytes')
 print(ch04.text_table(['Nd', 'stage', 'measured B', 'formula B', 'padding', 'measured/DP', 'Table 1/DP'], rows))
-"""),
-("md", """
-DP measured at Nd = 1024 holds exactly 16 Psi: data parallelism alone never divides
-anything. For the ZeRO stages the measured bytes equal the formula wherever Nd
-divides the flat buffers, and exceed it by the padding (in elements) where it does
-not, which matters only for a model this small. The figure puts the measurements on
-Table 1's curves:
-"""),
-("code", """
+
+# %% [markdown]
+# DP measured at Nd = 1024 holds exactly 16 Psi: data parallelism alone never divides
+# anything. For the ZeRO stages the measured bytes equal the formula wherever Nd
+# divides the flat buffers, and exceed it by the padding (in elements) where it does
+# not, which matters only for a model this small. The figure puts the measurements on
+# Table 1's curves:
+
+# %%
 fig, ax = plt.subplots(figsize=(7, 4), layout='constrained')
 nds_line = [2**i for i in range(11)]
 for stage in (1, 2, 3):
@@ -125,33 +120,33 @@ ax.set_title('Table 1 trend: formula, measured shards, printed values')
 ax.legend(fontsize=7)
 ax.grid(alpha=0.3)
 plt.show()
-"""),
-("md", """
-## 3. Table 2: the largest model that fits
 
-Table 2 turns the formulas around: with 32 GB per V100 and Nd = 64 data-parallel
-ranks, how many parameters fit per stage, with model parallelism (MP) of degree
-1 to 16 on top? Its theoretical column counts model states only;
-`max_model_params` solves `model_state_bytes(psi, ...) = 32e9` for Psi:
-"""),
-("code", """
+# %% [markdown]
+# ## 3. Table 2: the largest model that fits
+#
+# Table 2 turns the formulas around: with 32 GB per V100 and Nd = 64 data-parallel
+# ranks, how many parameters fit per stage, with model parallelism (MP) of degree
+# 1 to 16 on top? Its theoretical column counts model states only;
+# `max_model_params` solves `model_state_bytes(psi, ...) = 32e9` for Psi:
+
+# %%
 rows = [[f"{r['mp']} x {r['gpus'] // r['mp']}", r['gpus'],
          *(f'{c:,.1f} | {p:g}' for c, p in zip(r['computed'], r['printed']))] for r in ch06.table2_rows()]
 print('largest Psi in billions of parameters (computed | printed), 32 GB per GPU')
 print(ch04.text_table(['MP x Nd', 'GPUs', 'DP', 'P_os', 'P_os+g', 'P_os+g+p'], rows))
-"""),
-("md", """
-The rows with MP > 1 are printed as multiples of the first row's rounded values
-(121.6 = 16 x 7.6) and "0.5T" stands for 512B, so they agree to about 3%. The paper
-also *measured* the largest model it could train under P_os, and it is smaller (6.2B
-at 64 GPUs against 7.6B in theory, Table 2): activations, temporary buffers and
-fragmentation (Sec 3.2) need memory too.
 
-We cannot train 7.6B parameters here, but we can measure the quantity the column is
-made of: the bytes per parameter a rank holds at Nd = 64, from the simulated runs
-of Section 2. Dividing 32 GB by it gives the largest Psi our engines would fit:
-"""),
-("code", """
+# %% [markdown]
+# The rows with MP > 1 are printed as multiples of the first row's rounded values
+# (121.6 = 16 x 7.6) and "0.5T" stands for 512B, so they agree to about 3%. The paper
+# also *measured* the largest model it could train under P_os, and it is smaller (6.2B
+# at 64 GPUs against 7.6B in theory, Table 2): activations, temporary buffers and
+# fragmentation (Sec 3.2) need memory too.
+#
+# We cannot train 7.6B parameters here, but we can measure the quantity the column is
+# made of: the bytes per parameter a rank holds at Nd = 64, from the simulated runs
+# of Section 2. Dividing 32 GB by it gives the largest Psi our engines would fit:
+
+# %%
 rows = []
 for stage in (1, 2, 3):
     m = next(m for m in measured if m['stage'] == stage and m['nd'] == 64)
@@ -159,29 +154,29 @@ for stage in (1, 2, 3):
     rows.append([f'{stage} {STAGE_NAMES[stage]}', f'{per_param:.4f}', f'{V100_BYTES / per_param / 1e9:,.1f}',
                  f'{max_model_params(V100_BYTES, 64, stage) / 1e9:,.1f}'])
 print(ch04.text_table(['stage', 'measured bytes/param', 'largest Psi (B), measured', 'formula (B)'], rows))
-"""),
-("md", """
-P_os and P_os+g match to the digit. At P_os+g+p the 64 padding elements of our tiny
-model add 0.15% to the bytes per parameter; on a 128B model they would vanish.
 
-## 4. Can my hardware fit this model?
+# %% [markdown]
+# P_os and P_os+g match to the digit. At P_os+g+p the 64 padding elements of our tiny
+# model add 0.15% to the bytes per parameter; on a 128B model they would vanish.
+#
+# ## 4. Can my hardware fit this model?
+#
+# The fit solver (`zerolearn.memory.fit.smallest_fit`) answers the question people
+# bring to the paper: given a model and a GPU, which stage and how many GPUs? Its rule:
+# the fewest GPUs first, then the lowest stage, since lower stages partition less and
+# never communicate more (Sec 7). A 7B model in bf16 with Adam on 80 GB GPUs:
 
-The fit solver (`zerolearn.memory.fit.smallest_fit`) answers the question people
-bring to the paper: given a model and a GPU, which stage and how many GPUs? Its rule:
-the fewest GPUs first, then the lowest stage, since lower stages partition less and
-never communicate more (Sec 7). A 7B model in bf16 with Adam on 80 GB GPUs:
-"""),
-("code", """
+# %%
 fit = smallest_fit(7e9, 80 * GB)
 print(f'stage {fit.stage} ({fit.stage_name}) on {fit.gpus} GPU(s): {fit.bytes_per_device / GB:.1f} GB per GPU, '
       f'{100 * fit.utilization:.1f} % of 80 GB')
-"""),
-("md", """
-On one GPU every stage holds 16 x 7 = 112 GB. On two, P_os already fits:
-4 x 7 + 12 x 7 / 2 = 70 GB. The same question for a few models and GPUs
-(`views.GPUS` lists nominal sizes in the paper's decimal GB):
-"""),
-("code", """
+
+# %% [markdown]
+# On one GPU every stage holds 16 x 7 = 112 GB. On two, P_os already fits:
+# 4 x 7 + 12 x 7 / 2 = 70 GB. The same question for a few models and GPUs
+# (`views.GPUS` lists nominal sizes in the paper's decimal GB):
+
+# %%
 models = {'1.5B': 1.5e9, '7B': 7e9, '13B': 13e9, '70B': 70e9, '175B': 175e9, '1T': 1e12}
 gpus = ['V100 32 GB', 'A100 40 GB', 'H100 80 GB', 'H200 141 GB']
 rows = []
@@ -193,14 +188,14 @@ for name, psi in models.items():
     rows.append([name, *cells])
 print('fewest GPUs x lowest stage, model states only (bf16, Adam, K = 12)')
 print(ch04.text_table(['model', *gpus], rows))
-"""),
-("md", """
-Model states are not all. Activations grow with the batch and do not shrink with
-Nd (Sec 3.2), so a batch can change the answer. GPT-2 1.5B (48 layers, hidden
-1600) at 1024 tokens and 32 sequences per GPU keeps about 60 GB of activations, and
-about 5 GB with one checkpoint per block (Sec 3.2, 6.1):
-"""),
-("code", """
+
+# %% [markdown]
+# Model states are not all. Activations grow with the batch and do not shrink with
+# Nd (Sec 3.2), so a batch can change the answer. GPT-2 1.5B (48 layers, hidden
+# 1600) at 1024 tokens and 32 sequences per GPU keeps about 60 GB of activations, and
+# about 5 GB with one checkpoint per block (Sec 3.2, 6.1):
+
+# %%
 gpt2 = gpt_params(48, 1600)
 for label, act in [('model states only', None),
                    ('+ activations, batch 32', ActivationSpec(1600, 48, 32, 1024)),
@@ -209,67 +204,68 @@ for label, act in [('model states only', None),
     answer = 'does not fit on 1024 GPUs' if f is None else (
         f'stage {f.stage} on {f.gpus} GPU(s), {f.bytes_per_device / GB:.1f} GB each')
     print(f'GPT-2 1.5B on 32 GB, {label:<27}: {answer}')
-"""),
-("md", """
-Without checkpointing, 60 GB of activations exceed a 32 GB device however many GPUs
-share the model states: that is why the paper pairs ZeRO-DP with activation
-checkpointing and, for the largest models, with P_a (Sec 6.1).
 
-The fit solver as an explorer: move the model size, pick a GPU, change the optimizer
-or the working dtype. The summary gives the answer and the fewest GPUs for each
-stage; the figure shows each stage's memory per GPU against Nd, the device's line,
-and the answer as a star.
-"""),
-("code", """
+# %% [markdown]
+# Without checkpointing, 60 GB of activations exceed a 32 GB device however many GPUs
+# share the model states: that is why the paper pairs ZeRO-DP with activation
+# checkpointing and, for the largest models, with P_a (Sec 6.1).
+#
+# The fit solver as an explorer: move the model size, pick a GPU, change the optimizer
+# or the working dtype. The summary gives the answer and the fewest GPUs for each
+# stage; the figure shows each stage's memory per GPU against Nd, the device's line,
+# and the answer as a star.
+
+# %%
 display(widgets.FitSolver())
-"""),
-("code", """
+
+# %%
 views.fit_figure()  # the default view: 7B parameters on 80 GB GPUs
-"""),
-("md", """
-## 5. Where the memory goes: the memory explorer
 
-The memory explorer draws Fig 1 for any setting: each stage's bytes per device by
-category, against one device. The default is Fig 1's own setting (Psi = 7.5B,
-Nd = 64, K = 12, a 32 GB V100). Tick "add activations" to put the activations of a
-GPT of the given shape on top.
-"""),
-("code", """
+# %% [markdown]
+# ## 5. Where the memory goes: the memory explorer
+#
+# The memory explorer draws Fig 1 for any setting: each stage's bytes per device by
+# category, against one device. The default is Fig 1's own setting (Psi = 7.5B,
+# Nd = 64, K = 12, a 32 GB V100). Tick "add activations" to put the activations of a
+# GPT of the given shape on top.
+
+# %%
 display(widgets.MemoryExplorer())
-"""),
-("code", """
-views.memory_figure()  # Fig 1: 120, 31.4, 16.6, 1.9 GB
-"""),
-("md", """
-## 6. Memory against communication
 
-Stages 1 and 2 cost nothing in traffic: a reduce-scatter plus an all-gather moves the
-same 2 Psi as DP's all-reduce (Sec 7.2.1). Stage 3 moves 3 Psi, 1.5 times as much
-(Sec 7.2.2), and in exchange divides the last replicated state. The trade-off
-explorer shows both at once: memory per device against Nd on the left, and at the
-chosen Nd each stage's memory against its traffic relative to DP on the right.
-"""),
-("code", """
+# %%
+views.memory_figure()  # Fig 1: 120, 31.4, 16.6, 1.9 GB
+
+# %% [markdown]
+# ## 6. Memory against communication
+#
+# Stages 1 and 2 cost nothing in traffic: a reduce-scatter plus an all-gather moves the
+# same 2 Psi as DP's all-reduce (Sec 7.2.1). Stage 3 moves 3 Psi, 1.5 times as much
+# (Sec 7.2.2), and in exchange divides the last replicated state. The trade-off
+# explorer shows both at once: memory per device against Nd on the left, and at the
+# chosen Nd each stage's memory against its traffic relative to DP on the right.
+
+# %%
 display(widgets.TradeOff())
-"""),
-("code", """
+
+# %%
 views.tradeoff_figure()  # Psi = 7.5B, Nd = 64
-"""),
-("md", """
-Whether 1.5 times the traffic matters depends on how long the step computes. The
-cost model (`zerolearn.costmodel`) is first-order: compute is 6 flops per parameter
-per token (8 with recomputation) at an achieved FLOP/s, communication is the
-paper's volume through the ring's slowest link, and a fraction of it can hide behind
-compute:
-"""),
-("code", """
+
+# %% [markdown]
+# Whether 1.5 times the traffic matters depends on how long the step computes. The
+# cost model (`zerolearn.costmodel`) is first-order: compute is 6 flops per parameter
+# per token (8 with recomputation) at an achieved FLOP/s, communication is the
+# paper's volume through the ring's slowest link, and a fraction of it can hide behind
+# compute:
+
+# %%
 print(inspect.getsource(step_time))
-"""),
-("md", """
-A 7.5B model on 64 GPUs of the paper's cluster (`ch06.DGX2`: 40 TFLOP/s achieved per
-GPU, 12.5 GB/s per GPU between nodes), no overlap, at two batch sizes:
-"""),
-("code", """
+
+# %% [markdown]
+# A 7.5B model on 64 GPUs of the paper's cluster (`ch06.DGX2`: 40 TFLOP/s achieved per
+# GPU; between nodes the paper's 800 Gbps per node of 16 GPUs, Sec 10.1, which is
+# 6.25 GB/s per GPU), no overlap, at two batch sizes:
+
+# %%
 rows = []
 for tokens in (1024, 16 * 1024):
     for stage in range(4):
@@ -277,30 +273,31 @@ for tokens in (1024, 16 * 1024):
         rows.append([tokens, f'{stage} {STAGE_NAMES[stage]}', f'{t.compute_s:.2f}', f'{t.comm_s:.2f}',
                      f'{t.step_s:.2f}', f'{t.comm_to_compute:.2f}'])
 print(ch04.text_table(['tokens/GPU', 'stage', 'compute s', 'comm s', 'step s', 'comm/compute'], rows))
-"""),
-("md", """
-Communication per step does not depend on the batch; compute grows with it. With one
-sequence of 1024 tokens per GPU, ZeRO-3's extra 50% of traffic costs about as much
-as the whole compute; with 16 sequences it is a small fraction of the step. This is the
-paper's reasoning for why ZeRO keeps DP's efficiency: the traffic stays within a
-constant factor of DP's, and large per-GPU batches hide it.
 
-## 7. Super-linear scaling (Sec 10.3, Fig 3)
+# %% [markdown]
+# Communication per step does not depend on the batch; compute grows with it. With one
+# sequence of 1024 tokens per GPU, communication dominates the step, and ZeRO-3's extra
+# 50% of traffic alone costs about twice the whole compute; with 16 sequences per GPU
+# communication is a quarter (DP) to a third (ZeRO-3) of the compute. This is the
+# paper's reasoning for why ZeRO keeps DP's efficiency: the traffic stays within a
+# constant factor of DP's, and large per-GPU batches hide it.
+#
+# ## 7. Super-linear scaling (Sec 10.3, Fig 3)
+#
+# The paper trains a 60B model with ZeRO-100B (P_os+g with MP of 16) on 64 to 400 GPUs
+# and reports super-linear speedup: the aggregate throughput grows faster than the
+# number of GPUs (Fig 3). The reason is memory. More data-parallel ranks divide the
+# optimizer states and gradients further (Sec 5), which frees memory for activations,
+# so each GPU can run a larger batch, and larger batches run at higher arithmetic
+# efficiency and hide more communication (Sec 10.3).
+#
+# The cost model can replay that argument. `costmodel.max_batch_per_gpu` finds the
+# largest batch whose model states plus checkpointed activations fit 32 GB;
+# `throughput_per_gpu` runs a step at that batch. How efficiency grows with batch is
+# an *assumption* here (`EfficiencyCurve`: half of a 60 TFLOP/s peak at 4 sequences
+# per GPU), not data from the paper:
 
-The paper trains a 60B model with ZeRO-100B (P_os+g with MP of 16) on 64 to 400 GPUs
-and reports super-linear speedup: the aggregate throughput grows faster than the
-number of GPUs (Fig 3). The reason is memory. More data-parallel ranks divide the
-optimizer states and gradients further (Sec 5), which frees memory for activations,
-so each GPU can run a larger batch, and larger batches run at higher arithmetic
-efficiency and hide more communication (Sec 10.3).
-
-The cost model can replay that argument. `costmodel.max_batch_per_gpu` finds the
-largest batch whose model states plus checkpointed activations fit 32 GB;
-`throughput_per_gpu` runs a step at that batch. How efficiency grows with batch is
-an *assumption* here (`EfficiencyCurve`: half of a 60 TFLOP/s peak at 4 sequences
-per GPU), not data from the paper:
-"""),
-("code", """
+# %%
 print(inspect.getsource(ch06.scaling_rows))
 GPU_COUNTS = [64, 128, 192, 256, 320, 400]
 scaling = {stage: ch06.scaling_rows(GPU_COUNTS, stage=stage) for stage in (0, 1, 2)}
@@ -309,8 +306,8 @@ rows = [[r['gpus'], r['nd'], r['batch'], f"{r['tflops_per_gpu']:.1f}", f"{r['agg
 print(f'60B model ({gpt_params(**ch06.GPT_60B) / 1e9:.1f}B parameters), stage 2, MP = 16, 32 GB per GPU')
 print(ch04.text_table(['GPUs', 'Nd', 'batch/GPU', 'TFLOP/s per GPU', 'PFLOP/s total', 'linear from 64'], rows))
 print('stage 0 (DP) batch per GPU:', [r['batch'] for r in scaling[0]])
-"""),
-("code", """
+
+# %%
 fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8), layout='constrained')
 for stage in (1, 2):
     rs = scaling[stage]
@@ -328,32 +325,32 @@ for ax in (left, right):
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)
 plt.show()
-"""),
-("md", """
-DP does not fit the 60B model at all (batch 0 at every size): its 16 Psi / 16 bytes
-per GPU never shrink. Under P_os+g, going from 64 to 400 GPUs more than doubles the
-batch each GPU can hold, and per-GPU throughput rises with it, so the aggregate
-grows faster than linearly. The shape follows from memory alone; the numbers follow
-from the assumed efficiency curve.
 
-## 8. The measured timeline, per stage
+# %% [markdown]
+# DP does not fit the 60B model at all (batch 0 at every size): its 16 Psi / 16 bytes
+# per GPU never shrink. Under P_os+g, going from 64 to 400 GPUs more than doubles the
+# batch each GPU can hold, and per-GPU throughput rises with it, so the aggregate
+# grows faster than linearly. The shape follows from memory alone; the numbers follow
+# from the assumed efficiency curve.
+#
+# ## 8. The measured timeline, per stage
+#
+# The formulas above count model states; the ledger measures everything a rank
+# allocates. The timeline explorer shows one training step of each stage, measured on
+# two real gloo ranks (`ch04.all_stages`, the same GPT as chapter 4, with
+# `--memory-timeline`). Pick a stage and the categories to draw.
 
-The formulas above count model states; the ledger measures everything a rank
-allocates. The timeline explorer shows one training step of each stage, measured on
-two real gloo ranks (`ch04.all_stages`, the same GPT as chapter 4, with
-`--memory-timeline`). Pick a stage and the categories to draw.
-"""),
-("code", """
+# %%
 RUN = ['--model', 'gpt', '--n-layer', '4', '--d-model', '64', '--n-head', '4', '--seq-len', '32',
        '--global-batch-size', '8', '--steps', '2', '--dtype', 'bf16', '--memory-timeline']
 reports = launch(ch04.all_stages, 2, RUN)[0]
 viewer = widgets.TimelineViewer(reports)
 display(viewer)
-"""),
-("code", """
+
+# %%
 views.timeline_figure(reports[0])  # the default view: stage 0 (DP)
-"""),
-("code", """
+
+# %%
 rows = []
 for r in reports:
     entry = r['ranks'][0]
@@ -362,92 +359,91 @@ for r in reports:
                  *(at_peak[c] for c in ('params', 'grads', 'optimizer_states', 'activations', 'temporary'))])
 print('rank 0 at its measured peak, bytes')
 print(ch04.text_table(['stage', 'peak', 'params', 'grads', 'optim', 'activations', 'temporary'], rows))
-"""),
-("md", """
-The peak falls from DP to P_os and again at P_os+g+p, but much less than the model
-states do, and P_os+g's peak equals P_os's. At this size the activations and
-temporaries of one step are as large as the model states, and the peak comes at the
-end of forward, when activations are highest and no gradient exists yet: partitioning
-gradients cannot lower a peak that has no gradients in it. This is the residual memory of Sec 3.2, which ZeRO-R addresses, and which becomes
-the limit once model states are partitioned.
 
-## 9. Fragmentation (Sec 6.3)
+# %% [markdown]
+# The peak falls from DP to P_os and again at P_os+g+p, but much less than the model
+# states do, and P_os+g's peak equals P_os's. At this size the activations and
+# temporaries of one step are as large as the model states, and the peak comes at the
+# end of forward, when activations are highest and no gradient exists yet: partitioning
+# gradients cannot lower a peak that has no gradients in it. This is the residual
+# memory of Sec 3.2, which ZeRO-R addresses, and which becomes the limit once model
+# states are partitioned.
+#
+# ## 9. Fragmentation (Sec 6.3)
+#
+# Residual memory has one more source: fragmentation. The paper saw out-of-memory
+# errors with over 30% of memory still free, because long-lived tensors (activation
+# checkpoints, parameter gradients) end up scattered between short-lived ones. The
+# fragmentation explorer replays the allocations of two real training steps of a
+# 25.7M-parameter GPT (`views.recorded_trace`, chapter 5 explains it) through the model
+# of torch's caching allocator in `zerolearn.residual.defrag`: change the memory's size,
+# turn MD (contiguous pools for the long-lived tensors) on and off, and scale the
+# allocator's size classes (2 shrinks its segments to half their size).
 
-Residual memory has one more source: fragmentation. The paper saw out-of-memory
-errors with over 30% of memory still free, because long-lived tensors (activation
-checkpoints, parameter gradients) end up scattered between short-lived ones. The
-fragmentation explorer replays the allocations of two real training steps of a
-25.7M-parameter GPT (`views.recorded_trace`, chapter 5 explains it) through the model
-of torch's caching allocator in `zerolearn.residual.defrag`: change the memory's size,
-turn MD (contiguous pools for the long-lived tensors) on and off, and scale the
-allocator's size classes (2 shrinks its segments to half their size).
-"""),
-("code", """
+# %%
 display(widgets.FragmentationSimulator())
-"""),
-("code", """
-views.fragmentation_figure()  # the default: the smallest arena that works with MD, here without it
-"""),
-("md", """
-## Exercises
 
-**Exercise 1.** You have A100 40 GB GPUs and a 13B-parameter model (bf16, Adam).
-What is the smallest fit: give `(stage, gpus)`.
-"""),
-("code", """
+# %%
+views.fragmentation_figure()  # the default: the smallest arena that works with MD, here without it
+
+# %% [markdown]
+# ## Exercises
+#
+# **Exercise 1.** You have A100 40 GB GPUs and a 13B-parameter model (bf16, Adam).
+# What is the smallest fit: give `(stage, gpus)`.
+
+# %%
 answer_fit = None  # (stage, gpus), e.g. (2, 8)
 ch06.check_fit_13b(answer_fit)
-"""),
-("md", """
-<details><summary>Solution</summary>
 
-On n GPUs, P_os holds 4 x 13 + 156 / n GB, P_os+g 26 + 182 / n, P_os+g+p 208 / n.
-P_os never fits (52 GB > 40); P_os+g needs n >= 182 / 14 = 13 GPUs; P_os+g+p needs
-n >= 208 / 40 = 5.2, so 6 GPUs at 34.7 GB each: `(3, 6)`.
-</details>
+# %% [markdown]
+# <details><summary>Solution</summary>
+#
+# On n GPUs, P_os holds 4 x 13 + 156 / n GB, P_os+g 26 + 182 / n, P_os+g+p 208 / n.
+# P_os never fits (52 GB > 40); P_os+g needs n >= 182 / 14 = 13 GPUs; P_os+g+p needs
+# n >= 208 / 40 = 5.2, so 6 GPUs at 34.7 GB each: `(3, 6)`.
+# </details>
+#
+# **Exercise 2.** Table 2 prints 14.4B as the largest model under P_os+g on 64 GPUs of
+# 32 GB (MP = 1). Compute the exact value in billions of parameters.
 
-**Exercise 2.** Table 2 prints 14.4B as the largest model under P_os+g on 64 GPUs of
-32 GB (MP = 1). Compute the exact value in billions of parameters.
-"""),
-("code", """
+# %%
 answer_billions = None  # billions of parameters
 ch06.check_table2_pos_g(answer_billions)
-"""),
-("md", """
-<details><summary>Solution</summary>
 
-P_os+g holds (2 + 14 / 64) bytes per parameter = 2.21875; 32e9 / 2.21875 = 14.42e9
-parameters, 14.42B.
-</details>
+# %% [markdown]
+# <details><summary>Solution</summary>
+#
+# P_os+g holds (2 + 14 / 64) bytes per parameter = 2.21875; 32e9 / 2.21875 = 14.42e9
+# parameters, 14.42B.
+# </details>
+#
+# **Exercise 3.** In the cost model, with no latency and no overlap, by what factor is
+# ZeRO-3's communication time larger than DP's for the same job?
 
-**Exercise 3.** In the cost model, with no latency and no overlap, by what factor is
-ZeRO-3's communication time larger than DP's for the same job?
-"""),
-("code", """
+# %%
 answer_factor = None  # a number
 ch06.check_zero3_comm_factor(answer_factor)
-"""),
-("md", """
-<details><summary>Solution</summary>
 
-1.5: 3 Psi against 2 Psi through the same links (Sec 7.2.2).
-</details>
-
-## Summary
-
-* Table 1 and Table 2's theoretical column follow from three formulas
-  (Sec 5); the printed values are those formulas rounded, to within 3%.
-* Measured on real shards with the simulated world size, rank 0's memory follows
-  Table 1's trend up to Nd = 1024; padding is the only difference, and it matters only
-  for tiny models.
-* The fit solver answers "can my hardware fit this model?": a 7B model on 80 GB GPUs
-  needs P_os on 2 GPUs at 70 GB each. Activations can change the answer, which is why
-  checkpointing goes with ZeRO.
-* Stages 1 and 2 are free in traffic; stage 3 costs 1.5x, which large per-GPU
-  batches hide.
-* More GPUs mean less memory per GPU for model states, hence larger batches and
-  higher efficiency per GPU: the super-linear scaling of Sec 10.3 (Fig 3).
-* At small scale the measured peak is dominated by residual memory (activations,
-  temporaries, fragmentation): the subject of ZeRO-R.
-"""),
-]
+# %% [markdown]
+# <details><summary>Solution</summary>
+#
+# 1.5: 3 Psi against 2 Psi through the same links (Sec 7.2.2).
+# </details>
+#
+# ## Summary
+#
+# * Table 1 and Table 2's theoretical column follow from three formulas
+#   (Sec 5); the printed values are those formulas rounded, to within 3%.
+# * Measured on real shards with the simulated world size, rank 0's memory follows
+#   Table 1's trend up to Nd = 1024; padding is the only difference, and it matters only
+#   for tiny models.
+# * The fit solver answers "can my hardware fit this model?": a 7B model on 80 GB GPUs
+#   needs P_os on 2 GPUs at 70 GB each. Activations can change the answer, which is why
+#   checkpointing goes with ZeRO.
+# * Stages 1 and 2 are free in traffic; stage 3 costs 1.5x, which large per-GPU
+#   batches hide.
+# * More GPUs mean less memory per GPU for model states, hence larger batches and
+#   higher efficiency per GPU: the super-linear scaling of Sec 10.3 (Fig 3).
+# * At small scale the measured peak is dominated by residual memory (activations,
+#   temporaries, fragmentation): the subject of ZeRO-R.

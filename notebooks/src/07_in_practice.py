@@ -1,27 +1,22 @@
-"""Chapter 7, in practice. Build: .venv/bin/python notebooks/src/_nb.py notebooks/src/07_in_practice.py"""
+# %% [markdown]
+# # Chapter 7 · In practice: PyTorch, DeepSpeed, and choosing a stage
+#
+# You will rarely train with this book's engines; you will use PyTorch's own sharding or
+# DeepSpeed. This chapter puts them side by side with ours on the same job, maps our
+# stages onto their options, and shows on our engines the pitfalls users of production
+# systems hit most.
+#
+# **Learning goals.** After this chapter you can
+#
+# 1. run the same training with torch's `DistributedDataParallel`,
+#    `ZeroRedundancyOptimizer` and FSDP2 (`fully_shard`) and check that it computes
+#    what our stages compute;
+# 2. read a DeepSpeed ZeRO config and say which of the paper's stages it runs;
+# 3. choose a stage for a model and a machine, with the fit solver;
+# 4. recognise three pitfalls: memory above the model-state estimate, stage 3 being slow
+#    on small models, and hangs from ranks that take different code paths.
 
-OUT = "../07_in_practice.ipynb"
-
-CELLS = [
-    ("md", r"""
-# Chapter 7 · In practice: PyTorch, DeepSpeed, and choosing a stage
-
-You will rarely train with this book's engines; you will use PyTorch's own sharding or
-DeepSpeed. This chapter puts them side by side with ours on the same job, maps our
-stages onto their options, and shows on our engines the pitfalls users of production
-systems hit most.
-
-**Learning goals.** After this chapter you can
-
-1. run the same training with torch's `DistributedDataParallel`,
-   `ZeroRedundancyOptimizer` and FSDP2 (`fully_shard`) and check that it computes
-   what our stages compute;
-2. read a DeepSpeed ZeRO config and say which of the paper's stages it runs;
-3. choose a stage for a model and a machine, with the fit solver;
-4. recognise three pitfalls: memory above the model-state estimate, stage 3 being slow
-   on small models, and hangs from ranks that take different code paths.
-"""),
-    ("code", r"""
+# %%
 import importlib.util
 from pathlib import Path
 
@@ -36,20 +31,20 @@ print(f"{'implementation':<32} {'loss@0':>8} {'loss@3':>8} {'params KiB':>10} {'
       f"{'optim KiB':>10}")
 for name, r in results.items():
     b = r["bytes"]
-    print(f"{name:<32} {r['losses'][0]:>8.5f} {r['losses'][-1]:>8.5f} {b['params'] / 1024:>10.1f} "
+    print(f"{name:<32} {r['losses'][0]:>8.4f} {r['losses'][-1]:>8.4f} {b['params'] / 1024:>10.1f} "
           f"{b['grads'] / 1024:>10.1f} {b['optimizer_states'] / 1024:>10.1f}")
-"""),
-    ("md", r"""
-All seven runs print the same losses: the same model, the same global batches, the same
-Adam. The bytes each rank holds tell which states each implementation shards on our
-2 ranks: DDP holds everything (our stage 0); `ZeroRedundancyOptimizer` shards only the
-optimizer states (stage 1); FSDP2 shards parameters, gradients and optimizer states
-(stage 3). With `reshard_after_forward=False`, FSDP2 keeps a unit's parameters gathered
-from its forward to its backward, saving one all-gather per unit, but shards them again
-afterwards, so at rest it holds what stage 3 holds; ZeRO-2's full parameters have no
-exact counterpart in PyTorch.
-"""),
-    ("code", r"""
+
+# %% [markdown]
+# All eight runs print the same losses: the same model, the same global batches, the same
+# Adam. The bytes each rank holds tell which states each implementation shards on our
+# 2 ranks: DDP holds everything (our stage 0); `ZeroRedundancyOptimizer` shards only the
+# optimizer states (stage 1); FSDP2 shards parameters, gradients and optimizer states
+# (stage 3). With `reshard_after_forward=False`, FSDP2 keeps a unit's parameters gathered
+# from its forward to its backward, saving one all-gather per unit, but shards them again
+# afterwards, so at rest it holds what stage 3 holds; ZeRO-2's full parameters have no
+# exact counterpart in PyTorch.
+
+# %%
 names = list(results)
 fig, ax = plt.subplots(figsize=(8, 3.6))
 bottom = [0.0] * len(names)
@@ -63,44 +58,44 @@ ax.set_title("The same job, 2 ranks: what each implementation keeps")
 ax.legend()
 plt.tight_layout()
 plt.show()
-"""),
-    ("code", r"""
+
+# %%
 # NBVAL_IGNORE_OUTPUT
 for name, r in results.items():
     print(f"{name:<32} median step {r['step_s'] * 1e3:7.1f} ms")
-"""),
-    ("md", r"""
-## Our stages in DeepSpeed and PyTorch
 
-DeepSpeed numbers its stages as we do (stage 0 is plain data parallelism). The config
-keys that give each of our engines, and the PyTorch API that shards the same states:
-"""),
-    ("code", r"""
+# %% [markdown]
+# ## Our stages in DeepSpeed and PyTorch
+#
+# DeepSpeed numbers its stages as we do (stage 0 is plain data parallelism). The config
+# keys that give each of our engines, and the PyTorch API that shards the same states:
+
+# %%
 import json
 
 for stage in range(4):
     print(f"stage {stage}: DeepSpeed {json.dumps(ch07.DEEPSPEED_CONFIG[stage])}")
     print(f"         PyTorch   {ch07.TORCH_EQUIVALENT[stage]}")
-"""),
-    ("md", r"""
-`reduce_bucket_size` is our `--bucket-mb` (in elements rather than MiB): the constant-size
-fused buffer of Sec 6.2. `overlap_comm` launches bucket reductions during backward, as our
-hooks do; `contiguous_gradients` copies gradients into one flat buffer, as our flat groups
-do (MD for gradients, Sec 6.3).
 
-DeepSpeed itself installs from the package registry as an optional extra
-(`DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed`, no compiled ops: ZeRO's
-stages do not need them) and runs on CPU with `DS_ACCELERATOR=cpu` under `torchrun`.
-`make deepspeed` installs it and runs `zerolearn.chapters.deepspeed_cpu` for stages 0-3
-on 2 gloo ranks: the same GPT, batches and Adam as above, under `deepspeed.initialize`
-with the configs just printed. Its results are stored in `notebooks/data/deepspeed_cpu.json`,
-so this chapter shows them whether or not DeepSpeed is installed here:
-"""),
-    ("code", r"""
+# %% [markdown]
+# `reduce_bucket_size` is our `--bucket-mb` (in elements rather than MiB): the constant-size
+# fused buffer of Sec 6.2. `overlap_comm` launches bucket reductions during backward, as our
+# hooks do; `contiguous_gradients` copies gradients into one flat buffer, as our flat groups
+# do (MD for gradients, Sec 6.3).
+#
+# DeepSpeed itself installs from the package registry as an optional extra
+# (`DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed`, no compiled ops: ZeRO's
+# stages do not need them) and runs on CPU with `DS_ACCELERATOR=cpu` under `torchrun`.
+# `make deepspeed` installs it and runs `zerolearn.chapters.deepspeed_cpu` for stages 0-3
+# on 2 gloo ranks: the same GPT, batches and Adam as above, under `deepspeed.initialize`
+# with the configs just printed. Its results are stored in `notebooks/data/deepspeed_cpu.json`,
+# so this chapter shows them whether or not DeepSpeed is installed here:
+
+# %%
 # NBVAL_IGNORE_OUTPUT
 print("DeepSpeed installed here:", importlib.util.find_spec("deepspeed") is not None)
-"""),
-    ("code", r"""
+
+# %%
 stored = json.loads(Path("data/deepspeed_cpu.json").read_text())
 print(f"DeepSpeed {stored['deepspeed, stage 0']['deepspeed']}, {stored['deepspeed, stage 0']['world_size']} ranks; "
       "KiB per rank")
@@ -110,78 +105,98 @@ for stage in range(4):
     gap = max(abs(a - b) for a, b in zip(ours["losses"], ds["losses"]))
     for name, r, copy in ((f"ours, stage {stage}", ours, 0), (f"DeepSpeed, stage {stage}", ds, ds["bytes"]["master"])):
         shown = "" if r is ours else ("< 1e-6" if gap < 1e-6 else f"{gap:.1e}")
-        print(f"{name:20} {r['losses'][-1]:9.6f} {shown:>16} {r['bytes']['params'] / 1024:8.1f} "
+        print(f"{name:20} {r['losses'][-1]:9.4f} {shown:>16} {r['bytes']['params'] / 1024:8.1f} "
               f"{copy / 1024:10.1f} {r['bytes']['optimizer_states'] / 1024:8.1f}")
-"""),
-    ("md", r"""
-The losses agree within $10^{-6}$ over all four steps at every stage. The bytes differ in one place:
-at stages 1 and 2 DeepSpeed keeps an fp32 copy of this rank's partition of the parameters
-beside the parameters themselves, even though they are already fp32 here (its ZeRO
-optimizer always steps on its own fp32 partition); we step on the parameters' own
-storage when they are fp32, so $K = 8$ holds exactly for fp32 Adam.
 
-One setting had to be written down to get there: `"gradient_clipping": 0.0`. DeepSpeed
-clips the global gradient norm at 1.0 unless its config says otherwise; with its default,
-the losses part from every other implementation's at the third step. When a port to
-DeepSpeed "trains a bit differently", compare the configs before the code.
-"""),
-    ("md", r"""
-## Choosing a stage
+# %% [markdown]
+# The losses agree within $10^{-6}$ over all four steps at every stage. The bytes differ in one place:
+# at stages 1 and 2 DeepSpeed keeps an fp32 copy of this rank's partition of the parameters
+# beside the parameters themselves, even though they are already fp32 here (its ZeRO
+# optimizer always steps on its own fp32 partition); we step on the parameters' own
+# storage when they are fp32, so $K = 8$ holds exactly for fp32 Adam.
+#
+# One setting had to be written down to get there: `"gradient_clipping": 0.0`. DeepSpeed
+# clips the global gradient norm at 1.0 unless its config says otherwise; with its default,
+# the losses part from every other implementation's at the third step. When a port to
+# DeepSpeed "trains a bit differently", compare the configs before the code.
 
-Use the lowest stage that fits: stage 1 and 2 move no more data than DP (Sec 7.2.1),
-stage 3 moves 1.5x (Sec 7.2.2). The fit solver answers "what is the smallest setup that
-holds my model's states?":
-"""),
-    ("code", r"""
+# %% [markdown]
+# ## A model you did not write: Hugging Face GPT-2 under ZeRO-3
+#
+# The engines wrap any `nn.Module`. Here is a tiny `GPT2LMHeadModel` (built from a config
+# in code, nothing downloaded; `pip install .[hf]`) with its head tied to the token
+# embedding, as GPT-2 ships. Its transformer blocks are the ZeRO-3 units, listed in
+# forward order (prefetch follows that order). The embeddings, the final norm and the
+# head are left to the root unit, which stays gathered for the whole forward and
+# backward: the tied weight is read by the embedding first and by the head last, so it
+# must stay gathered in between. (With the default units, the model's children, the
+# engine puts a weight shared by two units into the root unit by itself.) Two ranks
+# against one process on the whole batch:
+
+# %%
+hf = launch(ch07.hf_gpt2_zero3, 2)[0]
+print(f"GPT2LMHeadModel: Psi = {hf['psi']:,} (tied weight counted once), {hf['units']} units")
+print(f"params held per rank between steps: {hf['params_bytes']:,} bytes = "
+      f"{hf['params_bytes'] / (4 * hf['psi']):.3f} x the fp32 model")
+for step, (a, b) in enumerate(zip(hf["losses"], hf["reference_losses"])):
+    print(f"step {step}: ZeRO-3 on 2 ranks {a:.4f} | one process {b:.4f}")
+
+# %% [markdown]
+# ## Choosing a stage
+#
+# Use the lowest stage that fits: stage 1 and 2 move no more data than DP (Sec 7.2.1),
+# stage 3 moves 1.5x (Sec 7.2.2). The fit solver answers "what is the smallest setup that
+# holds my model's states?":
+
+# %%
 for psi, gb in ((1.5e9, 32), (7e9, 80), (13e9, 80), (70e9, 80)):
     fit = memory.smallest_fit(psi, gb * 1e9)
     print(f"{psi / 1e9:>5.1f}B params on {gb} GB GPUs: stage {fit.stage} on {fit.nd} GPUs, "
           f"{fit.bytes_per_device / 1e9:.1f} GB of model states each")
-"""),
-    ("md", r"""
-## Three pitfalls, shown on our engines
 
-**Memory above the estimate.** The formulas count model states only. A real step also
-holds activations, the fused buffers of backward and the allocator's fragmentation
-(chapter 0 and 5): `peak_bytes` in a training report is always above
-`model_state_bytes`. Budget for residual states before picking a stage.
+# %% [markdown]
+# ## Three pitfalls, shown on our engines
+#
+# **Memory above the estimate.** The formulas count model states only. A real step also
+# holds activations, the fused buffers of backward and the allocator's fragmentation
+# (chapter 0 and 5): `peak_bytes` in a training report is always above
+# `model_state_bytes`. Budget for residual states before picking a stage.
+#
+# **Stage 3 slow on small models.** Stage 3 gathers every unit twice per step. When a unit
+# is small, each gather is a latency-bound collective, and the third Psi of traffic is not
+# hidden behind compute. On these CPU ranks compute is slow enough to hide it (the step
+# times above vary from run to run); on GPUs, where compute is fast, it shows. Stage 3
+# pays off when memory, not time, is the constraint.
+#
+# **Hangs from ranks taking different code paths.** Collectives pair up by order. If one
+# rank skips a unit's forward (a data-dependent branch, an early `return` on one rank), it
+# issues one all-gather fewer, and the others wait forever, or, with a timeout, fail after
+# it. Every process group here has a timeout, and a debug mode
+# (`ZEROLEARN_DEBUG_COLLECTIVES=1`) compares what each rank is about to do before every
+# collective and names the ranks that disagree.
+#
+# ## Exercises
+#
+# **1.** Which stage does the fit solver pick for a 7B-parameter model on 80 GB GPUs?
 
-**Stage 3 slow on small models.** Stage 3 gathers every unit twice per step. When a unit
-is small, each gather is a latency-bound collective, and the third Psi of traffic is not
-hidden behind compute. On these CPU ranks compute is slow enough to hide it (the step
-times above vary from run to run); on GPUs, where compute is fast, it shows. Stage 3
-pays off when memory, not time, is the constraint.
-
-**Hangs from ranks taking different code paths.** Collectives pair up by order. If one
-rank skips a unit's forward (a data-dependent branch, an early `return` on one rank), it
-issues one all-gather fewer, and the others wait forever, or, with a timeout, fail after
-it. Every process group here has a timeout, and a debug mode
-(`ZEROLEARN_DEBUG_COLLECTIVES=1`) compares what each rank is about to do before every
-collective and names the ranks that disagree.
-
-## Exercises
-
-**1.** Which stage does the fit solver pick for a 7B-parameter model on 80 GB GPUs?
-"""),
-    ("code", r"""
+# %%
 answer = None  # 0, 1, 2 or 3
 ch07.check("stage_for_7b", answer)
-"""),
-    ("md", r"""
-**2.** Which of our stages does `torch.distributed.optim.ZeroRedundancyOptimizer` implement?
-"""),
-    ("code", r"""
+
+# %% [markdown]
+# **2.** Which of our stages does `torch.distributed.optim.ZeroRedundancyOptimizer` implement?
+
+# %%
 answer = None  # 0, 1, 2 or 3
 ch07.check("zero_redundancy_stage", answer)
-"""),
-    ("md", r"""
-## Summary
 
-- PyTorch's DDP, `ZeroRedundancyOptimizer` and FSDP2 compute the same losses as our
-  stages 0, 1 and 3, and hold the same states per rank.
-- DeepSpeed's `zero_optimization.stage` is the paper's stage; its bucket and contiguity
-  options are the paper's CB and MD.
-- Pick the lowest stage that fits; budget for residual memory; keep every rank on the
-  same code path, and use timeouts so that a bug fails instead of hanging.
-"""),
-]
+# %% [markdown]
+# ## Summary
+#
+# - PyTorch's DDP, `ZeroRedundancyOptimizer` and FSDP2 compute the same losses as our
+#   stages 0, 1 and 3, and shard the same states per rank (to a KiB:
+#   `ZeroRedundancyOptimizer` partitions whole tensors, our engines flat padded shards).
+# - DeepSpeed's `zero_optimization.stage` is the paper's stage; its bucket and contiguity
+#   options are the paper's CB and MD.
+# - Pick the lowest stage that fits; budget for residual memory; keep every rank on the
+#   same code path, and use timeouts so that a bug fails instead of hanging.

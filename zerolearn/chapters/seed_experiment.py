@@ -1,7 +1,7 @@
 """The seed experiment, done right: the blog's MLP under DP and ZeRO-1/2/3, measured.
 
     python -m zerolearn.chapters.seed_experiment                  # 2 gloo ranks, width 1024
-    python -m zerolearn.chapters.seed_experiment --width 10000    # full size (GPU, ~37 GB/rank for DP)
+    python -m zerolearn.chapters.seed_experiment --width 10000    # full size (GPU, ~9.6 GB of model states/rank for DP)
     python -m zerolearn.chapters.seed_experiment --simulate-world-size 2
     torchrun --nproc-per-node 2 -m zerolearn.chapters.seed_experiment --width 10000
 

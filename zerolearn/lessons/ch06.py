@@ -19,9 +19,12 @@ from zerolearn.memory.model import GB, TABLE1_GB, TABLE2_THEORETICAL_B, V100_BYT
 __all__ = ["DGX2", "GPT_60B", "check_fit_13b", "check_table2_pos_g", "check_zero3_comm_factor", "measure_per_rank",
            "scaling_rows", "table1_rows", "table2_rows"]
 
-DGX2 = Hardware(tflops_achieved=40, intra_node_GBps=300, inter_node_GBps=12.5, gpus_per_node=16)
-"""The paper's cluster as the cost model sees it (Sec 10.1-10.2): 16 V100s per DGX-2 on
-300 GB/s NVSwitch, nodes linked at 12.5 GB/s per GPU; 40 TFLOP/s achieved per GPU."""
+DGX2 = Hardware(tflops_achieved=40, intra_node_GBps=300, inter_node_GBps=800 / 8 / 16, gpus_per_node=16)
+"""The paper's cluster as the cost model sees it: 25 DGX-2 nodes of 16 V100s on 300 GB/s
+NVSwitch (Sec 10.1-10.2); 40 TFLOP/s achieved per GPU (Sec 10.2: over 38). Between nodes
+the paper gives 800 Gbps of bandwidth per node (Sec 10.1), shared by its 16 GPUs:
+800 / 8 / 16 = 6.25 GB/s per GPU. (Sec 10.2's 12.5 GB/s is one InfiniBand link, not a
+GPU's share.)"""
 
 GPT_60B = {"layers": 75, "hidden": 8192}
 """A GPT-like shape of about 60B parameters (12 x 75 x 8192^2 = 60.4e9), the size of Fig 3."""

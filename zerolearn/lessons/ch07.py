@@ -98,6 +98,53 @@ def _run_torch(kind: str, steps: int) -> dict:
                       "optimizer_states": _local_bytes(_optimizer_tensors(opt))}}
 
 
+def hf_gpt2_zero3(steps: int = 3) -> dict:
+    """A Hugging Face ``GPT2LMHeadModel`` (tiny config built in code: vocabulary 256,
+    2 layers, d 64, tied embeddings, no dropout) under ZeRO-3 on this process group,
+    each of its transformer blocks a unit, and the same model in one process on the
+    whole batch.
+
+    Returns ``losses`` and ``reference_losses`` (global mean per step), ``psi``
+    (trainable parameters, the tied weight counted once), ``params_bytes`` (working
+    parameter bytes this rank holds between steps) and ``units`` (how many).
+    Raises ImportError when transformers is not installed (``pip install .[hf]``).
+    """
+    import transformers
+
+    def build():
+        torch.manual_seed(0)
+        cfg = transformers.GPT2Config(vocab_size=256, n_positions=GPT.seq_len, n_embd=64, n_layer=2, n_head=4,
+                                      attn_pdrop=0.0, embd_pdrop=0.0, resid_pdrop=0.0, bos_token_id=0,
+                                      eos_token_id=0)
+        return transformers.GPT2LMHeadModel(cfg)
+
+    ref_model = build()
+    opt = torch.optim.Adam(ref_model.parameters(), lr=LR)
+    reference = []
+    for step in range(steps):
+        x, y = data.gpt_batch(step, BATCH, GPT.seq_len)
+        opt.zero_grad()
+        loss = _loss(ref_model(x).logits, y)
+        loss.backward()
+        opt.step()
+        reference.append(loss.item())
+    model = build()
+    # Units in forward order. The embeddings, the final norm and the tied head stay in
+    # the root unit, gathered for the whole forward and backward: the head reads the
+    # token embedding's weight long after the embedding's own forward has returned.
+    engine = make_engine(3, model, optimizer="adam", lr=LR, units=list(model.transformer.h))
+    losses = []
+    for step in range(steps):
+        x, y = _batch(step)
+        loss = _loss(engine(x).logits, y)
+        engine.backward(loss)
+        engine.step()
+        engine.zero_grad()
+        losses.append(comm.monitor_mean(loss.item()))
+    return {"losses": losses, "reference_losses": reference, "psi": engine.psi,
+            "params_bytes": engine.model_state_bytes()["params"], "units": len(engine.units)}
+
+
 def side_by_side(steps: int = 4) -> dict[str, dict]:
     """Every implementation on this process group: {name: {losses, bytes, step_s}}."""
     out = {}
