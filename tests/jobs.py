@@ -477,3 +477,17 @@ def train_jobs(argvs: list[list[str]]) -> list:
         except ConfigError as e:
             out.append(str(e))
     return out
+
+
+def save_broken_parameters() -> str:
+    """An engine whose fp32 master holds a NaN: the check before saving names it."""
+    from zerolearn.train import check_finite_params
+
+    engine = make_engine(1, small_gpt(), optimizer="adam", lr=1e-3)
+    with torch.no_grad():
+        engine.groups[0].master[0] = float("nan")
+    try:
+        check_finite_params(engine, 3)
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}"
+    return "no error"

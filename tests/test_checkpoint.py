@@ -378,14 +378,19 @@ def test_checkpoint_without_checksums_still_loads_and_says_so(saved, tmp_path, c
     assert f"{d / 'step_00000004'}: {NO_CHECKSUMS}" in capfd.readouterr().err
 
 
-@pytest.mark.parametrize("extra, message", [
-    ([], "step 1: the global mean loss is nan"),  # step 0's update made every parameter NaN
-    (["--checkpoint-every", "1"], "step 0: its update made parameters NaN or inf"),  # caught before saving
-])
-def test_lr_inf_stops_naming_the_step_and_saves_nothing(tmp_path, extra, message):
-    done = subprocess.run([sys.executable, "-m", "zerolearn.train", *TRAIN, "--steps", "3", "--lr", "inf",
+@pytest.mark.parametrize("extra, saved", [([], []), (["--checkpoint-every", "1"], ["step_00000001"])])
+def test_an_lr_that_overflows_stops_naming_the_step_and_keeps_the_last_good_checkpoint(tmp_path, extra, saved):
+    # Adam at lr 1e20 moves every weight by about 1e20 in step 0 (still finite); step
+    # 1's activations overflow and its loss is not finite.
+    done = subprocess.run([sys.executable, "-m", "zerolearn.train", *TRAIN, "--steps", "3", "--lr", "1e20",
                            "--checkpoint-dir", str(tmp_path / "ck"), *extra],
                           capture_output=True, text=True, timeout=120)
     assert done.returncode == 1, done.stderr
-    assert f"rank 0: NonFiniteError: {message}" in done.stderr
-    assert not (tmp_path / "ck").exists()
+    assert "rank 0: NonFiniteError: step 1: the global mean loss is" in done.stderr
+    held = sorted(p.name for p in (tmp_path / "ck").iterdir()) if (tmp_path / "ck").exists() else []
+    assert [n for n in held if n.startswith("step_")] == saved
+
+
+def test_parameters_broken_by_an_update_are_never_saved():
+    message = launch(jobs.save_broken_parameters, 1)[0]
+    assert message.startswith("NonFiniteError: step 3: its update made parameters NaN or inf"), message

@@ -116,19 +116,61 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def validate(args: argparse.Namespace, world_size: int) -> None:
-    """Refuse bad combinations before any work; ConfigError names the option."""
+def _check_numbers(args: argparse.Namespace) -> None:
+    """Counts >= 1, finite positive reals, a width the heads divide, a sequence the
+    corpus holds. Raises ConfigError naming the option and what is allowed."""
     positive = {"--steps": args.steps, "--global-batch-size": args.global_batch_size,
                 "--seq-len": args.seq_len, "--grad-accum-steps": args.grad_accum_steps,
-                "--loss-scale-window": args.loss_scale_window}
+                "--loss-scale-window": args.loss_scale_window, "--n-layer": args.n_layer,
+                "--d-model": args.d_model, "--n-head": args.n_head, "--mlp-width": args.mlp_width,
+                "--mlp-layers": args.mlp_layers}
     for name, value in positive.items():
         if value < 1:
             raise ConfigError(f"{name} {value}: must be >= 1")
+    reals = {"--lr": args.lr, "--timeout": args.timeout, "--bucket-mb": args.bucket_mb,
+             "--max-grad-norm": args.max_grad_norm}
+    for name, value in reals.items():
+        if value is not None and not (math.isfinite(value) and value > 0):
+            raise ConfigError(f"{name} {value}: must be a finite number > 0")
+    for name, value in {"--momentum": args.momentum, "--weight-decay": args.weight_decay}.items():
+        if not (math.isfinite(value) and value >= 0):
+            raise ConfigError(f"{name} {value}: must be a finite number >= 0")
+    if args.model == "gpt" and args.d_model % args.n_head:
+        raise ConfigError(f"--d-model {args.d_model} is not divisible by --n-head {args.n_head}; allowed are "
+                          f"head counts that divide the width")
+    longest = int(0.9 * len(data.corpus())) - 2  # the training split (data.gpt_batch)
+    if args.model == "gpt" and args.seq_len > longest:
+        raise ConfigError(f"--seq-len {args.seq_len}: longer than the training corpus; allowed are 1 to {longest}")
+
+
+def _check_paths(args: argparse.Namespace) -> None:
+    """Output paths that training would only fail on at its end are checked first."""
+    if args.report:
+        parent = os.path.dirname(os.path.abspath(args.report))
+        if os.path.isdir(args.report) or not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+            raise ConfigError(f"--report {args.report}: cannot write a file there (the folder must exist "
+                              "and be writable)")
+    if args.checkpoint_dir:
+        d = os.path.abspath(args.checkpoint_dir)
+        while not os.path.exists(d):  # the nearest folder that exists must be writable
+            d = os.path.dirname(d)
+        if not os.path.isdir(d) or not os.access(d, os.W_OK):
+            raise ConfigError(f"--checkpoint-dir {args.checkpoint_dir}: not a writable folder ({d})")
+
+
+def validate(args: argparse.Namespace, world_size: int) -> None:
+    """Refuse bad input and combinations before any work; ConfigError names the option."""
+    _check_numbers(args)
+    _check_paths(args)
     for name, value in {"--checkpoint-every": args.checkpoint_every, "--checkpoint-keep": args.checkpoint_keep}.items():
         if value < 0:
             raise ConfigError(f"{name} {value}: must be >= 0")
     if args.checkpoint_every and not args.checkpoint_dir:
         raise ConfigError("--checkpoint-every needs --checkpoint-dir")
+    if args.checkpoint_dir and getattr(args, "tensor_parallel", 1) > 1:
+        raise ConfigError(f"--checkpoint-dir with --tensor-parallel {args.tensor_parallel}: checkpoints hold "
+                          "data-parallel shards of whole layers; tensor-parallel slices are not saved (allowed: "
+                          "--tensor-parallel 1 with checkpoints)")
     if args.checkpoint_dir and args.simulate_world_size:
         raise ConfigError("--checkpoint-dir with --simulate-world-size: only rank 0 exists, there is "
                           "nothing whole to save")
@@ -178,7 +220,7 @@ def analytic_bytes(args, psi: int, nd: int) -> dict[str, float]:
 
 
 # A resumed run must see the same data stream and model as the run that saved.
-RESUME_MUST_MATCH = ("model", "seed", "global_batch_size", "seq_len", "mlp_width", "optimizer")
+RESUME_MUST_MATCH = ("model", "seed", "global_batch_size", "seq_len", "mlp_width", "optimizer", "lr")
 
 
 def say(line: str) -> None:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 
 import torch
 from torch import nn
@@ -136,8 +137,8 @@ class Engine:
         self.dtype = parse_dtype(dtype)
         if optimizer not in OPTIMIZERS:
             raise ConfigError(f"--optimizer {optimizer!r}: allowed are {', '.join(OPTIMIZERS)}")
-        if not lr > 0:
-            raise ConfigError(f"--lr {lr}: must be > 0")
+        if not (lr > 0 and math.isfinite(lr)):
+            raise ConfigError(f"--lr {lr}: must be > 0 and finite")
         if not bucket_mb > 0:
             raise ConfigError(f"--bucket-mb {bucket_mb}: must be > 0")
         if max_grad_norm is not None and not max_grad_norm > 0:
