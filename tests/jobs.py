@@ -491,3 +491,31 @@ def save_broken_parameters() -> str:
     except Exception as e:  # noqa: BLE001
         return f"{type(e).__name__}: {e}"
     return "no error"
+
+
+def train_with_per_rank_options(argv: list[str], per_rank: dict[int, list[str]]) -> str:
+    """:func:`zerolearn.train.train_job` where some ranks get extra options (a job whose
+    nodes were started differently); returns the error message, or "trained"."""
+    from zerolearn.train import train_job
+
+    rank = zdist.context().rank
+    try:
+        train_job([*argv, *per_rank.get(rank, [])])
+    except Exception as e:  # noqa: BLE001  (the test reads the message)
+        return f"{type(e).__name__}: {e}"
+    return "trained"
+
+
+def check_shared_marker(root: str) -> str:
+    """Each rank checks a different folder (as nodes without a shared filesystem see
+    one path as two folders); returns the error message, or "shared"."""
+    import os
+
+    from zerolearn import agree
+
+    rank = zdist.context().rank
+    try:
+        agree.check_shared_dir(os.path.join(root, f"node{rank}"), rank)
+    except Exception as e:  # noqa: BLE001
+        return f"{type(e).__name__}: {e}"
+    return "shared"

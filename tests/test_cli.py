@@ -129,3 +129,25 @@ def test_cuda_memory_snapshot_files_are_one_per_rank():
 
     assert snapshot_path("run/mem.pickle", 0, 1) == "run/mem.pickle"
     assert [snapshot_path("run/mem.pickle", r, 2) for r in (0, 1)] == ["run/mem_rank0.pickle", "run/mem_rank1.pickle"]
+
+
+def test_ranks_started_with_other_options_are_named_before_training():
+    per_rank = {1: ["--seed", "1"], 2: ["--seed", "1", "--lr", "0.002"]}
+    messages = launch(jobs.train_with_per_rank_options, 3, ARGV, per_rank)
+    for message in messages:  # every rank refuses alike, so none waits on a collective
+        assert message.startswith("ConfigError: ranks were started with different configurations"), message
+        assert "--seed: rank 0 has 0; ranks 1, 2 have 1" in message
+        assert "--lr: ranks 0, 1 have 0.001; rank 2 has 0.002" in message
+
+
+def test_a_checkpoint_dir_that_ranks_do_not_share_is_refused(tmp_path):
+    # Two ranks on one machine, each pointed at its own folder: as two nodes without a
+    # shared filesystem would be. (The folder is an option, so the configuration check
+    # names it first; the marker check is what catches one path that means two places.)
+    from zerolearn import agree
+
+    messages = launch(jobs.check_shared_marker, 2, str(tmp_path))
+    for message in messages:  # every rank refuses alike
+        assert message.startswith("ConfigError: --checkpoint-dir "), message
+        assert "rank 1 does not see the files rank 0 writes there" in message
+    assert agree.code_version() == agree.code_version() and len(agree.code_version()) == 12

@@ -52,7 +52,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from zerolearn import checkpoint, comm, compat, data
+from zerolearn import agree, checkpoint, comm, compat, data
 from zerolearn import dist as zdist
 from zerolearn.dist import ConfigError
 from zerolearn.engines import make_engine
@@ -288,6 +288,12 @@ def train(args: argparse.Namespace, progress: bool = False) -> dict:
     """
     ctx = zdist.context()
     validate(args, ctx.world_size)
+    if ctx.world_size > 1 and not args.simulate_world_size:
+        # Before any other collective (and before debug mode, which would pair its
+        # fingerprint exchanges with another rank's plain collectives).
+        agree.check_same_config(vars(args))
+        if args.checkpoint_dir:
+            agree.check_shared_dir(args.checkpoint_dir, ctx.rank)
     if args.debug_collectives:
         comm.set_debug(True)
     model = build_model(args.model, args.seed, mlp_width=args.mlp_width, mlp_layers=args.mlp_layers,
