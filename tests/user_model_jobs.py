@@ -110,7 +110,8 @@ def train(kind: str, stage: int | None, steps: int = 3, accum: int = 1, accum_st
         from zerolearn import comm
         losses.append(comm.monitor_mean(local))
     if engine.broadcast_buffers:
-        engine(x[:1])  # a last forward syncs buffers, as the next step would
+        model.eval()  # a last forward syncs buffers, as the next step would (eval: no update after)
+        engine(x[:1])
     return {"losses": losses, "params": engine.full_state_dict(),
             "buffers": {n: b.clone() for n, b in model.named_buffers()}}
 
@@ -134,7 +135,8 @@ def train_ddp(kind: str, stage: None = None, steps: int = 3) -> dict:
         opt.step()
         from zerolearn import comm
         losses.append(comm.monitor_mean(loss.item()))
-    ddp(x[:1])  # DDP broadcasts buffers at the start of a forward: sync them once more
+    model.eval()  # DDP broadcasts buffers at the start of a forward: sync them once more
+    ddp(x[:1])
     return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()},
             "buffers": {n: b.clone() for n, b in model.named_buffers()}}
 
