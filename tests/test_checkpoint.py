@@ -322,7 +322,7 @@ def save_that_is_damaged_on_disk(directory: str) -> tuple[str, list[str]]:
     try:
         checkpoint.save(engine, directory, 2, keep=1)
         message = None
-    except checkpoint.CheckpointError as e:
+    except checkpoint.CheckpointWriteError as e:  # a runtime failure (exit 1), not bad input
         message = str(e)
     finally:
         engine_io.verify = real
@@ -333,7 +333,7 @@ def test_old_checkpoints_are_pruned_only_after_the_new_one_verifies(tmp_path):
     message, names = launch(save_that_is_damaged_on_disk, 1, str(tmp_path / "ck"))[0]
     assert re.search(r"step_00000002 not written: rank 0: it did not verify when read back, older checkpoints "
                      r"kept: .*step_00000002/rank_00000.pt: SHA-256", message), message
-    assert names == ["step_00000001"]
+    assert names == [".lock", "step_00000001"]  # .lock: taken while removing leftovers of crashed saves
     checkpoint.verify(str(tmp_path / "ck" / "step_00000001"))
 
 
@@ -394,3 +394,83 @@ def test_an_lr_that_overflows_stops_naming_the_step_and_keeps_the_last_good_chec
 def test_parameters_broken_by_an_update_are_never_saved():
     message = launch(jobs.save_broken_parameters, 1)[0]
     assert message.startswith("NonFiniteError: step 3: its update made parameters NaN or inf"), message
+
+
+# ----- one job per directory, full disks (issue 17) ---------------------------------------
+
+def train_cli(*argv: str, script: str | None = None) -> subprocess.CompletedProcess:
+    """``python -m zerolearn.train ARGV`` (or ``python -c SCRIPT ARGV``) in a real process."""
+    head = ["-c", script] if script else ["-m", "zerolearn.train"]
+    return subprocess.run([sys.executable, *head, *TRAIN, *argv], capture_output=True, text=True, timeout=120)
+
+
+def lock_is_free(d: Path) -> bool:
+    import filelock
+
+    try:
+        filelock.FileLock(str(d / ".lock")).acquire(timeout=0).lock.release()
+    except filelock.Timeout:
+        return False
+    return True
+
+
+def test_a_second_job_on_a_checkpoint_dir_exits_2_naming_it_and_leaves_its_files(tmp_path):
+    import filelock
+
+    d = tmp_path / "ck"
+    (d / ".step_00000002.tmp").mkdir(parents=True)  # the first job's save in progress
+    (d / ".step_00000002.tmp" / "rank_00000.pt.part").write_bytes(b"half")
+    with filelock.FileLock(str(d / ".lock")):  # the first job, alive
+        done = train_cli("--steps", "1", "--checkpoint-dir", str(d))
+        assert done.returncode == 2, done.stderr
+        assert (f"error: --checkpoint-dir {d}: another job is using this checkpoint directory (it holds the lock "
+                f"{d / '.lock'})") in done.stderr
+        assert "Traceback" not in done.stderr
+        assert sorted(os.listdir(d)) == [".lock", ".step_00000002.tmp"]  # nothing trained, saved or removed
+        assert (d / ".step_00000002.tmp" / "rank_00000.pt.part").read_bytes() == b"half"
+        # A save outside the CLI (no lock of its own) leaves another job's leftovers alone too.
+        launch(jobs.train_jobs, 1, [["--steps", "1", *TRAIN, "--checkpoint-dir", str(d)]])
+        assert (d / ".step_00000002.tmp" / "rank_00000.pt.part").read_bytes() == b"half"
+        assert (d / "step_00000001").is_dir()
+    assert lock_is_free(d)
+
+
+def test_stale_partial_saves_are_removed_when_the_lock_is_free_and_it_is_released_at_the_end(tmp_path):
+    d = tmp_path / "ck"
+    (d / ".step_00000007.tmp").mkdir(parents=True)  # a save of a job that crashed
+    (d / ".step_00000007.tmp" / "rank_00000.pt.part").write_bytes(b"half")
+    done = train_cli("--steps", "1", "--checkpoint-dir", str(d))
+    assert done.returncode == 0, done.stderr
+    assert sorted(os.listdir(d)) == [".lock", "step_00000001"]
+    assert lock_is_free(d)
+    checkpoint.verify(str(d / "step_00000001"))
+
+
+FULL_DISK = ("import errno, sys, torch\n"
+             "from zerolearn import train\n"
+             "def full(obj, f, *args, **kwargs):\n"
+             "    f.write(b'partial')\n"
+             "    raise OSError(errno.ENOSPC, 'No space left on device')\n"
+             "torch.save = full\n"
+             "sys.exit(train.main(sys.argv[1:]))\n")
+
+
+def test_a_full_disk_while_saving_is_a_runtime_failure_naming_rank_and_path(tmp_path):
+    d = tmp_path / "ck"
+    done = train_cli("--steps", "1", "--checkpoint-dir", str(d), script=FULL_DISK)
+    assert done.returncode == 1, done.stderr
+    assert (f"rank 0: CheckpointWriteError: checkpoint {d / 'step_00000001'} not written: rank 0: writing "
+            f"{d / '.step_00000001.tmp' / 'rank_00000.pt'}: OSError: [Errno 28] No space left on device"
+            ) in done.stderr
+    assert "Traceback" not in done.stderr
+    assert os.listdir(d) == [".lock"]  # the partial save removed
+    assert lock_is_free(d)
+
+
+def test_a_full_disk_while_writing_the_report_exits_1_naming_the_path(tmp_path):
+    report = tmp_path / "run.json"
+    report.symlink_to("/dev/full")  # every write: OSError ENOSPC
+    done = train_cli("--steps", "1", "--report", str(report))
+    assert done.returncode == 1, done.stderr
+    assert f"rank 0: cannot write the report {report}: OSError: [Errno 28] No space left on device" in done.stderr
+    assert "Traceback" not in done.stderr

@@ -4,6 +4,8 @@ ranks are named, and an fp16 overflow on one rank is skipped by all."""
 
 import json
 import os
+import re
+import signal
 import subprocess
 import sys
 import time
@@ -13,7 +15,7 @@ import torch
 
 import jobs
 from zerolearn import checkpoint
-from zerolearn.dist import RankError, launch
+from zerolearn.dist import RankError, free_port, launch
 from zerolearn.train import train_job
 
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
@@ -141,3 +143,59 @@ def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(two_ranks, stage
     for name, value in ranks[0]["params"].items():
         assert torch.equal(value, ranks[1]["params"][name]), name
         assert torch.isfinite(value).all(), name
+
+
+# ----- Ctrl-C (issue 17) ------------------------------------------------------------------
+
+def interrupt_when_training(procs: list[subprocess.Popen], d, timeout: float = 60) -> list[tuple[int, str]]:
+    """Send SIGINT to every process once the first checkpoint under ``d`` exists (training
+    is under way, the lock held); (exit code, stderr) of each."""
+    deadline = time.monotonic() + timeout
+    while not (d.is_dir() and any(n.startswith("step_") for n in os.listdir(d))):
+        assert all(p.poll() is None for p in procs), [p.communicate() for p in procs]
+        assert time.monotonic() < deadline, "no checkpoint written"
+        time.sleep(0.05)
+    for p in procs:
+        p.send_signal(signal.SIGINT)
+    errs = [p.communicate(timeout=60)[1] for p in procs]
+    return [(p.returncode, err) for p, err in zip(procs, errs)]
+
+
+CTRL_C = [sys.executable, "-m", "zerolearn.train", *ARGV, "--steps", "1000", "--checkpoint-every", "1",
+          "--checkpoint-keep", "1"]
+LINE = re.compile(r"interrupted \(Ctrl-C\) at step (\d+)\n")
+
+
+def test_ctrl_c_stops_with_one_line_and_exit_code_130(tmp_path):
+    d = tmp_path / "ck"
+    proc = subprocess.Popen([*CTRL_C, "--checkpoint-dir", str(d)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        [(code, err)] = interrupt_when_training([proc], d)
+    finally:
+        proc.kill()
+    assert code == 130, err
+    assert LINE.fullmatch(err), err  # one line, no traceback
+    assert int(LINE.fullmatch(err).group(1)) < 1000  # the step running (or saving) when Ctrl-C came
+    import filelock
+
+    filelock.FileLock(str(d / ".lock")).acquire(timeout=0).lock.release()  # released
+
+
+def test_ctrl_c_on_two_ranks_exits_130_on_each_and_rank_0_says_so(tmp_path):
+    # Two ranks with torchrun's variables (as torchrun starts them), each sent SIGINT as
+    # a terminal's Ctrl-C does: rank 0 prints the line, rank 1 nothing, both exit 130.
+    d, port = tmp_path / "ck", str(free_port())
+    procs = [subprocess.Popen([*CTRL_C, "--checkpoint-dir", str(d)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env={**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+                                              "RANK": str(r), "LOCAL_RANK": str(r), "WORLD_SIZE": "2",
+                                              "ZEROLEARN_REPORT_GRACE": "1"})
+             for r in range(2)]
+    try:
+        (code0, err0), (code1, err1) = interrupt_when_training(procs, d)
+    finally:
+        for p in procs:
+            p.kill()
+    assert (code0, code1) == (130, 130), (err0, err1)
+    assert LINE.fullmatch(err0), err0
+    assert err1 == ""

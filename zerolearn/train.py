@@ -10,7 +10,8 @@ neither the stage nor the world size, which is what lets the book compare them.
 ``--report PATH`` makes rank 0 write the JSON report of DESIGN section 4: the global
 mean loss per step, and per rank the model-state bytes measured from the tensors it
 holds and the traffic its collectives moved, beside the paper's formulas for the
-same run. Exit codes: 0 done, 2 bad arguments (before any work), 1 failure.
+same run. Exit codes: 0 done, 2 bad arguments or a checkpoint folder another job
+holds (before any work), 1 failure (naming the rank), 130 interrupted (Ctrl-C).
 
 Failures. With ``--checkpoint-dir D`` the run saves sharded checkpoints (every
 ``--checkpoint-every K`` steps and at the end) and, when started again, resumes from
@@ -47,6 +48,7 @@ import os
 import signal
 import statistics
 import sys
+import threading
 import time
 
 import torch
@@ -54,6 +56,7 @@ import torch.nn.functional as F
 
 from zerolearn import agree, checkpoint, comm, compat, data
 from zerolearn import dist as zdist
+from zerolearn.checkpoint import lock as checkpoint_lock
 from zerolearn.dist import ConfigError
 from zerolearn.engines import make_engine
 from zerolearn.memory import model as analytic
@@ -397,36 +400,119 @@ def train_job(argv: list[str]) -> dict:
     return train(build_parser().parse_args(argv))
 
 
+_CTRL_C = {"interrupted": False, "cleaning": False}  # main()'s SIGINT state
+
+
+def _on_sigint(signum, frame) -> None:
+    """SIGINT handler of :func:`main`: the first raises KeyboardInterrupt; those that
+    arrive while main cleans up (torchrun passes Ctrl-C on to its workers a second
+    time) are ignored, so the cleanup is not cut short by a traceback."""
+    if _CTRL_C["cleaning"]:
+        return
+    _CTRL_C["interrupted"] = True
+    raise KeyboardInterrupt
+
+
+def _interrupted_step(error: BaseException) -> int | None:
+    """The step :func:`train` was running when ``error`` was raised (None: no step had begun)."""
+    step, tb = None, error.__traceback__
+    while tb is not None:
+        if tb.tb_frame.f_code is train.__code__:
+            step = tb.tb_frame.f_locals.get("step")
+        tb = tb.tb_next
+    return step
+
+
+def _lock_checkpoint_dir(args: argparse.Namespace, ctx: zdist.DistContext) -> None:
+    """Rank 0 takes ``--checkpoint-dir``'s lock for the run; every rank learns the outcome.
+
+    One collective on a multi-rank run (rank 0 decides, the others follow, as in
+    :func:`zerolearn.checkpoint.resume`), made whether or not the option is given so
+    that ranks given different options still pair their collectives.
+
+    Raises (on every rank alike):
+        ConfigError: another job holds the lock (the message names the directory).
+        RuntimeError: the lock cannot be taken (e.g. a full disk: OSError ENOSPC).
+    """
+    problem = None
+    if args.checkpoint_dir and ctx.rank == 0:
+        try:
+            checkpoint_lock.acquire(args.checkpoint_dir)
+        except checkpoint.CheckpointLockedError as e:
+            problem = ("busy", f"--checkpoint-dir {e}")
+        except OSError as e:
+            problem = ("error", f"rank 0: cannot lock {checkpoint_lock.lock_path(args.checkpoint_dir)}: "
+                                f"{type(e).__name__}: {e}")
+    if ctx.world_size > 1 and ctx.backend != "fake":
+        problem = comm.gather_objects(problem)[0]
+    if problem is not None:
+        raise (ConfigError if problem[0] == "busy" else RuntimeError)(problem[1])
+
+
 def main(argv: list[str] | None = None) -> int:
+    """The command line: train, write the report, print a summary (rank 0); the exit code.
+
+    Exit codes: 0 done; 2 bad arguments, or a ``--checkpoint-dir`` that another job
+    holds (before training; every rank alike); 1 a runtime failure, its message naming
+    the rank (an OSError writing a checkpoint or the report, a full disk included);
+    130 interrupted by Ctrl-C (SIGINT): rank 0 prints one line,
+    ``interrupted (Ctrl-C) at step N``, and every rank exits without a traceback.
+    The checkpoint directory's lock is released however the run ends.
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
+    _CTRL_C.update(interrupted=False, cleaning=False)
+    handle = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, _on_sigint) if handle else None
+    ctx = None
     try:
-        # Everything that can be checked without peers is checked before joining them.
-        env = zdist.torchrun_env()
-        validate(args, args.simulate_world_size or (env[1] if env else 1))
-        ctx = zdist.init(args.backend, args.device, args.timeout, args.simulate_world_size)
-    except ConfigError as e:
-        parser.exit(2, f"{parser.prog}: error: {e}\n")
-    try:
-        report = train(args, progress=not args.quiet)
-    except ConfigError as e:
+        try:
+            # Everything that can be checked without peers is checked before joining them.
+            env = zdist.torchrun_env()
+            validate(args, args.simulate_world_size or (env[1] if env else 1))
+            ctx = zdist.init(args.backend, args.device, args.timeout, args.simulate_world_size)
+        except ConfigError as e:
+            parser.exit(2, f"{parser.prog}: error: {e}\n")
+        try:
+            _lock_checkpoint_dir(args, ctx)
+            report = train(args, progress=not args.quiet)
+        except ConfigError as e:
+            zdist.teardown(clean=False)
+            parser.exit(2, f"{parser.prog}: error: {e}\n")
+        except Exception as e:  # noqa: BLE001 - exit 1 with the rank named, as DESIGN section 4 says
+            if _CTRL_C["interrupted"]:  # a peer left on Ctrl-C, failing this rank's collective
+                raise KeyboardInterrupt from e
+            say(f"rank {ctx.rank}: {type(e).__name__}: {e}")
+            zdist.teardown(clean=False)
+            return 1
+        zdist.teardown()
+        if ctx.rank == 0:
+            if args.report:
+                try:
+                    with open(args.report, "w") as f:
+                        json.dump(report, f, indent=1)
+                except OSError as e:  # a full disk is a runtime failure (exit 1), not bad input
+                    say(f"rank 0: cannot write the report {args.report}: {type(e).__name__}: {e}")
+                    return 1
+            losses, first = report["losses"] or [float("nan")], report["first_step"]
+            print(f"stage {args.stage}: loss {losses[0]:.4f} -> {losses[-1]:.4f} "
+                  f"over steps {first}-{args.steps - 1} on {ctx.world_size} rank(s)"
+                  f"{' (simulated: rank 0 only, losses not meaningful)' if report['simulated'] else ''}, "
+                  f"{report['step_seconds_median'] * 1e3:.1f} ms/step (median)")
+        return 0
+    except KeyboardInterrupt as e:
+        _CTRL_C["cleaning"] = True
+        step = _interrupted_step(e.__cause__ or e)
+        if (ctx.rank if ctx is not None else os.environ.get("RANK", "0")) in (0, "0"):
+            say(f"interrupted (Ctrl-C) {'before the first step' if step is None else f'at step {step}'}")
         zdist.teardown(clean=False)
-        parser.exit(2, f"{parser.prog}: error: {e}\n")
-    except Exception as e:  # noqa: BLE001 - exit 1 with the rank named, as DESIGN section 4 says
-        say(f"rank {ctx.rank}: {type(e).__name__}: {e}")
-        zdist.teardown(clean=False)
-        return 1
-    zdist.teardown()
-    if ctx.rank == 0:
-        if args.report:
-            with open(args.report, "w") as f:
-                json.dump(report, f, indent=1)
-        losses, first = report["losses"] or [float("nan")], report["first_step"]
-        print(f"stage {args.stage}: loss {losses[0]:.4f} -> {losses[-1]:.4f} "
-              f"over steps {first}-{args.steps - 1} on {ctx.world_size} rank(s)"
-              f"{' (simulated: rank 0 only, losses not meaningful)' if report['simulated'] else ''}, "
-              f"{report['step_seconds_median'] * 1e3:.1f} ms/step (median)")
-    return 0
+        return 130
+    finally:
+        _CTRL_C["cleaning"] = True
+        if args.checkpoint_dir:
+            checkpoint_lock.release(args.checkpoint_dir)
+        if handle and previous is not None:  # None: a handler not set from Python, cannot be restored
+            signal.signal(signal.SIGINT, previous)
 
 
 if __name__ == "__main__":

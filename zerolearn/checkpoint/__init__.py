@@ -44,6 +44,16 @@ to ``step_N`` (an atomic rename on one file system). A crash at any moment leave
 earlier checkpoints untouched; :func:`latest` only sees renamed folders. Older
 checkpoints are pruned (``keep``) only after the new one verifies, re-read from disk.
 
+One job per directory (:mod:`zerolearn.checkpoint.lock`): ``DIR/.lock`` is an OS file
+lock that ``python -m zerolearn.train --checkpoint-dir DIR`` holds (rank 0) for its
+whole run; a second job on DIR is refused before training
+(:class:`CheckpointLockedError`, exit 2). Leftover ``.step_*.tmp`` folders are removed
+only by a process that holds the lock, so never while a live job writes them.
+
+Write failures (a full disk, any OSError, a checkpoint that does not verify when read
+back) raise :class:`CheckpointWriteError`, a runtime error (exit 1), naming the rank
+and the path; bad or damaged input raises :class:`CheckpointError` (exit 2).
+
 Corruption (:mod:`zerolearn.checkpoint.checksums`): every shard is checked against the
 manifest's size and SHA-256 before it is trusted: by :func:`load`, by :func:`resume`
 (which falls back to the newest checkpoint that verifies, saying so), and by
@@ -71,7 +81,16 @@ import sys
 from zerolearn import comm
 from zerolearn.checkpoint.checksums import NO_CHECKSUMS, choose, verify
 from zerolearn.checkpoint.engine_io import load, save
-from zerolearn.checkpoint.files import CheckpointError, consolidate, latest, read_full, read_manifest, resolve
+from zerolearn.checkpoint.files import (
+    CheckpointError,
+    CheckpointWriteError,
+    consolidate,
+    latest,
+    read_full,
+    read_manifest,
+    resolve,
+)
+from zerolearn.checkpoint.lock import CheckpointLockedError
 from zerolearn.errors import ConfigError
 
 
@@ -143,5 +162,5 @@ def resume(engine, directory: str | None, config: dict, must_match: tuple[str, .
     return load(engine, path, verify_files=False)  # rank 0 has just verified every file
 
 
-__all__ = ["CheckpointError", "choose", "consolidate", "latest", "load", "manifest", "read_full", "resume", "save",
-           "verify"]
+__all__ = ["CheckpointError", "CheckpointLockedError", "CheckpointWriteError", "choose", "consolidate", "latest",
+           "load", "manifest", "read_full", "resume", "save", "verify"]

@@ -5,6 +5,7 @@ Both are collectives: call them on every rank of the engine's process group.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 
@@ -16,6 +17,7 @@ from zerolearn.checkpoint.files import (
     FORMAT,
     VERSION,
     CheckpointError,
+    CheckpointWriteError,
     Reader,
     complete,
     fsync_dir,
@@ -27,6 +29,7 @@ from zerolearn.checkpoint.files import (
     tmp_dir,
     write_atomic,
 )
+from zerolearn.checkpoint.lock import held_or_free
 from zerolearn.precision import DTYPES
 
 
@@ -118,9 +121,19 @@ def save(engine, directory: str, step: int, extra: dict | None = None, keep: int
             ones are removed only after the new one verifies (sizes and SHA-256 of
             every shard, read back from disk by rank 0).
 
-    Returns: the checkpoint's path. Raises CheckpointError on every rank if any rank
-    failed to write, or the new checkpoint did not verify when read back (then it is
-    removed; the previous checkpoints stay intact).
+    Leftovers of saves that crashed (``.step_*.tmp``, ``step_*.old``) are removed
+    first, but only while this process holds the directory's lock
+    (:mod:`zerolearn.checkpoint.lock`) or can take it for that moment: never while
+    another job holds it (it may be writing them).
+
+    Returns: the checkpoint's path.
+
+    Raises:
+        CheckpointWriteError: on every rank, if any rank failed to write (a full disk:
+            OSError ENOSPC, or any other error; the message names the rank and the
+            path), or the new checkpoint did not verify when read back (then it is
+            removed). The previous checkpoints stay intact.
+        CheckpointError: the engine's group is not the whole world.
     """
     _whole_world(engine)
     tmp, final = tmp_dir(directory, step), step_dir(directory, step)
@@ -128,27 +141,29 @@ def save(engine, directory: str, step: int, extra: dict | None = None, keep: int
     if engine.rank == 0:
         try:
             os.makedirs(directory, exist_ok=True)
-            for name in os.listdir(directory):  # leftovers of saves that crashed
-                if (name.startswith(".step_") and name.endswith(".tmp")
-                        or name.startswith("step_") and name.endswith(".old")):
-                    remove(os.path.join(directory, name))
+            with held_or_free(directory) as mine:
+                for name in os.listdir(directory) if mine else []:  # leftovers of saves that crashed
+                    if (name.startswith(".step_") and name.endswith(".tmp")
+                            or name.startswith("step_") and name.endswith(".old")):
+                        remove(os.path.join(directory, name))
             os.makedirs(tmp)
         except OSError as e:
             problem = f"rank 0: {type(e).__name__}: {e}"
     # Rank 0 has made the folder (or failed to): the others may write now (or give up).
     problem = comm.gather_objects(problem, engine.pg)[0]
     if problem is not None:
-        raise CheckpointError(f"checkpoint {final} not written: {problem}")
+        raise CheckpointWriteError(f"checkpoint {final} not written: {problem}")
     meta = {"rank": engine.rank, "file": rank_file(engine.rank), "error": None}
+    path = os.path.join(tmp, meta["file"])
     try:
-        meta.update(_write(engine, step, os.path.join(tmp, meta["file"])))
+        meta.update(_write(engine, step, path))
     except Exception as e:  # noqa: BLE001 - reported to every rank below
-        meta["error"] = f"{type(e).__name__}: {e}"
+        meta["error"] = f"writing {path}: {type(e).__name__}: {e}"
     metas = comm.gather_objects(meta, engine.pg)
     status = _finish(engine, directory, step, extra, keep, metas) if engine.rank == 0 else None
     status = comm.gather_objects(status, engine.pg)[0]
     if status is not None:
-        raise CheckpointError(f"checkpoint {final} not written: {status}")
+        raise CheckpointWriteError(f"checkpoint {final} not written: {status}")
     return final
 
 
@@ -159,6 +174,7 @@ def _finish(engine, directory, step, extra, keep, metas) -> str | None:
     if failed:
         remove(tmp)
         return "; ".join(failed)
+    where = tmp  # what rank 0 is writing, for the message if it fails
     try:
         groups = [{"names": g.names, "shapes": [list(s) for s in g.shapes], "offsets": g.offsets,
                    "numel": g.numel, "padded_numel": g.padded_numel, "pieces": []} for g in engine.groups]
@@ -177,9 +193,10 @@ def _finish(engine, directory, step, extra, keep, metas) -> str | None:
             "files": [{"file": m["file"], "bytes": m["bytes"], "sha256": m["sha256"],
                        **_identity(engine, m["rank"], step)} for m in metas],
             "extra": extra or {}}
-        write_atomic(os.path.join(tmp, "manifest.json"),
-                     lambda f: f.write(json.dumps(manifest, indent=1).encode()))
+        where = os.path.join(tmp, "manifest.json")
+        write_atomic(where, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
         fsync_dir(tmp)
+        where = final
         if os.path.exists(final):  # same step saved again (e.g. after a restart)
             os.replace(final, final + ".old")
         os.replace(tmp, final)
@@ -195,7 +212,11 @@ def _finish(engine, directory, step, extra, keep, metas) -> str | None:
         for _, old in complete(directory)[:-keep] if keep else []:
             remove(old)
     except Exception as e:  # noqa: BLE001
-        return f"rank 0: {type(e).__name__}: {e}"
+        remove(tmp)  # a partial save (frees the space a full disk needs)
+        if not os.path.exists(final) and os.path.exists(final + ".old"):
+            with contextlib.suppress(OSError):  # the others wait for this rank's answer
+                os.replace(final + ".old", final)  # the same step's earlier checkpoint, as it was
+        return f"rank 0: writing {where}: {type(e).__name__}: {e}"
     return None
 
 

@@ -29,6 +29,14 @@ class CheckpointError(ConfigError):
     """
 
 
+class CheckpointWriteError(RuntimeError):
+    """A checkpoint could not be written (a full disk, an I/O error, a file that did not
+    verify when read back): a runtime failure, not bad input (the CLI exits with 1).
+
+    The message names the rank(s) and the path. The previous checkpoints are intact.
+    """
+
+
 def step_dir(directory: str, step: int) -> str:
     return os.path.join(directory, f"step_{step:08d}")
 
