@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zerolearn import data
+from zerolearn import comm, data
 from zerolearn import dist as zdist
 from zerolearn.engines import make_engine
 
@@ -107,7 +107,6 @@ def train(kind: str, stage: int | None, steps: int = 3, accum: int = 1, accum_st
             local += loss.item()
         engine.step()
         engine.zero_grad()
-        from zerolearn import comm
         losses.append(comm.monitor_mean(local))
     if engine.broadcast_buffers:
         model.eval()  # a last forward syncs buffers, as the next step would (eval: no update after)
@@ -133,7 +132,6 @@ def train_ddp(kind: str, stage: None = None, steps: int = 3) -> dict:
         loss = loss_of(kind, model, ddp(x), y)
         loss.backward()
         opt.step()
-        from zerolearn import comm
         losses.append(comm.monitor_mean(loss.item()))
     model.eval()  # DDP broadcasts buffers at the start of a forward: sync them once more
     ddp(x[:1])

@@ -200,7 +200,7 @@ class Engine:
         nm = torch.distributed.get_world_size(self.mp_group)
         out = []
         for g in self.groups:
-            lo, hi = (0, g.padded_numel) if self.stage == 0 else g.shard_range
+            lo, hi = g.shard_range  # the whole buffer at stage 0 (one shard)
             ranges = []
             for p, off in zip(g.params, g.offsets):
                 a, b = max(off, lo), min(off + p.numel(), hi)
