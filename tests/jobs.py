@@ -519,3 +519,26 @@ def check_shared_marker(root: str) -> str:
     except Exception as e:  # noqa: BLE001
         return f"{type(e).__name__}: {e}"
     return "shared"
+
+
+def freed_after_collectives(rounds: int) -> int:
+    """Run ``rounds`` of a synchronous all_reduce and an asynchronous all_gather, each
+    on a tensor dropped right after; return how many of those tensors were still
+    alive (held by the backend) the moment they were dropped."""
+    import weakref
+
+    world = zdist.context().world_size
+    alive = 0
+    for _ in range(rounds):
+        t = torch.ones(4096)
+        ref = weakref.ref(t.untyped_storage())
+        comm.all_reduce(t)
+        del t
+        alive += ref() is not None
+        t, out = torch.ones(4096), torch.empty(4096 * world)
+        refs = weakref.ref(t.untyped_storage()), weakref.ref(out.untyped_storage())
+        handle = comm.all_gather(out, t, async_op=True)
+        handle.wait()
+        del t, out
+        alive += any(r() is not None for r in refs)
+    return alive

@@ -85,12 +85,54 @@ class CommLedger:
 LEDGER = CommLedger()
 
 
+# gloo runs a collective on a worker thread that lets go of the collective's tensors a
+# moment *after* the caller's wait() returns. A tensor the caller then drops would be
+# freed at a time that depends on thread scheduling, and a memory measurement taken
+# just after it (the memory ledger's) would differ from run to run. So once a gloo
+# collective has finished, these functions wait until the references to each tensor
+# and its storage are back to what they were before the call. A caller may have made
+# views of the tensor while an asynchronous collective ran (a view holds its base and
+# its storage): after VIEW_GRACE seconds it is then enough that the counts fell by what
+# the work held. RELEASE_TIMEOUT bounds it all.
+VIEW_GRACE, RELEASE_TIMEOUT = 0.01, 0.2
+
+
+def _use_counts(tensors, group=None, check_backend: bool = True) -> list | None:
+    # Counted the same way every time: a Python reference count depends on the caller.
+    if check_backend and dist.get_backend(group) != "gloo":
+        return None
+    counts = [compat.use_counts(t) for t in tensors]
+    return None if None in counts else counts
+
+
+def _released(count, before, relaxed, grace_over: bool) -> bool:
+    if all(c <= n for c, n in zip(count, before)):
+        return True
+    return relaxed is not None and grace_over and all(c <= n for c, n in zip(count, relaxed))
+
+
+def _await_release(tensors, before: list | None, relaxed: list | None = None) -> None:
+    if before is None:
+        return
+    relaxed = relaxed or [None] * len(tensors)
+    start = time.perf_counter()
+    while True:
+        waited = time.perf_counter() - start
+        counts = _use_counts(tensors, check_backend=False)
+        if waited > RELEASE_TIMEOUT or all(_released(c, b, r, waited > VIEW_GRACE)
+                                           for c, b, r in zip(counts, before, relaxed)):
+            return
+        time.sleep(1e-4)  # not 0: the worker thread needs the GIL to let go
+
+
 class Handle:
     """An in-flight collective; :meth:`wait` blocks and books the time waited."""
 
-    def __init__(self, work, op: str, group=None):
+    def __init__(self, work, op: str, group=None, tensors=(), before=None, held=None):
         self._work, self._op, self._group = work, op, group
         self._seq = guard.current()
+        # gloo: each tensor's reference count before the call, and how many the work took.
+        self._tensors, self._before, self._held = tensors, before, held
 
     def wait(self) -> None:
         if self._work is None:
@@ -99,20 +141,31 @@ class Handle:
         with guard.loud(self._op, self._group, self._seq):
             self._work.wait()
         LEDGER.ops[self._op].seconds += time.perf_counter() - t0
+        counts = _use_counts(self._tensors, self._group) if self._held is not None else None
         self._work = None
+        if counts is not None:
+            # Python references are left out: a view makes C++ hold one, however many views.
+            relaxed = [(now[0] + 1_000_000, *(c - h for c, h in zip(now[1:], took[1:])))
+                       for now, took in zip(counts, self._held)]
+            _await_release(self._tensors, self._before, relaxed)
+        self._tensors = ()
 
-    def is_completed(self) -> bool:
-        return self._work is None or self._work.is_completed()
 
-
-def _run(op: str, counted: torch.Tensor, call, async_op: bool, group, shapes: tuple,
+def _run(op: str, counted: torch.Tensor, call, async_op: bool, group, tensors: tuple,
          detail: str | None = None, tag: str = "dp") -> Handle:
+    shapes = tuple(tuple(t.shape) for t in tensors)
     guard.before(op if detail is None else f"{op}({detail})", shapes, counted.dtype, group)
+    before = _use_counts(tensors, group)
     t0 = time.perf_counter()
     with guard.loud(op, group):
         work = call()
     LEDGER.record(op, counted, time.perf_counter() - t0, tag)
-    return Handle(work if async_op else None, op, group)
+    if not async_op:
+        _await_release(tensors, before)
+        return Handle(None, op, group)
+    after = _use_counts(tensors, group)
+    held = None if before is None else [tuple(a - b for a, b in zip(*pair)) for pair in zip(after, before)]
+    return Handle(work, op, group, tensors, before, held)
 
 
 def monitor_mean(value: float, group=None) -> float:
@@ -154,14 +207,14 @@ def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None, async_op:
     """Sum (or ``op``) ``tensor`` over the ranks of ``group``, in place."""
     return _run("all_reduce", tensor,
                 lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op), async_op,
-                group, (tuple(tensor.shape),), tag=tag)
+                group, (tensor,), tag=tag)
 
 
 def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False) -> Handle:
     """``output`` (n elements) = this rank's chunk of the sum of ``input`` (n * world_size)."""
     return _run("reduce_scatter", input,
                 lambda: compat.reduce_scatter_tensor(output, input, group=group, async_op=async_op),
-                async_op, group, (tuple(input.shape), tuple(output.shape)))
+                async_op, group, (input, output))
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False,
@@ -169,11 +222,11 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async_op: 
     """``output`` (n * world_size elements) = every rank's ``input`` (n), in rank order."""
     return _run("all_gather", output,
                 lambda: compat.all_gather_into_tensor(output, input, group=group, async_op=async_op),
-                async_op, group, (tuple(input.shape), tuple(output.shape)), tag=tag)
+                async_op, group, (input, output), tag=tag)
 
 
 def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False, tag: str = "dp") -> Handle:
     """Copy ``tensor`` from global rank ``src`` to every rank of ``group``, in place."""
     return _run("broadcast", tensor,
                 lambda: dist.broadcast(tensor, src=src, group=group, async_op=async_op), async_op,
-                group, (tuple(tensor.shape),), detail=f"src={src}", tag=tag)
+                group, (tensor,), detail=f"src={src}", tag=tag)

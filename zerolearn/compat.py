@@ -7,6 +7,8 @@ package reads as if there were a single torch.
 
 from __future__ import annotations
 
+import sys
+
 import torch
 import torch.distributed as dist
 
@@ -60,3 +62,19 @@ def record_cuda_memory_history(on: bool, max_entries: int = 100_000) -> None:
 def dump_cuda_memory_snapshot(path: str) -> None:
     """Write the recorded history as a pickle for https://pytorch.org/memory_viz."""
     torch.cuda.memory._dump_snapshot(path)
+
+
+def use_counts(tensor: torch.Tensor) -> tuple[int, int, int] | None:
+    """References that hold ``tensor``: to its Python object, to the tensor itself and
+    to its storage (views, a communication backend's work and the tensors it made;
+    a C++ thread letting go of the last one also drops a Python reference, which
+    needs the GIL and so can come later).
+
+    ``Tensor._use_count`` and ``torch._C._storage_Use_Count`` are underscored (testing
+    aids, in 2.11 and 2.13); None where either is missing, and callers then skip what
+    needs them.
+    """
+    storage_count = getattr(torch._C, "_storage_Use_Count", None)
+    if storage_count is None or not hasattr(tensor, "_use_count"):
+        return None
+    return sys.getrefcount(tensor), tensor._use_count(), storage_count(tensor.untyped_storage()._cdata)
