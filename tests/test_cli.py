@@ -85,6 +85,7 @@ def test_cli_writes_the_report(tmp_path):
     (["--n-layer", "-2"], {}, "--n-layer -2: must be >= 1"),
     (["--d-model", "64", "--n-head", "5"], {}, "--d-model 64 is not divisible by --n-head 5"),
     (["--seq-len", "100000000"], {}, "--seq-len 100000000: longer than the training corpus"),
+    (["--global-batch-size", "1000000000"], {}, "--global-batch-size 1000000000: one step needs at least"),
     (["--report", "/nonexistent/r.json"], {}, "--report /nonexistent/r.json: cannot write a file there"),
     (["--checkpoint-dir", f"{sys.executable}/ck"], {}, f"--checkpoint-dir {sys.executable}/ck: not a writable folder"),
     (["--tensor-parallel", "2", "--checkpoint-dir", "ck"], {}, "--checkpoint-dir with --tensor-parallel 2"),

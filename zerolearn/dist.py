@@ -37,6 +37,10 @@ DEFAULT_TIMEOUT_S = float(os.environ.get("ZEROLEARN_TIMEOUT", "300"))
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
+class RendezvousError(RuntimeError):
+    """This rank could not join the job's store at MASTER_ADDR:MASTER_PORT in time."""
+
+
 class RankError(RuntimeError):
     """A spawned rank raised; ``rank`` says which, the message carries its traceback."""
 
@@ -134,7 +138,8 @@ def init(backend: str = "auto", device: str = "auto", timeout_s: float | None = 
 
     Raises:
         ConfigError: see :func:`resolve_backend_device` and :func:`torchrun_env`;
-            ``simulate_world_size`` < 1 or combined with torchrun.
+            ``simulate_world_size`` < 1 or combined with torchrun; MASTER_PORT held.
+        RendezvousError: the job's store did not answer within ``timeout_s``.
     """
     global _CONTEXT
     if _CONTEXT is not None and dist.is_initialized():
@@ -164,12 +169,49 @@ def init(backend: str = "auto", device: str = "auto", timeout_s: float | None = 
         # torchrun's agent keeps one rendezvous store for all restarts of a job; keys
         # left by a failed attempt (peers' addresses) must not be read by the next one,
         # so each attempt works under its own prefix.
-        store, _, _ = next(dist.rendezvous("env://", rank, world, timeout=timeout))
+        store = _rendezvous(rank, world, timeout)
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         _STORE = dist.PrefixStore(f"zerolearn/attempt{attempt}", store)
         dist.init_process_group(backend, store=_STORE, rank=rank, world_size=world, timeout=timeout)
     _CONTEXT = DistContext(rank, world, local, backend, dev)
     return _CONTEXT
+
+
+def _rendezvous(rank: int, world: int, timeout: datetime.timedelta) -> dist.Store:
+    """torchrun's env:// rendezvous, bounded by ``timeout`` and with clear errors.
+
+    A port that accepts connections but is not a torch.distributed store (another
+    program holds MASTER_PORT) keeps torch's store client waiting past its own
+    timeout; here the wait runs on a helper thread and this rank gives up on time.
+
+    Raises:
+        ConfigError: rank 0 cannot listen on MASTER_PORT (address already in use).
+        RendezvousError: no store answered within ``timeout``.
+    """
+    import threading
+
+    addr, port = os.environ.get("MASTER_ADDR", "?"), os.environ.get("MASTER_PORT", "?")
+    out: dict[str, Any] = {}
+
+    def join() -> None:
+        try:
+            out["store"] = next(dist.rendezvous("env://", rank, world, timeout=timeout))[0]
+        except Exception as e:  # noqa: BLE001 - reported by the caller below
+            out["error"] = e
+
+    thread = threading.Thread(target=join, name="zerolearn-rendezvous", daemon=True)
+    thread.start()
+    thread.join(timeout.total_seconds() + 5)
+    if "store" in out:
+        return out["store"]
+    error = out.get("error")
+    if error is not None and "EADDRINUSE" in str(error):
+        raise ConfigError(f"MASTER_PORT {port}: address already in use on {addr}, another program holds it; "
+                          "allowed: a free port (torchrun --master-port N)") from error
+    what = f"failed ({type(error).__name__}: {error})" if error is not None else "got no answer"
+    raise RendezvousError(f"rank {rank}: joining the job's store at {addr}:{port} {what} within "
+                          f"--timeout {timeout.total_seconds():g} s; is rank 0 running, and is that port "
+                          "its store and not another program's?")
 
 
 def store() -> dist.Store | None:

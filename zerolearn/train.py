@@ -161,6 +161,45 @@ def _check_paths(args: argparse.Namespace) -> None:
             raise ConfigError(f"--checkpoint-dir {args.checkpoint_dir}: not a writable folder ({d})")
 
 
+def step_bytes_lower_bound(args: argparse.Namespace, nd: int) -> int:
+    """Bytes one training step needs at the least on each rank, beyond the model.
+
+    Every rank makes the whole global batch and keeps its share: GPT tokens and
+    targets as int64 (2 x global batch x seq_len x 8 bytes), MLP inputs and targets
+    as fp32 (global batch x width x 4 x 2). A micro-batch of ``global / (Nd x K)``
+    samples (K = --grad-accum-steps) then keeps its fp32 activations: for the GPT
+    12 x b x s x h per block, b x s x h with checkpointing (Sec 3.2,
+    ``memory.model.activation_bytes``) plus logits and their gradient (2 x b x s x
+    vocab); for the MLP its width per layer, twice. An estimate from below: a
+    step that needs more than this will not run where this does not fit.
+    """
+    micro = max(args.global_batch_size // (nd * args.grad_accum_steps), 1)
+    if args.model == "gpt":
+        batch = 2 * args.global_batch_size * args.seq_len * 8
+        acts = analytic.activation_bytes(args.d_model, micro, args.seq_len, args.n_layer, bytes_per_value=4,
+                                         checkpointing=args.checkpoint_activations)
+        return batch + acts + 2 * micro * args.seq_len * GPTConfig.vocab_size * 4
+    batch = 2 * args.global_batch_size * args.mlp_width * 4
+    return batch + 2 * micro * args.mlp_width * args.mlp_layers * 4
+
+
+def _check_batch_fits(args: argparse.Namespace, nd: int) -> None:
+    """Refuse a batch that cannot fit in this machine's memory, before allocating it
+    (too large a batch otherwise ends in an allocator abort or the kernel's OOM killer)."""
+    try:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):  # not every platform says
+        return
+    need = step_bytes_lower_bound(args, nd)
+    if need > free:
+        raise ConfigError(
+            f"--global-batch-size {args.global_batch_size}: one step needs at least {need / 2**30:.1f} GiB on each "
+            f"rank (the batch, and the activations of a micro-batch of "
+            f"{max(args.global_batch_size // (nd * args.grad_accum_steps), 1)}), more than the "
+            f"{free / 2**30:.1f} GiB of memory free here; allowed: a smaller --global-batch-size (more "
+            f"--grad-accum-steps shrinks the activations, not the batch)")
+
+
 def validate(args: argparse.Namespace, world_size: int) -> None:
     """Refuse bad input and combinations before any work; ConfigError names the option."""
     _check_numbers(args)
@@ -187,6 +226,7 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
             f"x --grad-accum-steps {args.grad_accum_steps}; allowed are multiples "
             f"of {nd * args.grad_accum_steps}")
     _, device = zdist.resolve_backend_device(args.backend, args.device)
+    _check_batch_fits(args, nd)
     if args.cuda_memory_snapshot and device != "cuda":
         raise ConfigError(f"--cuda-memory-snapshot {args.cuda_memory_snapshot}: needs a CUDA device; "
                           f"this run is on {device} (on CPU, --memory-timeline records the step instead)")
@@ -473,6 +513,9 @@ def main(argv: list[str] | None = None) -> int:
             ctx = zdist.init(args.backend, args.device, args.timeout, args.simulate_world_size)
         except ConfigError as e:
             parser.exit(2, f"{parser.prog}: error: {e}\n")
+        except zdist.RendezvousError as e:
+            say(str(e))
+            return 1
         try:
             _lock_checkpoint_dir(args, ctx)
             report = train(args, progress=not args.quiet)
