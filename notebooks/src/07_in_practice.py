@@ -146,21 +146,28 @@ for step, (a, b) in enumerate(zip(hf["losses"], hf["reference_losses"])):
 #
 # Use the lowest stage that fits: stage 1 and 2 move no more data than DP (Sec 7.2.1),
 # stage 3 moves 1.5x (Sec 7.2.2). The fit solver answers "what is the smallest setup that
-# holds my model's states?":
+# holds my model?", first for model states alone, then for GPT-2 1.5B with its residual
+# states at batch 32 (checkpointed activations, one block's recomputation, DP's fused fp32
+# gradient buffer; Sec 3.2):
 
 # %%
 for psi, gb in ((1.5e9, 32), (7e9, 80), (13e9, 80), (70e9, 80)):
     fit = memory.smallest_fit(psi, gb * 1e9)
     print(f"{psi / 1e9:>5.1f}B params on {gb} GB GPUs: stage {fit.stage} on {fit.nd} GPUs, "
           f"{fit.bytes_per_device / 1e9:.1f} GB of model states each")
+spec = memory.ActivationSpec(hidden=1600, layers=48, batch_per_gpu=32, seq_len=1024, checkpointing=True)
+fit = memory.smallest_fit(memory.gpt_params(48, 1600), 32e9, activation=spec)
+print(f"GPT-2 1.5B, batch 32, with residual states on 32 GB GPUs: stage {fit.stage} on {fit.nd} GPUs, "
+      f"{fit.bytes_per_device / 1e9:.1f} GB each")
 
 # %% [markdown]
 # ## Three pitfalls, shown on our engines
 #
-# **Memory above the estimate.** The formulas count model states only. A real step also
-# holds activations, the fused buffers of backward and the allocator's fragmentation
-# (chapter 0 and 5): `peak_bytes` in a training report is always above
-# `model_state_bytes`. Budget for residual states before picking a stage.
+# **Memory above the estimate.** Model states alone said DP for GPT-2 1.5B; its residual
+# states at batch 32 say P_os on two GPUs. A real step holds activations, the fused
+# buffers of backward and the allocator's fragmentation (chapter 0 and 5):
+# `peak_bytes` in a training report is always above `model_state_bytes`. Budget for
+# residual states before picking a stage.
 #
 # **Stage 3 slow on small models.** Stage 3 gathers every unit twice per step. When a unit
 # is small, each gather is a latency-bound collective, and the third Psi of traffic is not

@@ -45,13 +45,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, help="sequences per GPU; adds activations (needs --layers, --hidden)")
     p.add_argument("--seq-len", type=int, default=1024, help="tokens per sequence (default 1024)")
     p.add_argument("--checkpointing", action="store_true", help="keep only each block's input (Sec 6.1)")
+    p.add_argument("--cb-mb", type=float,
+                   help="ZeRO-R's constant-size fused buffer in MB (CB, Sec 6.2); default: one fp32 buffer "
+                        "for all gradients, 4 Psi / Nm bytes (Sec 3.2)")
     p.add_argument("--max-nd", type=int, default=DEFAULT_MAX_ND, help="largest Nd the fit search tries")
     p.add_argument("--json", action="store_true", help="print JSON with bytes instead of a table")
     return p
 
 
 _COUNTS = ("layers", "hidden", "vocab", "nd", "nm", "batch", "seq_len", "max_nd")
-_SIZES = ("params", "device_gb")
+_SIZES = ("params", "device_gb", "cb_mb")
 
 
 def _check_options(args: argparse.Namespace) -> None:
@@ -81,13 +84,15 @@ def _psi(args: argparse.Namespace) -> int | float:
 
 def _activation(args: argparse.Namespace) -> ActivationSpec | None:
     if args.batch is None:
-        if args.checkpointing:
-            raise ConfigError("--checkpointing needs --batch (activations are counted only with a batch)")
+        for option, given in (("--checkpointing", args.checkpointing), ("--cb-mb", args.cb_mb is not None)):
+            if given:
+                raise ConfigError(f"{option} needs --batch (residual states are counted only with a batch)")
         return None
     if args.layers is None:
         raise ConfigError("--batch needs --layers and --hidden to size the activations")
+    cb = None if args.cb_mb is None else max(int(args.cb_mb * 1e6), 1)
     return ActivationSpec(hidden=args.hidden, layers=args.layers, batch_per_gpu=args.batch,
-                          seq_len=args.seq_len, checkpointing=args.checkpointing)
+                          seq_len=args.seq_len, checkpointing=args.checkpointing, constant_buffer_bytes=cb)
 
 
 def _describe(psi: float, args: argparse.Namespace, activation: ActivationSpec | None) -> str:
@@ -96,7 +101,19 @@ def _describe(psi: float, args: argparse.Namespace, activation: ActivationSpec |
     if activation is not None:
         kind = "checkpointed" if activation.checkpointing else "full"
         what += f" + {kind} activations (batch {activation.batch_per_gpu} x seq {activation.seq_len})"
+        what += " + one block's recomputation" if activation.checkpointing else ""
+        what += (" + a fused fp32 gradient buffer" if activation.constant_buffer_bytes is None
+                 else " + constant-size buffers (CB)")
     return f"psi = {psi:.4g} parameters, {args.dtype} {args.optimizer} (K = {k}), Nm = {args.nm}: {what}"
+
+
+def _breakdown_line(row: dict) -> str:
+    """Where DP's bytes at this Nd go, category by category (Sec 3.1, 3.2)."""
+    b = row["stages"][0]
+    parts = [("params", "params"), ("grads", "grads"), ("optimizer_states", "optimizer states"),
+             ("activations", "activations"), ("recompute", "recompute"), ("temporary_buffers", "buffers")]
+    return (f"DP at Nd = {row['nd']}: " + " + ".join(f"{b[key] / GB:.1f} {name}" for key, name in parts if b[key])
+            + f" = {b['total'] / GB:.1f} GB")
 
 
 def _lowest_stage_line(row: dict, device_bytes: float) -> str:
@@ -164,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     _print_table(rows, device_bytes)
     if args.nd is not None:
         print(_lowest_stage_line(rows[0], device_bytes))
+        if activation is not None:
+            print(_breakdown_line(rows[0]))
     print(_fit_line(fit, device_bytes, args.max_nd))
     return 0
 

@@ -37,6 +37,14 @@ class ActivationSpec:
     each block's input is kept (Sec 6.1). Values take the working dtype's width.
     Under model parallelism the checkpoints are replicated on every MP rank (Sec 6.1,
     P_a not applied), so they are not divided by Nm.
+
+    With a spec, the other residual states of Sec 3.2 are counted too: the working set
+    of recomputing one block in backward (with checkpointing), and the temporary
+    buffer that fuses all gradients into one fp32 buffer for the all-reduce or the
+    gradient norm, 4 Psi / Nm bytes (Sec 3.2: 6 GB for 1.5B parameters), unless
+    ``constant_buffer_bytes`` gives ZeRO-R's constant-size buffer instead (CB, Sec
+    6.2). Fragmentation (Sec 3.2, 6.3) has no size to add: the paper reports OOM with
+    over 30% of memory free in extreme cases; headroom is what guards against it.
     """
 
     hidden: int
@@ -44,6 +52,7 @@ class ActivationSpec:
     batch_per_gpu: int
     seq_len: int
     checkpointing: bool = False
+    constant_buffer_bytes: int | None = None
 
 
 @dataclass(frozen=True)
@@ -109,6 +118,8 @@ def _check_activation(activation: ActivationSpec | None) -> None:
         _fail(f"activation {activation!r}: must be an ActivationSpec or None")
     for name in ("hidden", "layers", "batch_per_gpu", "seq_len"):
         _check_count(f"activation.{name}", getattr(activation, name))
+    if activation.constant_buffer_bytes is not None:
+        _check_count("activation.constant_buffer_bytes", activation.constant_buffer_bytes)
 
 
 def _check_common(psi: float, nm: int, activation: ActivationSpec | None,
@@ -124,14 +135,20 @@ def _per_device(psi: float, nd: int, stage: int, k: int, width: int, nm: int,
     """Unchecked core of :func:`per_device_bytes`; inputs already validated."""
     # Mixed precision (Sec 3.1): params and grads in the working dtype, K covers the rest.
     states = model_state_bytes(psi, nd, stage, k=k, param_bytes=width, grad_bytes=width, nm=nm)
-    act = 0
+    act = recompute = buffers = 0
     if activation is not None:
-        act = activation_bytes(activation.hidden, activation.batch_per_gpu, activation.seq_len,
-                               activation.layers, bytes_per_value=width,
-                               checkpointing=activation.checkpointing)
+        a = activation
+        act = activation_bytes(a.hidden, a.batch_per_gpu, a.seq_len, a.layers, bytes_per_value=width,
+                               checkpointing=a.checkpointing)
+        if a.checkpointing:  # backward recomputes one block with all its activations (Sec 3.2)
+            recompute = activation_bytes(a.hidden, a.batch_per_gpu, a.seq_len, 1, bytes_per_value=width)
+        # One fused fp32 buffer for every gradient (Sec 3.2), or ZeRO-R's CB (Sec 6.2).
+        buffers = 4 * psi / nm if a.constant_buffer_bytes is None else a.constant_buffer_bytes
+        buffers = int(buffers) if float(buffers).is_integer() else buffers
     return {"params": states["params"], "grads": states["grads"],
             "optimizer_states": states["optimizer_states"], "activations": act,
-            "total": states["total"] + act}
+            "recompute": recompute, "temporary_buffers": buffers,
+            "total": states["total"] + act + recompute + buffers}
 
 
 def per_device_bytes(psi: float, nd: int, stage: int, *, optimizer: str = "adam", dtype: str = "bf16",
@@ -142,12 +159,14 @@ def per_device_bytes(psi: float, nd: int, stage: int, *, optimizer: str = "adam"
     Model states from ``model.model_state_bytes`` (Sec 3.1, Sec 5, Fig 1) with K
     from ``model.optimizer_k`` and parameter/gradient widths from
     ``model.dtype_bytes``; activations from ``model.activation_bytes`` (Sec 3.2) when
-    ``activation`` is given, else 0. Temporary buffers and fragmentation (Sec 3.2,
-    6.2, 6.3) are not counted.
+    ``activation`` is given, and then the recomputation's working set and the
+    temporary buffers (Sec 3.2, 6.2; see :class:`ActivationSpec`), else 0.
+    Fragmentation (Sec 3.2, 6.3) is not a size and is not counted.
 
     Args: psi parameters (> 0); nd, nm ints >= 1; stage 0-3; optimizer "adam",
     "adamw" or "sgd"; dtype "fp32", "bf16" or "fp16"; momentum (SGD only).
-    Returns {"params", "grads", "optimizer_states", "activations", "total"} in bytes.
+    Returns {"params", "grads", "optimizer_states", "activations", "recompute",
+    "temporary_buffers", "total"} in bytes.
     Raises ConfigError for any bad input.
     """
     k, width = _check_common(psi, nm, activation, optimizer, dtype, momentum)
