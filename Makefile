@@ -9,7 +9,7 @@ TORCH ?= torch==2.13.0
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: tour test check notebooks book lint clean gpu-check deepspeed
+.PHONY: tour test check notebooks book lint clean gpu-check deepspeed paper-map
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -48,6 +48,10 @@ deepspeed: $(VENV)/.installed
 		DS_ACCELERATOR=cpu $(VENV)/bin/torchrun --standalone --nproc-per-node=2 \
 			-m zerolearn.chapters.deepspeed_cpu --stage $$stage --out notebooks/data/deepspeed_cpu.json || exit 1; \
 	done
+
+# book/paper_map.md is generated from zerolearn/papermap.py; tests/test_papermap.py checks it is current.
+paper-map: $(VENV)/.installed
+	$(PY) -m zerolearn.papermap > book/paper_map.md
 
 gpu-check: $(VENV)/.installed
 	$(PY) -m zerolearn.gpu_check --out gpu

@@ -1,0 +1,121 @@
+"""The paper map (book/paper_map.md) is generated from code, covers the paper, and its numbers hold.
+
+The expected values here are recomputed from the paper's formulas (Sec 3, 5, 6, 9,
+10.1) with plain arithmetic, not copied from the page, and compared with both the
+page's computed values and the paper's printed numbers within their rounding.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from zerolearn import papermap
+
+PAGE = Path(__file__).resolve().parent.parent / "book" / "paper_map.md"
+GB = 1e9  # the paper's decimal GB
+
+
+def test_committed_page_equals_render():
+    assert PAGE.read_text() == papermap.render(), (
+        "book/paper_map.md differs from zerolearn.papermap.render(): a computed value changed. "
+        "Run `make paper-map` and commit the page.")
+
+
+def test_render_is_deterministic():
+    assert papermap.render() == papermap.render()
+
+
+def test_page_covers_sections_3_and_5_to_10_and_tables_1_to_3():
+    refs = {ref for row in papermap.rows() for ref in row.refs()}
+    tops = {ref.split(".")[0] for ref in refs}
+    for sec in ("Sec 3", "Sec 5", "Sec 6", "Sec 7", "Sec 8", "Sec 9", "Sec 10", "Table 1", "Table 2", "Table 3"):
+        assert sec in tops, f"no row cites {sec}"
+    for sub in ("Sec 3.1", "Sec 3.2", "Sec 5.1", "Sec 5.2", "Sec 5.3", "Fig 1", "Sec 6.1", "Sec 6.2", "Sec 6.3",
+                "Sec 7.1", "Sec 7.2.1", "Sec 7.2.2", "Sec 10.1", "Sec 10.2", "Sec 10.3", "Sec 10.4", "Sec 10.5",
+                "Sec 10.6"):
+        assert sub in refs, f"no row cites {sub}"
+
+
+def test_every_row_has_a_known_status_and_not_reproduced_rows_say_why():
+    rows = papermap.rows()
+    assert len({r.key for r in rows}) == len(rows)
+    for r in rows:
+        assert r.status in papermap.STATUSES, r
+        assert r.claim and r.computed and r.where, r
+        if r.status != papermap.REPRODUCED:
+            assert r.why, f"{r.key}: status {r.status!r} without a reason"
+
+
+def test_both_boxes_are_myst_admonitions():
+    page = papermap.render()
+    assert page.startswith("# Paper map\n")
+    for title in ("Reduce and broadcast, or reduce-scatter and all-gather",
+                  "Where the paper and other sources disagree"):
+        assert f"```{{admonition}} {title}\n:class: note\n" in page
+
+
+def test_fig1_matches_the_paper():
+    """Fig 1: 7.5B at Nd = 64 is 120, 31.4, 16.6, 1.9 GB (Sec 5: 16, 4 + 12/Nd, 2 + 14/Nd, 16/Nd bytes)."""
+    psi, nd = 7.5e9, 64
+    expected = [16 * psi, (4 + 12 / nd) * psi, (2 + 14 / nd) * psi, 16 * psi / nd]
+    printed = [120, 31.4, 16.6, 1.9]
+    values = papermap.find("fig1").values
+    for name, want, paper in zip(("DP", "P_os", "P_os+g", "P_os+g+p"), expected, printed):
+        assert values[name] == pytest.approx(want / GB)
+        assert round(values[name], 1) == pytest.approx(paper)  # the paper prints one decimal
+
+
+def test_sec3_gpt2_numbers():
+    """Sec 3.1: 16 bytes per parameter, 24 GB for 1.5B; Sec 3.2: ~60 GB of activations at seq 1K, batch 32."""
+    assert papermap.find("mixed-adam").values["gpt2_states_gb"] == pytest.approx((2 + 2 + 12) * 1.5e9 / GB)
+    act = papermap.find("activations").values["act_gb"]
+    assert act == pytest.approx(12 * 1600 * 32 * 1024 * 48 * 2 / GB)
+    assert 55 <= act <= 65  # "about 60 GB"
+
+
+def test_gpt2_batch32_does_not_fit_under_dp():
+    """Sec 3: GPT-2 1.5B cannot train on one 32 GB GPU, with or without checkpointing."""
+    values = papermap.find("dp-gpt2-batch32").values
+    assert values["dp_full_gb"] > 32 and values["dp_ck_gb"] > 32
+
+
+def test_sec6_1_partitioned_checkpoints_are_about_2_gb():
+    """Sec 6.1: ~33 GB of checkpoints per GPU for 100B become ~2 GB at Nm = 16 (one b s h per block)."""
+    ckpt = 125 * 8192 * 16 * 1024 * 2  # layers x hidden x batch x seq x fp16 bytes
+    values = papermap.find("pa").values
+    assert values["ckpt_gb"] == pytest.approx(ckpt / GB)
+    assert values["pa_gb"] == pytest.approx(ckpt / 16 / GB)
+    assert round(values["ckpt_gb"]) in (33, 34) and round(values["pa_gb"]) == 2
+
+
+def test_sec7_stage3_moves_one_and_a_half_times_dp():
+    assert papermap.find("comm-posgp").values["factor"] == pytest.approx(3 / 2)
+
+
+def test_sec9_trillion_parameters_need_16_gb_per_gpu():
+    """Sec 9: 16 bytes x 1e12 parameters over 1024 GPUs, 16 TB / 1024 = 15.6 GB, "16 GB"."""
+    gb = papermap.find("trillion").values["gb"]
+    assert gb == pytest.approx(16 * 1e12 / 1024 / GB)
+    assert round(gb) == 16
+
+
+def test_sec10_1_bandwidth_is_6_25_gb_per_s_per_gpu():
+    """Sec 10.1: 800 Gbps per DGX-2 node of 16 GPUs."""
+    assert papermap.find("setup").values["GBps"] == pytest.approx(800 / 8 / 16) == 6.25
+
+
+def test_sec10_2_aggregate_and_table2_measured_headroom():
+    assert papermap.find("100b").values["pflops"] == pytest.approx(400 * 38 / 1000)  # "over 15 PFlops"
+    # Table 2: 6.2B measured under P_os at Nd = 64 leaves room for residual states in 32 GB.
+    assert papermap.find("table2-measured").values["states_gb"] == pytest.approx((4 + 12 / 64) * 6.2e9 / GB)
+
+
+def test_tables_1_and_2_agree_with_the_print():
+    """Table 1 within one unit of the last printed digit (under 2.5%); Table 2 within its ~3% rounding."""
+    for key in ("table1-7.5B", "table1-128B", "table1-1T"):
+        assert papermap.find(key).values["worst_rel"] < 0.025, key
+    t2 = papermap.find("table2-theory").values
+    assert t2["worst_rel"] < 0.03
+    assert t2["P_os"] == pytest.approx(32e9 / (4 + 12 / 64) / 1e9)  # 7.6B
