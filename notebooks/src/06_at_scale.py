@@ -302,7 +302,8 @@ print(ch04.text_table(['tokens/GPU', 'stage', 'compute s', 'comm s', 'step s', '
 # efficiency and hide more communication (Sec 10.3).
 #
 # The cost model can replay that argument. `costmodel.max_batch_per_gpu` finds the
-# largest batch whose model states plus checkpointed activations fit 32 GB;
+# largest batch whose model states and residual states (checkpointed activations, one
+# block's recomputation, ZeRO-R's constant-size buffer) fit 32 GB;
 # `throughput_per_gpu` runs a step at that batch. How efficiency grows with batch is
 # an *assumption* here (`EfficiencyCurve`: half of a 60 TFLOP/s peak at 4 sequences
 # per GPU), not data from the paper:
@@ -340,7 +341,8 @@ plt.show()
 # DP does not fit the 60B model at all (batch 0 at every size): its 16 Psi / 16 bytes
 # per GPU never shrink. Under P_os+g, going from 64 to 400 GPUs more than doubles the
 # batch each GPU can hold, and per-GPU throughput rises with it, so the aggregate
-# grows faster than linearly. The shape follows from memory alone; the numbers follow
+# grows faster than linearly. Past 256 GPUs the batch stops growing: the activations and
+# the recomputation, which no stage divides, fill what the model states freed. The shape follows from memory alone; the numbers follow
 # from the assumed efficiency curve.
 #
 # ## 8. The measured timeline, per stage
