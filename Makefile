@@ -24,7 +24,7 @@ test: $(VENV)/.installed
 	$(PY) -m pytest tests
 	$(PY) -m pytest --nbval notebooks -p no:cacheprovider
 
-# About 5 minutes on 2 cores: everything not marked slow or browser (tests/conftest.py)
+# About 6 minutes on 2 cores: everything not marked slow or browser (tests/conftest.py)
 # and the shortest chapter under nbval.
 check: $(VENV)/.installed
 	$(PY) -m pytest tests -m "not slow and not browser" -q
