@@ -474,3 +474,19 @@ def test_a_full_disk_while_writing_the_report_exits_1_naming_the_path(tmp_path):
     assert done.returncode == 1, done.stderr
     assert f"rank 0: cannot write the report {report}: OSError: [Errno 28] No space left on device" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+def test_a_resume_with_nothing_left_says_so_and_fewer_steps_than_the_checkpoint_exits_2(tmp_path):
+    def run(steps: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "zerolearn.train", *TRAIN, "--steps", steps,
+                               "--checkpoint-dir", str(tmp_path / "ck")], capture_output=True, text=True, timeout=120)
+
+    assert run("2").returncode == 0
+    again = run("2")  # a finished run started again, as a restarted job would be
+    assert again.returncode == 0, again.stderr
+    assert "nothing left to train, the checkpoint is at step 2 = --steps" in again.stdout
+    assert "nan" not in again.stdout
+    fewer = run("1")
+    assert fewer.returncode == 2
+    message = f"--steps 1: the checkpoint in {tmp_path / 'ck'} is at step 2 already; allowed: --steps 2 or more"
+    assert message in fewer.stderr

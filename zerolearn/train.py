@@ -350,6 +350,9 @@ def train(args: argparse.Namespace, progress: bool = False) -> dict:
                          model_parallel_group=zero_r.groups.tp_group if zero_r.groups.nm > 1 else None)
     engine.scaler.growth_interval = args.loss_scale_window
     first = checkpoint.resume(engine, args.checkpoint_dir, vars(args), RESUME_MUST_MATCH)
+    if first > args.steps:  # equal is a finished run started again: nothing left, exit 0
+        raise ConfigError(f"--steps {args.steps}: the checkpoint in {args.checkpoint_dir} is at step {first} "
+                          f"already; allowed: --steps {first} or more")
     cuda = ctx.device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats(ctx.device)
@@ -537,7 +540,10 @@ def main(argv: list[str] | None = None) -> int:
                 except OSError as e:  # a full disk is a runtime failure (exit 1), not bad input
                     say(f"rank 0: cannot write the report {args.report}: {type(e).__name__}: {e}")
                     return 1
-            losses, first = report["losses"] or [float("nan")], report["first_step"]
+            losses, first = report["losses"], report["first_step"]
+            if not losses:
+                print(f"stage {args.stage}: nothing left to train, the checkpoint is at step {first} = --steps")
+                return 0
             print(f"stage {args.stage}: loss {losses[0]:.4f} -> {losses[-1]:.4f} "
                   f"over steps {first}-{args.steps - 1} on {ctx.world_size} rank(s)"
                   f"{' (simulated: rank 0 only, losses not meaningful)' if report['simulated'] else ''}, "
