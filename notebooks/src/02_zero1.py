@@ -340,6 +340,15 @@ print(f"elements per step; Psi = {psi:,}; paper (Sec 7.2.1): ZeRO-1 moves "
 # which on a real network adds a latency per call. The extra $\Psi$ buys nothing: each
 # rank used only the gradients of the tensors it owns.
 #
+# The paper describes $P_{os}$'s data movement differently (Sec 7.2.1): each partition's
+# gradients are *reduced* to the rank that owns it, and each owner *broadcasts* its
+# updated parameters. Done for all $N_d$ partitions at once, the reduces are one
+# reduce-scatter and the broadcasts one all-gather: the same data reaches the same ranks.
+# Per rank, a reduce-scatter sends and receives $\Psi (N_d - 1)/N_d$ elements, the
+# all-gather the same, so about $\Psi + \Psi = 2\Psi$: the paper's count, and the engine's
+# measured volume above. A ring all-reduce is this same pair (Sec 7.1), which is why
+# $P_{os}$ moves no more than DP.
+#
 # ### 5.4 Same arithmetic, same losses
 #
 # Both versions apply the same Adam update to the same averaged gradients, so the
