@@ -243,6 +243,14 @@ ax.legend()
 plt.show()
 
 # %% [markdown]
+# Parameters are not a model's only state. BatchNorm keeps running statistics in
+# *buffers*, and each rank updates them from its own slice of the batch, so the ranks'
+# copies drift apart. Like torch's DDP (`broadcast_buffers=True`), every engine here
+# broadcasts the buffers from rank 0 at the start of each forward
+# (`make_engine(..., broadcast_buffers=False)` turns it off), so all ranks hold rank 0's
+# statistics. To normalize with statistics of the whole global batch instead, convert
+# the model with `nn.SyncBatchNorm.convert_sync_batchnorm` before wrapping it.
+#
 # ## 3. The redundancy: every rank holds 16 Ψ
 #
 # Now the memory side. We run the training command line at stage 0 (DP) with mixed-precision
