@@ -9,7 +9,8 @@ torchrun's own options, then ``--``, then the training options::
 It checks the training options for the whole world (``--nnodes`` x
 ``--nproc-per-node`` ranks) before starting any worker, starts them with torchrun's
 machinery (``torch.distributed.run``), and exits with the workers' code: 0 done, 2
-bad input (every rank refused alike), 130 Ctrl-C, 1 anything else. See
+bad input, 130 Ctrl-C, 1 anything else (workers that torchrun stops by a signal after
+another failed do not count). See
 ``zerolearn.train.main`` for what each code means.
 """
 
@@ -52,8 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         elastic_launch(config, cmd)(*cmd_args)
     except ChildFailedError as e:
-        codes = {failure.exitcode for failure in e.failures.values()}
-        return codes.pop() if len(codes) == 1 and codes <= {2, 130} else 1
+        # Workers that exited decide; torchrun stops the rest by a signal (negative codes).
+        exited = {failure.exitcode for failure in e.failures.values() if failure.exitcode >= 0}
+        return exited.pop() if len(exited) == 1 and exited <= {2, 130} else 1
     except (KeyboardInterrupt, SignalException):
         return 130
     return 0
