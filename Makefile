@@ -46,7 +46,7 @@ deepspeed: $(VENV)/.installed
 	rm -f notebooks/data/deepspeed_cpu.json
 	for stage in 0 1 2 3; do \
 		DS_ACCELERATOR=cpu $(VENV)/bin/torchrun --standalone --nproc-per-node=2 \
-			-m zerolearn.chapters.deepspeed_cpu --stage $$stage --out notebooks/data/deepspeed_cpu.json || exit 1; \
+			-m zerolearn.experiments.deepspeed_cpu --stage $$stage --out notebooks/data/deepspeed_cpu.json || exit 1; \
 	done
 
 # book/paper_map.md is generated from zerolearn/papermap.py; tests/test_papermap.py checks it is current.

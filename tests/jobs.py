@@ -53,17 +53,19 @@ def frozen_model(seed: int = 0) -> nn.Module:
 
 def train_engine(stage: int, optimizer: str = "sgd", dtype: str = "fp32", steps: int = 4,
                  accum: int = 1, model: str = "gpt", bucket_mb: float = 0.01,
-                 max_grad_norm: float | None = None, accum_style: str = "sync") -> dict:
+                 max_grad_norm: float | None = None, accum_style: str = "sync", engine_cls=None) -> dict:
     """Train with our engine on this rank's slices; return losses, params, ledgers.
 
     ``accum_style`` says how micro-batches are written: ``"sync"`` (``sync=False``
     until the last), ``"no_sync"`` (the context manager) or ``"repeated"`` (plain
-    ``backward`` each time, as a PyTorch user writes it).
+    ``backward`` each time, as a PyTorch user writes it). ``engine_cls``: an
+    ``Engine`` subclass to train instead of ``stage``'s (importable by name).
     """
     ctx = zdist.context()
     net = small_gpt() if model == "gpt" else frozen_model()
-    engine = make_engine(stage, net, optimizer=optimizer, lr=LR[optimizer], dtype=dtype,
-                         bucket_mb=bucket_mb, max_grad_norm=max_grad_norm)
+    options = dict(optimizer=optimizer, lr=LR[optimizer], dtype=dtype, bucket_mb=bucket_mb,
+                   max_grad_norm=max_grad_norm)
+    engine = make_engine(stage, net, **options) if engine_cls is None else engine_cls(net, **options)
     comm.LEDGER.reset()
     losses, grads_bytes = [], None
     for step in range(steps):
@@ -96,8 +98,8 @@ def train_engine(stage: int, optimizer: str = "sgd", dtype: str = "fp32", steps:
             "padding": engine.padding, "psi": engine.psi, "comm_per_step": comm_per_step,
             "ledger": ledger, "peak_grad_bytes": engine.peak_grad_bytes,
             "peak_gathered_bytes": getattr(engine, "peak_gathered_bytes", None),
-            "group_bytes": [g.padded_numel * engine.dtype.itemsize for g in engine.groups],
-            "unit_bytes": [sum(g.padded_numel for g in u.groups) * engine.dtype.itemsize
+            "group_bytes": [g.layout.padded_numel * engine.dtype.itemsize for g in engine.groups],
+            "unit_bytes": [sum(g.layout.padded_numel for g in u.groups) * engine.dtype.itemsize
                            for u in engine.units] if stage == 3 else None}
 
 
@@ -177,15 +179,17 @@ def whoami() -> tuple[int, int]:
     return ctx.rank, ctx.world_size
 
 
-def train_all_stages(argv: list[str]) -> list[dict]:
-    """The train CLI's report for stages 0-3 in one process group."""
-    from zerolearn.train import train_job
+def train_all_stages(config) -> list[dict]:
+    """The training report of ``config`` at stages 0-3 in one process group."""
+    from zerolearn.train import train
 
-    return [train_job(["--stage", str(s), *argv]) for s in range(4)]
+    return [train(config.replace(stage=s)) for s in range(4)]
 
 
-def resume_round_trip(stage: int, steps: int = 4, split: int = 2) -> dict:
-    """Train ``split`` steps, save state_dict, rebuild, load, finish; vs uninterrupted."""
+def resume_round_trip(stage: int, directory: str, steps: int = 4, split: int = 2) -> dict:
+    """Train ``split`` steps, save a checkpoint, rebuild, load, finish; vs uninterrupted."""
+    from zerolearn import checkpoint
+
     ctx = zdist.context()
 
     def run(engine, first, last):
@@ -200,9 +204,9 @@ def resume_round_trip(stage: int, steps: int = 4, split: int = 2) -> dict:
     run(whole, 0, steps)
     first = make_engine(stage, small_gpt(), optimizer="adam", lr=LR["adam"], bucket_mb=0.01)
     run(first, 0, split)
-    state = first.state_dict()
+    checkpoint.save(first, directory, split)
     second = make_engine(stage, small_gpt(seed=7), optimizer="adam", lr=LR["adam"], bucket_mb=0.01)
-    second.load_state_dict(state)
+    assert checkpoint.load(second, directory) == split
     run(second, split, steps)
     return {"whole": whole.full_state_dict(), "resumed": second.full_state_dict()}
 
@@ -409,14 +413,14 @@ def skip_unit_forward() -> float:
     return loss.item()
 
 
-def debug_mode_is_transparent(argv: list[str]) -> dict:
-    """The train CLI's reports without and with --debug-collectives, and the checks made."""
+def debug_mode_is_transparent(config) -> dict:
+    """The training reports of ``config`` at stage 3 without and with debug_collectives, and the checks made."""
     from zerolearn import guard
-    from zerolearn.train import train_job
+    from zerolearn.train import train
 
-    plain = [train_job(["--stage", "3", *argv])]
+    plain = [train(config.replace(stage=3))]
     before = guard.checks
-    debug = [train_job(["--stage", "3", "--debug-collectives", *argv])]
+    debug = [train(config.replace(stage=3, debug_collectives=True))]
     comm.set_debug(False)
     return {"plain": plain, "debug": debug, "checks": guard.checks - before}
 
@@ -465,15 +469,15 @@ def fp16_overflow(stage: int, steps: int, inject: dict[int, tuple[int, float]]) 
             "skipped": engine.scaler.skipped_steps}
 
 
-def train_jobs(argvs: list[list[str]]) -> list:
-    """The train CLI's reports for several runs in a row, or the ConfigError's message."""
+def train_jobs(configs: list) -> list:
+    """The training reports of several runs in a row, or the ConfigError's message."""
     from zerolearn.errors import ConfigError
-    from zerolearn.train import train_job
+    from zerolearn.train import train
 
     out = []
-    for argv in argvs:
+    for config in configs:
         try:
-            out.append(train_job(argv))
+            out.append(train(config))
         except ConfigError as e:
             out.append(str(e))
     return out
@@ -493,14 +497,14 @@ def save_broken_parameters() -> str:
     return "no error"
 
 
-def train_with_per_rank_options(argv: list[str], per_rank: dict[int, list[str]]) -> str:
-    """:func:`zerolearn.train.train_job` where some ranks get extra options (a job whose
+def train_with_per_rank_options(config, per_rank: dict[int, dict]) -> str:
+    """:func:`zerolearn.train.train` where some ranks get other options (a job whose
     nodes were started differently); returns the error message, or "trained"."""
-    from zerolearn.train import train_job
+    from zerolearn.train import train
 
     rank = zdist.context().rank
     try:
-        train_job([*argv, *per_rank.get(rank, [])])
+        train(config.replace(**per_rank.get(rank, {})))
     except Exception as e:  # noqa: BLE001  (the test reads the message)
         return f"{type(e).__name__}: {e}"
     return "trained"

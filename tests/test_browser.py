@@ -371,7 +371,7 @@ def test_book_chapter_6_shows_a_static_figure_under_every_explorer(browser, book
             # Without a kernel the explorer shows as its text form (name and settings) ...
             assert f"{name}(" in cells[at[0]].locator(".cell_output").inner_text()
             # ... and the next cell draws its default view as a static figure.
-            assert "views." in sources[at[0] + 1], sources[at[0] + 1]
+            assert "figures." in sources[at[0] + 1], sources[at[0] + 1]
             img = cells[at[0] + 1].locator(".cell_output img")
             assert img.count() == 1, f"no static figure after widgets.{name}"
             img.scroll_into_view_if_needed()

@@ -16,6 +16,7 @@ import jobs
 from zerolearn import checkpoint, train
 from zerolearn.checkpoint import __main__ as checkpoint_cli
 from zerolearn.checkpoint.checksums import NO_CHECKSUMS
+from zerolearn.config import TrainConfig
 from zerolearn.dist import RankError, launch
 
 SAVE_AT, LAST = 3, 6
@@ -213,16 +214,16 @@ def test_bad_checkpoint_options_exit_2_before_any_work(args, message, tmp_path, 
 
 # ----- checksums, fallback, non-finite losses (issue 17) --------------------------------
 
-TRAIN = ["--global-batch-size", "4", "--seq-len", "16", "--d-model", "32", "--n-head", "2",
-         "--bucket-mb", "0.01", "--quiet"]
-SAVED = ["--stage", "2", "--steps", "4", "--checkpoint-every", "2", "--checkpoint-keep", "0", *TRAIN]
+SMALL = TrainConfig(global_batch_size=4, seq_len=16, d_model=32, n_head=2, bucket_mb=0.01, quiet=True)
+TRAIN = SMALL.to_argv()  # the same run on the command line
+SAVED = SMALL.replace(stage=2, steps=4, checkpoint_every=2, checkpoint_keep=0, checkpoint_dir="unset")
 
 
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> dict:
     """2 ranks at stage 2 train 4 steps, saving after steps 2 and 4 (both kept)."""
     d = tmp_path_factory.mktemp("verify") / "ck"
-    report = launch(jobs.train_jobs, 2, [[*SAVED, "--checkpoint-dir", str(d)]])[0][0]
+    report = launch(jobs.train_jobs, 2, [SAVED.replace(checkpoint_dir=str(d))])[0][0]
     return {"dir": d, "losses": report["losses"]}
 
 
@@ -341,7 +342,7 @@ def test_resume_falls_back_to_the_newest_checkpoint_that_verifies(saved, tmp_pat
     # Rank 1's step-4 shard has a flipped bit: both ranks resume from step 2 (rank 0
     # decides), say so once, and train steps 2-3 with the losses of the first run.
     d = damaged(saved, tmp_path, "flip")
-    report = launch(jobs.train_jobs, 2, [[*SAVED, "--checkpoint-dir", str(d)]])[0][0]
+    report = launch(jobs.train_jobs, 2, [SAVED.replace(checkpoint_dir=str(d))])[0][0]
     assert report["first_step"] == 2 and report["losses"] == saved["losses"][2:]
     err = capfd.readouterr().err
     line = f"checkpoint {d / 'step_00000004'} fails verification, resuming from {d / 'step_00000002'} instead"
@@ -373,7 +374,7 @@ def test_checkpoint_without_checksums_still_loads_and_says_so(saved, tmp_path, c
     assert checkpoint_cli.main(["info", str(d)]) == 0
     assert NO_CHECKSUMS in capfd.readouterr().out
     # A run resumes from it (here on one rank), saying that only sizes were checked.
-    report = launch(jobs.train_jobs, 1, [[*SAVED, "--steps", "5", "--checkpoint-dir", str(d)]])[0][0]
+    report = launch(jobs.train_jobs, 1, [SAVED.replace(steps=5, checkpoint_dir=str(d))])[0][0]
     assert report["first_step"] == 4 and len(report["losses"]) == 1
     assert f"{d / 'step_00000004'}: {NO_CHECKSUMS}" in capfd.readouterr().err
 
@@ -429,7 +430,7 @@ def test_a_second_job_on_a_checkpoint_dir_exits_2_naming_it_and_leaves_its_files
         assert sorted(os.listdir(d)) == [".lock", ".step_00000002.tmp"]  # nothing trained, saved or removed
         assert (d / ".step_00000002.tmp" / "rank_00000.pt.part").read_bytes() == b"half"
         # A save outside the CLI (no lock of its own) leaves another job's leftovers alone too.
-        launch(jobs.train_jobs, 1, [["--steps", "1", *TRAIN, "--checkpoint-dir", str(d)]])
+        launch(jobs.train_jobs, 1, [SMALL.replace(steps=1, checkpoint_dir=str(d))])
         assert (d / ".step_00000002.tmp" / "rank_00000.pt.part").read_bytes() == b"half"
         assert (d / "step_00000001").is_dir()
     assert lock_is_free(d)

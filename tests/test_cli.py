@@ -11,17 +11,18 @@ import torch
 from torch import nn
 
 import jobs
+from zerolearn.config import TrainConfig
 from zerolearn.dist import ConfigError, launch
 from zerolearn.engines import make_engine
 
-ARGV = ["--steps", "2", "--global-batch-size", "12", "--seq-len", "16", "--d-model", "32",
-        "--n-head", "2", "--bucket-mb", "0.01", "--quiet"]
+RUN = TrainConfig(steps=2, global_batch_size=12, seq_len=16, d_model=32, n_head=2, bucket_mb=0.01, quiet=True)
+ARGV = RUN.to_argv()  # the same run on the command line
 OPS = {"all_reduce", "reduce_scatter", "all_gather", "broadcast"}
 
 
 @functools.cache
 def reports(world_size: int) -> list[dict]:
-    return launch(jobs.train_all_stages, world_size, ARGV)[0]
+    return launch(jobs.train_all_stages, world_size, RUN)[0]
 
 
 def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -105,7 +106,7 @@ def test_bad_input_exits_2_with_a_message_naming_it(args, env, message):
 
 def test_global_batch_that_world_size_does_not_divide_is_refused_before_training():
     with pytest.raises(Exception, match="--global-batch-size 12 is not divisible by world size 5"):
-        launch(jobs.train_all_stages, 5, ARGV)
+        launch(jobs.train_all_stages, 5, RUN)
 
 
 def test_model_on_several_devices_is_refused():
@@ -133,8 +134,8 @@ def test_cuda_memory_snapshot_files_are_one_per_rank():
 
 
 def test_ranks_started_with_other_options_are_named_before_training():
-    per_rank = {1: ["--seed", "1"], 2: ["--seed", "1", "--lr", "0.002"]}
-    messages = launch(jobs.train_with_per_rank_options, 3, ARGV, per_rank)
+    per_rank = {1: dict(seed=1), 2: dict(seed=1, lr=0.002)}
+    messages = launch(jobs.train_with_per_rank_options, 3, RUN, per_rank)
     for message in messages:  # every rank refuses alike, so none waits on a collective
         assert message.startswith("ConfigError: ranks were started with different configurations"), message
         assert "--seed: rank 0 has 0; ranks 1, 2 have 1" in message

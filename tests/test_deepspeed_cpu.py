@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from zerolearn import data
-from zerolearn.chapters import deepspeed_cpu
+from zerolearn.experiments import deepspeed_cpu
 from zerolearn.lessons import ch07
 from zerolearn.models import build_model
 

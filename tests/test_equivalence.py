@@ -121,9 +121,9 @@ def test_our_stages_match_torch_ddp_zero_redundancy_and_fsdp2():
 
 
 @pytest.mark.parametrize("stage", STAGES)
-def test_state_dict_round_trip_continues_exactly(stage):
-    # A fresh engine (built from other weights) that loads the state after 2 steps and
-    # trains 2 more ends where 4 uninterrupted steps end.
-    for rank_result in launch(jobs.resume_round_trip, 2, stage):
+def test_checkpoint_round_trip_continues_exactly(stage, tmp_path):
+    # A fresh engine (built from other weights) that loads the checkpoint saved after 2
+    # steps and trains 2 more ends where 4 uninterrupted steps end.
+    for rank_result in launch(jobs.resume_round_trip, 2, stage, str(tmp_path / "ck")):
         for name, value in rank_result["whole"].items():
             assert torch.equal(value, rank_result["resumed"][name]), name

@@ -15,12 +15,12 @@ import torch
 
 import jobs
 from zerolearn import checkpoint
+from zerolearn.config import TrainConfig
 from zerolearn.dist import RankError, free_port, launch
-from zerolearn.train import train_job
+from zerolearn.train import train
 
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
-ARGV = ["--steps", "6", "--global-batch-size", "12", "--seq-len", "16", "--d-model", "32",
-        "--n-head", "2", "--bucket-mb", "0.01", "--quiet"]
+RUN = TrainConfig(steps=6, global_batch_size=12, seq_len=16, d_model=32, n_head=2, bucket_mb=0.01, quiet=True)
 
 
 def torchrun(*args: str, nproc: int = 2, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -35,11 +35,11 @@ def test_killed_rank_restarts_and_finishes_exactly_like_an_uninterrupted_run(tmp
     # both ranks, which resume at step 2 and run steps 2-5. fp32 on gloo is
     # deterministic, so every loss and every parameter and moment must equal, bit for
     # bit, those of the run that was never interrupted: no step lost, none applied twice.
-    common = [*ARGV, "--stage", "3", "--checkpoint-every", "2"]
-    whole = launch(train_job, 2, [*common, "--checkpoint-dir", str(tmp_path / "whole")])[0]
-    done = torchrun("--max-restarts=1", "-m", "zerolearn.train", *common,
-                    "--checkpoint-dir", str(tmp_path / "killed"), "--report", str(tmp_path / "killed.json"),
-                    "--fail-at-step", "3", "--fail-rank", "1")
+    common = RUN.replace(stage=3, checkpoint_dir=str(tmp_path / "whole"), checkpoint_every=2)
+    whole = launch(train, 2, common)[0]
+    killed = common.replace(checkpoint_dir=str(tmp_path / "killed"), report=str(tmp_path / "killed.json"),
+                            fail_at_step=3, fail_rank=1)
+    done = torchrun("--max-restarts=1", "-m", "zerolearn.train", *killed.to_argv())
     assert done.returncode == 0, done.stderr[-3000:]
     assert "rank 1: failing on purpose in step 3 (kill)" in done.stderr
     report = json.loads((tmp_path / "killed.json").read_text())
@@ -54,8 +54,8 @@ def test_killed_rank_restarts_and_finishes_exactly_like_an_uninterrupted_run(tmp
 
 
 def test_resumed_run_with_nothing_left_and_resume_with_other_data(tmp_path):
-    ck = ["--checkpoint-dir", str(tmp_path / "ck")]
-    first, again, other = launch(jobs.train_jobs, 1, [[*ARGV, *ck], [*ARGV, *ck], [*ARGV, "--seed", "1", *ck]])[0]
+    ck = RUN.replace(checkpoint_dir=str(tmp_path / "ck"))
+    first, again, other = launch(jobs.train_jobs, 1, [ck, ck, ck.replace(seed=1)])[0]
     assert first["first_step"] == 0 and len(first["losses"]) == 6
     assert again["first_step"] == 6 and again["losses"] == []
     assert "holds a checkpoint of a run with --seed 0 (this run: 1)" in other
@@ -99,8 +99,8 @@ def test_a_stuck_rank_makes_the_others_fail_within_the_timeout_naming_it(monkeyp
     # and exit 1 with a message naming rank 1, instead of hanging forever.
     monkeypatch.setenv("ZEROLEARN_REPORT_GRACE", "1")
     t0 = time.monotonic()
-    done = torchrun("-m", "zerolearn.train", *ARGV, "--stage", "2", "--timeout", "3",
-                    "--fail-at-step", "2", "--fail-rank", "1", "--fail-mode", "hang", nproc=3)
+    stuck = RUN.replace(stage=2, timeout=3, fail_at_step=2, fail_rank=1, fail_mode="hang")
+    done = torchrun("-m", "zerolearn.train", *stuck.to_argv(), nproc=3)
     elapsed = time.monotonic() - t0
     assert done.returncode != 0
     for rank in (0, 2):
@@ -116,7 +116,7 @@ def two_ranks() -> list[list]:
     then the train CLI without and with --debug-collectives."""
     inject = {2: (1, float("inf")), 4: (0, float("nan"))}
     calls = [("fp16_overflow", dict(stage=s, steps=7, inject=inject)) for s in range(4)]
-    calls.append(("debug_mode_is_transparent", dict(argv=[*ARGV, "--steps", "2"])))
+    calls.append(("debug_mode_is_transparent", dict(config=RUN.replace(steps=2))))
     return launch(jobs.several, 2, calls)
 
 
@@ -161,8 +161,8 @@ def interrupt_when_training(procs: list[subprocess.Popen], d, timeout: float = 6
     return [(p.returncode, err) for p, err in zip(procs, errs)]
 
 
-CTRL_C = [sys.executable, "-m", "zerolearn.train", *ARGV, "--steps", "1000", "--checkpoint-every", "1",
-          "--checkpoint-keep", "1"]
+CTRL_C = [sys.executable, "-m", "zerolearn.train", *RUN.replace(steps=1000, checkpoint_keep=1).to_argv(),
+          "--checkpoint-every", "1"]  # with --checkpoint-dir, added per test
 LINE = re.compile(r"interrupted \(Ctrl-C\) at step (\d+)\n")
 
 

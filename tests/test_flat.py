@@ -1,14 +1,18 @@
 """Flat buffers: padded to equal shards, views that share memory."""
 
+import dataclasses
+
+import pytest
 import torch
 from torch import nn
 
-from zerolearn.flat import FlatGroup, make_groups
+from zerolearn.flat import FlatLayout, make_groups
 
 
 def test_flat_group_pads_to_equal_shards_whatever_the_layer_sizes():
     params = [nn.Parameter(torch.randn(3, 5)), nn.Parameter(torch.randn(7))]  # 22 elements
-    groups = [FlatGroup(["a", "b"], params, num_shards=4, shard_index=r) for r in range(4)]
+    groups = [FlatLayout.of(["a", "b"], [p.shape for p in params], num_shards=4, shard_index=r)
+              for r in range(4)]
     assert groups[0].numel == 22 and groups[0].padded_numel == 24 and groups[0].padding == 2
     assert [g.shard_range for g in groups] == [(0, 6), (6, 12), (12, 18), (18, 24)]
 
@@ -16,9 +20,9 @@ def test_flat_group_pads_to_equal_shards_whatever_the_layer_sizes():
 def test_bound_parameters_are_views_of_the_flat_buffer():
     params = [nn.Parameter(torch.randn(3, 5)), nn.Parameter(torch.randn(7))]
     original = [p.detach().clone() for p in params]
-    g = FlatGroup(["a", "b"], params, num_shards=3, shard_index=0)
-    flat = g.flatten(torch.float32, torch.device("cpu"))
-    g.bind(flat)
+    g = FlatLayout.of(["a", "b"], [p.shape for p in params], num_shards=3, shard_index=0)
+    flat = g.flatten(params, torch.float32, torch.device("cpu"))
+    g.bind(params, flat)
     assert all(torch.equal(p, o) for p, o in zip(params, original))
     flat.zero_()
     assert all(torch.count_nonzero(p) == 0 for p in params)  # shared memory, no copies
@@ -28,4 +32,12 @@ def test_bound_parameters_are_views_of_the_flat_buffer():
 def test_make_groups_caps_bucket_size_but_never_splits_a_parameter():
     named = [(f"p{i}", nn.Parameter(torch.zeros(n))) for i, n in enumerate([100, 100, 300, 50])]
     groups = make_groups(named, bucket_bytes=200 * 4, element_size=4, num_shards=2, shard_index=0)
-    assert [g.names for g in groups] == [["p0", "p1"], ["p2"], ["p3"]]
+    assert [g.names for g in groups] == [("p0", "p1"), ("p2",), ("p3",)]
+
+
+def test_a_layout_is_immutable_and_knows_its_shard():
+    g = FlatLayout.of(["a", "b", "c"], [torch.Size([10]), torch.Size([7]), torch.Size([6])], num_shards=4,
+                      shard_index=3)
+    assert (g.padding, g.shard_range, g.offsets) == (1, (18, 24), (0, 10, 17))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        g.numel = 0

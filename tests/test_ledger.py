@@ -5,12 +5,13 @@ import functools
 import torch
 
 import jobs
+from zerolearn.config import TrainConfig
 from zerolearn.dist import launch
 from zerolearn.memory.ledger import MemoryLedger, category
-from zerolearn.train import train_job
+from zerolearn.train import train
 
-MLP = ["--model", "mlp", "--mlp-width", "128", "--mlp-layers", "6", "--global-batch-size", "4",
-       "--steps", "2", "--bucket-mb", "0.07", "--quiet", "--memory-timeline"]
+MLP = TrainConfig(model="mlp", mlp_width=128, mlp_layers=6, global_batch_size=4, steps=2, bucket_mb=0.07,
+                  quiet=True, memory_timeline=True)
 
 
 def test_ledger_counts_allocations_and_frees_exactly():
@@ -41,7 +42,7 @@ def test_ledger_follows_storage_resizes():
 
 @functools.cache
 def reports(stage: int) -> dict:
-    return launch(train_job, 2, ["--stage", str(stage), *MLP])[0]
+    return launch(train, 2, MLP.replace(stage=stage))[0]
 
 
 def test_zero2_measured_peak_is_below_zero1s():

@@ -8,11 +8,11 @@ import torch
 import jobs
 import residual_jobs
 from zerolearn.dist import launch
+from zerolearn.figures import recorded_trace
 from zerolearn.lessons.ch05 import VARIANTS  # the chapter's variants, tested at every stage
 from zerolearn.memory import model as analytic
 from zerolearn.models import GPTConfig, build_model
 from zerolearn.residual import defrag
-from zerolearn.views import recorded_trace
 
 STAGES = (0, 1, 2, 3)
 RUNS = [dict(stage=s, **kw) for s in STAGES for kw in VARIANTS.values()]
@@ -165,13 +165,13 @@ def test_caching_arena_gives_back_empty_segments_but_not_pinned_ones():
 
 
 def test_cli_2x2_with_pa_matches_1x1_and_reports_residual_memory_and_traffic():
-    from zerolearn.train import train_job
+    from zerolearn.config import TrainConfig
+    from zerolearn.train import train
 
-    argv = ["--steps", "2", "--quiet", "--global-batch-size", "8", "--seq-len", "16", "--n-layer", "2",
-            "--d-model", "32", "--n-head", "2", "--stage", "3"]
-    single = launch(train_job, 1, argv)[0]
-    report = launch(train_job, 4, [*argv, "--tensor-parallel", "2", "--checkpoint-activations",
-                                   "--partition-activations"])[0]
+    run = TrainConfig(steps=2, quiet=True, global_batch_size=8, seq_len=16, n_layer=2, d_model=32, n_head=2, stage=3)
+    single = launch(train, 1, run)[0]
+    report = launch(train, 4, run.replace(tensor_parallel=2, checkpoint_activations=True,
+                                          partition_activations=True))[0]
     assert report["losses"] == pytest.approx(single["losses"], rel=1e-5)
     assert report["data_parallel"] == 2 and report["tensor_parallel"] == 2
     for entry in report["ranks"]:

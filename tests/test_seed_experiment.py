@@ -2,7 +2,7 @@
 
 import argparse
 
-from zerolearn.chapters import seed_experiment
+from zerolearn.experiments import seed_experiment
 
 
 def test_seed_experiment_puts_zero2_peak_below_zero1(capsys):

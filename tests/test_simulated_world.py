@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+from zerolearn.config import TrainConfig
 from zerolearn.memory import model as analytic
 
 NDS = (1, 8, 64, 1024)
@@ -14,9 +15,8 @@ NDS = (1, 8, 64, 1024)
 def simulate(stage: int, nd: int, tmp_path) -> dict:
     out = tmp_path / f"s{stage}-{nd}.json"
     # One flat group (large bucket) keeps padding under Nd elements.
-    args = ["--stage", str(stage), "--simulate-world-size", str(nd), "--steps", "1",
-            "--global-batch-size", "1024", "--seq-len", "8", "--d-model", "32", "--n-head", "2",
-            "--bucket-mb", "64", "--dtype", "bf16", "--quiet", "--report", str(out)]
+    args = TrainConfig(stage=stage, simulate_world_size=nd, steps=1, global_batch_size=1024, seq_len=8, d_model=32,
+                       n_head=2, bucket_mb=64, dtype="bf16", quiet=True, report=str(out)).to_argv()
     done = subprocess.run([sys.executable, "-m", "zerolearn.train", *args], capture_output=True,
                           text=True, timeout=300, check=False)
     assert done.returncode == 0, done.stderr

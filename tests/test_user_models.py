@@ -112,13 +112,12 @@ def test_accumulation_trades_traffic_for_memory_at_stage_2():
 
 @pytest.mark.parametrize("dtype, clip", [("fp32", 0.05), ("fp16", None), ("fp16", 0.05)])
 def test_tensor_parallel_clipping_and_fp16_match_the_run_without_it(dtype, clip):
-    from zerolearn.train import train_job
+    from zerolearn.config import TrainConfig
+    from zerolearn.train import train
 
-    argv = ["--model", "gpt", "--steps", "3", "--global-batch-size", "4", "--seq-len", "16", "--n-layer", "2",
-            "--d-model", "32", "--n-head", "2", "--dtype", dtype, "--stage", "1", "--quiet", "--lr", "0.01"]
-    if clip is not None:
-        argv += ["--max-grad-norm", str(clip)]
-    single = launch(train_job, 1, argv)[0]
-    tp = launch(train_job, 2, [*argv, "--tensor-parallel", "2"])[0]
+    run = TrainConfig(model="gpt", steps=3, global_batch_size=4, seq_len=16, n_layer=2, d_model=32, n_head=2,
+                      dtype=dtype, stage=1, quiet=True, lr=0.01, max_grad_norm=clip)
+    single = launch(train, 1, run)[0]
+    tp = launch(train, 2, run.replace(tensor_parallel=2))[0]
     tol = 1e-5 if dtype == "fp32" else 2e-3
     assert tp["losses"] == pytest.approx(single["losses"], rel=tol)

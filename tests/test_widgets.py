@@ -12,7 +12,7 @@ import itertools
 
 import pytest
 
-from zerolearn import views, widgets
+from zerolearn import figures, widgets
 from zerolearn.dist import launch
 from zerolearn.lessons.ch04 import all_stages
 from zerolearn.memory.fit import ActivationSpec, per_device_bytes, smallest_fit
@@ -42,9 +42,9 @@ def sweep(explorer, ranges: dict):
 
 
 def test_gpu_table_uses_the_papers_decimal_gb():
-    assert views.GPUS["V100 32 GB"] == V100_BYTES == 32 * 10**9
-    assert views.GPUS["A100 80 GB"] == views.GPUS["H100 80 GB"] == 80 * 10**9
-    assert views.GPUS["H200 141 GB"] == 141 * 10**9
+    assert figures.GPUS["V100 32 GB"] == V100_BYTES == 32 * 10**9
+    assert figures.GPUS["A100 80 GB"] == figures.GPUS["H100 80 GB"] == 80 * 10**9
+    assert figures.GPUS["H200 141 GB"] == 141 * 10**9
 
 
 def test_memory_explorer_default_is_figure_1():
@@ -58,7 +58,7 @@ def test_memory_explorer_default_is_figure_1():
 
 def test_memory_explorer_follows_every_control():
     explorer = widgets.MemoryExplorer()
-    ranges = {"psi": PSIS, "nd": views.NDS, "stage": [0, 1, 2, 3], "optimizer": ["adam", "adamw", "sgd"],
+    ranges = {"psi": PSIS, "nd": figures.NDS, "stage": [0, 1, 2, 3], "optimizer": ["adam", "adamw", "sgd"],
               "dtype": ["bf16", "fp16", "fp32"]}
     for _ in sweep(explorer, ranges):
         psi, nd, stage, optimizer, dtype = (explorer.controls[n].value for n in ranges)
@@ -71,7 +71,7 @@ def test_memory_explorer_follows_every_control():
 def test_memory_explorer_says_whether_the_stage_fits_each_gpu():
     explorer = widgets.MemoryExplorer(psi=7.5e9, nd=8, stage=2)
     need = per_device_bytes(7.5e9, 8, 2)["total"]  # 15 + 105 / 8 = 28.1 GB
-    for gpu, device in views.GPUS.items():
+    for gpu, device in figures.GPUS.items():
         explorer.controls["gpu"].value = gpu
         assert explorer.result["device_bytes"] == device
         assert explorer.result["fits"] == (need <= device)
@@ -107,11 +107,11 @@ def test_fit_solver_7b_on_80gb_is_zero1_on_two_gpus():
 
 def test_fit_solver_follows_every_control():
     solver = widgets.FitSolver()
-    ranges = {"psi": PSIS, "gpu": list(views.GPUS), "optimizer": ["adam", "adamw", "sgd"],
+    ranges = {"psi": PSIS, "gpu": list(figures.GPUS), "optimizer": ["adam", "adamw", "sgd"],
               "dtype": ["bf16", "fp16", "fp32"]}
     for _ in sweep(solver, ranges):
         psi, gpu, optimizer, dtype = (solver.controls[n].value for n in ranges)
-        expected = smallest_fit(psi, views.GPUS[gpu], optimizer=optimizer, dtype=dtype)
+        expected = smallest_fit(psi, figures.GPUS[gpu], optimizer=optimizer, dtype=dtype)
         assert solver.result["fit"] == expected
         if expected is None:
             assert "No stage fits" in solver.summary.value
@@ -123,9 +123,9 @@ def test_fit_solver_follows_every_control():
 
 @pytest.mark.parametrize("gpu", ["V100 16 GB", "A100 40 GB", "H200 141 GB"])
 def test_fewest_gpus_per_stage_is_the_first_nd_that_fits(gpu):
-    device = views.GPUS[gpu]
+    device = figures.GPUS[gpu]
     for psi, stage, dtype in itertools.product(PSIS, range(4), ["bf16", "fp32"]):
-        gpus = views.fewest_gpus(psi, device, stage, dtype=dtype)
+        gpus = figures.fewest_gpus(psi, device, stage, dtype=dtype)
         need = functools.partial(lambda nd, p, s, d: per_device_bytes(p, nd, s, dtype=d)["total"],
                                  p=psi, s=stage, d=dtype)
         if gpus is None:
@@ -172,14 +172,14 @@ def test_timeline_viewer_shows_the_ledgers_numbers_per_stage():
             assert params < viewer.result["params_max"] <= params + 2 * unit
         else:
             assert viewer.result["params_max"] == params
-    for chosen in [("params",), ("grads", "temporary"), tuple(views.COLORS)]:
+    for chosen in [("params",), ("grads", "temporary"), tuple(figures.COLORS)]:
         viewer.controls["categories"].value = chosen
         assert viewer.view.value[:4] == b"\x89PNG"
 
 
 def test_fragmentation_simulator_replays_through_defrag():
     sim = widgets.FragmentationSimulator()
-    trace = views.recorded_trace()
+    trace = figures.recorded_trace()
     capacity = sim.controls["capacity"]
     ranges = {"capacity": range(capacity.min, capacity.max + 1, 64), "md": [True, False], "scale": [0.5, 2.0]}
     for _ in sweep(sim, ranges):
@@ -193,14 +193,14 @@ def test_fragmentation_simulator_replays_through_defrag():
 
 def test_fragmentation_default_fails_with_a_third_free_until_md_is_on():
     sim = widgets.FragmentationSimulator()
-    assert sim.controls["capacity"].value == -(-defrag.smallest_capacity(views.recorded_trace(), md=True) // MIB)
+    assert sim.controls["capacity"].value == -(-defrag.smallest_capacity(figures.recorded_trace(), md=True) // MIB)
     assert not sim.result["ok"] and sim.result["free_fraction"] > 0.3  # Sec 6.3: OOM with over 30% free
     sim.controls["md"].value = True
     assert sim.result["ok"]
 
 
-@pytest.mark.parametrize("make", [views.memory_figure, views.fit_figure, views.tradeoff_figure,
-                                  views.fragmentation_figure, lambda: views.timeline_figure(measured_reports()[3])])
+@pytest.mark.parametrize("make", [figures.memory_figure, figures.fit_figure, figures.tradeoff_figure,
+                                  figures.fragmentation_figure, lambda: figures.timeline_figure(measured_reports()[3])])
 def test_default_views_are_static_figures_with_labelled_axes(make):
     fig = make()
     for ax in fig.axes:

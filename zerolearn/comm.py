@@ -78,9 +78,6 @@ class CommLedger:
             out[op] = {"calls": s.calls, "elements": s.elements, "bytes": s.bytes}
         return out
 
-    def seconds(self) -> float:
-        return sum(s.seconds for s in self.ops.values())
-
 
 LEDGER = CommLedger()
 

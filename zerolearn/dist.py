@@ -5,9 +5,9 @@ Three ways to get ranks, one result (a :class:`DistContext`):
 * under ``torchrun`` the environment names this process's RANK, WORLD_SIZE and
   LOCAL_RANK; :func:`init` validates them and joins the job;
 * run plainly (``python -m zerolearn.train``) it is a job of world size 1;
-* :func:`launch` spawns ``world_size`` gloo ranks on this machine, runs a function of
-  the package in each and returns each rank's result: that is how notebooks and
-  tests get several real ranks on a laptop.
+* :func:`launch` (in :mod:`zerolearn.ranks`, re-exported here) spawns ``world_size``
+  gloo ranks on this machine, runs a function of the package in each and returns each
+  rank's result: that is how notebooks and tests get several real ranks on a laptop.
 
 Every process group gets a timeout, so a rank that dies or takes a different code
 path makes the others fail with an error instead of hanging forever.
@@ -18,20 +18,18 @@ from __future__ import annotations
 import datetime
 import gc
 import os
-import pickle
-import socket
-import time
-import traceback
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from zerolearn import compat
 from zerolearn.errors import ConfigError
+from zerolearn.ranks import RankError, free_port, launch  # re-exported: callers import them from here
+
+__all__ = ["DEFAULT_TIMEOUT_S", "ConfigError", "DistContext", "RankError", "RendezvousError", "context",
+           "free_port", "init", "launch", "resolve_backend_device", "store", "teardown", "torchrun_env"]
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("ZEROLEARN_TIMEOUT", "300"))
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -39,14 +37,6 @@ _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_POR
 
 class RendezvousError(RuntimeError):
     """This rank could not join the job's store at MASTER_ADDR:MASTER_PORT in time."""
-
-
-class RankError(RuntimeError):
-    """A spawned rank raised; ``rank`` says which, the message carries its traceback."""
-
-    def __init__(self, rank: int, message: str):
-        super().__init__(f"rank {rank} failed: {message}")
-        self.rank = rank
 
 
 @dataclass(frozen=True)
@@ -252,92 +242,3 @@ def teardown(clean: bool = True) -> None:
         gc.collect()
         dist.destroy_process_group()
     _CONTEXT = None
-
-
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that nothing listens on right now."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _worker(rank, world_size, port, backend, fn, args, kwargs, timeout_s, queue) -> None:
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-        WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-    )
-    # Ranks share the machine's cores: one intra-op thread each avoids oversubscription.
-    torch.set_num_threads(1)
-    try:
-        init(backend, "cuda" if backend == "nccl" else "cpu", timeout_s)
-        # Plain pickle copies tensors by value; torch's queue pickler would share them
-        # through file descriptors that vanish when this process exits.
-        result = pickle.dumps(fn(*args, **kwargs))
-        teardown()
-        queue.put((rank, True, result))
-    except BaseException as e:  # noqa: BLE001 - every failure goes back to the caller
-        queue.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
-        teardown(clean=False)
-
-
-def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 300.0,
-           backend: str = "gloo", **kwargs: Any) -> list[Any]:
-    """Run ``fn(*args, **kwargs)`` on ``world_size`` spawned ranks; return results by rank.
-
-    ``backend="gloo"`` (default) puts every rank on the CPU; ``"nccl"`` gives rank r
-    GPU r, so ``world_size`` must not exceed the GPUs present.
-
-    ``fn`` must be importable by name (defined in a module, not a notebook), since
-    spawned processes import it; its result must be picklable. Inside ``fn``,
-    :func:`context` gives the rank.
-
-    Raises:
-        ConfigError: ``world_size`` < 1.
-        RankError: a rank raised; the first error is re-raised with its rank and
-            traceback, and the other ranks are stopped.
-        TimeoutError: no result within ``timeout_s`` seconds (all ranks stopped).
-    """
-    if not isinstance(world_size, int) or world_size < 1:
-        raise ConfigError(f"world_size={world_size!r}: must be an integer >= 1")
-    resolve_backend_device(backend, "cuda" if backend == "nccl" else "cpu")
-    if backend == "nccl" and world_size > torch.cuda.device_count():
-        raise ConfigError(f"world_size={world_size} NCCL ranks need as many GPUs; "
-                          f"this machine has {torch.cuda.device_count()}")
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    port = free_port()
-    procs = [
-        ctx.Process(target=_worker, args=(r, world_size, port, backend, fn, args, kwargs, timeout_s, queue),
-                    daemon=True)
-        for r in range(world_size)
-    ]
-    for p in procs:
-        p.start()
-    results: dict[int, Any] = {}
-    deadline = time.monotonic() + timeout_s
-    finished = False
-    try:
-        while len(results) < world_size:
-            if not queue.empty():
-                rank, ok, value = queue.get()
-                if not ok:
-                    raise RankError(rank, value)
-                results[rank] = pickle.loads(value)
-                continue
-            dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in results]
-            if dead and queue.empty():
-                raise RankError(dead[0], f"process exited with code {procs[dead[0]].exitcode}")
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"launch: ranks {sorted(set(range(world_size)) - set(results))} "
-                                   f"gave no result within {timeout_s:.0f} s")
-            time.sleep(0.01)
-        finished = True
-    finally:
-        for p in procs:
-            if not finished:  # the others may wait in a collective for a dead peer
-                p.kill()
-            p.join(timeout=30)
-            if p.is_alive():
-                p.kill()
-                p.join()
-    return [results[r] for r in range(world_size)]

@@ -7,70 +7,86 @@ are then equal whatever the layer sizes, and one reduce_scatter / all_gather mov
 a whole group. (Giving each rank whole tensors instead leaves shards unequal: the
 rank that owns the largest layer sets everyone's memory.)
 
-A :class:`FlatGroup` is also the engines' bucket: gradients are reduced, and under
-ZeRO-3 parameters gathered, one group at a time, so a group's size is the fused
-buffer size of Sec 6.2.
+A :class:`FlatLayout` is only that arithmetic: names, shapes, offsets and the shard
+this rank owns, fixed once built. What an engine keeps for a group from step to step
+(the buffers, the optimizer's master shard, gradients) lives in
+:class:`zerolearn.engines.group.GroupState`. A group is also the engines' bucket:
+gradients are reduced, and under ZeRO-3 parameters gathered, one group at a time, so
+a group's size is the fused buffer size of Sec 6.2.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 
-class FlatGroup:
-    """A bucket of parameters laid out as one flat buffer of ``padded_numel`` elements.
+@dataclass(frozen=True)
+class FlatLayout:
+    """Where each parameter of a group sits in a flat buffer, and this rank's shard.
 
-    Args:
-        names, params: the parameters, in buffer order.
-        num_shards: the buffer is padded to a multiple of this (Nd, or 1 for DP).
-        shard_index: this rank's shard (0 <= shard_index < num_shards).
+    All sizes are in elements (multiply by the dtype's itemsize for bytes). Build one
+    with :meth:`of`; it never changes afterwards.
 
-    Attributes (all in elements): ``numel`` (sum of the parameters' sizes),
-    ``padded_numel`` (multiple of ``num_shards``), ``shard_numel``
-    (``padded_numel / num_shards``), ``offsets`` (start of each parameter).
+    Attributes:
+        names, shapes: the parameters, in buffer order.
+        offsets: start of each parameter in the buffer.
+        numel: sum of the parameters' sizes (Psi of this group, unpadded).
+        padded_numel: ``numel`` rounded up to a multiple of ``num_shards``.
+        shard_numel: ``padded_numel / num_shards``, the same on every rank.
+        num_shards: Nd, or 1 when nothing is sharded (DP).
+        shard_index: this rank's shard, ``0 <= shard_index < num_shards``.
     """
 
-    def __init__(self, names: list[str], params: list[nn.Parameter], num_shards: int, shard_index: int):
-        self.names, self.params = names, params
-        self.shapes = [p.shape for p in params]
-        self.offsets, total = [], 0
-        for p in params:
-            self.offsets.append(total)
-            total += p.numel()
-        self.numel = total
-        self.padded_numel = math.ceil(total / num_shards) * num_shards
-        self.shard_numel = self.padded_numel // num_shards
-        self.num_shards, self.shard_index = num_shards, shard_index
-        start = shard_index * self.shard_numel
-        self.shard_range = (start, start + self.shard_numel)
-        # Engine state (None when not held). full: working params, padded_numel
-        # elements; shard: working-param shard (ZeRO-3); master: the optimizer's
-        # fp32 parameter; grad_full / grad_shard: gradients before / after reduction.
-        # reduced: the output of a reduction in flight when it cannot go straight into
-        # grad_shard (stage 1 always; stages 2-3 when a previous backward's reduced
-        # gradient is being accumulated into).
-        self.full = self.shard = self.master = None
-        self.grad_full = self.grad_shard = self.reduced = None
-        self.ready = 0  # parameters whose gradient has arrived in this backward
+    names: tuple[str, ...]
+    shapes: tuple[torch.Size, ...]
+    offsets: tuple[int, ...]
+    numel: int
+    padded_numel: int
+    shard_numel: int
+    num_shards: int
+    shard_index: int
+
+    @classmethod
+    def of(cls, names: list[str], shapes: list[torch.Size], num_shards: int, shard_index: int) -> FlatLayout:
+        """Lay out tensors of ``shapes`` end to end, padded to ``num_shards`` equal shards."""
+        offsets, total = [], 0
+        for shape in shapes:
+            offsets.append(total)
+            total += math.prod(shape)
+        padded = math.ceil(total / num_shards) * num_shards  # zeros at the end make shards equal
+        return cls(tuple(names), tuple(torch.Size(s) for s in shapes), tuple(offsets), total, padded,
+                   padded // num_shards, num_shards, shard_index)
 
     @property
     def padding(self) -> int:
         """Zero elements appended so the buffer divides into equal shards."""
         return self.padded_numel - self.numel
 
-    def flatten(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A new buffer (``padded_numel``,) of ``dtype`` holding the parameters' values."""
+    @property
+    def shard_range(self) -> tuple[int, int]:
+        """``(start, end)``: the elements of the buffer this rank's shard holds."""
+        start = self.shard_index * self.shard_numel
+        return start, start + self.shard_numel
+
+    @property
+    def label(self) -> str:
+        """A short name for messages: ``group[first..last]`` parameter names."""
+        return f"group[{self.names[0]}..{self.names[-1]}]"
+
+    def flatten(self, tensors: list[torch.Tensor], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A new buffer (``padded_numel``,) of ``dtype`` holding ``tensors``' values (padding 0)."""
         flat = torch.zeros(self.padded_numel, dtype=dtype, device=device)
-        for view, p in zip(self.views(flat), self.params):
-            view.copy_(p.detach().reshape(view.shape))
+        for view, t in zip(self.views(flat), tensors, strict=True):
+            view.copy_(t.detach().reshape(view.shape))
         return flat
 
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Views of ``flat`` (``padded_numel``,) shaped as each parameter, no copies."""
-        return [flat[o:o + math.prod(s)].view(s) for o, s in zip(self.offsets, self.shapes)]
+        return [self.view_of(flat, i) for i in range(len(self.names))]
 
     def view_of(self, flat: torch.Tensor, index: int) -> torch.Tensor:
         """The view of parameter ``index`` inside ``flat``."""
@@ -82,28 +98,34 @@ class FlatGroup:
         a, b = self.shard_range
         return flat[a:b]
 
-    def bind(self, flat: torch.Tensor) -> None:
+    def bind(self, params: list[nn.Parameter], flat: torch.Tensor) -> None:
         """Point every parameter's ``.data`` at its view of ``flat`` (shares memory)."""
-        for p, view in zip(self.params, self.views(flat)):
+        for p, view in zip(params, self.views(flat), strict=True):
             p.data = view
 
 
-def make_groups(named_params: list[tuple[str, nn.Parameter]], bucket_bytes: int, element_size: int,
-                num_shards: int, shard_index: int) -> list[FlatGroup]:
-    """Split parameters, in the given order, into groups of at most ``bucket_bytes``.
+def buckets(named_params: list[tuple[str, nn.Parameter]], bucket_bytes: int,
+            element_size: int) -> list[list[tuple[str, nn.Parameter]]]:
+    """Split parameters, in the given order, into runs of at most ``bucket_bytes``.
 
     A parameter is never split, so a single parameter larger than ``bucket_bytes``
-    forms a group of its own (the only way a group exceeds the cap).
+    forms a bucket of its own (the only way a bucket exceeds the cap).
     """
-    groups, names, params, size = [], [], [], 0
+    out, current, size = [], [], 0
     for name, p in named_params:
         nbytes = p.numel() * element_size
-        if params and size + nbytes > bucket_bytes:
-            groups.append(FlatGroup(names, params, num_shards, shard_index))
-            names, params, size = [], [], 0
-        names.append(name)
-        params.append(p)
+        if current and size + nbytes > bucket_bytes:
+            out.append(current)
+            current, size = [], 0
+        current.append((name, p))
         size += nbytes
-    if params:
-        groups.append(FlatGroup(names, params, num_shards, shard_index))
-    return groups
+    if current:
+        out.append(current)
+    return out
+
+
+def make_groups(named_params: list[tuple[str, nn.Parameter]], bucket_bytes: int, element_size: int,
+                num_shards: int, shard_index: int) -> list[FlatLayout]:
+    """The layouts of :func:`buckets`' groups, each padded to ``num_shards`` shards."""
+    return [FlatLayout.of([n for n, _ in b], [p.shape for _, p in b], num_shards, shard_index)
+            for b in buckets(named_params, bucket_bytes, element_size)]

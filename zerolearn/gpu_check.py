@@ -23,14 +23,16 @@ from pathlib import Path
 import torch
 
 from zerolearn import dist as zdist
+from zerolearn.config import TrainConfig
 from zerolearn.report import format_rank_table
 from zerolearn.residual import defrag
-from zerolearn.train import build_parser, train
+from zerolearn.tables import text_table
+from zerolearn.train import train
 
 JOBS = {
-    "gpt-fp32": ["--model", "gpt", "--dtype", "fp32"],
-    "gpt-bf16": ["--model", "gpt", "--dtype", "bf16"],
-    "mlp4096-bf16": ["--model", "mlp", "--mlp-width", "4096", "--dtype", "bf16", "--bucket-mb", "16"],
+    "gpt-fp32": TrainConfig(model="gpt", dtype="fp32"),
+    "gpt-bf16": TrainConfig(model="gpt", dtype="bf16"),
+    "mlp4096-bf16": TrainConfig(model="mlp", mlp_width=4096, dtype="bf16", bucket_mb=16),
 }
 
 
@@ -49,13 +51,12 @@ def main(argv: list[str] | None = None) -> int:
     summary = [f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}, "
                f"NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}"]
     try:
-        for name, extra in JOBS.items():
+        for name, job in JOBS.items():
             for stage in range(4):
                 # One run also leaves torch's memory snapshot (pytorch.org/memory_viz): ZeRO-3's sawtooth.
-                snap = ["--cuda-memory-snapshot", str(out / f"{name}-stage{stage}-snapshot.pickle")] \
-                    if (name, stage) == ("gpt-bf16", 3) else []
-                run = build_parser().parse_args(["--stage", str(stage), "--steps", str(args.steps),
-                                                 "--quiet", "--backend", "nccl", "--device", "cuda", *extra, *snap])
+                snap = str(out / f"{name}-stage{stage}-snapshot.pickle") if (name, stage) == ("gpt-bf16", 3) else None
+                run = job.replace(stage=stage, steps=args.steps, quiet=True, backend="nccl", device="cuda",
+                                  cuda_memory_snapshot=snap)
                 torch.cuda.empty_cache()
                 report = train(run)
                 (out / f"{name}-stage{stage}.json").write_text(json.dumps(report, indent=1))
@@ -81,12 +82,12 @@ def md_summary(out: Path) -> str:
     runs = {"without MD": defrag.cuda_memory(md=False), "with MD": defrag.cuda_memory(md=True)}
     (out / "md.json").write_text(json.dumps(runs, indent=1))
     mib = 2**20
-    lines = ["MD on CUDA (defrag.FRAGMENTING_GPT, 2 steps): MiB at the peaks",
-             f"{'':12s} {'allocated':>10s} {'reserved':>10s} {'inactive split':>15s} {'unused':>7s} {'retries':>8s}"]
-    for name, r in runs.items():
-        lines.append(f"{name:12s} {r['allocated_peak'] / mib:10.0f} {r['reserved_peak'] / mib:10.0f} "
-                     f"{r['inactive_split_peak'] / mib:15.0f} {r['fragmentation']:7.1%} {r['alloc_retries']:8d}")
-    return "\n".join(lines)
+    rows = [[name, f"{r['allocated_peak'] / mib:.0f}", f"{r['reserved_peak'] / mib:.0f}",
+             f"{r['inactive_split_peak'] / mib:.0f}", f"{r['fragmentation']:.1%}", r["alloc_retries"]]
+            for name, r in runs.items()]
+    return ("MD on CUDA (defrag.FRAGMENTING_GPT, 2 steps): MiB at the peaks\n"
+            + text_table(["", "allocated", "reserved", "inactive split", "unused", "retries"], rows,
+                         align=["left", *["right"] * 5]))
 
 
 if __name__ == "__main__":

@@ -19,10 +19,12 @@ every call through two guards defined here:
   or stuck) and what the others were doing. (NCCL reports failures from its watchdog
   thread, which aborts the process before Python sees them.)
 
-The "calling unit" is the name set with :func:`unit` (``with comm.unit("blocks.1"):``)
-or, when none is set, read from the stack: the outermost engine frame holding a
-ZeRO-3 ``unit`` (the unit whose hook is running, which for a prefetch is not the unit
-being gathered), else the innermost flat group ``g`` being reduced.
+The "calling unit" is the label set with :func:`unit` around the collective
+(``with comm.unit("blocks.1", "forward: gather"):``). The engines label their own
+collectives: a ZeRO-3 unit's hooks with the unit's name (the unit whose hook is
+running, which for a prefetch is not the unit being gathered), a bucket's reduction
+and publication with its flat group (``group[first..last]``). Nothing is read off the
+call stack: the label is passed explicitly, so it means the same in every Python.
 
 This module and :mod:`zerolearn.comm` are the only ones that call torch.distributed.
 """
@@ -31,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import sys
 import time
 from contextvars import ContextVar
 
@@ -49,11 +50,10 @@ class CollectiveError(RuntimeError):
 
 DEBUG_ENV = "ZEROLEARN_DEBUG_COLLECTIVES"
 REPORT_GRACE_S = float(os.environ.get("ZEROLEARN_REPORT_GRACE", "3"))  # wait for peers' posts, s
-_ENGINES_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "engines")
 _debug = False
 _seq = 0  # collectives issued through comm in this process (the same on every rank)
 checks = 0  # fingerprint exchanges made (debug mode)
-_unit: ContextVar[str | None] = ContextVar("zerolearn_unit", default=None)
+_label: ContextVar[tuple[str, str] | None] = ContextVar("zerolearn_unit", default=None)  # (unit, doing)
 
 
 def set_debug(on: bool = True) -> None:
@@ -68,44 +68,32 @@ def debug_enabled() -> bool:
 
 
 @contextlib.contextmanager
-def unit(name: str):
-    """Collectives issued inside this block are attributed to unit ``name`` in debug mode."""
-    token = _unit.set(name)
+def unit(name: str, doing: str = "-"):
+    """Collectives issued inside this block are attributed to unit ``name`` in debug mode.
+
+    Args:
+        name: the unit or buffer the collectives serve (``"blocks.1"``, ``"group[a..b]"``).
+        doing: what the caller is doing (``"forward: gather"``), shown in messages.
+
+    An enclosing block's label wins over the ones inside it, so wrapping a call
+    (``with comm.unit("probe"): engine.backward(loss)``) labels everything it issues,
+    the engine's own labelled collectives included. Labels follow the thread (and
+    asyncio task) that sets them, as a ``ContextVar``.
+    """
+    if _label.get() is not None:
+        yield
+        return
+    token = _label.set((name, doing))
     try:
         yield
     finally:
-        _unit.reset(token)
-
-
-def _module_name(engine, module) -> str:
-    model = getattr(engine, "model", None)
-    for name, m in (model.named_modules() if model is not None else ()):
-        if m is module:
-            return name or "<model>"
-    return type(module).__name__
+        _label.reset(token)
 
 
 def calling_unit() -> tuple[str, str]:
-    """(unit, engine function) that is issuing the current collective; "-" if unknown."""
-    found, group, func = None, None, None
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code.co_filename.startswith(_ENGINES_DIR):
-            local = frame.f_locals
-            func = getattr(frame.f_code, "co_qualname", frame.f_code.co_name)  # outermost wins
-            u = local.get("unit")
-            if hasattr(u, "module") and hasattr(u, "groups"):
-                found = (local.get("self"), u.module)
-            g = local.get("g")
-            if group is None and hasattr(g, "names") and hasattr(g, "shard_range"):
-                group = f"group[{g.names[0]}..{g.names[-1]}]"
-        frame = frame.f_back
-    explicit = _unit.get()
-    if explicit is not None:
-        return explicit, func or "-"
-    if found is not None:
-        return _module_name(*found), func
-    return group or "-", func or "-"
+    """(unit, what it is doing) of the outermost :func:`unit` block around this call
+    (the one that wins); ``("-", "-")`` outside every block."""
+    return _label.get() or ("-", "-")
 
 
 def group_ranks(group) -> list[int]:
@@ -128,8 +116,8 @@ def before(op: str, shapes: tuple, dtype: torch.dtype, group) -> None:
     _seq += 1
     if not debug_enabled() or dist.get_world_size(group) == 1 or dist.get_backend(group) == "fake":
         return
-    where, func = calling_unit()
-    mine = {"fingerprint": (op, shapes, str(dtype).removeprefix("torch."), where), "function": func}
+    where, doing = calling_unit()
+    mine = {"fingerprint": (op, shapes, str(dtype).removeprefix("torch."), where), "doing": doing}
     everyone = [None] * dist.get_world_size(group)
     checks += 1
     with loud("fingerprint exchange", group):
@@ -140,7 +128,7 @@ def before(op: str, shapes: tuple, dtype: torch.dtype, group) -> None:
     for r, e in zip(group_ranks(group), everyone):
         o, s, d, w = e["fingerprint"]
         lines.append(f"  rank {r}: {o} {d} {' -> '.join(str(list(x)) for x in s)} "
-                     f"from unit {w} (in {e['function']})")
+                     f"from unit {w} (in {e['doing']})")
     raise CollectiveMismatch(f"collective #{_seq}: ranks disagree on what to run next "
                              "(debug mode stopped it before it could hang or mix data):\n" + "\n".join(lines))
 

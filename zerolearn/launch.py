@@ -23,7 +23,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 from torch.distributed.launcher.api import elastic_launch
 
-from zerolearn import train
+from zerolearn.config import TrainConfig, build_parser
 from zerolearn.dist import ConfigError
 
 
@@ -41,13 +41,13 @@ def main(argv: list[str] | None = None) -> int:
     split = argv.index("--") if "--" in argv else len(argv)
     run_argv, train_argv = argv[:split], argv[split + 1:]
     args = torchrun.get_args_parser().parse_args([*run_argv, "-m", "zerolearn.train", *train_argv])
-    parser = train.build_parser()
-    options = parser.parse_args(train_argv)  # exits 2 naming a bad option
+    options = TrainConfig.from_argv(train_argv)  # exits 2 naming a bad option
     world = _world_size(args)
     if world is not None:
         try:
-            train.validate(options, world)
+            options.validate(world)
         except ConfigError as e:
+            parser = build_parser()
             parser.exit(2, f"{parser.prog}: error: {e}\n")
     config, cmd, cmd_args = torchrun.config_from_args(args)
     try:

@@ -6,8 +6,8 @@ Data stays in bytes and elements; these helpers format for people only.
 from __future__ import annotations
 
 from zerolearn.comm import CommLedger, OpStats
-from zerolearn.engines import STAGE_NAMES
 from zerolearn.memory import model as analytic
+from zerolearn.tables import text_table
 
 CATEGORIES = ("params", "grads", "optimizer_states")
 
@@ -29,7 +29,7 @@ def stage_row(report: dict, rank: int = 0) -> dict:
     """One row of the tour table: measured and formula side by side for ``rank``."""
     cfg, psi, entry = report["config"], report["num_params"], report["ranks"][rank]
     steps = len(report["losses"])
-    row = {"stage": cfg["stage"], "name": STAGE_NAMES[cfg["stage"]], "loss": report["losses"][-1],
+    row = {"stage": cfg["stage"], "name": analytic.stage_title(cfg["stage"]), "loss": report["losses"][-1],
            "padding": entry.get("padding_elements", 0),
            "psi_per_step": volume_per_step(entry, steps) / psi,
            "psi_per_step_theory": analytic.comm_volume_elements(psi, cfg["stage"]) / psi,
@@ -41,37 +41,29 @@ def stage_row(report: dict, rank: int = 0) -> dict:
 
 
 def format_table(rows: list[dict]) -> str:
-    """A fixed-width text table of :func:`stage_row` rows (KiB per rank, Psi per step)."""
-    head = (f"{'stage':<20} {'final loss':>10} | {'params KiB':>19} | {'grads KiB':>19} | "
-            f"{'optim states KiB':>19} | {'comm Psi/step':>13} | {'step ms':>7}")
-    sub = (f"{'':<20} {'':>10} | {'measured':>9} {'formula':>9} | {'measured':>9} {'formula':>9} | "
-           f"{'measured':>9} {'formula':>9} | {'meas':>6} {'theory':>6} | {'median':>7}")
-    lines = [head, sub, "-" * len(head)]
-    for r in rows:
-        cells = " | ".join(f"{kib(r[c]):>9} {kib(r[c + '_formula']):>9}" for c in CATEGORIES)
-        lines.append(f"{r['stage']} {r['name']:<18} {r['loss']:>10.6f} | {cells} | "
-                     f"{r['psi_per_step']:>6.3f} {r['psi_per_step_theory']:>6.1f} | {r['step_ms']:>7.1f}")
-    return "\n".join(lines)
+    """The tour's table of :func:`stage_row` rows: KiB per rank measured and by formula, Psi per step."""
+    header = ["stage", "final loss", "params KiB\nmeasured", "\nformula", "grads KiB\nmeasured", "\nformula",
+              "optim states KiB\nmeasured", "\nformula", "comm Psi/step\nmeasured", "\ntheory", "step ms\nmedian"]
+    body = [[f"{r['stage']} {r['name']}", f"{r['loss']:.6f}",
+             *(kib(r[k]) for c in CATEGORIES for k in (c, c + "_formula")),
+             f"{r['psi_per_step']:.3f}", f"{r['psi_per_step_theory']:.1f}", f"{r['step_ms']:.1f}"] for r in rows]
+    return text_table(header, body, align=["left", *["right"] * (len(header) - 1)])
 
 
 def format_rank_table(report: dict) -> str:
-    """Per-rank table of one run: bytes held (KiB) and elements moved per step by collective."""
+    """Per-rank table of one run: bytes held (KiB) and elements moved per step by collective,
+    then the paper's row (model states by formula, Psi per step of the stage)."""
     steps = len(report["losses"])
     formula = report["analytic"]["model_state_bytes"]
-    head = (f"{'rank':>4} | {'params KiB':>10} {'grads KiB':>10} {'optim KiB':>10} | "
-            f"{'all_reduce':>10} {'red_scatter':>11} {'all_gather':>10} | {'Psi/step':>8} | {'peak KiB':>9}")
-    lines = [head, "-" * len(head)]
+    header = ["rank", "params KiB", "grads KiB", "optim KiB", "all_reduce", "red_scatter", "all_gather",
+              "Psi/step", "peak KiB"]
+    body = []
     for entry in report["ranks"]:
         held = entry["model_state_bytes"]
-        per_step = {op: entry["comm"][op]["elements"] // steps for op in ("all_reduce", "reduce_scatter",
-                                                                         "all_gather")}
-        lines.append(f"{entry['rank']:>4} | {kib(held['params']):>10} {kib(held['grads']):>10} "
-                     f"{kib(held['optimizer_states']):>10} | {per_step['all_reduce']:>10,} "
-                     f"{per_step['reduce_scatter']:>11,} {per_step['all_gather']:>10,} | "
-                     f"{volume_per_step(entry, steps) / report['num_params']:>8.3f} | "
-                     f"{kib(entry['peak_bytes']):>9}")
+        per_step = [entry["comm"][op]["elements"] // steps for op in ("all_reduce", "reduce_scatter", "all_gather")]
+        body.append([entry["rank"], *(kib(held[c]) for c in CATEGORIES), *per_step,
+                     f"{volume_per_step(entry, steps) / report['num_params']:.3f}", kib(entry["peak_bytes"])])
     stage = report["config"]["stage"]
-    lines.append(f"{'paper':>4} | {kib(formula['params']):>10} {kib(formula['grads']):>10} "
-                 f"{kib(formula['optimizer_states']):>10} | {'':>34} | "
-                 f"{analytic.comm_volume_elements(1, stage):>8.3f} |")
-    return "\n".join(lines)
+    body.append(["paper", *(kib(formula[c]) for c in CATEGORIES), "", "", "",
+                 f"{analytic.comm_volume_elements(1, stage):.3f}", ""])
+    return text_table(header, body)

@@ -18,20 +18,22 @@ import sys
 import torch
 from tqdm.auto import tqdm
 
+from zerolearn.config import TrainConfig
 from zerolearn.dist import ConfigError, launch
 from zerolearn.report import format_table, stage_row
-from zerolearn.train import train_job
+from zerolearn.train import train
 
 
-def run_tour(world_size: int, steps: int, backend: str, extra: list[str] | None = None,
+def run_tour(world_size: int, steps: int, backend: str, config: TrainConfig | None = None,
              show_progress: bool = True) -> tuple[list[dict], list[dict]]:
-    """Train every stage on ``world_size`` spawned ranks; return (reports, table rows)."""
+    """Train every stage of ``config`` (default: :class:`TrainConfig`'s defaults) on
+    ``world_size`` spawned ranks for ``steps`` steps; return (reports, table rows)."""
+    config = config or TrainConfig()
     reports, rows = [], []
     stages = tqdm(range(4), desc="tour", unit="stage", disable=not show_progress)
     for stage in stages:
         stages.set_postfix(stage=stage)
-        argv = ["--stage", str(stage), "--steps", str(steps), "--quiet", *(extra or [])]
-        report = launch(train_job, world_size, argv, backend=backend)[0]
+        report = launch(train, world_size, config.replace(stage=stage, steps=steps, quiet=True), backend=backend)[0]
         reports.append(report)
         rows.append(stage_row(report))
     return reports, rows
@@ -45,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backend", choices=("gloo", "nccl"), default="nccl" if has_gpu else "gloo")
     args, extra = p.parse_known_args(argv)
     try:
-        reports, rows = run_tour(args.world_size, args.steps, args.backend, extra)
+        reports, rows = run_tour(args.world_size, args.steps, args.backend, TrainConfig.from_argv(extra))
     except ConfigError as e:
         p.exit(2, f"{p.prog}: error: {e}\n")
     r0 = reports[0]

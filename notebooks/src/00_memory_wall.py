@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from zerolearn import data
+from zerolearn.config import TrainConfig
 from zerolearn.dist import launch
 from zerolearn.lessons import ch00
 from zerolearn.memory import model as analytic
@@ -104,17 +105,17 @@ print(f"{'total':<17} {sum(nbytes(t) for t in counted.values()) / 1024:7.1f} KiB
 # SGD none.
 #
 # Let us measure this with the book's engine instead of by hand. `ch00.reports` runs the training
-# command line (`python -m zerolearn.train`) once per configuration, on one spawned gloo rank, and
-# returns its JSON reports. Each report holds the bytes the rank *holds* per category, measured
-# from the tensors themselves (a storage shared by two roles is counted once: in fp32 the working
-# parameters *are* the master copy), and the paper's formula for the same run.
+# loop (`zerolearn.train.train`, what `python -m zerolearn.train` runs) once per `TrainConfig`, on
+# one spawned gloo rank, and returns its JSON reports. Each report holds the bytes the rank
+# *holds* per category, measured from the tensors themselves (a storage shared by two roles is
+# counted once: in fp32 the working parameters *are* the master copy), and the paper's formula
+# for the same run.
 
 # %%
 print(inspect.getsource(ch00.reports))
 
 # %%
-common = ["--model", "gpt", "--d-model", "64", "--n-layer", "2", "--seq-len", "32",
-          "--global-batch-size", "8", "--steps", "2", "--quiet"]
+common = TrainConfig(model="gpt", d_model=64, n_layer=2, seq_len=32, global_batch_size=8, steps=2)
 runs = {  # label: (dtype, optimizer, SGD momentum)
     "fp32 Adam": ("fp32", "adam", 0.0),
     "bf16 Adam": ("bf16", "adam", 0.0),
@@ -122,8 +123,8 @@ runs = {  # label: (dtype, optimizer, SGD momentum)
     "fp32 SGD+mom": ("fp32", "sgd", 0.9),
     "fp32 SGD": ("fp32", "sgd", 0.0),
 }
-argvs = [common + ["--dtype", d, "--optimizer", o, "--momentum", str(m)] for d, o, m in runs.values()]
-reports = dict(zip(runs, launch(ch00.reports, 1, argvs)[0]))  # [0]: rank 0's results
+configs = [common.replace(dtype=d, optimizer=o, momentum=m) for d, o, m in runs.values()]
+reports = dict(zip(runs, launch(ch00.reports, 1, configs)[0]))  # [0]: rank 0's results
 
 # %%
 cats = ("params", "grads", "optimizer_states")
@@ -187,8 +188,8 @@ for c, nb in watched["peak_by_category"].items():
 #
 # Mixed precision (bf16) with SGD and momentum 0.9: how many bytes of model states per parameter
 # does a rank hold? Work it out from the paper's accounting, then set `answer` to a number. (You
-# can confirm it with `launch(ch00.reports, 1, [common + ["--dtype", "bf16", "--optimizer", "sgd",
-# "--momentum", "0.9"]])`.)
+# can confirm it with `launch(ch00.reports, 1, [common.replace(dtype="bf16", optimizer="sgd",
+# momentum=0.9)])`.)
 
 # %%
 answer = None  # bytes per parameter, e.g. 16

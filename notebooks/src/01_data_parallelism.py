@@ -34,13 +34,15 @@ import inspect
 import matplotlib.pyplot as plt
 import numpy as np
 
+from zerolearn.config import TrainConfig
 from zerolearn.dist import launch
 from zerolearn.engines.base import Engine
 from zerolearn.engines.ddp import DDPEngine
-from zerolearn.lessons import ch00, ch01
+from zerolearn.lessons import ch01
 from zerolearn.memory import model as analytic
 from zerolearn.models import build_model
 from zerolearn.report import kib, volume_per_step
+from zerolearn.train import train
 
 # %% [markdown]
 # ## 1. Collectives on four ranks
@@ -259,9 +261,9 @@ plt.show()
 # (2 + 2 + K) Ψ (Sec 3.1, Fig 1 baseline).
 
 # %%
-argv = ["--stage", "0", "--dtype", "bf16", "--optimizer", "adam", "--d-model", "64", "--n-layer", "2",
-        "--seq-len", "32", "--global-batch-size", "16", "--steps", "3", "--quiet"]
-dp_reports = {nd: launch(ch00.reports, nd, [argv])[0][0] for nd in (1, 2, 4)}
+run = TrainConfig(stage=0, dtype="bf16", optimizer="adam", d_model=64, n_layer=2, seq_len=32, global_batch_size=16,
+                  steps=3)
+dp_reports = {nd: launch(train, nd, run)[0] for nd in (1, 2, 4)}
 psi = dp_reports[1]["num_params"]
 cats = ("params", "grads", "optimizer_states")
 print(f"stage 0, bf16 Adam, psi = {psi:,}: KiB held per rank, measured | formula; "

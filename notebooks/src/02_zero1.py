@@ -42,6 +42,7 @@ import time
 import matplotlib.pyplot as plt
 
 from zerolearn import flat
+from zerolearn.config import TrainConfig
 from zerolearn.dist import launch
 from zerolearn.engines import zero1
 from zerolearn.lessons import ch02
@@ -49,8 +50,8 @@ from zerolearn.memory import model as analytic
 
 # The chapter's model: the package's byte-level GPT, small enough for 4 ranks on 2 cores.
 D_MODEL, SEQ_LEN, N_LAYER = 128, 16, 2
-GPT = ["--model", "gpt", "--d-model", str(D_MODEL), "--seq-len", str(SEQ_LEN), "--n-layer", str(N_LAYER),
-       "--global-batch-size", "12", "--steps", "3", "--quiet"]  # 12 sequences: divisible by Nd = 2, 3, 4
+GPT = TrainConfig(model="gpt", d_model=D_MODEL, seq_len=SEQ_LEN, n_layer=N_LAYER,
+                  global_batch_size=12, steps=3)  # 12 sequences: divisible by Nd = 2, 3, 4
 sizes = ch02.gpt_tensor_sizes(D_MODEL, SEQ_LEN, N_LAYER)
 psi = sum(sizes)
 print(f"GPT: Psi = {psi:,} parameters in {len(sizes)} tensors; "
@@ -178,7 +179,7 @@ print(inspect.getsource(zero1.Zero1Engine))
 # %%
 # NBVAL_IGNORE_OUTPUT
 def specs(nd):
-    jobs = [("train", GPT + ["--stage", "1", "--dtype", dtype]) for dtype in ("fp32", "bf16")]
+    jobs = [("train", GPT.replace(stage=1, dtype=dtype)) for dtype in ("fp32", "bf16")]
     if nd > 2:
         jobs += [("naive", ch02.NaiveZero1, GPT, {"owners": policy}) for policy in ("count", "size")]
     return jobs + ([("demo",)] if nd == 3 else [])

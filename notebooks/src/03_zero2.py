@@ -46,17 +46,18 @@ import time
 
 import matplotlib.pyplot as plt
 
-from zerolearn.chapters import seed_experiment
+from zerolearn.config import TrainConfig
 from zerolearn.dist import launch
 from zerolearn.engines import base, zero2
+from zerolearn.experiments import seed_experiment
 from zerolearn.flat import make_groups
 from zerolearn.lessons import ch02, ch03
 from zerolearn.memory import model as analytic
 from zerolearn.models import GPTConfig, build_model
 
 D_MODEL, SEQ_LEN, N_LAYER = 128, 16, 2  # the GPT of chapter 2
-GPT = ["--model", "gpt", "--d-model", str(D_MODEL), "--seq-len", str(SEQ_LEN), "--n-layer", str(N_LAYER),
-       "--global-batch-size", "12", "--steps", "2", "--quiet", "--memory-timeline"]
+GPT = TrainConfig(model="gpt", d_model=D_MODEL, seq_len=SEQ_LEN, n_layer=N_LAYER, global_batch_size=12, steps=2,
+                  memory_timeline=True)
 gpt = build_model("gpt", 0, gpt=GPTConfig(seq_len=SEQ_LEN, n_layer=N_LAYER, d_model=D_MODEL))
 psi = sum(p.numel() for p in gpt.parameters())
 named = [(n, p) for n, p in gpt.named_parameters()][::-1]  # the engine's order: reverse registration
@@ -104,8 +105,8 @@ print(inspect.getsource(zero2.Zero2Engine))
 # NBVAL_IGNORE_OUTPUT
 BUCKETS = (0.05, 0.1, 0.2, 0.5, 2.0)  # MiB; the whole fp32 gradient is 1.77 MiB
 t0 = time.perf_counter()
-jobs4 = [("train", GPT + ["--stage", str(s), "--bucket-mb", str(b)]) for b in BUCKETS for s in (1, 2)]
-jobs4 += [("train", GPT + ["--stage", "2", "--bucket-mb", "0.2", "--dtype", "bf16"])]
+jobs4 = [("train", GPT.replace(stage=s, bucket_mb=b)) for b in BUCKETS for s in (1, 2)]
+jobs4 += [("train", GPT.replace(stage=2, bucket_mb=0.2, dtype="bf16"))]
 nd4 = launch(ch02.jobs, 4, jobs4)[0]  # train() reports are the same on every rank
 sweep = {(r["config"]["stage"], r["config"]["bucket_mb"]): r for r in nd4[:-1]}
 print(f"4 ranks, {len(jobs4)} runs: {time.perf_counter() - t0:.0f} s")
@@ -119,8 +120,8 @@ print(f"4 ranks, {len(jobs4)} runs: {time.perf_counter() - t0:.0f} s")
 # NBVAL_IGNORE_OUTPUT
 ns = argparse.Namespace(width=512, layers=6, batch=16, steps=2, dtype="fp32", bucket_mb=1.0,
                         simulate_world_size=None)
-mlp = {s: seed_experiment.job_argv(ns, s) + ["--memory-timeline"] for s in (1, 2)}  # the seed chapter's jobs
-jobs2 = [("train", GPT + ["--stage", "2", "--bucket-mb", "0.2", "--dtype", d]) for d in ("fp32", "bf16")]
+mlp = {s: seed_experiment.job_config(ns, s).replace(memory_timeline=True) for s in (1, 2)}  # the seed chapter's
+jobs2 = [("train", GPT.replace(stage=2, bucket_mb=0.2, dtype=d)) for d in ("fp32", "bf16")]
 jobs2 += [("train", mlp[1]), ("train", mlp[2]),
           ("naive", ch02.NaiveZero1, mlp[1]), ("naive", ch03.BlogZero2, mlp[2])]
 t0 = time.perf_counter()
@@ -297,7 +298,7 @@ print(f"our ZeRO-2 peaks below both blog-style versions:                     {o2
 # (`engines.base.MAX_IN_FLIGHT` gathers), where the blog-style version updates in place
 # and broadcasts. ZeRO-1 and ZeRO-2 pay
 # it alike, so the comparison between them stands.) The seed experiment's own table
-# (`zerolearn.chapters.seed_experiment.format_seed_table`) shows our two runs against
+# (`zerolearn.experiments.seed_experiment.format_seed_table`) shows our two runs against
 # the formulas:
 
 # %%

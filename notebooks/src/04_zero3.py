@@ -25,13 +25,15 @@
 # %matplotlib inline
 import inspect
 
-from zerolearn import views
+from zerolearn import figures
+from zerolearn.config import TrainConfig
 from zerolearn.dist import launch
 from zerolearn.engines.zero3 import Zero3Engine, _free
 from zerolearn.lessons import ch04
 from zerolearn.memory.model import STAGE_NAMES, TABLE1_GB, comm_volume_elements, model_state_bytes
 from zerolearn.models import GPTConfig, build_model
 from zerolearn.report import volume_per_step
+from zerolearn.tables import text_table
 
 # %% [markdown]
 # ## 1. Units: what is gathered together
@@ -47,11 +49,11 @@ from zerolearn.report import volume_per_step
 # The run below uses a 4-block GPT of width 64 in bf16 (2 bytes per parameter).
 
 # %%
-GPT_ARGS = ['--model', 'gpt', '--n-layer', '4', '--d-model', '64', '--n-head', '4', '--seq-len', '32']
+GPT_OPTIONS = dict(model="gpt", n_layer=4, d_model=64, n_head=4, seq_len=32)
 model = build_model('gpt', 0, gpt=GPTConfig(seq_len=32, n_layer=4, n_head=4, d_model=64))
 psi = sum(p.numel() for p in model.parameters())
 units = [(type(u).__name__, sum(p.numel() for p in u.parameters())) for u in model.units()]
-print(ch04.text_table(['unit', 'parameters', 'bf16 bytes'], [[n, c, 2 * c] for n, c in units]))
+print(text_table(['unit', 'parameters', 'bf16 bytes'], [[n, c, 2 * c] for n, c in units]))
 print(f'Psi = {psi:,} parameters; a block has 12 h^2 + 13 h = {12 * 64**2 + 13 * 64:,} of them (h = 64)')
 
 # %% [markdown]
@@ -143,7 +145,7 @@ for method in (Zero3Engine._pre_forward, Zero3Engine._post_forward, Zero3Engine.
 print(inspect.getsource(ch04.all_stages))
 
 # %%
-RUN = [*GPT_ARGS, '--global-batch-size', '8', '--steps', '3', '--dtype', 'bf16', '--memory-timeline']
+RUN = TrainConfig(**GPT_OPTIONS, global_batch_size=8, steps=3, dtype="bf16", memory_timeline=True)
 reports = launch(ch04.all_stages, 2, RUN)[0]  # rank 0's reports, stages 0-3
 for r in reports:
     losses = ', '.join(f'{v:#.3g}' for v in r['losses'])  # bf16: 3 significant digits
@@ -164,8 +166,8 @@ for r in reports:
     rows.append([f'{stage} {STAGE_NAMES[stage]}', held['params'], formula['params'], held['grads'],
                  formula['grads'], held['optimizer_states'], formula['optimizer_states'], f'{moved:.3f}',
                  f'{comm_volume_elements(1, stage):.1f}'])
-print(ch04.text_table(['stage', 'params B', 'formula', 'grads B', 'formula', 'optim B', 'formula',
-                       'Psi/step', 'Sec 7'], rows))
+print(text_table(['stage', 'params B', 'formula', 'grads B', 'formula', 'optim B', 'formula',
+                 'Psi/step', 'Sec 7'], rows))
 
 # %% [markdown]
 # Every measured byte count equals the formula: the shards divide evenly here, so
@@ -180,7 +182,7 @@ for r in reports:
     steps, comm = len(r['losses']), r['ranks'][0]['comm']
     rows.append([f"{r['config']['stage']} {STAGE_NAMES[r['config']['stage']]}",
                  *(comm[op]['elements'] // steps for op in ('all_reduce', 'reduce_scatter', 'all_gather'))])
-print(ch04.text_table(['stage', 'all_reduce', 'reduce_scatter', 'all_gather'], rows))
+print(text_table(['stage', 'all_reduce', 'reduce_scatter', 'all_gather'], rows))
 print(f'Psi = {psi:,}')
 
 # %% [markdown]
@@ -196,16 +198,16 @@ print(f'Psi = {psi:,}')
 z3 = reports[3]
 shards = z3['ranks'][0]['model_state_bytes']['params']
 block = 2 * (12 * 64**2 + 13 * 64)  # bytes of one gathered block in bf16
-fig = views.timeline_figure(z3, ('params',), title='ZeRO-3, rank 0 of 2: parameter bytes over one step')
+fig = figures.timeline_figure(z3, ('params',), title='ZeRO-3, rank 0 of 2: parameter bytes over one step')
 ax = fig.axes[0]
-last = len(views.timeline_series(z3)['index']) - 1
+last = len(figures.timeline_series(z3)['index']) - 1
 for n, label in ((0, 'shards'), (1, 'shards + 1 block'), (2, 'shards + 2 blocks')):
     ax.axhline((shards + n * block) / 2**10, color='gray', linestyle=':', linewidth=1)
     ax.annotate(label, (last, (shards + n * block) / 2**10), fontsize=8, va='bottom', ha='right')
 fig
 
 # %%
-series = views.timeline_series(z3)
+series = figures.timeline_series(z3)
 params = series['by_category']['params']
 print(f'shards (formula, 2 Psi / Nd): {model_state_bytes(psi, 2, 3)["params"]:>9,} bytes')
 print(f'lowest over the step        : {min(params):>9,} bytes')
@@ -238,12 +240,11 @@ print(inspect.getsource(ch04.simulate))
 # is that ratio from Table 1's printed numbers, where Table 1 has the Nd.
 
 # %%
-SMALL = ['--d-model', '32', '--n-head', '2', '--seq-len', '16', '--steps', '1', '--dtype', 'bf16',
-         '--bucket-mb', '64']
+SMALL = TrainConfig(d_model=32, n_head=2, seq_len=16, steps=1, dtype="bf16", bucket_mb=64)
 rows = []
 for nd in (8, 64, 1024):
     for stage in (1, 2, 3):
-        r = ch04.simulate(stage, nd, [*SMALL, '--global-batch-size', str(nd)])
+        r = ch04.simulate(stage, nd, SMALL.replace(global_batch_size=nd))
         entry, small_psi = r['ranks'][0], r['num_params']
         measured, pad = sum(entry['model_state_bytes'].values()), entry['padding_elements']
         formula = model_state_bytes(small_psi, nd, stage)['total']
@@ -253,8 +254,8 @@ for nd in (8, 64, 1024):
         rows.append([nd, f'{stage} {STAGE_NAMES[stage]}', measured, f'{formula:,.0f}', pad, f'{padded:,.0f}',
                      f'{measured / (16 * small_psi):.4f}', '-' if table1 is None else f'{table1[stage - 1] / 120:.4f}'])
 print(f'Psi = {small_psi:,} parameters; DP holds 16 Psi = {16 * small_psi:,} bytes at every Nd')
-print(ch04.text_table(['Nd', 'stage', 'measured B', 'formula B', 'padding', 'formula(Psi+pad)', 'measured/DP',
-                       'Table 1/DP'], rows))
+print(text_table(['Nd', 'stage', 'measured B', 'formula B', 'padding', 'formula(Psi+pad)', 'measured/DP',
+                 'Table 1/DP'], rows))
 
 # %% [markdown]
 # The measured bytes equal the formula until Nd no longer divides the flat buffers.

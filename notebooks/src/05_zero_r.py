@@ -175,9 +175,9 @@ plt.show()
 # gets a pool of its own.
 
 # %%
-from zerolearn import views
+from zerolearn import figures
 
-trace = views.recorded_trace()
+trace = figures.recorded_trace()
 classes = defrag.lifetime_classes(trace)
 print(f"{len(trace)} allocations and frees in two steps; the long-lived tensors, by lifetime:")
 for name, what in [("setup->end", "parameters"), ("step->end", "Adam's moments"),
@@ -202,8 +202,8 @@ print(f"without MD it needs {defrag.smallest_capacity(trace, md=False) / 2**20:.
 # allocator holds; the blue one what tensors use; the purple one what MD would pool.
 
 # %%
-display(views.fragmentation_figure(trace, capacity, md=False))
-display(views.fragmentation_figure(trace, capacity, md=True))
+display(figures.fragmentation_figure(trace, capacity, md=False))
+display(figures.fragmentation_figure(trace, capacity, md=True))
 
 # %% [markdown]
 # The simulator's MD moves the long-lived tensors into pools after the fact. The step can

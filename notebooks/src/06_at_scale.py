@@ -31,12 +31,14 @@ import inspect
 import matplotlib.pyplot as plt
 from IPython.display import display
 
-from zerolearn import views, widgets
+from zerolearn import figures, widgets
+from zerolearn.config import TrainConfig
 from zerolearn.costmodel import Job, step_time
 from zerolearn.dist import launch
-from zerolearn.lessons import ch04, ch06
+from zerolearn.lessons import ch06
 from zerolearn.memory.fit import ActivationSpec, gpt_params, per_device_bytes, smallest_fit
 from zerolearn.memory.model import GB, STAGE_NAMES, TABLE1_GB, V100_BYTES, max_model_params, model_state_bytes
+from zerolearn.tables import text_table
 
 # %% [markdown]
 # ## 1. Table 1 from the formulas
@@ -59,7 +61,7 @@ for psi in TABLE1_GB:
         cells = [f'{c:,.2f} | {p:g}' for c, p in zip(row['computed'], row['printed'])]
         rows.append([row['nd'], *cells])
         worst = max(worst, *(abs(c - p) / p for c, p in zip(row['computed'], row['printed'])))
-    print(ch04.text_table(['Nd', 'P_os', 'P_os+g', 'P_os+g+p'], rows), end='\n\n')
+    print(text_table(['Nd', 'P_os', 'P_os+g', 'P_os+g+p'], rows), end='\n\n')
 print(f'largest relative difference from the printed values: {100 * worst:.1f} %')
 
 # %% [markdown]
@@ -79,7 +81,7 @@ print(f'largest relative difference from the printed values: {100 * worst:.1f} %
 
 # %%
 print(inspect.getsource(ch06.measure_per_rank))
-SMALL = ['--d-model', '32', '--n-head', '2', '--seq-len', '16', '--steps', '1', '--dtype', 'bf16', '--bucket-mb', '64']
+SMALL = TrainConfig(d_model=32, n_head=2, seq_len=16, steps=1, dtype="bf16", bucket_mb=64)
 NDS = (4, 16, 64, 256, 1024)
 measured = ch06.measure_per_rank((1, 2, 3), NDS, SMALL) + ch06.measure_per_rank((0,), (1024,), SMALL)
 small_psi = measured[0]['psi']
@@ -91,7 +93,7 @@ for m in measured:
     rows.append([m['nd'], f"{m['stage']} {STAGE_NAMES[m['stage']]}", m['bytes'], f'{formula:,.0f}', m['padding'],
                  f"{m['bytes'] / (16 * small_psi):.4f}", f'{ratio:.4f}'])
 print(f'Psi = {small_psi:,}; 16 Psi = {16 * small_psi:,} bytes')
-print(ch04.text_table(['Nd', 'stage', 'measured B', 'formula B', 'padding', 'measured/DP', 'Table 1/DP'], rows))
+print(text_table(['Nd', 'stage', 'measured B', 'formula B', 'padding', 'measured/DP', 'Table 1/DP'], rows))
 
 # %% [markdown]
 # DP measured at Nd = 1024 holds exactly 16 Psi: data parallelism alone never divides
@@ -104,7 +106,7 @@ print(ch04.text_table(['Nd', 'stage', 'measured B', 'formula B', 'padding', 'mea
 fig, ax = plt.subplots(figsize=(7, 4), layout='constrained')
 nds_line = [2**i for i in range(11)]
 for stage in (1, 2, 3):
-    color = views.STAGE_COLORS[stage]
+    color = figures.STAGE_COLORS[stage]
     ax.plot(nds_line, [model_state_bytes(1, nd, stage)['total'] / 16 for nd in nds_line], color=color,
             label=f'{stage} {STAGE_NAMES[stage]}: formula')
     ms = [m for m in measured if m['stage'] == stage]
@@ -133,7 +135,7 @@ plt.show()
 rows = [[f"{r['mp']} x {r['gpus'] // r['mp']}", r['gpus'],
          *(f'{c:,.1f} | {p:g}' for c, p in zip(r['computed'], r['printed']))] for r in ch06.table2_rows()]
 print('largest Psi in billions of parameters (computed | printed), 32 GB per GPU')
-print(ch04.text_table(['MP x Nd', 'GPUs', 'DP', 'P_os', 'P_os+g', 'P_os+g+p'], rows))
+print(text_table(['MP x Nd', 'GPUs', 'DP', 'P_os', 'P_os+g', 'P_os+g+p'], rows))
 
 # %% [markdown]
 # The rows with MP > 1 are printed as multiples of the first row's rounded values
@@ -153,7 +155,7 @@ for stage in (1, 2, 3):
     per_param = m['bytes'] / m['psi']
     rows.append([f'{stage} {STAGE_NAMES[stage]}', f'{per_param:.4f}', f'{V100_BYTES / per_param / 1e9:,.1f}',
                  f'{max_model_params(V100_BYTES, 64, stage) / 1e9:,.1f}'])
-print(ch04.text_table(['stage', 'measured bytes/param', 'largest Psi (B), measured', 'formula (B)'], rows))
+print(text_table(['stage', 'measured bytes/param', 'largest Psi (B), measured', 'formula (B)'], rows))
 
 # %% [markdown]
 # P_os and P_os+g match to the digit. At P_os+g+p the 64 padding elements of our tiny
@@ -174,7 +176,7 @@ print(f'stage {fit.stage} ({fit.stage_name}) on {fit.gpus} GPU(s): {fit.bytes_pe
 # %% [markdown]
 # On one GPU every stage holds 16 x 7 = 112 GB. On two, P_os already fits:
 # 4 x 7 + 12 x 7 / 2 = 70 GB. The same question for a few models and GPUs
-# (`views.GPUS` lists nominal sizes in the paper's decimal GB):
+# (`figures.GPUS` lists nominal sizes in the paper's decimal GB):
 
 # %%
 models = {'1.5B': 1.5e9, '7B': 7e9, '13B': 13e9, '70B': 70e9, '175B': 175e9, '1T': 1e12}
@@ -183,11 +185,11 @@ rows = []
 for name, psi in models.items():
     cells = []
     for gpu in gpus:
-        f = smallest_fit(psi, views.GPUS[gpu])
+        f = smallest_fit(psi, figures.GPUS[gpu])
         cells.append('-' if f is None else f'{f.gpus} x stage {f.stage}')
     rows.append([name, *cells])
 print('fewest GPUs x lowest stage, model states only (bf16, Adam, K = 12)')
-print(ch04.text_table(['model', *gpus], rows))
+print(text_table(['model', *gpus], rows))
 
 # %% [markdown]
 # Model states are not all. Residual states (Sec 3.2) do not shrink with Nd, so a batch
@@ -229,7 +231,7 @@ print('\nDP on one GPU, checkpointed, GB: ' + ', '.join(
 display(widgets.FitSolver())
 
 # %%
-views.fit_figure()  # the default view: 7B parameters on 80 GB GPUs
+figures.fit_figure()  # the default view: 7B parameters on 80 GB GPUs
 
 # %% [markdown]
 # ## 5. Where the memory goes: the memory explorer
@@ -243,7 +245,7 @@ views.fit_figure()  # the default view: 7B parameters on 80 GB GPUs
 display(widgets.MemoryExplorer())
 
 # %%
-views.memory_figure()  # Fig 1: 120, 31.4, 16.6, 1.9 GB
+figures.memory_figure()  # Fig 1: 120, 31.4, 16.6, 1.9 GB
 
 # %% [markdown]
 # ## 6. Memory against communication
@@ -258,7 +260,7 @@ views.memory_figure()  # Fig 1: 120, 31.4, 16.6, 1.9 GB
 display(widgets.TradeOff())
 
 # %%
-views.tradeoff_figure()  # Psi = 7.5B, Nd = 64
+figures.tradeoff_figure()  # Psi = 7.5B, Nd = 64
 
 # %% [markdown]
 # Whether 1.5 times the traffic matters depends on how long the step computes. The
@@ -282,7 +284,7 @@ for tokens in (1024, 16 * 1024):
         t = step_time(Job(psi=7.5e9, tokens_per_gpu=tokens, stage=stage, nd=64), ch06.DGX2)
         rows.append([tokens, f'{stage} {STAGE_NAMES[stage]}', f'{t.compute_s:.2f}', f'{t.comm_s:.2f}',
                      f'{t.step_s:.2f}', f'{t.comm_to_compute:.2f}'])
-print(ch04.text_table(['tokens/GPU', 'stage', 'compute s', 'comm s', 'step s', 'comm/compute'], rows))
+print(text_table(['tokens/GPU', 'stage', 'compute s', 'comm s', 'step s', 'comm/compute'], rows))
 
 # %% [markdown]
 # Communication per step does not depend on the batch; compute grows with it. With one
@@ -315,7 +317,7 @@ scaling = {stage: ch06.scaling_rows(GPU_COUNTS, stage=stage) for stage in (0, 1,
 rows = [[r['gpus'], r['nd'], r['batch'], f"{r['tflops_per_gpu']:.1f}", f"{r['aggregate_pflops']:.2f}",
          f"{scaling[2][0]['aggregate_pflops'] * r['gpus'] / 64:.2f}"] for r in scaling[2]]
 print(f'60B model ({gpt_params(**ch06.GPT_60B) / 1e9:.1f}B parameters), stage 2, MP = 16, 32 GB per GPU')
-print(ch04.text_table(['GPUs', 'Nd', 'batch/GPU', 'TFLOP/s per GPU', 'PFLOP/s total', 'linear from 64'], rows))
+print(text_table(['GPUs', 'Nd', 'batch/GPU', 'TFLOP/s per GPU', 'PFLOP/s total', 'linear from 64'], rows))
 print('stage 0 (DP) batch per GPU:', [r['batch'] for r in scaling[0]])
 
 # %%
@@ -323,8 +325,8 @@ fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8), layout='constrained')
 for stage in (1, 2):
     rs = scaling[stage]
     label = f'{stage} {STAGE_NAMES[stage]}'
-    left.plot(GPU_COUNTS, [r['tflops_per_gpu'] for r in rs], 'o-', color=views.STAGE_COLORS[stage], label=label)
-    right.plot(GPU_COUNTS, [r['aggregate_pflops'] for r in rs], 'o-', color=views.STAGE_COLORS[stage], label=label)
+    left.plot(GPU_COUNTS, [r['tflops_per_gpu'] for r in rs], 'o-', color=figures.STAGE_COLORS[stage], label=label)
+    right.plot(GPU_COUNTS, [r['aggregate_pflops'] for r in rs], 'o-', color=figures.STAGE_COLORS[stage], label=label)
 base = scaling[2][0]['aggregate_pflops']
 right.plot(GPU_COUNTS, [base * g / 64 for g in GPU_COUNTS], '--', color='gray', label='linear from 64 GPUs (stage 2)')
 left.set_ylabel('throughput per GPU (TFLOP/s)')
@@ -342,8 +344,8 @@ plt.show()
 # per GPU never shrink. Under P_os+g, going from 64 to 400 GPUs more than doubles the
 # batch each GPU can hold, and per-GPU throughput rises with it, so the aggregate
 # grows faster than linearly. Past 256 GPUs the batch stops growing: the activations and
-# the recomputation, which no stage divides, fill what the model states freed. The shape follows from memory alone; the numbers follow
-# from the assumed efficiency curve.
+# the recomputation, which no stage divides, fill what the model states freed. The shape
+# follows from memory alone; the numbers follow from the assumed efficiency curve.
 #
 # ## 8. The measured timeline, per stage
 #
@@ -353,14 +355,14 @@ plt.show()
 # `--memory-timeline`). Pick a stage and the categories to draw.
 
 # %%
-RUN = ['--model', 'gpt', '--n-layer', '4', '--d-model', '64', '--n-head', '4', '--seq-len', '32',
-       '--global-batch-size', '8', '--steps', '2', '--dtype', 'bf16', '--memory-timeline']
+RUN = TrainConfig(model="gpt", n_layer=4, d_model=64, n_head=4, seq_len=32, global_batch_size=8, steps=2,
+                  dtype="bf16", memory_timeline=True)
 reports = launch(ch04.all_stages, 2, RUN)[0]
 viewer = widgets.TimelineViewer(reports)
 display(viewer)
 
 # %%
-views.timeline_figure(reports[0])  # the default view: stage 0 (DP)
+figures.timeline_figure(reports[0])  # the default view: stage 0 (DP)
 
 # %%
 rows = []
@@ -370,7 +372,7 @@ for r in reports:
     rows.append([f"{r['config']['stage']} {STAGE_NAMES[r['config']['stage']]}", entry['peak_bytes'],
                  *(at_peak[c] for c in ('params', 'grads', 'optimizer_states', 'activations', 'temporary'))])
 print('rank 0 at its measured peak, bytes')
-print(ch04.text_table(['stage', 'peak', 'params', 'grads', 'optim', 'activations', 'temporary'], rows))
+print(text_table(['stage', 'peak', 'params', 'grads', 'optim', 'activations', 'temporary'], rows))
 
 # %% [markdown]
 # The peak falls from DP to P_os and again at P_os+g+p, but much less than the model
@@ -387,7 +389,7 @@ print(ch04.text_table(['stage', 'peak', 'params', 'grads', 'optim', 'activations
 # errors with over 30% of memory still free, because long-lived tensors (activation
 # checkpoints, parameter gradients) end up scattered between short-lived ones. The
 # fragmentation explorer replays the allocations of two real training steps of a
-# 25.7M-parameter GPT (`views.recorded_trace`, chapter 5 explains it) through the model
+# 25.7M-parameter GPT (`figures.recorded_trace`, chapter 5 explains it) through the model
 # of torch's caching allocator in `zerolearn.residual.defrag`: change the memory's size,
 # turn MD (contiguous pools for the long-lived tensors) on and off, and scale the
 # allocator's size classes (2 shrinks its segments to half their size).
@@ -396,7 +398,7 @@ print(ch04.text_table(['stage', 'peak', 'params', 'grads', 'optim', 'activations
 display(widgets.FragmentationSimulator())
 
 # %%
-views.fragmentation_figure()  # the default: the smallest arena that works with MD, here without it
+figures.fragmentation_figure()  # the default: the smallest arena that works with MD, here without it
 
 # %% [markdown]
 # ## Exercises

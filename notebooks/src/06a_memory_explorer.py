@@ -21,7 +21,7 @@
 # %matplotlib inline
 from IPython.display import display
 
-from zerolearn import views, widgets
+from zerolearn import figures, widgets
 from zerolearn.memory import GB, STAGE_NAMES, model_state_bytes
 
 explorer = widgets.MemoryExplorer()  # Fig 1's setting: Psi = 7.5B, Nd = 64, stage 3, a 32 GB V100
@@ -47,4 +47,4 @@ print(f"formula:  {formula / GB:,.3f} GB per GPU")
 # selected stage outlined and the device's 32 GB as a dashed line.
 
 # %%
-views.memory_figure()
+figures.memory_figure()

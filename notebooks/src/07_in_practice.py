@@ -86,7 +86,7 @@ for stage in range(4):
 # DeepSpeed itself installs from the package registry as an optional extra
 # (`DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed`, no compiled ops: ZeRO's
 # stages do not need them) and runs on CPU with `DS_ACCELERATOR=cpu` under `torchrun`.
-# `make deepspeed` installs it and runs `zerolearn.chapters.deepspeed_cpu` for stages 0-3
+# `make deepspeed` installs it and runs `zerolearn.experiments.deepspeed_cpu` for stages 0-3
 # on 2 gloo ranks: the same GPT, batches and Adam as above, under `deepspeed.initialize`
 # with the configs just printed. Its results are stored in `notebooks/data/deepspeed_cpu.json`,
 # so this chapter shows them whether or not DeepSpeed is installed here:

@@ -1,6 +1,8 @@
 """Saving an engine's shards, and loading them into an engine of any stage and world size.
 
-Both are collectives: call them on every rank of the engine's process group.
+Both are collectives: call them on every rank of the engine's process group. What a
+load reads, and how it re-cuts saved shards for this engine, is
+:mod:`zerolearn.checkpoint.reshard`; this module runs the ranks through it together.
 """
 
 from __future__ import annotations
@@ -18,18 +20,16 @@ from zerolearn.checkpoint.files import (
     VERSION,
     CheckpointError,
     CheckpointWriteError,
-    Reader,
     complete,
     fsync_dir,
     rank_file,
-    read_manifest,
     remove,
-    resolve,
     step_dir,
     tmp_dir,
     write_atomic,
 )
 from zerolearn.checkpoint.lock import held_or_free
+from zerolearn.checkpoint.reshard import cpu_copy, module_state, plan
 from zerolearn.precision import DTYPES
 
 
@@ -42,34 +42,15 @@ def _whole_world(engine) -> None:
                               "checkpoints support data parallelism over all ranks only")
 
 
-def _cpu(t: torch.Tensor) -> torch.Tensor:
-    """``t`` on the CPU, owning exactly its elements (torch.save writes whole storages)."""
-    t = t.detach().cpu()
-    return t.clone() if t.untyped_storage().nbytes() != t.numel() * t.element_size() else t
-
-
 def _split_state(engine, g) -> tuple[dict, dict]:
     """The optimizer's state of ``g.master``: (per-element tensors, scalars such as Adam's step)."""
     per, scalars = {}, {}
     for k, v in engine.optimizer.state.get(g.master, {}).items():
         if torch.is_tensor(v) and v.dim() > 0 and v.shape == g.master.shape:
-            per[k] = _cpu(v)
+            per[k] = cpu_copy(v)
         else:
-            scalars[k] = _cpu(v) if torch.is_tensor(v) else v
+            scalars[k] = cpu_copy(v) if torch.is_tensor(v) else v
     return per, scalars
-
-
-def _module_state(engine, copy: bool = True) -> tuple[dict[str, str], dict[str, torch.Tensor]]:
-    """(tied name -> saved name, frozen parameters and buffers by name) of the model."""
-    trainable = {id(p): n for g in engine.groups for n, p in zip(g.names, g.params)}
-    aliases, module = {}, {}
-    for key, t in engine.model.state_dict(keep_vars=True).items():
-        if id(t) in trainable:
-            if trainable[id(t)] != key:
-                aliases[key] = trainable[id(t)]
-        else:
-            module[key] = _cpu(t) if copy else t
-    return aliases, module
 
 
 def _identity(engine, rank: int, step: int) -> dict:
@@ -82,18 +63,18 @@ def _payload(engine, step: int) -> dict:
     pieces = []
     # Stage 0 replicates everything (one shard): rank 0 alone writes it.
     for gi, g in enumerate(engine.groups):
-        if engine.rank >= g.num_shards:
+        if engine.rank >= g.layout.num_shards:
             continue
         per, scalars = _split_state(engine, g)
-        start, stop = g.shard_range
-        pieces.append({"group": gi, "start": start, "stop": stop, "master": _cpu(g.master.float()),
+        start, stop = g.layout.shard_range
+        pieces.append({"group": gi, "start": start, "stop": stop, "master": cpu_copy(g.master.float()),
                        "state": per, "scalars": scalars})
     rng = {"torch": torch.get_rng_state(),
            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
     out = {"format": FORMAT, "version": VERSION, **_identity(engine, engine.rank, step), "pieces": pieces,
            "rng": rng}
     if engine.rank == 0:
-        out["module"] = _module_state(engine)[1]
+        out["module"] = module_state(engine)[1]
     return out
 
 
@@ -137,18 +118,7 @@ def save(engine, directory: str, step: int, extra: dict | None = None, keep: int
     """
     _whole_world(engine)
     tmp, final = tmp_dir(directory, step), step_dir(directory, step)
-    problem = None
-    if engine.rank == 0:
-        try:
-            os.makedirs(directory, exist_ok=True)
-            with held_or_free(directory) as mine:
-                for name in os.listdir(directory) if mine else []:  # leftovers of saves that crashed
-                    if (name.startswith(".step_") and name.endswith(".tmp")
-                            or name.startswith("step_") and name.endswith(".old")):
-                        remove(os.path.join(directory, name))
-            os.makedirs(tmp)
-        except OSError as e:
-            problem = f"rank 0: {type(e).__name__}: {e}"
+    problem = _prepare(directory, tmp) if engine.rank == 0 else None
     # Rank 0 has made the folder (or failed to): the others may write now (or give up).
     problem = comm.gather_objects(problem, engine.pg)[0]
     if problem is not None:
@@ -167,6 +137,66 @@ def save(engine, directory: str, step: int, extra: dict | None = None, keep: int
     return final
 
 
+def _prepare(directory: str, tmp: str) -> str | None:
+    """Rank 0: remove what crashed saves left (only under the lock) and make ``tmp``;
+    the error message, or None."""
+    try:
+        os.makedirs(directory, exist_ok=True)
+        with held_or_free(directory) as mine:
+            for name in os.listdir(directory) if mine else []:  # leftovers of saves that crashed
+                if (name.startswith(".step_") and name.endswith(".tmp")
+                        or name.startswith("step_") and name.endswith(".old")):
+                    remove(os.path.join(directory, name))
+        os.makedirs(tmp)
+    except OSError as e:
+        return f"rank 0: {type(e).__name__}: {e}"
+    return None
+
+
+def _manifest(engine, step: int, extra: dict | None, metas: list[dict]) -> dict:
+    """The manifest (format in :mod:`zerolearn.checkpoint`) of a save whose ranks wrote ``metas``."""
+    groups = [{"names": list(g.layout.names), "shapes": [list(s) for s in g.layout.shapes],
+               "offsets": list(g.layout.offsets), "numel": g.layout.numel,
+               "padded_numel": g.layout.padded_numel, "pieces": []} for g in engine.groups]
+    for m in metas:
+        for index, (gi, start, stop) in enumerate(m["pieces"]):
+            groups[gi]["pieces"].append([m["rank"], start, stop, index])
+    aliases, module = module_state(engine, copy=False)
+    return {
+        "format": FORMAT, "version": VERSION, "step": step, "stage": engine.stage,
+        "world_size": engine.world_size, "optimizer": engine.optimizer_name,
+        "dtype": _identity(engine, 0, step)["dtype"], "torch": compat.TORCH_VERSION,
+        "scaler": {"enabled": engine.scaler.enabled, **engine.scaler.state_dict()},
+        "params": [[n, list(s)] for g in engine.groups for n, s in zip(g.layout.names, g.layout.shapes)],
+        "state_keys": metas[0]["state_keys"], "groups": groups, "aliases": aliases,
+        "module_keys": sorted(module),
+        "files": [{"file": m["file"], "bytes": m["bytes"], "sha256": m["sha256"],
+                   **_identity(engine, m["rank"], step)} for m in metas],
+        "extra": extra or {}}
+
+
+def _commit(directory: str, tmp: str, final: str, keep: int | None) -> str | None:
+    """Rank 0: rename ``tmp`` to ``final``, verify it from disk, then prune; the error, or None.
+
+    Only a checkpoint that verifies replaces the same step's earlier one or prunes others.
+    """
+    if os.path.exists(final):  # same step saved again (e.g. after a restart)
+        os.replace(final, final + ".old")
+    os.replace(tmp, final)
+    fsync_dir(directory)
+    try:  # read back from disk
+        verify(final)
+    except CheckpointError as e:
+        remove(final)
+        if os.path.exists(final + ".old"):
+            os.replace(final + ".old", final)
+        return f"rank 0: it did not verify when read back, older checkpoints kept: {e}"
+    remove(final + ".old")
+    for _, old in complete(directory)[:-keep] if keep else []:
+        remove(old)
+    return None
+
+
 def _finish(engine, directory, step, extra, keep, metas) -> str | None:
     """Rank 0: write the manifest and rename the folder; the error message, or None."""
     tmp, final = tmp_dir(directory, step), step_dir(directory, step)
@@ -176,115 +206,18 @@ def _finish(engine, directory, step, extra, keep, metas) -> str | None:
         return "; ".join(failed)
     where = tmp  # what rank 0 is writing, for the message if it fails
     try:
-        groups = [{"names": g.names, "shapes": [list(s) for s in g.shapes], "offsets": g.offsets,
-                   "numel": g.numel, "padded_numel": g.padded_numel, "pieces": []} for g in engine.groups]
-        for m in metas:
-            for index, (gi, start, stop) in enumerate(m["pieces"]):
-                groups[gi]["pieces"].append([m["rank"], start, stop, index])
-        aliases, module = _module_state(engine, copy=False)
-        manifest = {
-            "format": FORMAT, "version": VERSION, "step": step, "stage": engine.stage,
-            "world_size": engine.world_size, "optimizer": engine.optimizer_name,
-            "dtype": _identity(engine, 0, step)["dtype"], "torch": compat.TORCH_VERSION,
-            "scaler": {"enabled": engine.scaler.enabled, **engine.scaler.state_dict()},
-            "params": [[n, list(s)] for g in engine.groups for n, s in zip(g.names, g.shapes)],
-            "state_keys": metas[0]["state_keys"], "groups": groups, "aliases": aliases,
-            "module_keys": sorted(module),
-            "files": [{"file": m["file"], "bytes": m["bytes"], "sha256": m["sha256"],
-                       **_identity(engine, m["rank"], step)} for m in metas],
-            "extra": extra or {}}
+        manifest = _manifest(engine, step, extra, metas)
         where = os.path.join(tmp, "manifest.json")
         write_atomic(where, lambda f: f.write(json.dumps(manifest, indent=1).encode()))
         fsync_dir(tmp)
         where = final
-        if os.path.exists(final):  # same step saved again (e.g. after a restart)
-            os.replace(final, final + ".old")
-        os.replace(tmp, final)
-        fsync_dir(directory)
-        try:  # read back from disk: only a checkpoint that verifies replaces or prunes others
-            verify(final)
-        except CheckpointError as e:
-            remove(final)
-            if os.path.exists(final + ".old"):
-                os.replace(final + ".old", final)
-            return f"rank 0: it did not verify when read back, older checkpoints kept: {e}"
-        remove(final + ".old")
-        for _, old in complete(directory)[:-keep] if keep else []:
-            remove(old)
+        return _commit(directory, tmp, final, keep)
     except Exception as e:  # noqa: BLE001
         remove(tmp)  # a partial save (frees the space a full disk needs)
         if not os.path.exists(final) and os.path.exists(final + ".old"):
             with contextlib.suppress(OSError):  # the others wait for this rank's answer
                 os.replace(final + ".old", final)  # the same step's earlier checkpoint, as it was
         return f"rank 0: writing {where}: {type(e).__name__}: {e}"
-    return None
-
-
-def _same(a: dict, b: dict) -> bool:
-    def plain(d):
-        return {k: v.tolist() if torch.is_tensor(v) else v for k, v in d.items()}
-    return plain(a) == plain(b)
-
-
-def _check_model(engine, man: dict, path: str) -> None:
-    mine = {n: list(s) for g in engine.groups for n, s in zip(g.names, g.shapes)}
-    theirs = dict((n, s) for n, s in man["params"])
-    problems = [f"{n}: checkpoint {theirs[n]}, this model {s}" for n, s in mine.items()
-                if n in theirs and theirs[n] != s]
-    for what, names in (("missing from the checkpoint", [n for n in mine if n not in theirs]),
-                        ("not in this model", [n for n in theirs if n not in mine])):
-        if names:
-            problems.append(f"{what}: {', '.join(names[:5])}{' ...' * (len(names) > 5)}")
-    module = set(_module_state(engine, copy=False)[1])
-    if module != set(man["module_keys"]):
-        problems.append(f"frozen parameters and buffers differ: checkpoint {sorted(man['module_keys'])}, "
-                        f"this model {sorted(module)}")
-    if problems:
-        raise CheckpointError(f"{path} was saved from another model: " + "; ".join(problems))
-    if man["optimizer"] != engine.optimizer_name:
-        raise CheckpointError(f"{path} holds {man['optimizer']} state; this engine uses {engine.optimizer_name}")
-
-
-def _plan(engine, path: str) -> dict:
-    """Everything :func:`load` will set, read and checked, without touching the engine."""
-    path = resolve(path)
-    man = read_manifest(path)
-    _check_model(engine, man, path)
-    reader = Reader(path, man)
-    masters, state = [], {}
-    for j, g in enumerate(engine.groups):
-        a, b = g.shard_range  # the part of g's flat buffer this rank's master holds
-        master = torch.zeros(b - a)
-        per = {k: torch.zeros(b - a) for k in man["state_keys"]}
-        old = set()
-        for n, o in zip(g.names, g.offsets):
-            group, offset, numel = reader.where[n]
-            old.add(group)
-            lo, hi = max(a, o), min(b, o + numel)
-            if lo < hi:  # the saved elements [lo, hi) of n, wherever they are now
-                for key, out in (("master", master), *per.items()):
-                    reader.read(group, offset + lo - o, offset + hi - o, key, out[lo - a:hi - a])
-        scalars = [reader.scalars(group) for group in sorted(old)]
-        if any(not _same(s, scalars[0]) for s in scalars):
-            raise CheckpointError(f"{path}: saved groups disagree on the optimizer's {scalars}; cannot merge")
-        masters.append(master)
-        if per or scalars[0]:
-            # Copies: torch.optim steps its scalar state in place (Adam's step += 1), so
-            # two groups must never share one tensor, nor write into the mapped file.
-            state[j] = {**{k: v.clone() if torch.is_tensor(v) else v for k, v in scalars[0].items()}, **per}
-    optimizer = engine.optimizer.state_dict()
-    optimizer["state"] = state
-    plan = {"step": man["step"], "masters": masters, "optimizer": optimizer, "manifest": man, "rng": None}
-    if man["module_keys"]:
-        plan["module"] = reader.file(0)["module"]
-        mine = engine.model.state_dict(keep_vars=True)
-        for k, t in plan["module"].items():
-            if t.shape != mine[k].shape:
-                raise CheckpointError(f"{path} was saved from another model: {k}: checkpoint "
-                                      f"{list(t.shape)}, this model {list(mine[k].shape)}")
-    if man["world_size"] == engine.world_size:  # each rank gets its own random state back
-        plan["rng"] = reader.file(engine.rank)["rng"]
-    return plan
 
 
 def _agree(engine, problem: str | None) -> None:
@@ -322,24 +255,29 @@ def load(engine, path: str, restore_rng: bool = True, verify_files: bool = True)
     _whole_world(engine)
     if verify_files:
         _agree(engine, verify_share(path, engine.rank, engine.world_size))
-    plan, problem = None, None
+    found, problem = None, None
     try:
-        plan = _plan(engine, path)
+        found = plan(engine, path)
     except CheckpointError as e:
         problem = str(e)
     except Exception as e:  # noqa: BLE001 - every rank must hear of it, or the others hang
         problem = f"{type(e).__name__}: {e}"
     _agree(engine, problem)
-    engine.load_shards(plan["masters"], plan["optimizer"])
-    man = plan["manifest"]
+    _apply(engine, found, restore_rng)
+    return found["step"]
+
+
+def _apply(engine, found: dict, restore_rng: bool) -> None:
+    """Set what :func:`zerolearn.checkpoint.reshard.plan` found (a collective: republishes)."""
+    engine.load_shards(found["masters"], found["optimizer"])
+    man = found["manifest"]
     if man["scaler"]["enabled"] and engine.scaler.enabled:
         engine.scaler.load_state_dict(man["scaler"])
-    if "module" in plan:
+    if "module" in found:
         mine = engine.model.state_dict(keep_vars=True)
-        for k, t in plan["module"].items():
+        for k, t in found["module"].items():
             mine[k].copy_(t)
-    if restore_rng and plan["rng"] is not None:
-        torch.set_rng_state(plan["rng"]["torch"])
-        if plan["rng"]["cuda"] and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(plan["rng"]["cuda"])
-    return plan["step"]
+    if restore_rng and found["rng"] is not None:
+        torch.set_rng_state(found["rng"]["torch"])
+        if found["rng"]["cuda"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(found["rng"]["cuda"])

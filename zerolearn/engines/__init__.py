@@ -9,9 +9,9 @@ from zerolearn.engines.ddp import DDPEngine
 from zerolearn.engines.zero1 import Zero1Engine
 from zerolearn.engines.zero2 import Zero2Engine
 from zerolearn.engines.zero3 import Zero3Engine
+from zerolearn.memory.model import STAGE_NAMES  # the paper's names; stage_title() gives "ZeRO-1 (P_os)"
 
 ENGINES: dict[int, type[Engine]] = {0: DDPEngine, 1: Zero1Engine, 2: Zero2Engine, 3: Zero3Engine}
-STAGE_NAMES = {0: "DP", 1: "ZeRO-1 (P_os)", 2: "ZeRO-2 (P_os+g)", 3: "ZeRO-3 (P_os+g+p)"}
 
 
 def make_engine(stage: int, model, **kwargs) -> Engine:

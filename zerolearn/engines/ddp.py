@@ -15,7 +15,7 @@ from torch import nn
 
 from zerolearn import comm
 from zerolearn.engines.base import Engine
-from zerolearn.flat import FlatGroup
+from zerolearn.engines.group import GroupState
 
 
 class DDPEngine(Engine):
@@ -26,27 +26,25 @@ class DDPEngine(Engine):
     """
 
     stage = 0
-    shards_grads_for_norm = False  # after all_reduce every rank has the whole gradient
 
     @property
     def num_shards(self) -> int:
         return 1  # nothing is sharded, so nothing needs padding
 
-    def _init_group(self, g: FlatGroup, master32: torch.Tensor) -> None:
+    def _init_group(self, g: GroupState, master32: torch.Tensor) -> None:
         g.full = master32.to(self.dtype)
-        g.bind(g.full)
+        g.layout.bind(g.params, g.full)
         # fp32: the working copy is the master (one tensor, K = 8 for Adam).
         g.master = nn.Parameter(g.full if not self.mixed else master32)
 
-    def _reduce(self, g: FlatGroup) -> comm.Handle:
+    def _reduce(self, g: GroupState) -> comm.Handle:
+        # In place: when it finishes, every rank holds the global-batch mean (the
+        # default _after_reduce, nothing to do).
         return comm.all_reduce(g.grad_full, group=self.pg, async_op=True)
 
-    def _after_reduce(self, g: FlatGroup) -> None:
-        pass  # all_reduce left the global-batch mean in place, on every rank
-
-    def _grad_for_step(self, g: FlatGroup) -> torch.Tensor:
+    def _grad_for_step(self, g: GroupState) -> torch.Tensor:
         return g.grad_full
 
-    def _publish(self, g: FlatGroup) -> None:
+    def _publish(self, g: GroupState) -> None:
         if self.mixed:
             g.full.copy_(g.master)

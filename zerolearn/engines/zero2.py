@@ -16,8 +16,8 @@ from __future__ import annotations
 import torch
 
 from zerolearn import comm
+from zerolearn.engines.group import GroupState
 from zerolearn.engines.zero1 import Zero1Engine
-from zerolearn.flat import FlatGroup
 from zerolearn.memory.ledger import category
 
 
@@ -31,11 +31,11 @@ class Zero2Engine(Zero1Engine):
 
     stage = 2
 
-    def _reduce(self, g: FlatGroup) -> comm.Handle:
+    def _reduce(self, g: GroupState) -> comm.Handle:
         # The first reduction of a step writes the shard; a later micro-batch's
         # (accumulation) reduces into a temporary and adds it in _after_reduce.
         with category("grads"):
-            out = torch.empty(g.shard_numel, dtype=self.dtype, device=self.device)
+            out = torch.empty(g.layout.shard_numel, dtype=self.dtype, device=self.device)
         if g.grad_shard is None:
             g.grad_shard = out
         else:
@@ -43,11 +43,11 @@ class Zero2Engine(Zero1Engine):
         self._track_grad_bytes()
         return comm.reduce_scatter(out, g.grad_full, group=self.pg, async_op=True)
 
-    def _after_reduce(self, g: FlatGroup) -> None:
+    def _after_reduce(self, g: GroupState) -> None:
         g.grad_full = None  # the full bucket is no longer needed: free it now
         if g.reduced is not None:
             g.grad_shard.add_(g.reduced)
             g.reduced = None
 
-    def _grad_for_step(self, g: FlatGroup) -> torch.Tensor:
+    def _grad_for_step(self, g: GroupState) -> torch.Tensor:
         return g.grad_shard

@@ -37,21 +37,27 @@ from torch import nn
 
 from zerolearn import comm
 from zerolearn.dist import ConfigError
+from zerolearn.engines.group import GroupState
 from zerolearn.engines.zero2 import Zero2Engine
-from zerolearn.flat import FlatGroup, make_groups
 
 
 class Unit:
-    """A module whose flat groups are gathered and freed together."""
+    """A module whose flat groups are gathered and freed together.
 
-    def __init__(self, index: int, module: nn.Module, groups: list[FlatGroup]):
-        self.index, self.module, self.groups = index, module, groups
+    Attributes:
+        index: position in the unit list (the root unit, the model, comes last).
+        name: the module's name in the model (``blocks.1``; ``<model>`` for the root),
+            for messages and debug-mode fingerprints.
+    """
+
+    def __init__(self, index: int, name: str, module: nn.Module, groups: list[GroupState]):
+        self.index, self.name, self.module, self.groups = index, name, module, groups
         self.gathering: list[comm.Handle] = []  # all_gathers in flight
         self.gathered = False
         self.backward_gathered = False  # pre-backward already ran in this backward
 
 
-def _free(g: FlatGroup) -> None:
+def _free(g: GroupState) -> None:
     g.full.untyped_storage().resize_(0)
 
 
@@ -71,7 +77,7 @@ class Zero3Engine(Zero2Engine):
     peak_gathered_bytes = 0  # most bytes of gathered (full) parameters alive at once
 
     # ----- layout: groups never cross a unit boundary ------------------------------
-    def _build_groups(self, trainable, units) -> list[FlatGroup]:
+    def _build_groups(self, trainable, units) -> list[GroupState]:
         if units is None:
             units = self.model.units() if hasattr(self.model, "units") else list(self.model.children())
         # Parameters outside every unit, and parameters shared by several units (tied
@@ -82,6 +88,7 @@ class Zero3Engine(Zero2Engine):
             for p in module.parameters():
                 owner[id(p)] = root if owner.get(id(p), u) != u else u
         modules = [*units, self.model]
+        names = {id(m): name or "<model>" for name, m in self.model.named_modules()}
         per_unit: list[list] = [[] for _ in modules]
         for name, p in trainable:
             per_unit[owner.get(id(p), len(units))].append((name, p))
@@ -89,9 +96,8 @@ class Zero3Engine(Zero2Engine):
         for u in reversed(range(len(modules))):  # backward order, as in the base class
             if not per_unit[u]:
                 continue
-            unit_groups = make_groups(per_unit[u][::-1], self.bucket_bytes, self.dtype.itemsize,
-                                      self.world_size, self.rank)
-            self.units.append(Unit(u, modules[u], unit_groups))
+            unit_groups = self._groups_of(per_unit[u][::-1])
+            self.units.append(Unit(u, names.get(id(modules[u]), type(modules[u]).__name__), modules[u], unit_groups))
             groups += unit_groups
         self.units.sort(key=lambda unit: unit.index)  # forward order
         self._unit_of = {id(g): unit for unit in self.units for g in unit.groups}
@@ -100,12 +106,12 @@ class Zero3Engine(Zero2Engine):
             unit.module.register_forward_hook(lambda m, a, out, unit=unit: self._post_forward(unit, out))
         return groups
 
-    def _init_group(self, g: FlatGroup, master32: torch.Tensor) -> None:
+    def _init_group(self, g: GroupState, master32: torch.Tensor) -> None:
         full = master32.to(self.dtype)
-        g.shard = g.shard_of(full).clone()  # the only copy of the working params kept
-        g.master = nn.Parameter(g.shard if not self.mixed else g.shard_of(master32).clone())
+        g.shard = g.layout.shard_of(full).clone()  # the only copy of the working params kept
+        g.master = nn.Parameter(g.shard if not self.mixed else g.layout.shard_of(master32).clone())
         g.full = full
-        g.bind(full)  # parameters are views of the full buffer, whose storage we free
+        g.layout.bind(g.params, full)  # parameters are views of the full buffer, whose storage we free
         _free(g)
 
     def forward(self, *args, **kwargs):
@@ -122,7 +128,7 @@ class Zero3Engine(Zero2Engine):
         m = re.search(r"sizes \[([\d, ]*)\]", message)
         numel = math.prod(int(s) for s in m.group(1).split(",") if s.strip()) if m else None
         suspects = [(name, unit) for unit in self.units for g in unit.groups
-                    for name, p in zip(g.names, g.params)
+                    for name, p in zip(g.layout.names, g.params)
                     if g.full.untyped_storage().nbytes() == 0 and numel in (None, p.numel())]
         named = ", ".join(f"{name} (unit {unit.index}: {type(unit.module).__name__})" for name, unit in suspects[:4])
         return (f"ZeRO-3: the model read parameter {named or 'of a freed unit'} after that unit's forward had "
@@ -136,7 +142,7 @@ class Zero3Engine(Zero2Engine):
         if unit.gathered or unit.gathering:
             return
         for g in unit.groups:
-            g.full.untyped_storage().resize_(g.padded_numel * g.full.element_size())
+            g.full.untyped_storage().resize_(g.layout.padded_numel * g.full.element_size())
             self._track_buffer(g.full)
             unit.gathering.append(comm.all_gather(g.full, g.shard, group=self.pg, async_op=True))
         gathered = sum(g.full.untyped_storage().nbytes() for g in self.groups)
@@ -162,13 +168,14 @@ class Zero3Engine(Zero2Engine):
         return self.units[i] if 0 <= i < len(self.units) else None
 
     def _pre_forward(self, unit: Unit) -> None:
-        self._gather(unit)
-        # Prefetch overlaps the next unit's gather with this compute. A forward inside
-        # backward is a recomputation (activation checkpointing): backward walks the
-        # units in reverse, so the one to prefetch is the previous one.
-        nxt = self._neighbour(unit, -1 if self.in_backward else +1)
-        if nxt is not None and nxt.module is not self.model:
-            self._start_gather(nxt)
+        with comm.unit(unit.name, "forward: gather"):  # names this unit in debug mode
+            self._gather(unit)
+            # Prefetch overlaps the next unit's gather with this compute. A forward inside
+            # backward is a recomputation (activation checkpointing): backward walks the
+            # units in reverse, so the one to prefetch is the previous one.
+            nxt = self._neighbour(unit, -1 if self.in_backward else +1)
+            if nxt is not None and nxt.module is not self.model:
+                self._start_gather(nxt)
 
     def _post_forward(self, unit: Unit, output) -> None:
         if self.in_backward:
@@ -185,16 +192,17 @@ class Zero3Engine(Zero2Engine):
         if unit.backward_gathered:
             return
         unit.backward_gathered = True
-        self._gather(unit)
-        prev = self._neighbour(unit, -1)
-        if prev is not None:
-            self._start_gather(prev)
+        with comm.unit(unit.name, "backward: gather"):
+            self._gather(unit)
+            prev = self._neighbour(unit, -1)
+            if prev is not None:
+                self._start_gather(prev)
 
-    def _on_group_ready(self, g: FlatGroup) -> None:
+    def _on_group_ready(self, g: GroupState) -> None:
         # All of g's gradients are in: backward no longer needs g's parameters.
         _free(g)
         unit = self._unit_of[id(g)]
-        if all(other.ready == len(other.params) for other in unit.groups):
+        if all(other.complete for other in unit.groups):
             self._free_unit(unit)
         super()._on_group_ready(g)
 
@@ -205,7 +213,7 @@ class Zero3Engine(Zero2Engine):
             unit.backward_gathered = False
 
     # ----- step: the updated shard is all we keep -----------------------------------
-    def _publish(self, g: FlatGroup) -> None:
+    def _publish(self, g: GroupState) -> None:
         if self.mixed:
             g.shard.copy_(g.master)
 

@@ -23,6 +23,7 @@ from torch import nn
 
 from zerolearn import data
 from zerolearn import dist as zdist
+from zerolearn.config import TrainConfig
 from zerolearn.engines import make_engine
 from zerolearn.memory import model as analytic
 from zerolearn.memory.ledger import MemoryLedger
@@ -31,15 +32,15 @@ from zerolearn.precision import DTYPES
 from zerolearn.residual.checkpointing import CheckpointStore
 
 
-def reports(argvs: list[list[str]]) -> list[dict]:
-    """The training CLI's report (DESIGN section 4) for each argument list, in order.
+def reports(configs: list[TrainConfig]) -> list[dict]:
+    """The training report (DESIGN section 4) of each configuration, in order.
 
     Runs on every rank of an existing process group, so one :func:`zerolearn.dist.launch`
-    serves several runs: ``launch(reports, world_size, [argv1, argv2])``.
+    serves several runs: ``launch(reports, world_size, [config1, config2])``.
     """
-    from zerolearn.train import train_job
+    from zerolearn.train import train
 
-    return [train_job(argv) for argv in argvs]
+    return [train(config) for config in configs]
 
 
 def measure_activations(n_layer: int, batch: int, seq_len: int, d_model: int = 64, n_head: int = 4,

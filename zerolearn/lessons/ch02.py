@@ -23,10 +23,11 @@ from torch import nn
 
 from zerolearn import comm, data
 from zerolearn import dist as zdist
+from zerolearn.config import TrainConfig
 from zerolearn.flat import make_groups
 from zerolearn.memory.ledger import MemoryLedger, retag
 from zerolearn.models import GPTConfig, build_model
-from zerolearn.train import batch, build_parser, loss_fn, train, validate
+from zerolearn.train import batch, build, loss_fn, train
 
 
 # ----- who owns what --------------------------------------------------------------
@@ -139,40 +140,37 @@ def _tag_grads_as_they_arrive(params: list[nn.Parameter]) -> None:
         p.register_post_accumulate_grad_hook(lambda p: retag([p.grad], "grads"))
 
 
-def train_naive(cls: type, argv: list[str], **options) -> dict:
-    """Train with a naive optimizer class on this rank; the same job as ``train(argv)``.
+def train_naive(cls: type, config: TrainConfig, **options) -> dict:
+    """Train with a naive optimizer class on this rank; the same job as ``train(config)``.
 
-    ``argv`` are :mod:`zerolearn.train` options (model, steps, batch, lr, seed;
-    fp32 only); ``cls(model, lr=..., **options)`` must have ``step``, ``zero_grad``
+    ``config`` sets the model, steps, batch, lr and seed (fp32 only);
+    ``cls(model, lr=..., **options)`` must have ``step``, ``zero_grad``
     and ``state_tensors``. The same model, batches and loss as the engines, so the
     losses can be compared. The last step runs under a :class:`MemoryLedger`
-    (``--memory-timeline`` keeps its timeline).
+    (``config.memory_timeline`` keeps its timeline).
 
     Returns this rank's ``{"losses", "optimizer_state_bytes", "grads_bytes" (held after
     backward), "comm", "peak_bytes", "memory", "num_params"}`` (bytes; ``comm`` as in
     the report).
     """
-    args = build_parser().parse_args(argv)
     ctx = zdist.context()
-    validate(args, ctx.world_size)
-    if args.dtype != "fp32":
+    config.validate(ctx.world_size)
+    if config.dtype != "fp32":
         raise ValueError("the naive versions train in fp32 only")
-    model = build_model(args.model, args.seed, mlp_width=args.mlp_width, mlp_layers=args.mlp_layers,
-                        gpt=GPTConfig(seq_len=args.seq_len, n_layer=args.n_layer, n_head=args.n_head,
-                                      d_model=args.d_model))
-    opt = cls(model, lr=args.lr, **options)
+    model = build(config)
+    opt = cls(model, lr=config.lr, **options)
     _tag_grads_as_they_arrive(opt.params)
     comm.LEDGER.reset()
     losses, ledger = [], None
-    for step in range(args.steps):
-        ledger = MemoryLedger(record_timeline=args.memory_timeline) if step == args.steps - 1 else None
+    for step in range(config.steps):
+        ledger = MemoryLedger(record_timeline=config.memory_timeline) if step == config.steps - 1 else None
         with ledger or contextlib.nullcontext():
             if ledger is not None:
                 ledger.track(opt.params, "params")
                 ledger.track(opt.state_tensors(), "optimizer_states")
-            x, y = (data.rank_slice(t, ctx.rank, ctx.world_size) for t in batch(args, step))
+            x, y = (data.rank_slice(t, ctx.rank, ctx.world_size) for t in batch(config, step))
             with ledger.phase("forward") if ledger else contextlib.nullcontext():
-                loss = loss_fn(args, model(x), y)
+                loss = loss_fn(config, model(x), y)
             with ledger.phase("backward") if ledger else contextlib.nullcontext():
                 loss.backward()
             grads_bytes = sum(p.grad.numel() * p.grad.element_size() for p in opt.params if p.grad is not None)
@@ -182,7 +180,7 @@ def train_naive(cls: type, argv: list[str], **options) -> dict:
         losses.append(comm.monitor_mean(loss.item()))
         del loss
     memory = ledger.summary()
-    if args.memory_timeline:
+    if config.memory_timeline:
         memory["timeline"] = [[e.index, e.phase, e.total, e.by_category] for e in ledger.timeline]
     return {"losses": losses, "optimizer_state_bytes": sum(t.numel() * t.element_size() for t in opt.state_tensors()),
             "grads_bytes": grads_bytes, "comm": comm.LEDGER.as_dict(), "peak_bytes": memory["peak_bytes"],
@@ -210,14 +208,14 @@ def collectives_demo(n: int = 6) -> dict:
 def jobs(specs: list[tuple]) -> list:
     """Run several jobs in one process group (spawning ranks costs seconds).
 
-    Each spec is ``("train", argv)`` (the package's engines: the report of
-    :func:`zerolearn.train.train`), ``("naive", cls, argv, options)``
+    Each spec is ``("train", config)`` (the package's engines: the report of
+    :func:`zerolearn.train.train`), ``("naive", cls, config, options)``
     (:func:`train_naive`) or ``("demo",)`` (:func:`collectives_demo`).
     """
     out = []
     for kind, *rest in specs:
         if kind == "train":
-            out.append(train(build_parser().parse_args(rest[0])))
+            out.append(train(rest[0]))
         elif kind == "naive":
             out.append(train_naive(rest[0], rest[1], **(rest[2] if len(rest) > 2 else {})))
         elif kind == "demo":

@@ -113,11 +113,6 @@ def accumulation_tradeoff(micro_batches: int = 4, steps: int = 2) -> dict[str, d
     return out
 
 
-def grads_series(timeline: list) -> list[int]:
-    """The ``grads`` category (bytes) at each event of a report's memory timeline."""
-    return [event[3]["grads"] for event in timeline]
-
-
 # ----- exercise checks -------------------------------------------------------------
 def check_fig1_zero2(answer) -> None:
     """Exercise: ZeRO-2 model states per GPU for Fig 1's 7.5B model at Nd = 64, K = 12 (GB)."""

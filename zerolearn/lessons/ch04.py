@@ -19,13 +19,13 @@ import math
 import torch
 from torch import nn
 
-from zerolearn import dist as zdist
+from zerolearn.config import TrainConfig
 from zerolearn.memory.ledger import MemoryLedger, category
 from zerolearn.memory.model import GB, model_state_bytes
-from zerolearn.train import build_parser, train, train_job
+from zerolearn.train import train, train_here
 
 __all__ = ["all_stages", "check", "check_gathered_elements", "check_peak_params", "check_trillion_gb",
-           "free_by_reassigning_data", "free_by_resizing_storage", "simulate", "text_table"]
+           "free_by_reassigning_data", "free_by_resizing_storage", "simulate"]
 
 WIDTH = 256  # the demo's Linear(WIDTH, WIDTH): 256 x 256 fp32 = 262,144 bytes of weight
 
@@ -93,16 +93,16 @@ def free_by_resizing_storage() -> dict[str, int]:
     return seen
 
 
-def all_stages(argv: list[str], stages: tuple[int, ...] = (0, 1, 2, 3)) -> list[dict]:
-    """Train each of ``stages`` in turn on this process group with the same ``argv``.
+def all_stages(config: TrainConfig, stages: tuple[int, ...] = (0, 1, 2, 3)) -> list[dict]:
+    """Train each of ``stages`` in turn on this process group, otherwise with ``config``.
 
     Runs on every rank spawned by :func:`zerolearn.dist.launch`; returns the reports
-    of :func:`zerolearn.train.train_job` (DESIGN section 4), one per stage, in order.
+    of :func:`zerolearn.train.train` (DESIGN section 4), one per stage, in order.
     """
-    return [train_job(["--stage", str(stage), *argv]) for stage in stages]
+    return [train(config.replace(stage=stage)) for stage in stages]
 
 
-def simulate(stage: int, nd: int, argv: list[str]) -> dict:
+def simulate(stage: int, nd: int, config: TrainConfig) -> dict:
     """``python -m zerolearn.train --stage S --simulate-world-size ND ...`` in this process.
 
     This process plays rank 0 of ``nd`` ranks on torch's "fake" process group: every
@@ -110,12 +110,7 @@ def simulate(stage: int, nd: int, argv: list[str]) -> dict:
     those rank 0 of a real ``nd``-rank job would hold; collectives move no data, so
     the losses mean nothing. Returns the training report (``ranks`` holds rank 0).
     """
-    args = build_parser().parse_args(["--stage", str(stage), "--simulate-world-size", str(nd), "--quiet", *argv])
-    zdist.init(simulate_world_size=nd)
-    try:
-        return train(args)
-    finally:
-        zdist.teardown()
+    return train_here(config.replace(stage=stage, simulate_world_size=nd))
 
 
 def check(answer, expected, rel: float = 1e-3, what: str = "answer") -> None:
@@ -132,15 +127,6 @@ def check(answer, expected, rel: float = 1e-3, what: str = "answer") -> None:
     else:
         ok = answer == expected
     print(f"Correct: {answer!r}." if ok else f"Not yet: {answer!r} is not right; try again.")
-
-
-def text_table(header: list[str], rows: list[list]) -> str:
-    """A fixed-width text table: right-aligned columns, ints with thousands separators."""
-    cells = [[f"{c:,}" if isinstance(c, int) else str(c) for c in row] for row in rows]
-    widths = [max(len(str(h)), *(len(r[i]) for r in cells)) for i, h in enumerate(header)]
-    lines = ["  ".join(f"{h:>{w}}" for h, w in zip(header, widths)), "  ".join("-" * w for w in widths)]
-    lines += ["  ".join(f"{c:>{w}}" for c, w in zip(row, widths)) for row in cells]
-    return "\n".join(lines)
 
 
 def check_peak_params(answer, report: dict) -> None:

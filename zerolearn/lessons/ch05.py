@@ -10,18 +10,14 @@ without MD (Sec 6.3).
 
 from __future__ import annotations
 
-import torch.nn.functional as F
-
-from zerolearn import comm, data
-from zerolearn.engines import make_engine
+from zerolearn import dist as zdist
+from zerolearn.config import TrainConfig
+from zerolearn.figures import recorded_trace
 from zerolearn.lessons.ch00 import grade
 from zerolearn.memory import model as analytic
-from zerolearn.memory.ledger import MemoryLedger
 from zerolearn.models import GPTConfig, build_model
 from zerolearn.residual import buffers, defrag
-from zerolearn.residual.checkpointing import CheckpointStore
-from zerolearn.residual.tensor_parallel import make_parallel_groups, parallelize_gpt
-from zerolearn.views import recorded_trace
+from zerolearn.train import train
 
 GPT = GPTConfig(seq_len=32, n_layer=4, n_head=4, d_model=64)
 BATCH = 8  # global; divisible by Nd = 1, 2, 4
@@ -37,37 +33,26 @@ VARIANTS = {
 
 def zero_r_run(stage: int = 0, nm: int = 1, checkpointing: bool = False, partition: bool = False,
                cpu: bool = False, contiguous: bool = False, steps: int = 3, bucket_mb: float = 0.05) -> dict:
-    """Train on the current world (Nd = world / nm); return losses and measurements.
+    """Train the chapter's GPT on the current world (Nd = world / nm) with :func:`zerolearn.train.train`.
 
-    Returns a dict: ``losses`` (global mean per step), ``checkpoint_bytes`` ((device,
-    host) bytes held at the end of forward), ``activation_bytes`` (the ledger's
-    activations at the end of forward), ``by_tag`` (traffic by purpose: dp, tp, pa),
-    ``temp_buffer_peak_bytes`` (largest fused buffer), ``transfer_seconds``.
+    Returns this rank's measurements as a dict: ``losses`` (global mean per step),
+    ``checkpoint_bytes`` ((device, host) bytes held at the end of forward),
+    ``activation_bytes`` (the ledger's activations at the end of forward), ``by_tag``
+    (traffic by purpose: dp, tp, pa), ``temp_buffer_peak_bytes`` (largest fused
+    buffer), ``transfer_seconds``, ``psi``.
     """
-    groups = make_parallel_groups(nm)
-    model = parallelize_gpt(build_model("gpt", 0, gpt=GPT), groups)
-    store = (CheckpointStore(partition=partition, cpu=cpu, contiguous=contiguous, group=groups.tp_group)
-             if checkpointing else None)
-    model.checkpoint_store = store
-    engine = make_engine(stage, model, optimizer="adam", lr=1e-3, bucket_mb=bucket_mb, group=groups.dp_group)
-    comm.LEDGER.reset()
-    losses, held, activations = [], (0, 0), 0
-    for step in range(steps):
-        x, y = (data.rank_slice(t, groups.dp_rank, groups.nd) for t in data.gpt_batch(step, BATCH, GPT.seq_len))
-        with MemoryLedger(record_timeline=False) as ledger:
-            ledger.track_engine(engine)
-            with ledger.phase("forward"):
-                loss = F.cross_entropy(engine(x).float().flatten(0, 1), y.flatten())
-            activations = ledger.live["activations"]
-            held = store.bytes_held() if store else (0, 0)
-            with ledger.phase("backward"):
-                engine.backward(loss)
-        engine.step()
-        engine.zero_grad()
-        losses.append(comm.monitor_mean(loss.item()))
-    return {"losses": losses, "checkpoint_bytes": held, "activation_bytes": activations,
-            "by_tag": comm.LEDGER.by_tag(), "temp_buffer_peak_bytes": engine.temp_buffer_peak_bytes,
-            "transfer_seconds": store.transfer_seconds if store else 0.0, "psi": engine.psi}
+    config = TrainConfig(stage=stage, model="gpt", seq_len=GPT.seq_len, n_layer=GPT.n_layer, n_head=GPT.n_head,
+                         d_model=GPT.d_model, global_batch_size=BATCH, steps=steps, bucket_mb=bucket_mb,
+                         tensor_parallel=nm, checkpoint_activations=checkpointing, partition_activations=partition,
+                         cpu_checkpointing=cpu, contiguous_checkpoints=contiguous)
+    report = train(config)
+    entry = report["ranks"][zdist.context().rank]
+    residual = entry["residual"]
+    return {"losses": report["losses"],
+            "checkpoint_bytes": (residual["checkpoint_bytes_device"], residual["checkpoint_bytes_host"]),
+            "activation_bytes": residual["activation_bytes_end_of_forward"], "by_tag": entry["comm_by_tag"],
+            "temp_buffer_peak_bytes": residual["temp_buffer_peak_bytes"],
+            "transfer_seconds": residual["transfer_seconds"], "psi": report["num_params"]}
 
 
 def zero_r_runs(runs: list[dict]) -> list[dict]:

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+from zerolearn.config import TrainConfig
 from zerolearn.costmodel import EfficiencyCurve, Hardware, Job, step_time, throughput_per_gpu
 from zerolearn.lessons.ch04 import check, simulate
 from zerolearn.memory.fit import gpt_params, smallest_fit
@@ -53,17 +54,17 @@ def table2_rows() -> list[dict]:
              "printed": list(printed)} for (mp, gpus), printed in TABLE2_THEORETICAL_B.items()]
 
 
-def measure_per_rank(stages: tuple[int, ...], nds: tuple[int, ...], argv: list[str]) -> list[dict]:
+def measure_per_rank(stages: tuple[int, ...], nds: tuple[int, ...], config: TrainConfig) -> list[dict]:
     """Model-state bytes of rank 0 at each (stage, Nd), measured with ``--simulate-world-size``.
 
-    One sequence per rank (``--global-batch-size`` = Nd); ``argv`` sets the model.
+    One sequence per rank (``global_batch_size`` = Nd); ``config`` sets the model.
     Returns ``{"stage", "nd", "psi", "padding", "bytes"}`` per run (bytes: params +
     grads + optimizer states, measured from the tensors rank 0 holds).
     """
     rows = []
     for stage in stages:
         for nd in nds:
-            report = simulate(stage, nd, [*argv, "--global-batch-size", str(nd)])
+            report = simulate(stage, nd, config.replace(global_batch_size=nd))
             entry = report["ranks"][0]
             rows.append({"stage": stage, "nd": nd, "psi": report["num_params"],
                          "padding": entry["padding_elements"], "bytes": sum(entry["model_state_bytes"].values())})

@@ -22,6 +22,7 @@ from .model import (
     pa_allgather_elements_per_block,
     pa_overhead_ratio,
     partitioned_checkpoint_bytes,
+    stage_title,
 )
 
 __all__ = [
@@ -50,4 +51,5 @@ __all__ = [
     "pa_allgather_elements_per_block",
     "pa_overhead_ratio",
     "partitioned_checkpoint_bytes",
+    "stage_title",
 ]

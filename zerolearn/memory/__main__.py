@@ -21,6 +21,7 @@ import sys
 from zerolearn.errors import ConfigError
 from zerolearn.memory.fit import DEFAULT_MAX_ND, ActivationSpec, Fit, gpt_params, smallest_fit, table
 from zerolearn.memory.model import GB, STAGE_NAMES, V100_BYTES, optimizer_k
+from zerolearn.tables import text_table
 
 SWEEP = [2**i for i in range(11)]  # 1, 2, 4, ..., 1024: Table 1's range and more rows
 
@@ -136,11 +137,10 @@ def _fit_line(fit: Fit | None, device_bytes: float, max_nd: int) -> str:
 
 
 def _print_table(rows: list[dict], device_bytes: float) -> None:
-    print(f"{'Nd':>6}" + "".join(f"{name:>11}" for name in STAGE_NAMES.values()))
-    for row in rows:
-        # A trailing * marks a cell that does not fit the device.
-        cells = [f"{s['total'] / GB:.1f}" + ("*" if s["total"] > device_bytes else " ") for s in row["stages"]]
-        print((f"{row['nd']:>6}" + "".join(f"{c:>11}" for c in cells)).rstrip())
+    # A trailing * marks a cell that does not fit the device (a space keeps the digits aligned).
+    print(text_table(["Nd", *STAGE_NAMES.values()],
+                     [[row["nd"], *(f"{s['total'] / GB:.1f}" + ("*" if s["total"] > device_bytes else " ")
+                                    for s in row["stages"])] for row in rows]))
     print(f"GB per device (1 GB = 1e9 bytes); * = over the {device_bytes / GB:g} GB device.")
 
 

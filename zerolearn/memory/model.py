@@ -22,7 +22,7 @@ __all__ = [
     "comm_volume_elements", "constant_buffer_bytes", "dtype_bytes",
     "fused_buffer_bytes", "max_model_params", "model_state_bytes",
     "mp_allreduce_elements_per_block", "optimizer_k", "pa_allgather_elements_per_block",
-    "pa_overhead_ratio", "partitioned_checkpoint_bytes",
+    "pa_overhead_ratio", "partitioned_checkpoint_bytes", "stage_title",
 ]
 
 GB = 10**9
@@ -32,6 +32,7 @@ V100_BYTES = 32 * GB
 """Device memory the paper assumes for Table 2 (32 GB V100), in bytes."""
 
 STAGE_NAMES = {0: "DP", 1: "P_os", 2: "P_os+g", 3: "P_os+g+p"}
+"""The paper's name of each stage (Sec 5.1, Fig 1), by DeepSpeed's stage number."""
 
 FIGURE1_GB = {0: 120, 1: 31.4, 2: 16.6, 3: 1.9}
 """Fig 1 as printed: GB per device for psi = 7.5e9, Nd = 64, K = 12, by stage."""
@@ -82,6 +83,16 @@ def _check_real(name: str, value: float, positive: bool = False) -> None:
 def _check_stage(stage: int) -> None:
     if isinstance(stage, bool) or stage not in STAGE_NAMES:
         raise ValueError(f"stage must be 0, 1, 2 or 3 ({STAGE_NAMES}), got {stage!r}")
+
+
+def stage_title(stage: int) -> str:
+    """DeepSpeed's name and the paper's for ``stage`` 0-3: "DP", "ZeRO-1 (P_os)", ...
+
+    Raises:
+        ValueError: ``stage`` not in 0-3.
+    """
+    _check_stage(stage)
+    return "DP" if stage == 0 else f"ZeRO-{stage} ({STAGE_NAMES[stage]})"
 
 
 def _div(numerator: float, denominator: int) -> int | float:

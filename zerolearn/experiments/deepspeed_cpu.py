@@ -1,6 +1,6 @@
 """DeepSpeed's own ZeRO stages on chapter 7's job, for the chapter's side-by-side table.
 
-    DS_ACCELERATOR=cpu torchrun --nproc-per-node 2 -m zerolearn.chapters.deepspeed_cpu \\
+    DS_ACCELERATOR=cpu torchrun --nproc-per-node 2 -m zerolearn.experiments.deepspeed_cpu \\
         --stage 3 --out notebooks/data/deepspeed_cpu.json
 
 or ``make deepspeed``, which installs DeepSpeed into the project's environment
@@ -72,7 +72,7 @@ def run(stage: int, steps: int = 4) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="torchrun --nproc-per-node N -m zerolearn.chapters.deepspeed_cpu",
+    p = argparse.ArgumentParser(prog="torchrun --nproc-per-node N -m zerolearn.experiments.deepspeed_cpu",
                                 description=__doc__.split("\n")[0])
     p.add_argument("--stage", type=int, choices=range(4), required=True)
     p.add_argument("--steps", type=int, default=4)

@@ -5,30 +5,24 @@ from __future__ import annotations
 import sys
 
 from zerolearn import dist as zdist
+from zerolearn.config import TrainConfig, build_parser
 from zerolearn.dist import ConfigError
 from zerolearn.report import format_rank_table
-from zerolearn.train import build_parser, train, validate
+from zerolearn.train import train_here
 
 
 def run_chapter(stage: int, title: str, argv: list[str] | None = None) -> int:
     """Parse train options (``--stage`` fixed to ``stage``), train, print on rank 0."""
-    parser = build_parser()
-    parser.prog = f"torchrun --nproc-per-node N -m zerolearn.chapters.{title.split()[0].lower()}"
-    args = parser.parse_args(argv)
-    args.stage = stage
+    script = ("dp", "zero1", "zero2", "zero3")[stage]
+    parser = build_parser(f"torchrun --nproc-per-node N -m zerolearn.experiments.{script}")
     try:
+        config = TrainConfig(**{**vars(parser.parse_args(argv)), "stage": stage})
         env = zdist.torchrun_env()
-        validate(args, env[1] if env else 1)
-        ctx = zdist.init(args.backend, args.device, args.timeout)
+        config.validate(env[1] if env else 1)
     except ConfigError as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
-    try:
-        report = train(args, progress=not args.quiet)
-    except BaseException:
-        zdist.teardown(clean=False)
-        raise
-    zdist.teardown()
-    if ctx.rank == 0:
+    report = train_here(config, progress=not config.quiet)
+    if env is None or env[0] == 0:  # rank 0 prints
         print(f"\n{title}: {report['config']['model']}, Psi = {report['num_params']:,}, "
               f"{report['world_size']} {report['backend']} rank(s) on {report['device']}, "
               f"loss {report['losses'][0]:.4f} -> {report['losses'][-1]:.4f}\n")

@@ -1,9 +1,9 @@
 """The seed experiment, done right: the blog's MLP under DP and ZeRO-1/2/3, measured.
 
-    python -m zerolearn.chapters.seed_experiment                  # 2 gloo ranks, width 1024
-    python -m zerolearn.chapters.seed_experiment --width 10000    # full size (GPU, ~9.6 GB of model states/rank for DP)
-    python -m zerolearn.chapters.seed_experiment --simulate-world-size 2
-    torchrun --nproc-per-node 2 -m zerolearn.chapters.seed_experiment --width 10000
+    python -m zerolearn.experiments.seed_experiment                # 2 gloo ranks, width 1024
+    python -m zerolearn.experiments.seed_experiment --width 10000  # full size (GPU, ~9.6 GB of model states per rank)
+    python -m zerolearn.experiments.seed_experiment --simulate-world-size 2
+    torchrun --nproc-per-node 2 -m zerolearn.experiments.seed_experiment --width 10000
 
 The blog reproduction this book starts from trained 6 square Linear layers of width
 10,000 with Adam at batch 16 on 2 GPUs and found ZeRO-2's peak memory *above*
@@ -25,55 +25,44 @@ import sys
 import torch
 
 from zerolearn import dist as zdist
+from zerolearn.config import TrainConfig
 from zerolearn.dist import ConfigError, launch
 from zerolearn.report import CATEGORIES, stage_row
-from zerolearn.train import build_parser, train, train_job
+from zerolearn.tables import text_table
+from zerolearn.train import train, train_here
 
 
-def job_argv(args: argparse.Namespace, stage: int) -> list[str]:
-    argv = ["--stage", str(stage), "--model", "mlp", "--mlp-width", str(args.width),
-            "--mlp-layers", str(args.layers), "--global-batch-size", str(args.batch),
-            "--steps", str(args.steps), "--dtype", args.dtype, "--optimizer", "adam",
-            "--bucket-mb", str(args.bucket_mb), "--quiet"]
-    if args.simulate_world_size:
-        argv += ["--simulate-world-size", str(args.simulate_world_size)]
-    return argv
+def job_config(args: argparse.Namespace, stage: int) -> TrainConfig:
+    """The seed experiment's run at ``stage``: an MLP of ``args.layers`` x ``args.width``, Adam."""
+    return TrainConfig(stage=stage, model="mlp", mlp_width=args.width, mlp_layers=args.layers,
+                       global_batch_size=args.batch, steps=args.steps, dtype=args.dtype, optimizer="adam",
+                       bucket_mb=args.bucket_mb, quiet=True, simulate_world_size=args.simulate_world_size or None)
 
 
 def run_all(args: argparse.Namespace) -> list[dict]:
     """One report per stage: in this process group under torchrun or simulation, else spawned ranks."""
     if zdist.torchrun_env() is not None or args.simulate_world_size:
-        reports = []
-        for stage in range(4):
-            run = build_parser().parse_args(job_argv(args, stage))
-            zdist.init(run.backend, run.device, simulate_world_size=run.simulate_world_size)
-            try:
-                reports.append(train(run))
-            finally:
-                zdist.teardown()
-        return reports
+        return [train_here(job_config(args, stage)) for stage in range(4)]
     backend = "nccl" if torch.cuda.is_available() and args.world_size <= torch.cuda.device_count() else "gloo"
-    return [launch(train_job, args.world_size, job_argv(args, s), backend=backend)[0] for s in range(4)]
+    return [launch(train, args.world_size, job_config(args, s), backend=backend)[0] for s in range(4)]
 
 
 def format_seed_table(reports: list[dict]) -> str:
-    lines = [f"{'stage':<20} | {'params MiB':>19} | {'grads MiB':>19} | {'optim MiB':>19} | "
-             f"{'peak MiB':>9} | {'Psi/step':>8}",
-             f"{'':<20} | {'measured':>9} {'formula':>9} | {'measured':>9} {'formula':>9} | "
-             f"{'measured':>9} {'formula':>9} | {'measured':>9} | {'measured':>8}"]
-    lines.append("-" * len(lines[0]))
+    """One row per stage: MiB held on rank 0 (measured and by formula), its peak, Psi moved per step."""
+    header = ["stage", "params MiB\nmeasured", "\nformula", "grads MiB\nmeasured", "\nformula",
+              "optim MiB\nmeasured", "\nformula", "peak MiB\nmeasured", "Psi/step\nmeasured"]
+    rows = []
     for report in reports:
         r = stage_row(report)
-        cells = " | ".join(f"{r[c] / 2**20:>9.2f} {r[c + '_formula'] / 2**20:>9.2f}"
-                           for c in CATEGORIES)
-        lines.append(f"{r['stage']} {r['name']:<18} | {cells} | {r['peak_bytes'] / 2**20:>9.2f} | "
-                     f"{r['psi_per_step']:>8.3f}")
-    return "\n".join(lines)
+        rows.append([f"{r['stage']} {r['name']}",
+                     *(f"{r[k] / 2**20:.2f}" for c in CATEGORIES for k in (c, c + "_formula")),
+                     f"{r['peak_bytes'] / 2**20:.2f}", f"{r['psi_per_step']:.3f}"])
+    return text_table(header, rows, align=["left", *["right"] * (len(header) - 1)])
 
 
 def main(argv: list[str] | None = None) -> int:
     gpu = torch.cuda.is_available()
-    p = argparse.ArgumentParser(prog="python -m zerolearn.chapters.seed_experiment",
+    p = argparse.ArgumentParser(prog="python -m zerolearn.experiments.seed_experiment",
                                 description=__doc__.split("\n")[0])
     p.add_argument("--width", type=int, default=10_000 if gpu else 1024)
     p.add_argument("--layers", type=int, default=6)

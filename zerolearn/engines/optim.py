@@ -1,0 +1,127 @@
+"""What an engine's step needs besides collectives: the optimizer, clipping, bytes held.
+
+The optimizer is torch's own, over the flat fp32 masters (one tensor per group:
+the whole buffer at stage 0, this rank's shard at stages 1-3). Adam and SGD are
+element-wise, so stepping flat shards gives the same numbers as stepping the
+original tensors; that is what lets ZeRO shard them freely (Sec 5.1).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from zerolearn.dist import ConfigError
+
+OPTIMIZERS = ("adam", "adamw", "sgd")
+
+
+def check_options(optimizer: str, lr: float, bucket_mb: float, max_grad_norm: float | None) -> None:
+    """Refuse bad engine options before anything is allocated or communicated.
+
+    Raises:
+        ConfigError: naming the option (as the CLI spells it) and what is allowed.
+    """
+    if optimizer not in OPTIMIZERS:
+        raise ConfigError(f"--optimizer {optimizer!r}: allowed are {', '.join(OPTIMIZERS)}")
+    if not (lr > 0 and math.isfinite(lr)):
+        raise ConfigError(f"--lr {lr}: must be > 0 and finite")
+    if not bucket_mb > 0:
+        raise ConfigError(f"--bucket-mb {bucket_mb}: must be > 0")
+    if max_grad_norm is not None and not max_grad_norm > 0:
+        raise ConfigError(f"--max-grad-norm {max_grad_norm}: must be > 0")
+
+
+def make_optimizer(name: str, params: list[nn.Parameter], lr: float, weight_decay: float = 0.0,
+                   momentum: float = 0.0, betas: tuple[float, float] = (0.9, 0.999)) -> torch.optim.Optimizer:
+    """torch's own Adam / AdamW / SGD over the flat master tensors (``params``).
+
+    One ``step()`` updates every master that has a ``.grad``. On the CPU torch's
+    default for these optimizers is its per-tensor loop (no ``foreach`` kernels), so
+    each master's update is computed on its own, exactly as if it were stepped
+    alone: how many masters one call covers does not change a single bit.
+
+    Raises:
+        ConfigError: ``name`` is not one of :data:`OPTIMIZERS`.
+    """
+    if name == "adam":
+        return torch.optim.Adam(params, lr=lr, betas=betas, weight_decay=weight_decay)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay)
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
+    raise ConfigError(f"--optimizer {name!r}: allowed are {', '.join(OPTIMIZERS)}")
+
+
+def optimizer_state(optimizer: torch.optim.Optimizer, master: torch.Tensor) -> list[torch.Tensor]:
+    """The optimizer's per-element state of ``master`` (Adam's moments, SGD's momentum).
+
+    Scalars such as Adam's step counter are bookkeeping, not model states: left out.
+    """
+    return [v for v in optimizer.state.get(master, {}).values() if torch.is_tensor(v) and v.dim() > 0]
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """The one device all of ``model``'s parameters and buffers are on.
+
+    Raises:
+        ConfigError: the model has no parameters, or they sit on several devices.
+    """
+    devices = {t.device for t in [*model.parameters(), *model.buffers()]}
+    if not devices:
+        raise ConfigError("the model has no parameters to train")
+    if len(devices) > 1:
+        raise ConfigError(f"model parameters sit on different devices {sorted(map(str, devices))}; "
+                          "move the model to one device (model.to(device)) first")
+    return devices.pop()
+
+
+def unique_storage_bytes(tensors, seen: set[int]) -> int:
+    """Bytes of the storages behind ``tensors`` (None skipped), each storage counted
+    once across calls that share ``seen`` (storage addresses already counted)."""
+    total = 0
+    for t in tensors:
+        if t is None:
+            continue
+        storage = t.untyped_storage()
+        if storage.nbytes() == 0 or storage.data_ptr() in seen:
+            continue
+        seen.add(storage.data_ptr())
+        total += storage.nbytes()
+    return total
+
+
+def replica_weights(groups, nm: int) -> list[list[tuple[int, int, float]]]:
+    """Per group, ``(start, end, weight)`` element ranges of the gradient a rank steps with.
+
+    For tensor parallelism over ``nm`` ranks (Nm): weight 1 for a parameter marked
+    ``tensor_parallel = True`` (a slice that differs per rank), 1/Nm for a replica, so
+    the sum of squares over the Nm ranks counts each element once. Ranges are
+    relative to the group's master (its shard range; the whole buffer at stage 0).
+    """
+    out = []
+    for g in groups:
+        lo, hi = g.layout.shard_range
+        ranges = []
+        for p, off in zip(g.params, g.layout.offsets):
+            a, b = max(off, lo), min(off + p.numel(), hi)
+            if a < b:
+                ranges.append((a - lo, b - lo, 1.0 if getattr(p, "tensor_parallel", False) else 1.0 / nm))
+        out.append(ranges)
+    return out
+
+
+def sum_of_squares(grads: list[torch.Tensor], weights: list[list[tuple[int, int, float]]] | None,
+                   device: torch.device) -> torch.Tensor:
+    """Sum of squares of this rank's gradient elements, an fp32 scalar on ``device``.
+
+    ``weights`` (:func:`replica_weights`) counts tensor-parallel replicas 1/Nm; None
+    counts every element once. The global norm is the square root of this summed over
+    the ranks holding different parts (the formula of ``clip_grad_norm_``).
+    """
+    if weights is None:
+        return torch.stack([gr.float().pow(2).sum() for gr in grads]).sum()
+    return torch.stack([gr[a:b].float().pow(2).sum() * w for gr, ranges in zip(grads, weights)
+                        for a, b, w in ranges] or [torch.zeros((), device=device)]).sum()

@@ -1,0 +1,43 @@
+"""What the explorers of :mod:`zerolearn.widgets` compute and draw, without any widget.
+
+Every function here is pure (numbers in, numbers or a matplotlib ``Figure`` out), so
+tests call them directly and the built book shows each explorer's default view as a
+static figure, no kernel needed. The numbers come from the paper's formulas in
+:mod:`zerolearn.memory` (Sec 3, 5, 7; Fig 1; Table 1), from measured training reports
+(``--memory-timeline``), or from the allocator simulator of
+:mod:`zerolearn.residual.defrag` (Sec 6.3); nothing is re-derived here.
+
+Units: bytes in data. Figures of formulas use the paper's decimal GB (1e9 bytes);
+figures of measured runs use binary KiB (2**10 bytes), as small models are measured.
+
+Two modules, re-exported here: :mod:`~zerolearn.figures.formulas` (the paper's formulas:
+memory, fit, trade-off) and :mod:`~zerolearn.figures.measured` (a run's timeline,
+fragmentation).
+"""
+
+from zerolearn.figures.formulas import (
+    CATEGORIES,
+    COLORS,
+    GPUS,
+    NDS,
+    PHASE_COLORS,
+    STAGE_COLORS,
+    fewest_gpus,
+    fit_figure,
+    memory_by_stage,
+    memory_figure,
+    readable,
+    tradeoff,
+    tradeoff_figure,
+)
+from zerolearn.figures.measured import (
+    fragmentation,
+    fragmentation_figure,
+    recorded_trace,
+    timeline_figure,
+    timeline_series,
+)
+
+__all__ = ["CATEGORIES", "COLORS", "GPUS", "NDS", "PHASE_COLORS", "STAGE_COLORS", "fewest_gpus", "fit_figure",
+           "fragmentation", "fragmentation_figure", "memory_by_stage", "memory_figure", "readable",
+           "recorded_trace", "timeline_figure", "timeline_series", "tradeoff", "tradeoff_figure"]
