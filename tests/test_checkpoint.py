@@ -201,7 +201,7 @@ def test_consolidate_cli_refuses_a_damaged_checkpoint_with_exit_2(chain, tmp_pat
 
 @pytest.mark.parametrize("args, message", [
     (["--checkpoint-every", "2"], "--checkpoint-every needs --checkpoint-dir"),
-    (["--checkpoint-dir", "x", "--checkpoint-every", "-1"], "--checkpoint-every -1: must be >= 0"),
+    (["--checkpoint-dir", "x", "--checkpoint-every", "-1"], "--checkpoint-every -1: must be an integer >= 0"),
     (["--fail-at-step", "1", "--fail-rank", "1"], "--fail-rank 1: allowed are 0 to 0 (world size 1)"),
 ])
 def test_bad_checkpoint_options_exit_2_before_any_work(args, message, tmp_path, monkeypatch, capsys):

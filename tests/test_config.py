@@ -27,7 +27,7 @@ def test_a_misspelled_option_fails_in_the_callers_process():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    (dict(steps=0), "--steps 0: must be >= 1"),
+    (dict(steps=0), "--steps 0: must be an integer >= 1"),
     (dict(stage=4), "--stage 4: allowed are 0, 1, 2, 3"),
     (dict(dtype="int8"), "--dtype 'int8': allowed are fp32, bf16, fp16"),
     (dict(lr=float("nan")), "--lr nan: must be a finite number > 0"),

@@ -20,7 +20,7 @@ def launch_cli(*args: str, timeout: float = 180) -> subprocess.CompletedProcess:
 def test_bad_input_exits_2_before_any_worker_starts():
     done = launch_cli("--", "--n-head", "0")
     assert done.returncode == 2
-    assert "error: --n-head 0: must be >= 1" in done.stderr
+    assert "error: --n-head 0: must be an integer >= 1" in done.stderr
     assert "Traceback" not in done.stderr and "ChildFailedError" not in done.stderr
 
 

@@ -13,6 +13,7 @@ import itertools
 import pytest
 
 from zerolearn import figures, widgets
+from zerolearn.config import TrainConfig
 from zerolearn.dist import launch
 from zerolearn.lessons.ch04 import all_stages
 from zerolearn.memory.fit import ActivationSpec, per_device_bytes, smallest_fit
@@ -150,9 +151,9 @@ def test_tradeoff_shows_memory_and_one_and_a_half_times_the_traffic():
 
 @functools.cache
 def measured_reports() -> list[dict]:
-    argv = ["--model", "mlp", "--mlp-width", "64", "--mlp-layers", "4", "--global-batch-size", "4",
-            "--steps", "1", "--bucket-mb", "0.01", "--quiet", "--memory-timeline"]
-    return launch(all_stages, 2, argv)[0]
+    config = TrainConfig(model="mlp", mlp_width=64, mlp_layers=4, global_batch_size=4, steps=1, bucket_mb=0.01,
+                         memory_timeline=True)
+    return launch(all_stages, 2, config)[0]
 
 
 def test_timeline_viewer_shows_the_ledgers_numbers_per_stage():

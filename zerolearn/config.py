@@ -23,13 +23,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 import os
 from dataclasses import dataclass, field
 
 from zerolearn import data
 from zerolearn.dist import DEFAULT_TIMEOUT_S, resolve_backend_device
-from zerolearn.errors import ConfigError
+from zerolearn.errors import ConfigError, require_choice, require_count, require_real
 from zerolearn.memory import model as analytic
 from zerolearn.models import MODELS, GPTConfig
 from zerolearn.precision import DTYPES
@@ -185,35 +184,32 @@ def build_parser(prog: str = "python -m zerolearn.train") -> argparse.ArgumentPa
     return p
 
 
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
 def _check_choices(c: TrainConfig) -> None:
     allowed = {"stage": range(4), "model": MODELS, "dtype": tuple(DTYPES), "optimizer": OPTIMIZERS,
                "fail_mode": ("kill", "hang")}
     for name, choices in allowed.items():
-        value = getattr(c, name)
-        if value not in choices:
-            raise ConfigError(f"--{name.replace('_', '-')} {value!r}: allowed are "
-                              f"{', '.join(str(x) for x in choices)}")
+        require_choice(_flag(name), getattr(c, name), choices)
 
 
 def _check_numbers(c: TrainConfig) -> None:
     """Counts >= 1, finite positive reals, a width the heads divide, a sequence the corpus holds."""
     for name in ("steps", "global_batch_size", "seq_len", "grad_accum_steps", "loss_scale_window", "n_layer",
-                 "d_model", "n_head", "mlp_width", "mlp_layers", "tensor_parallel"):
-        if getattr(c, name) < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} {getattr(c, name)}: must be >= 1")
+                 "d_model", "n_head", "mlp_width", "mlp_layers", "tensor_parallel", "seed"):
+        require_count(_flag(name), getattr(c, name), minimum=0 if name == "seed" else 1)
+    for name in ("checkpoint_every", "checkpoint_keep", "fail_rank"):
+        require_count(_flag(name), getattr(c, name), minimum=0)
+    for name in ("simulate_world_size", "fail_at_step"):
+        if getattr(c, name) is not None:
+            require_count(_flag(name), getattr(c, name), minimum=1 if name == "simulate_world_size" else 0)
     for name in ("lr", "timeout", "bucket_mb", "max_grad_norm"):
-        value = getattr(c, name)
-        if value is not None and not (math.isfinite(value) and value > 0):
-            raise ConfigError(f"--{name.replace('_', '-')} {value}: must be a finite number > 0")
+        if getattr(c, name) is not None:
+            require_real(_flag(name), getattr(c, name))
     for name in ("momentum", "weight_decay"):
-        value = getattr(c, name)
-        if not (math.isfinite(value) and value >= 0):
-            raise ConfigError(f"--{name.replace('_', '-')} {value}: must be a finite number >= 0")
-    if c.simulate_world_size is not None and c.simulate_world_size < 1:
-        raise ConfigError(f"--simulate-world-size {c.simulate_world_size}: must be an integer >= 1")
-    for name in ("checkpoint_every", "checkpoint_keep"):
-        if getattr(c, name) < 0:
-            raise ConfigError(f"--{name.replace('_', '-')} {getattr(c, name)}: must be >= 0")
+        require_real(_flag(name), getattr(c, name), strict=False)
     if c.model == "gpt" and c.d_model % c.n_head:
         raise ConfigError(f"--d-model {c.d_model} is not divisible by --n-head {c.n_head}; allowed are head "
                           f"counts that divide the width")

@@ -33,7 +33,7 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
-from zerolearn.errors import ConfigError
+from zerolearn.errors import ConfigError, require_choice, require_count, require_real
 from zerolearn.memory.fit import ActivationSpec, per_device_bytes
 from zerolearn.memory.model import comm_volume_elements, dtype_bytes
 
@@ -47,15 +47,11 @@ FLOPS_PER_PARAM_TOKEN_RECOMPUTE = 8
 
 
 def _positive(name: str, value: float, allow_inf: bool = False) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if not ok or not value > 0 or (math.isinf(value) and not allow_inf):
-        bound = "> 0 (inf allowed)" if allow_inf else "> 0 and finite"
-        raise ConfigError(f"{name} {value!r}: must be a number {bound}")
+    require_real(name, value, allow_inf=allow_inf)
 
 
 def _count(name: str, value: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(f"{name} {value!r}: must be an integer >= 1")
+    require_count(name, value)
 
 
 @dataclass(frozen=True)
@@ -83,9 +79,7 @@ class Hardware:
         _positive("intra_node_GBps", self.intra_node_GBps, allow_inf=True)
         _positive("inter_node_GBps", self.inter_node_GBps, allow_inf=True)
         _count("gpus_per_node", self.gpus_per_node)
-        lat = self.latency_s_per_collective
-        if isinstance(lat, bool) or not isinstance(lat, (int, float)) or not 0 <= lat < math.inf:
-            raise ConfigError(f"latency_s_per_collective {lat!r}: must be a finite number >= 0")
+        require_real("latency_s_per_collective", self.latency_s_per_collective, strict=False)
 
 
 @dataclass(frozen=True)
@@ -116,8 +110,7 @@ class Job:
         _positive("psi", self.psi)
         for name in ("tokens_per_gpu", "nd", "nm", "bucket_elements"):
             _count(name, getattr(self, name))
-        if isinstance(self.stage, bool) or self.stage not in (0, 1, 2, 3):
-            raise ConfigError(f"stage {self.stage!r}: must be one of 0, 1, 2, 3")
+        require_choice("stage", self.stage, (0, 1, 2, 3))
         if isinstance(self.overlap, bool) or not isinstance(self.overlap, (int, float)) \
                 or not 0 <= self.overlap <= 1:
             raise ConfigError(f"overlap {self.overlap!r}: must be a number in [0, 1]")

@@ -50,12 +50,12 @@ def text_table(header: Sequence[str], rows: Iterable[Sequence], *, fmt: str = "s
     colalign = [align] * len(header) if isinstance(align, str) else list(align)
     if len(colalign) != len(header):
         raise ValueError(f"align has {len(colalign)} entries for {len(header)} columns")
-    # Two module globals of tabulate, with no argument: it widens every column by 2 beyond
-    # its header (MIN_PADDING; columns as wide as their widest cell keep tables narrow) and
-    # strips cells (PRESERVE_WHITESPACE; a caller's trailing space can align digits).
-    saved = _tabulate.MIN_PADDING, _tabulate.PRESERVE_WHITESPACE
-    _tabulate.MIN_PADDING, _tabulate.PRESERVE_WHITESPACE = 0, True
+    # tabulate widens every column by 2 beyond its header (MIN_PADDING, a module global with
+    # no argument); columns as wide as their widest cell keep tables narrow. Whitespace is
+    # kept: a caller's trailing space can keep digits aligned next to a marked cell.
+    saved, _tabulate.MIN_PADDING = _tabulate.MIN_PADDING, 0
     try:
-        return _tabulate.tabulate(cells, headers=header, tablefmt=fmt, colalign=colalign, disable_numparse=True)
+        return _tabulate.tabulate(cells, headers=header, tablefmt=fmt, colalign=colalign, disable_numparse=True,
+                                  preserve_whitespace=True)
     finally:
-        _tabulate.MIN_PADDING, _tabulate.PRESERVE_WHITESPACE = saved
+        _tabulate.MIN_PADDING = saved

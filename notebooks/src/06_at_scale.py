@@ -35,7 +35,7 @@ from zerolearn import figures, widgets
 from zerolearn.config import TrainConfig
 from zerolearn.costmodel import Job, step_time
 from zerolearn.dist import launch
-from zerolearn.lessons import ch06
+from zerolearn.lessons import ch04, ch06
 from zerolearn.memory.fit import ActivationSpec, gpt_params, per_device_bytes, smallest_fit
 from zerolearn.memory.model import GB, STAGE_NAMES, TABLE1_GB, V100_BYTES, max_model_params, model_state_bytes
 from zerolearn.tables import text_table

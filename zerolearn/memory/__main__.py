@@ -15,10 +15,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import sys
 
-from zerolearn.errors import ConfigError
+from zerolearn.errors import ConfigError, require_count, require_real
 from zerolearn.memory.fit import DEFAULT_MAX_ND, ActivationSpec, Fit, gpt_params, smallest_fit, table
 from zerolearn.memory.model import GB, STAGE_NAMES, V100_BYTES, optimizer_k
 from zerolearn.tables import text_table
@@ -61,14 +60,11 @@ _SIZES = ("params", "device_gb", "cb_mb")
 def _check_options(args: argparse.Namespace) -> None:
     """Refuse bad numbers before any work, naming the option as the user typed it."""
     for name in _COUNTS:
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} {value}: must be an integer >= 1")
+        if getattr(args, name) is not None:
+            require_count(f"--{name.replace('_', '-')}", getattr(args, name))
     for name in _SIZES:
-        value = getattr(args, name)
-        # `not value > 0` also catches NaN ("nan" parses as a float).
-        if value is not None and (not value > 0 or not math.isfinite(value)):
-            raise ConfigError(f"--{name.replace('_', '-')} {value}: must be a finite number > 0")
+        if getattr(args, name) is not None:
+            require_real(f"--{name.replace('_', '-')}", getattr(args, name))
 
 
 def _psi(args: argparse.Namespace) -> int | float:
