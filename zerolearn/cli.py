@@ -6,6 +6,35 @@ message naming the rank (an OSError writing a checkpoint or the report, a full d
 included); 130 interrupted by Ctrl-C (SIGINT): rank 0 prints one line,
 ``interrupted (Ctrl-C) at step N``, and every rank exits without a traceback. The
 checkpoint directory's lock is released however the run ends.
+
+``--report PATH`` makes rank 0 write the JSON report of DESIGN section 4: the global
+mean loss per step, and per rank the model-state bytes measured from the tensors it
+holds and the traffic its collectives moved, beside the paper's formulas for the
+same run.
+
+Failures. With ``--checkpoint-dir D`` the run saves sharded checkpoints (every
+``--checkpoint-every K`` steps and at the end) and, when started again, resumes from
+the newest complete one in D: ``--steps`` stays the run's total, so a resumed process
+runs the remaining steps and its report's ``first_step`` says where its ``losses``
+begin. Under ``torchrun --max-restarts 1`` a rank that dies makes torchrun restart
+every rank, which resume from the last checkpoint (the stage and world size may
+differ from the saving run's: checkpoints reshard; a checkpoint that fails its
+checksums is skipped for the newest one that verifies, with a line saying so).
+A step whose global loss is NaN or inf (other than an fp16 step that the loss scaler
+skipped) stops the run with exit code 1, naming the step, and no checkpoint of the
+broken state is written. ``--fail-at-step K --fail-rank R``
+kills (or hangs) rank R during step K on the first attempt only, to test exactly that.
+
+    torchrun --nproc-per-node 2 --max-restarts 1 \\
+        -m zerolearn.train --stage 3 --steps 20 --checkpoint-dir ckpt --checkpoint-every 5 \\
+        --fail-at-step 12 --fail-rank 1
+
+(torchrun's workers share its rendezvous store across restarts. A restarted gloo rank
+that reads a peer's address left by the failed attempt fails with "Gloo
+connectFullMesh failed ... Connection refused": on torch 2.13, 6 of 8 restarts of a
+job like this one did when all attempts used the same keys. :func:`zerolearn.dist.init`
+gives each attempt a key prefix of its own. Compare pytorch/pytorch#135712, the same
+stale-store problem with NCCL.)
 """
 
 from __future__ import annotations

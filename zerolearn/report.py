@@ -1,15 +1,82 @@
-"""Turn training reports (DESIGN section 4) into the tables the book prints.
+"""The training report (DESIGN section 4): built at the end of a run, and turned into tables.
 
-Data stays in bytes and elements; these helpers format for people only.
+:func:`make_report` gathers every rank's measurements (bytes held per category,
+peak memory, traffic, residual states) beside the paper's formulas for the same
+run; the other helpers format reports for people (data stays in bytes and elements).
 """
 
 from __future__ import annotations
 
+import statistics
+from typing import TYPE_CHECKING
+
+import torch
+
+from zerolearn import comm, compat
 from zerolearn.comm import CommLedger, OpStats
 from zerolearn.memory import model as analytic
+from zerolearn.residual import setup as residual_setup
 from zerolearn.tables import text_table
 
+if TYPE_CHECKING:
+    from zerolearn.config import TrainConfig
+    from zerolearn.train import Run, Watched
+
 CATEGORIES = ("params", "grads", "optimizer_states")
+
+
+def saved_config(config: TrainConfig) -> dict:
+    """The options a report and a checkpoint keep: every field but ``quiet`` (progress bars)."""
+    return {k: v for k, v in config.as_dict().items() if k != "quiet"}
+
+
+def analytic_bytes(config: TrainConfig, psi: int, nd: int) -> dict[str, float]:
+    """The paper's model-state bytes per rank for this run (Sec 5, Fig 1)."""
+    k = analytic.optimizer_k(config.optimizer, config.dtype, momentum=config.momentum > 0)
+    width = analytic.dtype_bytes(config.dtype)
+    states = analytic.model_state_bytes(psi, nd, config.stage, k=k, param_bytes=width, grad_bytes=width)
+    return {key: states[key] for key in ("params", "grads", "optimizer_states")}
+
+
+def rank_entry(run: Run, record: Watched) -> dict:
+    """This rank's entry of the report: bytes held, peak, memory, traffic, residual states."""
+    ctx, engine, ledger = run.ctx, run.engine, record.ledger
+    held = engine.model_state_bytes()
+    memory = ledger.summary() if ledger is not None else {"peak_bytes": None}  # None: no step left to run
+    if run.config.memory_timeline and ledger is not None:
+        memory["timeline"] = [[e.index, e.phase, e.total, e.by_category] for e in ledger.timeline]
+    cuda = ctx.device.type == "cuda"
+    return {"rank": ctx.rank,
+            "model_state_bytes": {"params": held["params"], "grads": record.grads_bytes,
+                                  "optimizer_states": held["optimizer_states"]},
+            # CUDA: the allocator's peak over the run; CPU: the ledger's over the last step.
+            "peak_bytes": torch.cuda.max_memory_allocated(ctx.device) if cuda else memory["peak_bytes"],
+            "memory": memory,
+            "comm": comm.LEDGER.as_dict(),
+            "padding_elements": engine.padding,
+            "peak_grad_bytes": engine.peak_grad_bytes,
+            "residual": residual_setup.report_entry(run.zero_r, record.checkpoints, engine.temp_buffer_peak_bytes,
+                                                    record.activations, ctx.device),
+            "comm_by_tag": comm.LEDGER.by_tag()}
+
+
+def make_report(run: Run, record: Watched) -> dict:
+    """The run's report (DESIGN section 4), the same on every rank (gathers every rank's entry)."""
+    c, ctx, nd = run.config, run.ctx, run.zero_r.groups.nd
+    mine = rank_entry(run, record)
+    simulated = ctx.backend == "fake"
+    return {"config": saved_config(c),
+            "world_size": ctx.world_size, "backend": ctx.backend, "device": ctx.device.type,
+            "torch": compat.TORCH_VERSION, "num_params": run.engine.psi, "first_step": run.first_step,
+            "simulated": simulated,
+            # Simulated: this process is rank 0 and the only one measured.
+            "losses": record.losses, "ranks": [mine] if simulated else comm.gather_objects(mine),
+            "data_parallel": nd, "tensor_parallel": c.tensor_parallel,
+            "analytic": {"model_state_bytes": analytic_bytes(c, run.engine.psi, nd),
+                         "residual": residual_setup.analytic_entry(c, nd)},
+            "step_seconds_median": statistics.median(record.seconds) if record.seconds else 0.0}
+
+
 
 
 def kib(n: float | None) -> str:

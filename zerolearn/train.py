@@ -12,42 +12,21 @@ Every rank builds the same model from ``--seed`` and, at each step, the same glo
 batch from (seed, step); rank r trains on its slice. So a run's losses depend on
 neither the stage nor the world size, which is what lets the book compare them.
 
-``--report PATH`` makes rank 0 write the JSON report of DESIGN section 4: the global
-mean loss per step, and per rank the model-state bytes measured from the tensors it
-holds and the traffic its collectives moved, beside the paper's formulas for the
-same run. Exit codes: 0 done, 2 bad arguments or a checkpoint folder another job
-holds (before any work), 1 failure (naming the rank), 130 interrupted (Ctrl-C).
+One step (:func:`train_step`), the same at every stage; the engine decides where
+state lives and which collectives run (:class:`zerolearn.engines.Engine`)::
 
-Failures. With ``--checkpoint-dir D`` the run saves sharded checkpoints (every
-``--checkpoint-every K`` steps and at the end) and, when started again, resumes from
-the newest complete one in D: ``--steps`` stays the run's total, so a resumed process
-runs the remaining steps and its report's ``first_step`` says where its ``losses``
-begin. Under ``torchrun --max-restarts 1`` a rank that dies makes torchrun restart
-every rank, which resume from the last checkpoint (the stage and world size may
-differ from the saving run's: checkpoints reshard; a checkpoint that fails its
-checksums is skipped for the newest one that verifies, with a line saying so).
-A step whose global loss is NaN or inf (other than an fp16 step that the loss scaler
-skipped) stops the run with exit code 1, naming the step, and no checkpoint of the
-broken state is written. ``--fail-at-step K --fail-rank R``
-kills (or hangs) rank R during step K on the first attempt only, to test exactly that.
+    batch(config, step) -> this rank's slice -> K micro-batches
+        forward, loss / K, engine.backward(sync = last micro-batch)   # buckets reduce
+    engine.step(); engine.zero_grad()                                # shard update, all-gather
+    global mean loss (one all_reduce, not counted) -> checkpoint when due
 
-    torchrun --nproc-per-node 2 --max-restarts 1 \\
-        -m zerolearn.train --stage 3 --steps 20 --checkpoint-dir ckpt --checkpoint-every 5 \\
-        --fail-at-step 12 --fail-rank 1
-
-(torchrun's workers share its rendezvous store across restarts. A restarted gloo rank
-that reads a peer's address left by the failed attempt fails with "Gloo
-connectFullMesh failed ... Connection refused": on torch 2.13, 6 of 8 restarts of a
-job like this one did when all attempts used the same keys. :func:`zerolearn.dist.init`
-gives each attempt a key prefix of its own. Compare pytorch/pytorch#135712, the same
-stale-store problem with NCCL.)
+The command line, its exit codes, checkpoints and failure handling: :mod:`zerolearn.cli`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -60,9 +39,9 @@ from zerolearn.config import TrainConfig
 from zerolearn.engines import Engine, make_engine
 from zerolearn.errors import ConfigError
 from zerolearn.faults import check_finite, check_finite_params, fail_on_purpose
-from zerolearn.memory import model as analytic
 from zerolearn.memory.ledger import MemoryLedger
 from zerolearn.models import GPTConfig, build_model
+from zerolearn.report import make_report, saved_config
 from zerolearn.residual import setup as residual_setup
 
 # A resumed run must see the same data stream and model as the run that saved.
@@ -92,14 +71,6 @@ def build(config: TrainConfig) -> torch.nn.Module:
     return build_model(config.model, config.seed, mlp_width=config.mlp_width, mlp_layers=config.mlp_layers,
                        gpt=GPTConfig(seq_len=config.seq_len, n_layer=config.n_layer, n_head=config.n_head,
                                      d_model=config.d_model))
-
-
-def analytic_bytes(config: TrainConfig, psi: int, nd: int) -> dict[str, float]:
-    """The paper's model-state bytes per rank for this run (Sec 5, Fig 1)."""
-    k = analytic.optimizer_k(config.optimizer, config.dtype, momentum=config.momentum > 0)
-    width = analytic.dtype_bytes(config.dtype)
-    states = analytic.model_state_bytes(psi, nd, config.stage, k=k, param_bytes=width, grad_bytes=width)
-    return {key: states[key] for key in ("params", "grads", "optimizer_states")}
 
 
 def snapshot_path(path: str, rank: int, world_size: int) -> str:
@@ -221,12 +192,8 @@ def maybe_save(run: Run, done: int) -> None:
     c = run.config
     if c.checkpoint_dir and (done == c.steps or c.checkpoint_every and done % c.checkpoint_every == 0):
         check_finite_params(run.engine, done - 1)
-        checkpoint.save(run.engine, c.checkpoint_dir, done, extra={"config": _saved_config(c)},
+        checkpoint.save(run.engine, c.checkpoint_dir, done, extra={"config": saved_config(c)},
                         keep=c.checkpoint_keep or None)
-
-
-def _saved_config(config: TrainConfig) -> dict:
-    return {k: v for k, v in config.as_dict().items() if k != "quiet"}
 
 
 def _steps(run: Run, progress: bool):
@@ -301,45 +268,6 @@ def train_here(config: TrainConfig, progress: bool = False) -> dict:
         raise
     zdist.teardown()
     return report
-
-
-def rank_entry(run: Run, record: Watched) -> dict:
-    """This rank's entry of the report: bytes held, peak, memory, traffic, residual states."""
-    ctx, engine, ledger = run.ctx, run.engine, record.ledger
-    held = engine.model_state_bytes()
-    memory = ledger.summary() if ledger is not None else {"peak_bytes": None}  # None: no step left to run
-    if run.config.memory_timeline and ledger is not None:
-        memory["timeline"] = [[e.index, e.phase, e.total, e.by_category] for e in ledger.timeline]
-    cuda = ctx.device.type == "cuda"
-    return {"rank": ctx.rank,
-            "model_state_bytes": {"params": held["params"], "grads": record.grads_bytes,
-                                  "optimizer_states": held["optimizer_states"]},
-            # CUDA: the allocator's peak over the run; CPU: the ledger's over the last step.
-            "peak_bytes": torch.cuda.max_memory_allocated(ctx.device) if cuda else memory["peak_bytes"],
-            "memory": memory,
-            "comm": comm.LEDGER.as_dict(),
-            "padding_elements": engine.padding,
-            "peak_grad_bytes": engine.peak_grad_bytes,
-            "residual": residual_setup.report_entry(run.zero_r, record.checkpoints, engine.temp_buffer_peak_bytes,
-                                                    record.activations, ctx.device),
-            "comm_by_tag": comm.LEDGER.by_tag()}
-
-
-def make_report(run: Run, record: Watched) -> dict:
-    """The run's report (DESIGN section 4), the same on every rank (gathers every rank's entry)."""
-    c, ctx, nd = run.config, run.ctx, run.zero_r.groups.nd
-    mine = rank_entry(run, record)
-    simulated = ctx.backend == "fake"
-    return {"config": _saved_config(c),
-            "world_size": ctx.world_size, "backend": ctx.backend, "device": ctx.device.type,
-            "torch": compat.TORCH_VERSION, "num_params": run.engine.psi, "first_step": run.first_step,
-            "simulated": simulated,
-            # Simulated: this process is rank 0 and the only one measured.
-            "losses": record.losses, "ranks": [mine] if simulated else comm.gather_objects(mine),
-            "data_parallel": nd, "tensor_parallel": c.tensor_parallel,
-            "analytic": {"model_state_bytes": analytic_bytes(c, run.engine.psi, nd),
-                         "residual": residual_setup.analytic_entry(c, nd)},
-            "step_seconds_median": statistics.median(record.seconds) if record.seconds else 0.0}
 
 
 def main(argv: list[str] | None = None) -> int:
