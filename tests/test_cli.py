@@ -119,7 +119,7 @@ def test_model_on_several_devices_is_refused():
     (dict(stage=7), "--stage 7: allowed are 0, 1, 2, 3"),
     (dict(stage=1, optimizer="lion"), "--optimizer 'lion': allowed are adam, adamw, sgd"),
     (dict(stage=1, dtype="int8"), "--dtype 'int8': allowed are fp32, bf16, fp16"),
-    (dict(stage=2, lr=-1.0), "--lr -1.0: must be > 0"),
+    (dict(stage=2, lr=-1.0), "--lr -1.0: must be a finite number > 0"),
 ])
 def test_engine_refuses_bad_arguments_before_any_work(kwargs, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):

@@ -28,12 +28,11 @@ from dataclasses import dataclass, field
 
 from zerolearn import data
 from zerolearn.dist import DEFAULT_TIMEOUT_S, resolve_backend_device
+from zerolearn.engines.optim import OPTIMIZERS
 from zerolearn.errors import ConfigError, require_choice, require_count, require_real
 from zerolearn.memory import model as analytic
 from zerolearn.models import MODELS, GPTConfig
 from zerolearn.precision import DTYPES
-
-OPTIMIZERS = ("adam", "adamw", "sgd")
 
 
 def _opt(default, help: str, **argparse_kw):

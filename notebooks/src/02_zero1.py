@@ -104,14 +104,14 @@ for nd in (3, 4):
 #
 # ZeRO partitions by *element*, not by tensor (Sec 5). `zerolearn.flat` lays a group
 # of parameters end to end in one 1-D buffer, pads it with zeros to a multiple of the
-# number of shards, and gives rank $r$ the $r$-th equal slice. The constructor does the
-# arithmetic:
+# number of shards, and gives rank $r$ the $r$-th equal slice. A `FlatLayout` is only that
+# arithmetic, fixed once built (what an engine keeps per group from step to step lives in
+# `zerolearn.engines.group.GroupState`):
 
 # %%
-src = inspect.getsource(flat.FlatGroup.__init__)
-print(src[:src.index("        # Engine state")])  # the layout; the rest declares the engine's buffers
-print(inspect.getsource(flat.FlatGroup.shard_of))
-print(inspect.getsource(flat.FlatGroup.views))
+print(inspect.getsource(flat.FlatLayout.of))
+print(inspect.getsource(flat.FlatLayout.shard_of))
+print(inspect.getsource(flat.FlatLayout.views))
 
 # %% [markdown]
 # Parameters keep their shapes as *views* into the buffer, so the model computes as

@@ -8,12 +8,10 @@ original tensors; that is what lets ZeRO shard them freely (Sec 5.1).
 
 from __future__ import annotations
 
-import math
-
 import torch
 from torch import nn
 
-from zerolearn.dist import ConfigError
+from zerolearn.errors import ConfigError, require_choice, require_real
 
 OPTIMIZERS = ("adam", "adamw", "sgd")
 
@@ -24,14 +22,11 @@ def check_options(optimizer: str, lr: float, bucket_mb: float, max_grad_norm: fl
     Raises:
         ConfigError: naming the option (as the CLI spells it) and what is allowed.
     """
-    if optimizer not in OPTIMIZERS:
-        raise ConfigError(f"--optimizer {optimizer!r}: allowed are {', '.join(OPTIMIZERS)}")
-    if not (lr > 0 and math.isfinite(lr)):
-        raise ConfigError(f"--lr {lr}: must be > 0 and finite")
-    if not bucket_mb > 0:
-        raise ConfigError(f"--bucket-mb {bucket_mb}: must be > 0")
-    if max_grad_norm is not None and not max_grad_norm > 0:
-        raise ConfigError(f"--max-grad-norm {max_grad_norm}: must be > 0")
+    require_choice("--optimizer", optimizer, OPTIMIZERS)
+    require_real("--lr", lr)
+    require_real("--bucket-mb", bucket_mb)
+    if max_grad_norm is not None:
+        require_real("--max-grad-norm", max_grad_norm)
 
 
 def make_optimizer(name: str, params: list[nn.Parameter], lr: float, weight_decay: float = 0.0,
