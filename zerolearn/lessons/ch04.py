@@ -41,6 +41,20 @@ def _gathered_linear(ledger: MemoryLedger) -> tuple[nn.Linear, torch.Tensor]:
     return layer, full
 
 
+def _gather_and_forward(ledger: MemoryLedger, x: torch.Tensor):
+    """Gather the demo layer and run its forward on ``x`` [4, WIDTH] under ``ledger``.
+
+    Returns (layer, flat buffer, output, ``seen``: the ledger's ``params`` bytes after
+    the gather and after forward).
+    """
+    layer, full = _gathered_linear(ledger)
+    seen = {"gathered": ledger.live["params"]}
+    with ledger.phase("forward"):
+        y = layer(x)
+    seen["after forward"] = ledger.live["params"]
+    return layer, full, y, seen
+
+
 def free_by_reassigning_data() -> dict[str, int]:
     """The pitfall: "free" a gathered weight by reassigning ``.data`` while a graph is alive.
 
@@ -51,12 +65,7 @@ def free_by_reassigning_data() -> dict[str, int]:
     released. Returns the ledger's ``params`` bytes at each point.
     """
     with MemoryLedger() as ledger:
-        layer, full = _gathered_linear(ledger)
-        seen = {"gathered": ledger.live["params"]}
-        x = torch.randn(4, WIDTH, requires_grad=True)
-        with ledger.phase("forward"):
-            y = layer(x)
-        seen["after forward"] = ledger.live["params"]
+        layer, full, y, seen = _gather_and_forward(ledger, torch.randn(4, WIDTH, requires_grad=True))
         layer.weight.data = torch.empty(0)  # "free" the unit...
         del full  # ...and drop the engine's own reference to its buffer
         seen["after 'free'"] = ledger.live["params"]
@@ -74,13 +83,9 @@ def free_by_resizing_storage() -> dict[str, int]:
     the same graph. Returns the ledger's ``params`` bytes at each point, and
     ``x_grad_sum``, the sum of the input's gradient, to show backward really ran.
     """
+    x = torch.ones(4, WIDTH, requires_grad=True)
     with MemoryLedger() as ledger:
-        layer, full = _gathered_linear(ledger)
-        seen = {"gathered": ledger.live["params"]}
-        x = torch.ones(4, WIDTH, requires_grad=True)
-        with ledger.phase("forward"):
-            y = layer(x)
-        seen["after forward"] = ledger.live["params"]
+        layer, full, y, seen = _gather_and_forward(ledger, x)
         values = full.clone()  # stands for the shards the next all_gather brings back
         full.untyped_storage().resize_(0)  # free: the storage now holds 0 bytes
         seen["after free"] = ledger.live["params"]

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from zerolearn.memory.model import GB, STAGE_NAMES, model_state_bytes
-
 __all__ = ["CH", "GPT2_1_5B", "GPT_100B", "NOT_REPRODUCIBLE", "REPRODUCED", "SEQ", "SHAPE_ONLY", "STATUSES", "Row"]
 
 REPRODUCED = "reproduced"
@@ -52,37 +50,3 @@ class Row:
     def refs(self) -> tuple[str, ...]:
         """The references of ``section``, one per comma: ("Sec 5.1", "Fig 1")."""
         return tuple(part.strip() for part in self.section.split(","))
-
-
-def _gb(nbytes: float) -> str:
-    """Bytes as the paper's decimal GB: 1 decimal, 3 significant digits below 1 GB."""
-    gb = nbytes / GB
-    return f"{gb:.1f} GB" if gb >= 1 else f"{gb:.3g} GB"
-
-
-def _sig(x: float) -> str:
-    """A ratio to 3 significant digits."""
-    return f"{x:.3g}"
-
-
-def _b(psi: float) -> str:
-    """Parameters in billions, 1 decimal."""
-    return f"{psi / 1e9:.1f}B"
-
-
-def _tex(stage: int) -> str:
-    """A stage's name as the page writes it: DP, $P_{os}$, $P_{os+g}$, $P_{os+g+p}$."""
-    name = STAGE_NAMES[stage]
-    return name if stage == 0 else f"$P_{{{name[2:]}}}$"
-
-
-def _states(psi: float, nd: int, stage: int, nm: int = 1) -> float:
-    """Model-state bytes per device (Sec 5, ``model.model_state_bytes``, K = 12)."""
-    return model_state_bytes(psi, nd, stage, nm=nm)["total"]
-
-
-def _fit_text(fit) -> str:
-    """A ``Fit`` in words: stage name, GPUs, GB per GPU."""
-    if fit is None:
-        return "nothing fits up to Nd = 1024"
-    return f"{_tex(fit.stage)} on {fit.gpus} GPUs, {_gb(fit.bytes_per_device)} each"

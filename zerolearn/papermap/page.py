@@ -7,9 +7,10 @@ import functools
 
 from zerolearn.memory.fit import ActivationSpec, gpt_params, per_device_bytes, smallest_fit
 from zerolearn.memory.model import GB, comm_collectives_elements, comm_volume_elements
-from zerolearn.papermap.base import GPT2_1_5B, SEQ, Row, _fit_text, _gb, _sig, _states
+from zerolearn.papermap.base import GPT2_1_5B, SEQ, Row
 from zerolearn.papermap.sec1_5 import memory_rows
 from zerolearn.papermap.sec6_10 import scale_rows
+from zerolearn.papermap.text import _fit_text, _gb, _sig, _states
 from zerolearn.tables import text_table
 
 __all__ = ["find", "render", "rows"]

@@ -4,34 +4,11 @@ three stages and what they hold per GPU."""
 from __future__ import annotations
 
 from zerolearn.lessons.ch06 import DGX2
+from zerolearn.memory import activation_bytes, fused_buffer_bytes, max_model_params, model_state_bytes
 from zerolearn.memory.fit import ActivationSpec, gpt_params, per_device_bytes, smallest_fit
-from zerolearn.memory.model import (
-    FIGURE1_GB,
-    GB,
-    STAGE_NAMES,
-    TABLE1_GB,
-    TABLE2_THEORETICAL_B,
-    V100_BYTES,
-    activation_bytes,
-    fused_buffer_bytes,
-    max_model_params,
-    model_state_bytes,
-)
-from zerolearn.papermap.base import (
-    CH,
-    GPT2_1_5B,
-    GPT_100B,
-    NOT_REPRODUCIBLE,
-    REPRODUCED,
-    SEQ,
-    SHAPE_ONLY,
-    Row,
-    _b,
-    _fit_text,
-    _gb,
-    _sig,
-    _states,
-)
+from zerolearn.memory.model import FIGURE1_GB, GB, STAGE_NAMES, TABLE1_GB, TABLE2_THEORETICAL_B, V100_BYTES
+from zerolearn.papermap.base import CH, GPT2_1_5B, GPT_100B, NOT_REPRODUCIBLE, REPRODUCED, SEQ, SHAPE_ONLY, Row
+from zerolearn.papermap.text import _b, _fit_text, _gb, _sig, _states
 
 __all__ = ["memory_rows"]
 

@@ -17,21 +17,8 @@ from zerolearn.memory.model import (
     pa_overhead_ratio,
     partitioned_checkpoint_bytes,
 )
-from zerolearn.papermap.base import (
-    CH,
-    GPT2_1_5B,
-    GPT_100B,
-    NOT_REPRODUCIBLE,
-    REPRODUCED,
-    SEQ,
-    SHAPE_ONLY,
-    Row,
-    _fit_text,
-    _gb,
-    _sig,
-    _states,
-    _tex,
-)
+from zerolearn.papermap.base import CH, GPT2_1_5B, GPT_100B, NOT_REPRODUCIBLE, REPRODUCED, SEQ, SHAPE_ONLY, Row
+from zerolearn.papermap.text import _fit_text, _gb, _sig, _states, _tex
 
 __all__ = ["scale_rows"]
 
