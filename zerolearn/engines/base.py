@@ -79,8 +79,8 @@ class Engine(BucketedBackward, EngineStateMixin, abc.ABC):
                 end: launch groups no gradient reached, wait for all, _after_backward() [h]
       step      _grad_for_step(g) [R] for every g
                 -> global norm (one all_reduce of partial sums): clip; fp16 overflow skips
-                -> ONE optimizer.step() over every g.master (the shard of the update)
-                -> _publish(g) [R] for every g (all_gather of the updated shards)
+                -> per g: optimizer.step() on g.master (the shard of the update),
+                   then _publish(g) [R] (all_gather of the updated shard, async)
                 -> wait for the publishes
       zero_grad drop g.grad_full, g.grad_shard
 
@@ -248,9 +248,9 @@ class Engine(BucketedBackward, EngineStateMixin, abc.ABC):
         Global-norm clipping and the overflow check share one number: the sum of
         squares of this rank's gradient elements, all-reduced over ranks when ranks
         hold different parts (stages 1-3, and the tensor-parallel group), the same
-        formula as ``torch.nn.utils.clip_grad_norm_``. Then one ``optimizer.step()``
-        updates every group's master; in mixed precision that holds every group's
-        fp32 gradient at once (4 Psi / Nd bytes, as DeepSpeed's fp32 gradient partition).
+        formula as ``torch.nn.utils.clip_grad_norm_``. Then each group in turn: its
+        master steps and its update is published, so in mixed precision one group's
+        fp32 gradient exists at a time (not 4 Psi / Nd bytes at once).
         """
         grads = [self._grad_for_step(g) for g in self.groups]
         coef, found_inf = self._unscale_and_clip(grads)
@@ -258,14 +258,18 @@ class Engine(BucketedBackward, EngineStateMixin, abc.ABC):
         if found_inf:
             return False
         for g, gr in zip(self.groups, grads):
+            # One group at a time, so at most one group's fp32 gradient exists at once (the
+            # paper's (2 + 2 + K) Psi has no fp32 gradient); masters whose .grad is None are
+            # skipped by torch.optim, so each call updates this group's master alone.
             g.master.grad = gr.float() if gr.dtype != torch.float32 else gr
             if coef != 1.0:
                 g.master.grad.mul_(coef)
-        self.optimizer.step()  # one call: torch.optim loops over the masters itself
-        for g in self.groups:
+            self.optimizer.step()
             g.master.grad = None
             retag(optim.optimizer_state(self.optimizer, g.master), "optimizer_states")
-        self._publish_all()
+            with comm.unit(g.layout.label, "step: publish"):
+                self._publish(g)  # its all_gather runs while the next group steps
+        self._finish_publish()
         return True
 
     def _unscale_and_clip(self, grads: list[torch.Tensor]) -> tuple[float, bool]:
@@ -290,6 +294,10 @@ class Engine(BucketedBackward, EngineStateMixin, abc.ABC):
         for g in self.groups:
             with comm.unit(g.layout.label, "step: publish"):
                 self._publish(g)
+        self._finish_publish()
+
+    def _finish_publish(self) -> None:
+        """Wait for the all_gathers :meth:`_publish` launched."""
         for handle in self._publishing:
             handle.wait()
         self._publishing.clear()
