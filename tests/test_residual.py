@@ -185,7 +185,7 @@ def test_cli_2x2_with_pa_matches_1x1_and_reports_residual_memory_and_traffic():
 
 @pytest.mark.parametrize("args, message", [
     (["--partition-activations"], "--partition-activations needs --checkpoint-activations"),
-    (["--tensor-parallel", "3"], "--tensor-parallel 3: must be >= 1 and divide the world size 1"),
+    (["--tensor-parallel", "2"], "--tensor-parallel 2: must be >= 1 and divide the world size 1"),
     (["--model", "mlp", "--checkpoint-activations"], "apply to --model gpt"),
 ])
 def test_zero_r_options_are_checked_before_any_work(args, message):
