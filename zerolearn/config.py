@@ -156,7 +156,7 @@ class TrainConfig:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if value != f.default:
-                flag = "--" + f.name.replace("_", "-")
+                flag = _flag(f.name)
                 argv += [flag] if value is True else [flag, str(value)]
         return argv
 
@@ -174,7 +174,7 @@ def build_parser(prog: str = "python -m zerolearn.train") -> argparse.ArgumentPa
     """The command line of :class:`TrainConfig`: one flag per field, its help and choices."""
     p = argparse.ArgumentParser(prog=prog, description="Train one model at one ZeRO stage on this process group.")
     for f in dataclasses.fields(TrainConfig):
-        flag, extra = "--" + f.name.replace("_", "-"), dict(f.metadata)
+        flag, extra = _flag(f.name), dict(f.metadata)
         if f.default is False:
             p.add_argument(flag, action="store_true", **extra)
             continue
@@ -230,7 +230,7 @@ def _check_needs(c: TrainConfig) -> None:
                           "nothing whole to save")
     for name in ("partition_activations", "cpu_checkpointing", "contiguous_checkpoints"):
         if getattr(c, name) and not c.checkpoint_activations:
-            raise ConfigError(f"--{name.replace('_', '-')} needs --checkpoint-activations (it changes where "
+            raise ConfigError(f"{_flag(name)} needs --checkpoint-activations (it changes where "
                               "checkpoints live)")
     if (c.tensor_parallel > 1 or c.checkpoint_activations) and c.model != "gpt":
         raise ConfigError("--tensor-parallel and --checkpoint-activations apply to --model gpt")

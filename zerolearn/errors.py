@@ -41,5 +41,4 @@ def require_choice(name: str, value, allowed: Iterable) -> None:
     """Raise ConfigError unless ``value`` is one of ``allowed``, listing them."""
     allowed = tuple(allowed)
     if isinstance(value, bool) or value not in allowed:
-        raise ConfigError(f"{name} {_shown(value) if not isinstance(value, str) else repr(value)}: allowed are "
-                          f"{', '.join(str(a) for a in allowed)}")
+        raise ConfigError(f"{name} {_shown(value)}: allowed are {', '.join(str(a) for a in allowed)}")

@@ -267,8 +267,7 @@ class Engine(BucketedBackward, EngineStateMixin, abc.ABC):
             self.optimizer.step()
             g.master.grad = None
             retag(optim.optimizer_state(self.optimizer, g.master), "optimizer_states")
-            with comm.unit(g.layout.label, "step: publish"):
-                self._publish(g)  # its all_gather runs while the next group steps
+            self._publish_labelled(g)  # its all_gather runs while the next group steps
         self._finish_publish()
         return True
 
@@ -292,9 +291,13 @@ class Engine(BucketedBackward, EngineStateMixin, abc.ABC):
     def _publish_all(self) -> None:
         """:meth:`_publish` every group, then wait for the all_gathers it launched."""
         for g in self.groups:
-            with comm.unit(g.layout.label, "step: publish"):
-                self._publish(g)
+            self._publish_labelled(g)
         self._finish_publish()
+
+    def _publish_labelled(self, g: GroupState) -> None:
+        """:meth:`_publish` ``g``, its collectives attributed to the group in debug mode."""
+        with comm.unit(g.layout.label, "step: publish"):
+            self._publish(g)
 
     def _finish_publish(self) -> None:
         """Wait for the all_gathers :meth:`_publish` launched."""

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from zerolearn.config import micro_batch
 from zerolearn.memory import model as analytic
 from zerolearn.residual import defrag
 from zerolearn.residual.checkpointing import CheckpointStore
@@ -59,7 +60,7 @@ def report_entry(residual: Residual, held: tuple[int, int], temp_buffer_peak: in
 
 def analytic_entry(config, nd: int) -> dict:
     """The paper's numbers for this run's residual states (Sec 3.2, Sec 6.1, Sec 8)."""
-    local_batch = config.global_batch_size // nd // config.grad_accum_steps
+    local_batch = micro_batch(config, nd)
     width = analytic.dtype_bytes(config.dtype)
     checkpoints = (analytic.activation_bytes(config.d_model, local_batch, config.seq_len, config.n_layer,
                                              bytes_per_value=width, checkpointing=True)
