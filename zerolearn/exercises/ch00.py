@@ -1,0 +1,1 @@
+"""Chapter 00's exercises."""

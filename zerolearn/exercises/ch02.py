@@ -1,0 +1,1 @@
+"""Chapter 02's exercises."""

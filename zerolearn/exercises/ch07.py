@@ -1,0 +1,1 @@
+"""Chapter 07's exercises."""

@@ -1,0 +1,275 @@
+"""The one checker behind every build-it exercise: a registry, :func:`check`, and the
+helpers a check uses to report the first wrong thing in the reader's terms.
+
+An :class:`Exercise` is a function the reader writes with a stated signature. Its
+reference solution lives in the package (``zerolearn/exercises/chNN.py``) and is the
+one source of the book's solution cell and of the reader's skeleton: the lines
+between ``# BEGIN SOLUTION`` and ``# END SOLUTION`` in the solution's body are what
+the reader writes (:func:`skeleton` replaces them with ``raise NotImplementedError``).
+
+A check runs the exercise's ``trial`` with the reader's function, on 2 and then 3
+real gloo ranks (uneven shards included) for rank exercises, or once in this process
+for the formula exercises of chapters 00, 06 and 07. A trial compares against
+single-process training and the communication and memory ledgers and raises
+:class:`Wrong` at the first difference, naming the step and the element; the rank is
+added here. Every exercise also ships the known bugs of its kind (:class:`Bug`), each
+with the words its message must contain, so tests prove the checker catches them.
+
+Solutions and reader functions may use, besides their arguments, the names
+``torch``, ``nn``, ``F``, ``dist`` and ``comm`` (:data:`PRELUDE`), which each chapter
+imports before its exercises.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import textwrap
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from zerolearn.errors import ConfigError
+
+__all__ = ["EXERCISES", "PRELUDE", "Bug", "Exercise", "Mistake", "Result", "Wrong", "check", "first_difference",
+           "register", "skeleton", "solution_source"]
+
+PRELUDE = ("import torch\nimport torch.distributed as dist\nimport torch.nn.functional as F\nfrom torch import nn\n\n"
+           "from zerolearn import comm")
+"""The imports every exercise function may rely on (a chapter runs them before its exercises)."""
+
+
+class Wrong(Exception):  # noqa: N818 - reads as a verdict: raise Wrong("...")
+    """Raised by a trial at the first wrong thing it sees; ``step`` (0-based) when it is in a step."""
+
+    def __init__(self, message: str, step: int | None = None):
+        super().__init__(message)
+        self.step = step
+
+
+@dataclass(frozen=True)
+class Bug:
+    """A known bug of an exercise's kind: a wrong implementation ``fn``, where it is
+    seen (``source``), and words its check's message must contain (``says``)."""
+
+    fn: Callable
+    source: str
+    says: str
+
+
+@dataclass(frozen=True)
+class Exercise:
+    """One build-it exercise.
+
+    ``name`` is ``"NN.function_name"`` (chapter first); ``solution`` is the reference
+    function (its ``__name__`` is the function the reader writes); ``trial(fn)`` runs
+    on every rank (``world_sizes``; empty for an in-process exercise), raises
+    :class:`Wrong` at the first mistake and otherwise returns a one-line summary of
+    what it verified (the same on every rank); ``bugs`` maps a bug's name to :class:`Bug`.
+    """
+
+    name: str
+    title: str
+    solution: Callable
+    trial: Callable[[Callable], str]
+    bugs: dict[str, Bug] = field(default_factory=dict)
+    world_sizes: tuple[int, ...] = (2, 3)
+    timeout_s: float = 120.0
+
+    @property
+    def chapter(self) -> str:
+        return self.name.split(".", 1)[0]
+
+
+EXERCISES: dict[str, Exercise] = {}
+
+
+def register(exercise: Exercise) -> Exercise:
+    """Add ``exercise`` to :data:`EXERCISES`; raises ValueError on a repeated or malformed name."""
+    if not re.fullmatch(r"\d\d\.[a-z0-9_]+", exercise.name):
+        raise ValueError(f"exercise name {exercise.name!r}: must be 'NN.function_name'")
+    if exercise.name in EXERCISES:
+        raise ValueError(f"exercise {exercise.name!r} is registered twice")
+    EXERCISES[exercise.name] = exercise
+    return exercise
+
+
+def get(name: str) -> Exercise:
+    """The exercise called ``name``; raises ConfigError listing the names when there is none."""
+    if name not in EXERCISES:
+        raise ConfigError(f"exercise {name!r}: allowed are {', '.join(sorted(EXERCISES))}")
+    return EXERCISES[name]
+
+
+# ----- the reader's copy ---------------------------------------------------------------
+
+def solution_source(name: str) -> str:
+    """The reference solution's source, markers removed (what the book shows folded)."""
+    src = textwrap.dedent(inspect.getsource(get(name).solution))
+    return "\n".join(line for line in src.splitlines() if line.strip() not in ("# BEGIN SOLUTION", "# END SOLUTION"))
+
+
+def skeleton(name: str) -> str:
+    """The solution with the lines between its markers replaced by ``raise NotImplementedError``:
+    the signature and docstring the reader fills in."""
+    src = textwrap.dedent(inspect.getsource(get(name).solution))
+    out, inside = [], False
+    for line in src.splitlines():
+        marker = line.strip()
+        if marker == "# BEGIN SOLUTION":
+            indent = line[: len(line) - len(line.lstrip())]
+            out.append(f"{indent}# your code here")
+            out.append(f"{indent}raise NotImplementedError")
+            inside = True
+        elif marker == "# END SOLUTION":
+            inside = False
+        elif not inside:
+            out.append(line)
+    if inside:
+        raise ValueError(f"{name}: '# BEGIN SOLUTION' without '# END SOLUTION'")
+    return "\n".join(out)
+
+
+# ----- comparing -----------------------------------------------------------------------
+
+def first_difference(what: str, got: torch.Tensor, want: torch.Tensor, *, step: int | None = None,
+                     rtol: float = 1e-5, atol: float = 1e-6, reference: str = "single-process training") -> None:
+    """Raise :class:`Wrong` naming the first element of ``got`` that differs from ``want``.
+
+    Shapes are compared first ("``what`` has shape (3,), expected (4,)"); then values,
+    elementwise with ``torch.isclose(rtol, atol)`` after flattening, and the message
+    names the flat index and both values, ``reference`` saying where the expected
+    value comes from.
+    """
+    if not isinstance(got, torch.Tensor):
+        raise Wrong(f"{what} is a {type(got).__name__}, expected a tensor of shape {tuple(want.shape)}", step)
+    if got.shape != want.shape:
+        raise Wrong(f"{what} has shape {tuple(got.shape)}, expected {tuple(want.shape)}", step)
+    g, w = got.detach().flatten().double(), want.detach().flatten().double()
+    bad = ~torch.isclose(g, w, rtol=rtol, atol=atol)
+    if bad.any():
+        i = int(bad.nonzero()[0])
+        raise Wrong(f"{what}, element {i}: you have {g[i].item():.6g}, {reference} gives "
+                    f"{w[i].item():.6g} ({int(bad.sum())} of {g.numel()} elements differ)", step)
+
+
+# ----- running a check -----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Mistake:
+    """The first wrong thing a check found: on ``rank`` (None in process), at ``step``."""
+
+    rank: int | None
+    step: int | None
+    message: str
+
+    def __str__(self) -> str:
+        where = [f"rank {self.rank}"] if self.rank is not None else []
+        where += [f"step {self.step}"] if self.step is not None else []
+        return f"{', '.join(where)}: {self.message}" if where else self.message
+
+
+@dataclass(frozen=True)
+class Result:
+    """What :func:`check` found: ``passed``, the ``mistake`` if not, what was verified."""
+
+    name: str
+    passed: bool
+    written: bool = True
+    mistake: Mistake | None = None
+    world_size: int | None = None
+    summary: str = ""
+
+    def __bool__(self) -> bool:
+        return self.passed
+
+    def __str__(self) -> str:
+        if not self.written:
+            return f"{self.name}: not written yet (the function still raises NotImplementedError)."
+        if self.passed:
+            return f"{self.name}: correct. {self.summary}"
+        on = f" on {self.world_size} ranks" if self.world_size else ""
+        return f"{self.name}: wrong{on}. {self.mistake}"
+
+
+def _reader_frames(tb: traceback.StackSummary) -> str:
+    """The last frame of the reader's or solution's code in a traceback, as 'line N: code'."""
+    ours = [f for f in tb if "zerolearn" not in f.filename.replace("\\", "/").split("/site-packages/")[-1]
+            or "/exercises/ch" in f.filename.replace("\\", "/")]
+    frame = (ours or list(tb))[-1]
+    return f" (line {frame.lineno}: {frame.line})" if frame.line else ""
+
+
+def run_trial(exercise: Exercise, fn: Callable) -> tuple[str, Any]:
+    """Run ``exercise``'s trial with ``fn`` here; ``("ok", summary)``, ``("wrong", (step, message))``
+    or ``("unwritten", None)``. Used on every rank and for in-process exercises."""
+    try:
+        return "ok", exercise.trial(fn)
+    except Wrong as e:
+        return "wrong", (e.step, str(e))
+    except NotImplementedError:
+        return "unwritten", None
+    except Exception as e:  # noqa: BLE001 - the reader's error is the verdict
+        where = _reader_frames(traceback.extract_tb(e.__traceback__))
+        return "wrong", (None, f"your function raised {type(e).__name__}: {e}{where}")
+
+
+def _verdict(name: str, outcomes: list[tuple[str, Any]], world_size: int | None) -> Result:
+    for rank, (kind, value) in enumerate(outcomes):
+        if kind == "unwritten":
+            return Result(name, False, written=False)
+        if kind == "wrong":
+            step, message = value
+            return Result(name, False, mistake=Mistake(rank if world_size else None, step, message),
+                          world_size=world_size)
+    return Result(name, True, world_size=world_size, summary=outcomes[0][1])
+
+
+def check(name: str, fn: Callable | None = None, *, solution: bool = False, bug: str | None = None,
+          quiet: bool = False) -> Result:
+    """Check the reader's ``fn`` for exercise ``name``; print and return the :class:`Result`.
+
+    ``solution=True`` checks the reference solution, ``bug=NAME`` one of the known bugs
+    instead of ``fn``. Rank exercises run on each of the exercise's world sizes in turn
+    (spawned gloo ranks, :func:`zerolearn.ranks.launch`) and stop at the first one
+    with a mistake. A function still raising NotImplementedError is "not written yet",
+    not an error, so a reader's copy runs top to bottom.
+
+    Raises:
+        ConfigError: unknown ``name`` or ``bug``, or not exactly one of ``fn``,
+            ``solution``, ``bug`` given.
+    """
+    exercise = get(name)
+    if sum([fn is not None, solution, bug is not None]) != 1:
+        raise ConfigError("check: give exactly one of fn, solution=True, bug=NAME")
+    if bug is not None and bug not in exercise.bugs:
+        raise ConfigError(f"bug {bug!r} of {name}: allowed are {', '.join(exercise.bugs) or '(none)'}")
+    if fn is None:
+        fn = exercise.solution if solution else exercise.bugs[bug].fn
+    if not callable(fn):
+        raise ConfigError(f"check({name!r}, {fn!r}): expected the function you wrote")
+    result = None
+    if not exercise.world_sizes:
+        result = _verdict(name, [run_trial(exercise, fn)], None)
+    else:
+        from zerolearn.ranks import RankError, launch
+
+        for world_size in exercise.world_sizes:
+            try:
+                outcomes = launch(run_trial, world_size, exercise, fn, timeout_s=exercise.timeout_s)
+            except RankError as e:
+                outcomes = [("ok", "")] * world_size
+                outcomes[e.rank] = ("wrong", (None, str(e).split("\n", 1)[0]))
+            except TimeoutError as e:
+                result = Result(name, False, mistake=Mistake(None, None, f"{e}: a rank waits in a collective "
+                                                             "its peers never call"), world_size=world_size)
+                break
+            result = _verdict(name, outcomes, world_size)
+            if not result.passed:
+                break
+    if not quiet:
+        print(result)
+    return result
