@@ -28,6 +28,7 @@ import textwrap
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -195,12 +196,21 @@ class Result:
         return f"{self.name}: wrong{on}. {self.mistake}"
 
 
+_PACKAGE = Path(__file__).resolve().parent.parent  # zerolearn/
+_SOLUTIONS = Path(__file__).resolve().parent  # zerolearn/exercises/: reference solutions and bugs
+
+
 def _reader_frames(tb: traceback.StackSummary) -> str:
-    """The last frame of the reader's or solution's code in a traceback, as 'line N: code'."""
-    ours = [f for f in tb if "zerolearn" not in f.filename.replace("\\", "/").split("/site-packages/")[-1]
-            or "/exercises/ch" in f.filename.replace("\\", "/")]
-    frame = (ours or list(tb))[-1]
-    return f" (line {frame.lineno}: {frame.line})" if frame.line else ""
+    """The last frame of the reader's (or a solution's) code in a traceback, as ' (line N: code)':
+    frames in the package's machinery and in torch are skipped."""
+    def theirs(frame) -> bool:
+        path = Path(frame.filename).resolve()
+        if path.is_relative_to(_SOLUTIONS) and path.name.startswith("ch"):
+            return True
+        return not path.is_relative_to(_PACKAGE) and "site-packages" not in path.parts
+
+    frames = [f for f in tb if theirs(f)] or list(tb)
+    return f" (line {frames[-1].lineno}: {frames[-1].line})" if frames[-1].line else ""
 
 
 def run_trial(exercise: Exercise, fn: Callable) -> tuple[str, Any]:

@@ -1,0 +1,77 @@
+"""Every exercise's reference solution passes its check, every known bug is caught with
+its message, and the checker's own verdicts (not written yet, a raising function, bad
+names) read as the book says."""
+
+import subprocess
+import sys
+
+import pytest
+
+from zerolearn import exercises
+from zerolearn.errors import ConfigError
+from zerolearn.exercises import EXERCISES, check
+
+NAMES = sorted(EXERCISES)
+BUGS = [(n, b) for n in NAMES for b in EXERCISES[n].bugs]
+
+
+def test_chapters_01_to_05_have_at_least_two_exercises_each():
+    for chapter in ("01", "02", "03", "04", "05"):
+        assert sum(e.chapter == chapter for e in EXERCISES.values()) >= 2, chapter
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_reference_solution_passes(name):
+    result = check(name, solution=True, quiet=True)
+    assert result.passed, str(result)
+
+
+@pytest.mark.parametrize("name,bug", BUGS, ids=[f"{n}-{b}" for n, b in BUGS])
+def test_known_bug_is_caught_with_its_message(name, bug):
+    result = check(name, bug=bug, quiet=True)
+    assert result.written and not result.passed, f"{name} --bug {bug} passed the check"
+    assert EXERCISES[name].bugs[bug].says in str(result), str(result)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_skeleton_keeps_the_signature_and_docstring_and_raises(name):
+    skeleton = exercises.skeleton(name)
+    solution = exercises.solution_source(name)
+    assert skeleton.splitlines()[0] == solution.splitlines()[0]  # the def line
+    assert "raise NotImplementedError" in skeleton and "raise NotImplementedError" not in solution
+    assert EXERCISES[name].solution.__doc__, f"{name}: the reader needs the docstring"
+    namespace = {}
+    exec(exercises.PRELUDE + "\n" + skeleton, namespace)
+    result = check(name, namespace[EXERCISES[name].solution.__name__], quiet=True)
+    assert not result.written and "not written yet" in str(result)
+
+
+def test_a_function_that_raises_is_named_with_its_line():
+    name = NAMES[0]
+
+    def broken(*args, **kwargs):
+        return 1 / 0
+
+    result = check(name, broken, quiet=True)
+    assert not result.passed and "ZeroDivisionError" in str(result) and "1 / 0" in str(result)
+
+
+def test_bad_names_are_refused_before_anything_runs():
+    with pytest.raises(ConfigError, match="allowed are"):
+        check("02.no_such_exercise", solution=True)
+    with pytest.raises(ConfigError, match="allowed are"):
+        check(NAMES[0], bug="no_such_bug")
+    with pytest.raises(ConfigError, match="exactly one"):
+        check(NAMES[0])
+
+
+def test_cli_lists_every_exercise_chapter_first():
+    out = subprocess.run([sys.executable, "-m", "zerolearn.exercises", "list"], capture_output=True, text=True,
+                         check=True).stdout
+    assert [line.split()[0] for line in out.splitlines()] == NAMES
+
+
+def test_cli_refuses_bad_arguments_with_exit_2():
+    run = subprocess.run([sys.executable, "-m", "zerolearn.exercises", "check", "--all", "--bug", "x"],
+                         capture_output=True, text=True)
+    assert run.returncode == 2 and "use --bugs" in run.stderr
