@@ -10,6 +10,11 @@ convention the paper's per-rank volume (Sec 7.1) is
 
 since a ring all-reduce is a reduce-scatter followed by an all-gather.
 
+Under ``torch.profiler`` every call is also labelled (:func:`profiler_label`), so a
+trace shows which collective the main thread launched or waited for, and for what
+(:mod:`zerolearn.timeline` reads these labels back). Without a profiler running the
+labels cost nothing.
+
 Every call also goes through :mod:`zerolearn.guard`, which makes ranks that disagree
 fail loudly instead of hanging: a fingerprint check in debug mode, and a message
 naming dead or stuck ranks when a collective fails.
@@ -17,6 +22,7 @@ naming dead or stuck ranks when a collective fails.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -28,9 +34,11 @@ from zerolearn import compat, guard
 from zerolearn.guard import CollectiveError, CollectiveMismatch, debug_enabled, set_debug, unit
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
-__all__ = ["LEDGER", "OPS", "CollectiveError", "CollectiveMismatch", "CommLedger", "Handle", "all_gather",
-           "all_reduce", "barrier", "broadcast", "debug_enabled", "gather_objects", "monitor_mean",
-           "reduce_scatter", "set_debug", "unit"]
+# Profiler labels: "<LAUNCH>|op|async or sync|unit|doing" around a call, "<WAIT>|op" around Handle.wait.
+LAUNCH, WAIT = "zerolearn.comm", "zerolearn.wait"
+__all__ = ["LAUNCH", "LEDGER", "OPS", "WAIT", "CollectiveError", "CollectiveMismatch", "CommLedger", "Handle",
+           "all_gather", "all_reduce", "barrier", "broadcast", "debug_enabled", "gather_objects", "monitor_mean",
+           "profiler_label", "reduce_scatter", "set_debug", "unit"]
 
 
 @dataclass
@@ -122,6 +130,20 @@ def _await_release(tensors, before: list | None, relaxed: list | None = None) ->
         time.sleep(1e-4)  # not 0: the worker thread needs the GIL to let go
 
 
+def profiler_label(*fields: str):
+    """``torch.profiler.record_function("|".join(fields))`` while a profiler records, else nothing.
+
+    The labels this module sets (``LAUNCH`` or ``WAIT`` first, then the op and, for a
+    launch, ``async``/``sync`` and the :func:`unit` label) cover the time the calling
+    thread spends in a call: launching an asynchronous collective, or blocked in a
+    synchronous one or in :meth:`Handle.wait`. The fields are joined only when a
+    profiler records.
+    """
+    if torch._C._autograd._profiler_enabled():
+        return torch.profiler.record_function("|".join(fields))
+    return contextlib.nullcontext()
+
+
 class Handle:
     """An in-flight collective; :meth:`wait` blocks and books the time waited."""
 
@@ -134,17 +156,18 @@ class Handle:
     def wait(self) -> None:
         if self._work is None:
             return
-        t0 = time.perf_counter()
-        with guard.loud(self._op, self._group, self._seq):
-            self._work.wait()
-        LEDGER.ops[self._op].seconds += time.perf_counter() - t0
-        counts = _use_counts(self._tensors, self._group) if self._held is not None else None
-        self._work = None
-        if counts is not None:
-            # Python references are left out: a view makes C++ hold one, however many views.
-            relaxed = [(now[0] + 1_000_000, *(c - h for c, h in zip(now[1:], took[1:])))
-                       for now, took in zip(counts, self._held)]
-            _await_release(self._tensors, self._before, relaxed)
+        with profiler_label(WAIT, self._op):
+            t0 = time.perf_counter()
+            with guard.loud(self._op, self._group, self._seq):
+                self._work.wait()
+            LEDGER.ops[self._op].seconds += time.perf_counter() - t0
+            counts = _use_counts(self._tensors, self._group) if self._held is not None else None
+            self._work = None
+            if counts is not None:
+                # Python references are left out: a view makes C++ hold one, however many views.
+                relaxed = [(now[0] + 1_000_000, *(c - h for c, h in zip(now[1:], took[1:])))
+                           for now, took in zip(counts, self._held)]
+                _await_release(self._tensors, self._before, relaxed)
         self._tensors = ()
 
 
@@ -153,12 +176,15 @@ def _run(op: str, counted: torch.Tensor, call, async_op: bool, group, tensors: t
     shapes = tuple(tuple(t.shape) for t in tensors)
     guard.before(op if detail is None else f"{op}({detail})", shapes, counted.dtype, group)
     before = _use_counts(tensors, group)
-    t0 = time.perf_counter()
-    with guard.loud(op, group):
-        work = call()
-    LEDGER.record(op, counted, time.perf_counter() - t0, tag)
+    # A synchronous call's label covers everything up to the release of its tensors.
+    with profiler_label(LAUNCH, op, "async" if async_op else "sync", *guard.calling_unit()):
+        t0 = time.perf_counter()
+        with guard.loud(op, group):
+            work = call()
+        LEDGER.record(op, counted, time.perf_counter() - t0, tag)
+        if not async_op:
+            _await_release(tensors, before)
     if not async_op:
-        _await_release(tensors, before)
         return Handle(None, op, group)
     after = _use_counts(tensors, group)
     held = None if before is None else [tuple(a - b for a, b in zip(*pair)) for pair in zip(after, before)]

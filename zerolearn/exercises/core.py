@@ -209,8 +209,8 @@ def _reader_frames(tb: traceback.StackSummary) -> str:
             return True
         return not path.is_relative_to(_PACKAGE) and "site-packages" not in path.parts
 
-    frames = [f for f in tb if theirs(f)] or list(tb)
-    return f" (line {frames[-1].lineno}: {frames[-1].line})" if frames[-1].line else ""
+    frame = ([f for f in tb if theirs(f)] or list(tb))[-1]
+    return f" (line {frame.lineno}: {frame.line})" if frame.line else f" (line {frame.lineno} of {frame.name})"
 
 
 def run_trial(exercise: Exercise, fn: Callable) -> tuple[str, Any]:
