@@ -2,6 +2,7 @@
 
     python notebooks/build.py                 # every chapter, in reading order
     python notebooks/build.py 02_zero1        # one chapter (name or path)
+    python notebooks/build.py --readers       # only the reader's copies (no execution)
 
 Each chapter's source is a percent script in ``notebooks/src/`` (``# %%`` starts a code
 cell, ``# %% [markdown]`` a text cell). The notebook is written beside it in
@@ -9,8 +10,16 @@ cell, ``# %% [markdown]`` a text cell). The notebook is written beside it in
 stored outputs are what the code prints. Cell ids are numbered, not random, so a
 rebuild that prints the same changes nothing in git. ``tests/test_notebooks_meta.py``
 fails when a stored notebook's cells differ from its source.
+
+An exercise is a code cell tagged ``exercise`` whose source is one line,
+``# exercise: 02.zero1_step``. The executed book gets the exercise's reference solution
+there (from :mod:`zerolearn.exercises`, folded by the ``hide-input`` tag), and the
+reader's copy in ``notebooks/exercises/`` gets the skeleton: the same signature and
+docstring with ``raise NotImplementedError`` for a body. Reader's copies are written
+unexecuted; their ``check`` cells say "not written yet" until the reader fills them in.
 """
 
+import re
 import sys
 from pathlib import Path
 
@@ -20,6 +29,8 @@ from nbclient import NotebookClient
 
 HERE = Path(__file__).resolve().parent
 SRC = HERE / "src"
+READERS = HERE / "exercises"
+EXERCISE = re.compile(r"# exercise: (\d\d\.\w+)")
 KERNELSPEC = {"name": "python3", "display_name": "Python 3", "language": "python"}
 
 
@@ -28,14 +39,39 @@ def sources() -> list[Path]:
     return sorted(SRC.glob("[0-9]*.py"))
 
 
-def read_source(src: Path) -> nbformat.NotebookNode:
-    """The notebook a source describes, unexecuted, with numbered cell ids."""
+def read_source(src: Path, reader: bool = False) -> nbformat.NotebookNode:
+    """The notebook a source describes, unexecuted, with numbered cell ids: with each
+    exercise's solution (the book) or, ``reader=True``, its skeleton (the reader's copy).
+    Raises ValueError naming the cell when an exercise cell is malformed."""
+    from zerolearn import exercises
+
     nb = jupytext.read(src, fmt="py:percent")
     nb.metadata = {"kernelspec": KERNELSPEC, "language_info": {"name": "python"}}
     for i, cell in enumerate(nb.cells):
         cell.id = f"c{i:02d}"
         cell.metadata.pop("lines_to_next_cell", None)
+        tags = cell.metadata.get("tags", [])
+        if "exercise" not in tags:
+            continue
+        found = EXERCISE.fullmatch(cell.source.strip())
+        if not found:
+            raise ValueError(f"{src.name}, cell {i}: an exercise cell holds one line '# exercise: NN.name', "
+                             f"not {cell.source[:60]!r}")
+        name = found.group(1)
+        if reader:
+            cell.source = f'{exercises.skeleton(name)}\n\n# Stuck? exercises.show("{name}") prints a solution.'
+        else:
+            cell.source = exercises.solution_source(name)
+            cell.metadata["tags"] = [*tags, "hide-input"]
     return nb
+
+
+def write_reader_copy(src: Path) -> Path:
+    """Write ``notebooks/exercises/<name>.ipynb``: the chapter with skeletons, no outputs."""
+    READERS.mkdir(exist_ok=True)
+    out = READERS / f"{src.stem}.ipynb"
+    nbformat.write(read_source(src, reader=True), out)
+    return out
 
 
 def build(src: Path, timeout: int = 600) -> Path:
@@ -52,12 +88,16 @@ def build(src: Path, timeout: int = 600) -> Path:
 
 
 def main(argv: list[str]) -> None:
+    readers_only = "--readers" in argv
+    argv = [a for a in argv if a != "--readers"]
     chosen = [SRC / f"{Path(a).stem}.py" for a in argv] or sources()
     for src in chosen:
         if not src.is_file():
             names = ", ".join(p.stem for p in sources())
             sys.exit(f"no chapter source {src}; chapters are: {names}")
-        print("wrote", build(src).relative_to(HERE.parent), flush=True)
+        print("wrote", write_reader_copy(src).relative_to(HERE.parent), flush=True)
+        if not readers_only:
+            print("wrote", build(src).relative_to(HERE.parent), flush=True)
 
 
 if __name__ == "__main__":

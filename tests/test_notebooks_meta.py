@@ -56,3 +56,22 @@ def test_the_freshness_check_sees_an_edited_source(tmp_path):
     edited.write_text(src.read_text().replace("# %%\n", "# %%\nx = 1  # an edit\n", 1))
     stored = _cells(json.loads((ROOT / "notebooks" / f"{src.stem}.ipynb").read_text()))
     assert _cells(build.read_source(edited)) != stored
+
+
+@pytest.mark.parametrize("src", SOURCES, ids=[p.stem for p in SOURCES])
+def test_reader_copy_is_its_source_with_skeletons_and_no_outputs(src):
+    path = ROOT / "notebooks" / "exercises" / f"{src.stem}.ipynb"
+    assert path.is_file(), f"run: make notebooks NB={src.stem}"
+    stored = json.loads(path.read_text())
+    assert _cells(stored) == _cells(build.read_source(src, reader=True)), f"run: make notebooks NB={src.stem}"
+    assert not any(c.get("outputs") for c in stored["cells"] if c["cell_type"] == "code")
+
+
+@pytest.mark.parametrize("src", SOURCES, ids=[p.stem for p in SOURCES])
+def test_book_shows_each_solution_folded_and_the_reader_its_skeleton(src):
+    book, reader = build.read_source(src), build.read_source(src, reader=True)
+    for b, r in zip(book.cells, reader.cells):
+        if "exercise" in b.metadata.get("tags", []):
+            assert "hide-input" in b.metadata["tags"] and "NotImplementedError" not in b.source
+            assert "raise NotImplementedError" in r.source and 'exercises.show("' in r.source
+            assert b.source.splitlines()[0] == r.source.splitlines()[0]  # the same def line
