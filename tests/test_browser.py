@@ -5,11 +5,16 @@ JupyterLab on loopback, opens the memory explorer's notebook
 (``notebooks/06a_memory_explorer.ipynb``), runs it from the menu, moves the Nd slider
 and the stage selector with the keyboard and the mouse, and reads the per-GPU bytes
 the page then shows: they must be the paper's formula (``zerolearn.memory``) for the
-new setting. The others build the book from the stored notebooks (as ``make book``
-does, ``-W``) and open chapter 3, chapter 6 and appendix 6a from ``file://`` URLs with
-every network request refused: every figure must load and the math be typeset, no
-page may ask the network for anything, chapter 3's tables must be on the page, and
-chapter 6 must show a static figure under every explorer.
+new setting. The second opens, in the same JupyterLab, a notebook of the chapters'
+views (the cells chapters 2-5 show: :class:`~zerolearn.widgets.StageExplorer` for
+each ZeRO stage and :class:`~zerolearn.widgets.ResidualExplorer`), moves Nd in a stage
+view and Nm and the checkpoints' place in the ZeRO-R view, and reads the bytes shown:
+they must be the paper's formulas, written out in the test. The others build the book
+from the stored notebooks (as ``make book`` does, ``-W``) and open chapter 3, the
+chapters with explorers and appendix 6a from ``file://`` URLs with every network
+request refused: every figure must load and the math be typeset, no page may ask the
+network for anything, chapter 3's tables must be on the page, and every explorer must
+be shown in its chapter with a static figure under it.
 
 Screenshots go to ``artifacts/screenshots/`` (gitignored), for people to look at.
 
@@ -45,6 +50,25 @@ ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM = Path(os.environ.get("ZEROLEARN_CHROMIUM", "/usr/bin/chromium"))
 SHOTS = ROOT / "artifacts" / "screenshots"
 EXPLORER = ROOT / "notebooks" / "06a_memory_explorer.ipynb"
+VIEWS = "chapter_views.ipynb"  # written by the jupyterlab fixture from VIEW_CELLS
+_IMPORTS = "%matplotlib inline\nfrom IPython.display import display\n\nfrom zerolearn import widgets\n" \
+           "from zerolearn.figures import formulas\n\n"
+# The cells of chapters 2-5 that show their stage's view, each followed by its static figure.
+VIEW_CELLS = [
+    _IMPORTS + "display(widgets.StageExplorer(stage=1))  # Fig 1's setting: Psi = 7.5B, Nd = 64, K = 12",
+    "formulas.stage_figure(stage=1)  # the default view: DP 120 GB against ZeRO-1 31.4 GB, both 2 Psi per step",
+    _IMPORTS + "display(widgets.StageExplorer(stage=2))  # Fig 1's setting: Psi = 7.5B, Nd = 64, K = 12",
+    "formulas.stage_figure(stage=2)  # the default view: DP 120 GB against ZeRO-2 16.6 GB, both 2 Psi per step",
+    _IMPORTS + "display(widgets.StageExplorer(stage=3))  # Fig 1's setting: Psi = 7.5B, Nd = 64, K = 12",
+    "formulas.stage_figure(stage=3)  # the default view: DP 120 GB against ZeRO-3 1.9 GB; 2 Psi against 3 Psi",
+    _IMPORTS + "display(widgets.ResidualExplorer())  # Sec 6.1's 100B example at Nm = 16, Nd = 64, ZeRO-2",
+    "formulas.residual_figure()  # the default view: checkpoints 33.6 GB per GPU, 2.1 GB with P_a",
+]
+# The chapters that show each explorer, each with its static default figure in the next cell.
+EXPLORER_PAGES = {"06_at_scale": ["FitSolver", "MemoryExplorer", "TradeOff", "TimelineViewer",
+                                  "FragmentationSimulator"],
+                  "02_zero1": ["StageExplorer"], "03_zero2": ["StageExplorer"], "04_zero3": ["StageExplorer"],
+                  "05_zero_r": ["ResidualExplorer"]}
 # Chromium on a machine with a closed network: no first-run, sync, update or
 # background connections (each would be refused, many at a time), no GPU, and no
 # sandbox (CI runs as root). Playwright gives every launch a fresh empty profile.
@@ -132,7 +156,8 @@ def _descendants(pid: int) -> list:
 
 @pytest.fixture(scope="module")
 def jupyterlab(tmp_path_factory):
-    """JupyterLab on 127.0.0.1, a free port and a random token, over a copy of the notebook.
+    """JupyterLab on 127.0.0.1, a free port and a random token, over a copy of the notebook
+    and the notebook of the chapters' views (:data:`VIEW_CELLS`).
 
     The copy (outputs cleared, so every widget on the page comes from the run) keeps
     the repository's notebook unchanged by JupyterLab's autosave. Settings, workspaces
@@ -149,6 +174,9 @@ def jupyterlab(tmp_path_factory):
             cell.outputs, cell.execution_count = [], None
     nb.metadata.pop("widgets", None)
     nbformat.write(nb, root / EXPLORER.name)
+    views = nbformat.v4.new_notebook(metadata={"kernelspec": nb.metadata.kernelspec})
+    views.cells = [nbformat.v4.new_code_cell(source) for source in VIEW_CELLS]
+    nbformat.write(views, root / VIEWS)
 
     # No "get notified about Jupyter news?" pop-up over the page.
     news = home / "settings" / "@jupyterlab" / "apputils-extension" / "notification.jupyterlab-settings"
@@ -293,6 +321,78 @@ def test_memory_explorer_in_jupyterlab_shows_the_formula_for_the_new_setting(bro
         assert not [e for e in errors if "widget" in e.lower()], errors
 
 
+# ----- the chapters' views, live ---------------------------------------------------------
+def shown_gb(view, pattern: str) -> float:
+    """The number of GB that ``pattern`` (a regex with one group) finds in a view's text, in bytes."""
+    text = view.text_content()
+    match = re.search(pattern, text)
+    assert match, text
+    return float(match.group(1).replace(",", "")) * GB
+
+
+def move_slider(view, page, label: str, steps: int, readout: str) -> None:
+    """Move the slider labelled ``label`` in ``view`` by ``steps`` with the arrow keys, until it reads ``readout``."""
+    slider = view.locator(".widget-slider", has=page.get_by_text(label, exact=True))
+    slider.locator(".noUi-handle").click()
+    for _ in range(steps):
+        page.keyboard.press("ArrowRight")
+    slider.locator(".widget-readout").filter(has_text=re.compile(f"^{readout}$")).wait_for()
+
+
+def test_chapter_views_in_jupyterlab_show_each_stages_formula(browser, jupyterlab):
+    base, token = jupyterlab
+    psi = 7.5e9
+    with opened(browser, "chapter_views", height=1300) as (page, errors):
+        # A workspace of its own: only this notebook opens, whatever the other tests left open.
+        page.goto(f"{base}/lab/workspaces/views/tree/{VIEWS}?token={token}")
+        page.locator(".jp-Notebook").wait_for()
+        wait_for_kernel(base, token)
+        run_all_cells(page)
+
+        views = page.locator(".jp-OutputArea-output .widget-vbox")
+        stage_views = {s: views.filter(has_text=f"ZeRO-{s} (P_os") for s in (1, 2, 3)}
+        residual = views.filter(has_text="Activation checkpoints:")
+        residual.locator(".widget-html-content", has_text="on each GPU").wait_for()
+        # Fig 1 (Psi = 7.5B, Nd = 64, K = 12): DP 16 Psi = 120 GB; ZeRO-1 4 Psi + 12 Psi / 64,
+        # ZeRO-2 2 Psi + 14 Psi / 64, ZeRO-3 16 Psi / 64: 31.4, 16.6 and 1.9 GB.
+        fig1 = {1: 4 * psi + 12 * psi / 64, 2: 2 * psi + 14 * psi / 64, 3: 16 * psi / 64}
+        for stage, expected in fig1.items():
+            view = stage_views[stage]
+            view.locator(".widget-html-content", has_text="per device against DP's").wait_for()
+            assert shown_gb(view, r"holds ([\d,.]+) GB per device") == pytest.approx(expected, abs=0.005 * GB)
+            assert shown_gb(view, r"against DP's ([\d,.]+) GB") == 16 * psi
+        assert "3 Psi = 45.00 GB per step" in stage_views[3].text_content()  # Sec 7.2.2: 3 Psi of 2 bytes
+        shot(stage_views[2], "stage_view_default.png")
+
+        # ZeRO-2, Nd 64 -> 256: 2 Psi + (2 + 12) Psi / 256 = 15.41e9 bytes; gradients 2 Psi / 256.
+        view = stage_views[2]
+        view.scroll_into_view_if_needed()
+        move_slider(view, page, "Nd (data parallel)", 2, "256")
+        expected = 2 * psi + 14 * psi / 256
+        view.locator(".widget-html-content", has_text=f"holds {expected / GB:,.2f} GB per device").wait_for()
+        grads = view.locator("tr", has_text="grads").text_content()
+        assert f"{2 * psi / 256 / GB:,.2f} GB" in grads and f"{2 * psi / GB:,.2f} GB" in grads  # ZeRO-2 and DP
+        shot(view, "stage_view_nd256.png")
+
+        # ZeRO-R, Sec 6.1's 100B example: 16 x 1024 x 8192 x 125 two-byte values of checkpoint per GPU
+        # (33.6 GB), P_a divides it by Nm = 16; Nm 16 -> 64 divides it by 64; P_a+cpu leaves none.
+        checkpoint = 16 * 1024 * 8192 * 125 * 2
+        residual.scroll_into_view_if_needed()
+        on_gpu = r"Activation checkpoints: ([\d,.]+) GB on each GPU"
+        assert shown_gb(residual, on_gpu) == pytest.approx(checkpoint / 16, abs=0.005 * GB)
+        shot(residual, "residual_view_default.png")
+        move_slider(residual, page, "Nm (model parallel)", 2, "64")
+        residual.locator(".widget-html-content", has_text=f"{checkpoint / 64 / GB:,.2f} GB on each GPU").wait_for()
+        assert shown_gb(residual, on_gpu) == pytest.approx(checkpoint / 64, abs=0.005 * GB)
+        where = residual.locator(".widget-dropdown", has=page.get_by_text("checkpoints", exact=True)).locator("select")
+        where.select_option(label="P_a+cpu: on the CPU")
+        residual.locator(".widget-html-content", has_text="0.00 GB on each GPU").wait_for()
+        assert shown_gb(residual, r"([\d,.]+) GB in host memory") == pytest.approx(checkpoint / 64, abs=0.005 * GB)
+        shot(residual, "residual_view_nm64_cpu.png")
+        assert page.get_by_text("Click to show javascript error").count() == 0
+        assert not [e for e in errors if "widget" in e.lower()], errors
+
+
 # ----- the built book ----------------------------------------------------------------------
 def offline(page) -> list[str]:
     """Refuse every request off the machine, as a reader without a network would see it.
@@ -359,24 +459,29 @@ def test_book_chapter_3_shows_its_figures_and_tables(browser, book):
         assert not book_errors(errors), errors
 
 
-def test_book_chapter_6_shows_a_static_figure_under_every_explorer(browser, book):
-    with opened(browser, "book_ch06", width=1600) as (page, errors):
+def test_every_explorer_is_shown_in_a_chapter():
+    assert sorted(widgets.__all__) == sorted({n for names in EXPLORER_PAGES.values() for n in names})
+
+
+@pytest.mark.parametrize("chapter", list(EXPLORER_PAGES))
+def test_book_shows_a_static_figure_under_every_explorer(browser, book, chapter):
+    with opened(browser, f"book_{chapter}", width=1600) as (page, errors):
         refused = offline(page)
-        open_page(page, book / "notebooks" / "06_at_scale.html")
+        open_page(page, book / "notebooks" / f"{chapter}.html")
         cells = page.locator("article div.cell").all()
         sources = [c.locator(".cell_input").inner_text() if c.locator(".cell_input").count() else "" for c in cells]
-        for name in widgets.__all__:
+        for name in EXPLORER_PAGES[chapter]:
             at = [i for i, s in enumerate(sources) if f"widgets.{name}(" in s]
-            assert at, f"chapter 6 has no cell showing widgets.{name}"
+            assert at, f"{chapter} has no cell showing widgets.{name}"
             # Without a kernel the explorer shows as its text form (name and settings) ...
             assert f"{name}(" in cells[at[0]].locator(".cell_output").inner_text()
             # ... and the next cell draws its default view as a static figure.
-            assert "figures." in sources[at[0] + 1], sources[at[0] + 1]
+            assert "figures." in sources[at[0] + 1] or "formulas." in sources[at[0] + 1], sources[at[0] + 1]
             img = cells[at[0] + 1].locator(".cell_output img")
             assert img.count() == 1, f"no static figure after widgets.{name}"
             img.scroll_into_view_if_needed()
             assert img.evaluate("i => i.complete ? i.naturalWidth : 0") > 0, f"the figure of {name} did not load"
-            shot(img, f"book_ch06_{name}.png")
+            shot(img, f"book_{chapter}_{name}.png")
         assert not refused, f"the page asked the network for {refused}"
         assert not book_errors(errors), errors
 

@@ -15,10 +15,13 @@ import pytest
 from zerolearn import figures, widgets
 from zerolearn.config import TrainConfig
 from zerolearn.dist import launch
+from zerolearn.errors import ConfigError
+from zerolearn.figures import formulas
 from zerolearn.lessons.ch04 import all_stages
 from zerolearn.memory.fit import ActivationSpec, per_device_bytes, smallest_fit
 from zerolearn.memory.model import FIGURE1_GB, GB, V100_BYTES, comm_volume_elements, model_state_bytes, optimizer_k
 from zerolearn.residual import defrag
+from zerolearn.widgets.stage import CB_MB
 
 PSIS = [1e8, 1.5e9, 7.5e9, 1.28e11, 1e12]
 MIB = 2**20
@@ -204,5 +207,170 @@ def test_fragmentation_default_fails_with_a_third_free_until_md_is_on():
                                   figures.fragmentation_figure, lambda: figures.timeline_figure(measured_reports()[3])])
 def test_default_views_are_static_figures_with_labelled_axes(make):
     fig = make()
+    for ax in fig.axes:
+        assert ax.get_xlabel() and ax.get_ylabel() and ax.get_title()
+
+
+# ----- the chapters' views: one stage beside DP (ch. 2-4), ZeRO-R (ch. 5) ----------------
+def paper_states(psi: float, nd: int, stage: int, k: int, width: int, nm: int = 1) -> dict:
+    """Sec 5.1-5.3 by hand: each state is divided by Nd once its stage partitions it, and by Nm."""
+    return {"params": width * psi / nm / (nd if stage >= 3 else 1),
+            "grads": width * psi / nm / (nd if stage >= 2 else 1),
+            "optimizer_states": k * psi / nm / (nd if stage >= 1 else 1)}
+
+
+def test_stage_explorer_defaults_are_figure_1_for_each_chapter():
+    for stage in (1, 2, 3):
+        explorer = widgets.StageExplorer(stage=stage)
+        rows = explorer.result["rows"]
+        assert explorer.value("stage") == stage and set(rows) == {0, stage}
+        # Psi = 7.5B, Nd = 64, K = 12: DP 120 GB; 31.4, 16.6, 1.9 GB as Fig 1 prints them.
+        assert rows[0]["total"] == 16 * 7.5e9
+        assert rows[stage]["total"] / GB == pytest.approx(FIGURE1_GB[stage], abs=0.05)
+        assert f"<b>{shown(rows[stage]['total'])}</b> per device" in explorer.summary.value
+        assert explorer.view.value[:4] == b"\x89PNG"
+        # The text form a notebook stores for the view: its settings, nothing that varies.
+        assert repr(explorer) == (f"StageExplorer(psi=7500000000.0, nd=64, stage={stage}, optimizer='adam', "
+                                  "dtype='bf16')")
+
+
+def test_stage_explorer_follows_the_papers_formulas():
+    explorer = widgets.StageExplorer(stage=2)
+    ranges = {"psi": PSIS, "nd": figures.NDS, "stage": [1, 2, 3], "optimizer": ["adam", "adamw", "sgd"],
+              "dtype": ["bf16", "fp16", "fp32"]}
+    for _ in sweep(explorer, ranges):
+        psi, nd, stage, optimizer, dtype = (explorer.controls[n].value for n in ranges)
+        width = 4 if dtype == "fp32" else 2
+        # K (Sec 3.1): Adam's two fp32 moments or SGD's momentum, plus an fp32 master copy in mixed precision.
+        k = (8 if optimizer in ("adam", "adamw") else 4) + (0 if dtype == "fp32" else 4)
+        for s in (0, stage):
+            row, expected = explorer.result["rows"][s], paper_states(psi, nd, s, k, width)
+            for category, value in expected.items():
+                assert row[category] == pytest.approx(value, rel=1e-12)
+            assert row["total"] == pytest.approx(sum(expected.values()), rel=1e-12)
+            volume = (3 if s == 3 else 2) * psi  # Sec 7.2: 2 Psi for DP, P_os, P_os+g; 3 Psi for P_os+g+p
+            assert row["comm_elements"] == volume and row["comm_bytes"] == volume * width
+            assert shown(row["total"]) in explorer.summary.value
+        assert f"K = {k} bytes" in explorer.summary.value
+
+
+def test_stage_2_gradients_shrink_as_one_over_nd_and_its_parameters_do_not():
+    explorer = widgets.StageExplorer(stage=2, psi=1.5e9)
+    for nd in figures.NDS:
+        explorer.controls["nd"].value = nd
+        row = explorer.result["rows"][2]
+        assert row["grads"] * nd == pytest.approx(2 * 1.5e9)  # 2 Psi / Nd (Sec 5.2)
+        assert row["params"] == 2 * 1.5e9  # still replicated
+        assert explorer.result["rows"][0]["grads"] == 2 * 1.5e9  # DP keeps every gradient
+
+
+def test_stage_explorer_moves_three_psi_only_at_stage_3():
+    explorer = widgets.StageExplorer(stage=1)
+    for stage, multiple, said in [(1, 2, "as much as DP"), (2, 2, "as much as DP"), (3, 3, "1.5 x DP's")]:
+        explorer.controls["stage"].value = stage
+        assert explorer.result["rows"][stage]["comm_elements"] == multiple * 7.5e9
+        assert f"{multiple} Psi = {shown(multiple * 7.5e9 * 2)}" in explorer.summary.value
+        assert said in explorer.summary.value
+
+
+def test_the_views_name_a_bad_setting():
+    for bad in (0, 4, True):
+        with pytest.raises(ConfigError, match=f"stage {bad}"):
+            widgets.StageExplorer(stage=bad)
+    with pytest.raises(ConfigError, match="nd 3: allowed are 1, 2, 4"):
+        widgets.StageExplorer(nd=3)
+    for kwargs, match in [({"nm": 3}, "nm 3: allowed are 1, 2, 4"), ({"stage": 5}, "stage 5"),
+                          ({"gpu": "T4"}, "gpu 'T4'"), ({"psi": -1.0}, "psi -1.0")]:
+        with pytest.raises(ConfigError, match=match):
+            widgets.ResidualExplorer(**kwargs)
+
+
+def checkpoint_bytes(hidden: int, layers: int, seq_len: int, batch: int) -> int:
+    """Sec 3.2, 6.1: one checkpoint of batch x seq x hidden 2-byte values per block."""
+    return batch * seq_len * hidden * layers * 2
+
+
+def test_residual_explorer_default_is_sec_6_1s_100b_example():
+    explorer = widgets.ResidualExplorer()
+    new, old = explorer.result["with"], explorer.result["without"]
+    # 125 x 8192, seq 1K, batch 16: about 33 GB of checkpoints per GPU, about 2 GB with P_a at Nm = 16.
+    assert old["checkpoints"] == 16 * 1024 * 8192 * 125 * 2 == new["checkpoints_replicated"]
+    assert old["checkpoints"] / GB == pytest.approx(33, abs=1) and new["checkpoints"] / GB == pytest.approx(2, abs=0.2)
+    assert new["fits"] and not old["fits"]
+    assert f"Activation checkpoints: <b>{shown(new['checkpoints'])}</b> on each GPU" in explorer.summary.value
+    assert explorer.view.value[:4] == b"\x89PNG"
+    assert repr(explorer).startswith("ResidualExplorer(psi=100000000000.0, nd=64, nm=16, stage=2,")
+
+
+def test_p_a_divides_checkpoints_by_nm_and_p_a_cpu_leaves_none_on_the_device():
+    explorer = widgets.ResidualExplorer()
+    ranges = {"nm": formulas.NMS, "hidden": [1024, 12288], "layers": [24, 96], "seq_len": [512, 2048],
+              "batch": [1, 8], "checkpoints": ["mp", "pa", "pa_cpu"]}
+    for _ in sweep(explorer, ranges):
+        nm, hidden, layers, seq_len, batch, where = (explorer.controls[n].value for n in ranges)
+        full = checkpoint_bytes(hidden, layers, seq_len, batch)
+        new = explorer.result["with"]
+        assert new["checkpoints"] == {"mp": full, "pa": full / nm, "pa_cpu": 0}[where]
+        assert new["checkpoints_host"] == (full / nm if where == "pa_cpu" else 0)
+        assert explorer.result["without"]["checkpoints"] == full  # MP alone replicates it on all Nm GPUs
+        assert f"<b>{shown(new['checkpoints'])}</b> on each GPU" in explorer.summary.value
+        assert f"{shown(new['checkpoints_host'])} in host memory" in explorer.summary.value
+
+
+def test_cb_caps_the_fused_buffer_that_otherwise_grows_with_psi():
+    explorer = widgets.ResidualExplorer()
+    ranges = {"psi": PSIS, "nm": [1, 16], "cb_mb": CB_MB, "cb": [False, True]}
+    for _ in sweep(explorer, ranges):
+        psi, nm, cap_mb, cb = (explorer.controls[n].value for n in ranges)
+        fused = 4 * psi / nm  # every gradient of the GPU's Psi / Nm parameters in fp32 (Sec 3.2, 6.2)
+        expected = min(fused, cap_mb * 1e6) if cb else fused
+        assert explorer.result["with"]["buffer"] == pytest.approx(expected, rel=1e-12)
+        assert explorer.result["without"]["buffer"] == pytest.approx(fused, rel=1e-12)
+    set_values(explorer, cb=True, cb_mb=500, nm=1)
+    for psi in PSIS[1:]:  # 1.5B and up: 6 GB and more uncapped, 0.5 GB with CB
+        explorer.controls["psi"].value = psi
+        assert explorer.result["with"]["buffer"] == 500e6
+
+
+def test_md_removes_the_memory_lost_to_fragmentation_and_the_totals_add_up():
+    explorer = widgets.ResidualExplorer()
+    ranges = {"fragmentation": [0, 10, 30, 60], "gpu": list(figures.GPUS), "md": [False, True],
+              "stage": [0, 1, 2, 3], "nd": [1, 64], "nm": [1, 16]}
+    for _ in sweep(explorer, ranges):
+        lost, gpu, md, stage, nd, nm = (explorer.controls[n].value for n in ranges)
+        device, psi = figures.GPUS[gpu], explorer.value("psi")
+        new, old = explorer.result["with"], explorer.result["without"]
+        assert new["fragmentation"] == (0 if md else pytest.approx(lost / 100 * device))
+        assert old["fragmentation"] == pytest.approx(lost / 100 * device)
+        states = paper_states(psi, nd, stage, 12, 2, nm)
+        for r in (new, old):
+            for category, value in states.items():
+                assert r[category] == pytest.approx(value, rel=1e-12)
+            assert r["total"] == pytest.approx(sum(r[c] for c in formulas.RESIDUAL_CATEGORIES), rel=1e-12)
+            assert r["fits"] == (r["total"] <= device)
+        assert f"<b>{'fits' if new['fits'] else 'does not fit'}</b>" in explorer.summary.value
+        assert shown(new["total"]) in explorer.summary.value and shown(old["total"]) in explorer.summary.value
+
+
+@pytest.mark.parametrize(("call", "match"), [
+    (lambda: formulas.stage_vs_dp(7.5e9, 64, 0), "stage 0"),
+    (lambda: formulas.stage_vs_dp(7.5e9, 0, 1), "nd 0"),
+    (lambda: formulas.residual_bytes(checkpoints="gpu"), "checkpoints 'gpu'"),
+    (lambda: formulas.residual_bytes(nm=0), "nm 0"),
+    (lambda: formulas.residual_bytes(fragmentation=1.5), "fragmentation 1.5"),
+    (lambda: formulas.residual_bytes(fragmentation=-0.1), "fragmentation -0.1"),
+    (lambda: formulas.residual_bytes(cb_bytes=0), "cb_bytes 0"),
+    (lambda: formulas.residual_bytes(hidden=0), "hidden must be an integer >= 1, got 0"),
+])
+def test_the_chapters_views_name_a_bad_value(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
+
+
+@pytest.mark.parametrize("make", [formulas.stage_figure, lambda: formulas.stage_figure(stage=3),
+                                  formulas.residual_figure])
+def test_the_chapters_default_views_are_static_figures_with_labelled_axes(make):
+    fig = make()
+    assert len(fig.axes) == 2
     for ax in fig.axes:
         assert ax.get_xlabel() and ax.get_ylabel() and ax.get_title()
