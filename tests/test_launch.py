@@ -2,10 +2,15 @@
 
 import subprocess
 import sys
+import threading
+import time
 
 import filelock
+import pytest
+import torch
 
-from zerolearn.dist import free_port
+from zerolearn import dist as zdist
+from zerolearn.dist import RankError, free_port, launch
 
 TINY = ["--steps", "1", "--global-batch-size", "4", "--seq-len", "16", "--n-layer", "1", "--d-model", "32",
         "--n-head", "2", "--quiet"]
@@ -67,3 +72,90 @@ def test_a_master_port_another_program_holds_is_named_and_does_not_hang():
         assert f"rank 1: joining the job's store at 127.0.0.1:{port} got no answer within --timeout 3 s" in rank1.stderr
         assert time.monotonic() - start < 40  # torch's own client waits far longer
         assert "Traceback" not in rank0.stderr + rank1.stderr
+
+
+# launch(fn, ...) with functions written where a reader writes them: in a notebook cell,
+# a lambda, a closure, a function nested in another; they travel to the ranks by value.
+
+def closure_over_a_local():
+    base = torch.arange(3.0)
+    return (lambda: base + zdist.context().rank), (), [torch.arange(3.0) + r for r in range(3)]
+
+
+def a_lambda():
+    return (lambda scale: zdist.context().rank * scale), (10,), [0, 10, 20]
+
+
+def a_nested_function_returning_its_own_class():
+    class Shard:  # defined in the function, like a class in a notebook cell
+        def __init__(self, rank):
+            self.rank = rank
+
+        def __eq__(self, other):
+            return isinstance(other, Shard) and other.rank == self.rank
+
+    def make(world_size):
+        return Shard(zdist.context().rank), world_size
+
+    return make, (3,), [(Shard(r), 3) for r in range(3)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", [closure_over_a_local, a_lambda, a_nested_function_returning_its_own_class])
+def test_launch_runs_functions_defined_in_place_on_3_ranks(case):
+    fn, args, expected = case()
+    results = launch(fn, 3, *args, timeout_s=120)
+    for got, want in zip(results, expected, strict=True):
+        if isinstance(want, torch.Tensor):
+            torch.testing.assert_close(got, want)
+        else:
+            assert got == want
+
+
+MAIN = """
+import torch
+from zerolearn.dist import context, launch
+
+
+class Box:
+    def __init__(self, value):
+        self.value = value
+
+
+def per_rank(scale):
+    return Box(torch.full((2,), context().rank * scale))
+
+
+if __name__ == "__main__":
+    boxes = launch(per_rank, 2, 10.0, timeout_s=120)
+    assert all(type(b) is Box for b in boxes), boxes  # the script's own class comes back
+    print([b.value.tolist() for b in boxes])
+"""
+
+
+@pytest.mark.slow
+def test_launch_runs_a_function_defined_in_a_main_script(tmp_path):
+    script = tmp_path / "script.py"
+    script.write_text(MAIN)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[[0.0, 0.0], [10.0, 10.0]]"
+
+
+def test_a_rank_that_raises_in_a_lambda_is_named():
+    with pytest.raises(RankError, match=r"rank 1 failed: ZeroDivisionError") as info:
+        launch(lambda: 1 / (1 - zdist.context().rank), 2, timeout_s=120)
+    assert info.value.rank == 1
+
+
+def test_a_function_that_cannot_travel_is_refused_before_any_rank_starts():
+    lock = threading.Lock()
+    with pytest.raises(TypeError, match="launch: cannot send .* to the ranks"):
+        launch(lambda: lock.locked(), 2)
+
+
+def test_ranks_that_never_return_are_cut_off_at_the_timeout():
+    start = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"launch: ranks \[0, 1\] gave no result within 3 s"):
+        launch(lambda: time.sleep(600), 2, timeout_s=3)
+    assert time.monotonic() - start < 60  # killed, not waited for

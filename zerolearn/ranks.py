@@ -6,6 +6,12 @@ group and re-exports :func:`launch`, :func:`free_port` and :class:`RankError`.
 Each rank is a fresh process (``spawn``): it imports the package, joins a process group
 on 127.0.0.1 through torchrun's environment variables, runs the function and sends the
 pickled result, or its traceback, back on a queue.
+
+The function travels to the ranks with ``cloudpickle``, which copies a function
+defined in a notebook (or any ``__main__``), a lambda or a closure by value, together
+with the variables it uses, and an importable function by name. Results come back the
+same way, so a rank may return an instance of a class defined in the notebook.
+:mod:`zerolearn.live` keeps ranks alive between calls instead.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+import cloudpickle
 import torch
 import torch.multiprocessing as mp
 
@@ -41,7 +48,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, backend, fn, args, kwargs, timeout_s, queue) -> None:
+def _worker(rank, world_size, port, backend, call: bytes, timeout_s, queue) -> None:
     # Imported here, not at the top: zerolearn.dist imports this module to re-export launch.
     from zerolearn import dist as zdist
 
@@ -53,9 +60,10 @@ def _worker(rank, world_size, port, backend, fn, args, kwargs, timeout_s, queue)
     torch.set_num_threads(1)
     try:
         zdist.init(backend, "cuda" if backend == "nccl" else "cpu", timeout_s)
-        # Plain pickle copies tensors by value; torch's queue pickler would share them
+        fn, args, kwargs = pickle.loads(call)  # cloudpickle's output is plain pickle data
+        # (Cloud)pickle copies tensors by value; torch's queue pickler would share them
         # through file descriptors that vanish when this process exits.
-        result = pickle.dumps(fn(*args, **kwargs))
+        result = cloudpickle.dumps(fn(*args, **kwargs))
         zdist.teardown()
         queue.put((rank, True, result))
     except BaseException as e:  # noqa: BLE001 - every failure goes back to the caller
@@ -114,21 +122,30 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float
     ``backend="gloo"`` (default) puts every rank on the CPU; ``"nccl"`` gives rank r
     GPU r, so ``world_size`` must not exceed the GPUs present.
 
-    ``fn`` must be importable by name (defined in a module, not a notebook), since
-    spawned processes import it; its result must be picklable. Inside ``fn``,
-    :func:`zerolearn.dist.context` gives the rank.
+    ``fn`` may be any function: defined in a module, in a notebook or ``__main__``, a
+    lambda or a closure. It and ``args``/``kwargs`` are sent to each rank with
+    cloudpickle (by value, except functions and classes importable by name, which the
+    ranks import), and so is each rank's result: tensors arrive as copies. Inside
+    ``fn``, :func:`zerolearn.dist.context` gives the rank.
 
     Raises:
-        ConfigError: ``world_size`` < 1.
+        ConfigError: ``world_size`` < 1, an unknown ``backend``, more NCCL ranks than GPUs.
+        TypeError: cloudpickle cannot serialize ``fn``, ``args`` or ``kwargs`` (a lock, an
+            open file, a generator); nothing has started.
         RankError: a rank raised; the first error is re-raised with its rank and
             traceback, and the other ranks are stopped.
         TimeoutError: no result within ``timeout_s`` seconds (all ranks stopped).
     """
     _check(world_size, backend)
+    try:
+        call = cloudpickle.dumps((fn, args, kwargs))
+    except Exception as e:  # noqa: BLE001 - pickling raises several types; one message for all
+        raise TypeError(f"launch: cannot send {fn!r} and its arguments to the ranks "
+                        f"({type(e).__name__}: {e})") from e
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, backend, fn, args, kwargs, timeout_s, queue),
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, backend, call, timeout_s, queue),
                          daemon=True)
              for r in range(world_size)]
     for p in procs:

@@ -1,0 +1,510 @@
+"""Persistent ranks for a notebook: build a model in one cell, reduce-scatter in the next.
+
+:func:`zerolearn.ranks.launch` starts ranks, runs one function and ends them. Here
+``world_size`` spawned processes join one process group once and each keeps a Python
+namespace between calls, so a notebook can work on real ranks cell by cell::
+
+    %load_ext zerolearn.live
+
+    %%ranks 2
+    x = torch.arange(4.0) + rank        # runs on every rank; rank, world_size, device,
+    shard = torch.empty(2)              # torch, dist and comm are predefined
+    comm.reduce_scatter(shard, x)
+    print(shard)                        # shown as "[rank 0] tensor([1., 3.])" ...
+
+From Python the same pool is :class:`Ranks` (``run``, ``call``, ``pull``, ``push``).
+
+Why not ipyparallel? It keeps engines alive and its ``%%px`` labels output by engine,
+but it brings a controller, ZMQ and per-engine startup, and it knows nothing of
+torch.distributed: each engine would still have to join the process group, and a rank
+blocked inside a gloo collective ignores Ctrl-C, so after a hang someone must kill
+every engine and rejoin the group by hand. A few spawned processes and their pipes do
+what we need with nothing but :mod:`multiprocessing`: join one group with a timeout,
+put a deadline on every call, kill and restart all ranks together when one hangs, and
+label every line of output with its rank.
+
+The rank side (``_serve``: a loop that runs what the kernel sends) and the kernel side
+(:class:`Ranks`) speak one small protocol, a pickled function one way and output, a
+result or a short traceback the other, so they stay in one file, longer than most.
+
+Every wait has a deadline. A call that some ranks do not finish within ``timeout_s``
+(a collective only some ranks called, an endless loop) kills all ranks and starts
+fresh ones: their variables are lost, and the error says so. Ctrl-C while waiting
+kills them too; the next call starts fresh ones.
+"""
+
+from __future__ import annotations
+
+import ast
+import atexit
+import linecache
+import multiprocessing as mp
+import os
+import pickle
+import signal
+import sys
+import threading
+import time
+import traceback
+import weakref
+from multiprocessing.connection import wait
+
+import cloudpickle
+import torch
+
+from zerolearn.errors import ConfigError, require_choice, require_count, require_real
+from zerolearn.ranks import RankError, _check, free_port
+
+__all__ = ["CellError", "Outputs", "Ranks", "current", "load_ipython_extension", "start", "stop"]
+
+START_TIMEOUT_S = 120.0  # spawning N processes that each import torch: seconds, more on a busy laptop
+GRACE_S = 3.0  # once a rank has failed, how long the others may still take (they may wait for it)
+
+
+class CellError(RuntimeError):
+    """Some ranks raised or did not finish a call of :class:`Ranks`.
+
+    ``outputs`` holds what every rank printed (by rank), ``failed`` each failing rank's
+    short traceback, ``unfinished`` the ranks killed at the deadline (the pool was then
+    restarted, so ``restarted`` is True and every variable is gone).
+    """
+
+    def __init__(self, message: str, outputs: Outputs, failed: dict[int, str], unfinished: list[int],
+                 restarted: bool):
+        super().__init__(message)
+        self.outputs, self.failed, self.unfinished, self.restarted = outputs, failed, unfinished, restarted
+
+    def _render_traceback_(self) -> list[str]:
+        # IPython shows this instead of a traceback through this module's frames.
+        return str(self).splitlines()
+
+
+class Outputs(list):
+    """What each rank printed, by rank (``str``); shown with every line labelled ``[rank r]``."""
+
+    def __repr__(self) -> str:
+        return "\n".join(f"[rank {r}] {line}" for r, text in enumerate(self) for line in text.splitlines())
+
+
+# ---- the rank side: one process per rank, serving requests from the kernel ----
+
+class _Pipe:
+    """The rank's end of its pipe; also its sys.stdout and sys.stderr."""
+
+    def __init__(self, conn):
+        self.conn, self.lock = conn, threading.Lock()
+
+    def send(self, kind: str, payload) -> None:
+        with self.lock:  # a thread that prints must not interleave with a reply
+            self.conn.send_bytes(pickle.dumps((kind, payload)))
+
+    def write(self, text: str) -> int:
+        if text:
+            self.send("out", text)
+        return len(text)
+
+    def flush(self) -> None:
+        pass
+
+
+def _serve(rank: int, world_size: int, port: int, backend: str, timeout_s: float, conn) -> None:
+    # Ctrl-C in Jupyter signals the kernel's whole process group; the kernel decides
+    # what happens to ranks (it kills them), so a rank never dies half-way by itself.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)  # ranks share the machine's cores, as in zerolearn.ranks
+    pipe = _Pipe(conn)
+    sys.stdout = sys.stderr = pipe
+    namespace: dict = {}
+    request = pickle.dumps((_join, (rank, world_size, backend, timeout_s)))
+    try:
+        while request is not None:
+            try:
+                fn, args = pickle.loads(request)
+                reply = ("ok", cloudpickle.dumps(fn(namespace, *args)))
+            except BaseException as e:  # noqa: BLE001 - every failure goes back to the kernel
+                reply = ("error", _short_traceback(e))
+            pipe.send(*reply)
+            request = conn.recv_bytes() or None  # empty bytes: close
+    except (EOFError, OSError):
+        return  # the kernel is gone: nobody to serve
+    from zerolearn import dist as zdist
+
+    zdist.teardown(clean=False)
+
+
+def _join(namespace: dict, rank: int, world_size: int, backend: str, timeout_s: float) -> None:
+    import torch.distributed as dist
+
+    from zerolearn import comm
+    from zerolearn import dist as zdist
+
+    device = zdist.init(backend, "cuda" if backend == "nccl" else "cpu", timeout_s).device  # cuda:rank or cpu
+    namespace.update(__name__="__main__", rank=rank, world_size=world_size, device=device, torch=torch,
+                     dist=dist, comm=comm)
+
+
+def _exec(namespace: dict, code: str, filename: str) -> None:
+    """Run a cell; if it ends with an expression (and no ``;``), print its value as Jupyter shows it."""
+    linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)  # for tracebacks
+    tree = ast.parse(code, filename)
+    shown = tree.body and isinstance(tree.body[-1], ast.Expr) and not code.rstrip().endswith(";")
+    last = tree.body.pop() if shown else None
+    exec(compile(tree, filename, "exec"), namespace)
+    if last is not None:
+        value = eval(compile(ast.Expression(last.value), filename, "eval"), namespace)
+        if value is not None:
+            print(repr(value))
+
+
+def _call(namespace: dict, fn, args: tuple, kwargs: dict):
+    return fn(*args, **kwargs)
+
+
+def _pull(namespace: dict, name: str):
+    if name not in namespace:
+        raise NameError(f"name {name!r} is not defined on rank {namespace['rank']}")
+    return namespace[name]
+
+
+def _push(namespace: dict, values: dict) -> None:
+    namespace.update(values)
+
+
+def _short_traceback(e: BaseException) -> tuple[int | None, str]:
+    """(line of the first cell frame or None, the traceback without this module's frames)."""
+    frames = [f for f in traceback.extract_tb(e.__traceback__) if f.filename != __file__]
+    line = next((f.lineno for f in frames if f.filename.startswith("<cell")), None)
+    text = "".join(traceback.format_list(frames) + traceback.format_exception_only(type(e), e))
+    return line, text
+
+
+# ---- the kernel side ----
+
+def _validate(world_size: int, backend: str, timeout_s: float) -> None:
+    require_count("world_size", world_size)
+    require_choice("backend", backend, ("gloo", "nccl"))
+    require_real("timeout_s", timeout_s)
+    _check(world_size, backend)  # NCCL: CUDA present, one GPU per rank
+
+
+class Ranks:
+    """``world_size`` persistent ranks in one process group, each with its own namespace.
+
+    A namespace starts with ``rank``, ``world_size``, ``device`` (``cuda:rank`` under
+    NCCL, else ``cpu``), ``torch``, ``dist`` (torch.distributed) and ``comm``
+    (:mod:`zerolearn.comm`). Each call waits at most ``timeout_s`` seconds.
+
+    Args:
+        world_size: number of ranks (processes), >= 1.
+        backend: ``"gloo"`` (every rank on the CPU) or ``"nccl"`` (rank r on GPU r).
+        timeout_s: seconds each call may take on every rank before all ranks are
+            killed and restarted.
+
+    Raises:
+        ConfigError: a bad ``world_size``, ``backend`` or ``timeout_s``, or more NCCL
+            ranks than GPUs; nothing has started.
+        RankError: a rank could not join the process group.
+        TimeoutError: the ranks did not all start within ``START_TIMEOUT_S`` seconds.
+    """
+
+    def __init__(self, world_size: int, backend: str = "gloo", timeout_s: float = 60.0):
+        _validate(world_size, backend, timeout_s)
+        self.world_size, self.backend, self.timeout_s = world_size, backend, float(timeout_s)
+        self._procs: list = []
+        self._conns: list = []
+        self._cells = 0
+        _POOLS.add(self)
+        self._start()
+
+    # -- the reader's calls --
+
+    def run(self, code: str, timeout_s: float | None = None) -> Outputs:
+        """Execute ``code`` on every rank in its namespace; return what each rank printed.
+
+        If the code ends with an expression, its value's ``repr`` is printed, as Jupyter
+        shows a cell's value. A SyntaxError is raised here, before any rank runs.
+
+        Args:
+            code: Python source, run as one cell.
+            timeout_s: seconds to wait for every rank (default: the pool's).
+
+        Raises:
+            SyntaxError: ``code`` does not parse (no rank has run it).
+            CellError: a rank raised (its line in ``code`` is named) or some ranks did
+                not finish in time or died (then all were restarted).
+            KeyboardInterrupt: Ctrl-C while waiting; the ranks were killed and the next
+                call starts fresh ones.
+        """
+        self._cells += 1
+        filename = f"<cell {self._cells}>"
+        ast.parse(code, filename)
+        return self._ask(_exec, (code, filename), timeout_s)[0]
+
+    def call(self, fn, *args, **kwargs) -> list:
+        """``fn(*args, **kwargs)`` on every rank; each rank's result, by rank.
+
+        ``fn`` travels by cloudpickle (a notebook's functions and closures too) and does
+        not see the ranks' namespaces: use :meth:`push` and :meth:`run` for that.
+        Printed output is discarded. Raises CellError as :meth:`run` does, and
+        TypeError if cloudpickle cannot send ``fn`` or its arguments (nothing has run).
+        """
+        return self._ask(_call, (fn, args, kwargs))[1]
+
+    def pull(self, name: str) -> list:
+        """The value of variable ``name`` on every rank, by rank (tensors arrive as copies).
+
+        Raises CellError (a NameError on the ranks) if a rank has no such variable.
+        """
+        return self._ask(_pull, (name,))[1]
+
+    def push(self, **values) -> None:
+        """Set each ``name=value`` in every rank's namespace (the same value on every rank)."""
+        self._ask(_push, (values,))
+
+    def restart(self) -> None:
+        """Kill the ranks and start fresh ones: a new process group, empty namespaces."""
+        self._kill()
+        self._start()
+
+    def close(self) -> None:
+        """Stop the ranks (safe to call twice); a later call starts fresh ones."""
+        for conn in self._conns:
+            try:
+                conn.send_bytes(b"")  # asks the rank to leave the group and exit
+            except OSError:
+                pass
+        for p in self._procs:
+            p.join(timeout=5)
+        self._kill()
+
+    @property
+    def running(self) -> bool:
+        return bool(self._procs) and all(p.is_alive() for p in self._procs)
+
+    def __repr__(self) -> str:
+        state = "running" if self.running else "stopped"
+        return f"Ranks({self.world_size}, backend={self.backend!r}, timeout_s={self.timeout_s:g}): {state}"
+
+    def __enter__(self) -> Ranks:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- processes --
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        # The group's own timeout is longer than a call's, so the kernel's deadline comes
+        # first; it still ends ranks left waiting in a collective if the kernel dies.
+        group_timeout_s = self.timeout_s + 60
+        self._conns, self._procs = [], []
+        for r in range(self.world_size):
+            here, there = ctx.Pipe()
+            p = ctx.Process(target=_serve, args=(r, self.world_size, port, self.backend, group_timeout_s, there),
+                            daemon=True, name=f"zerolearn-rank-{r}")
+            p.start()
+            there.close()  # the rank holds the only other end: its exit shows here as EOF
+            self._conns.append(here)
+            self._procs.append(p)
+        try:
+            outputs, _, failed, unfinished = self._collect(time.monotonic() + START_TIMEOUT_S)
+        except BaseException:
+            self._kill()
+            raise
+        if failed or unfinished:
+            self._kill()
+            if failed:
+                r = min(failed)
+                raise RankError(r, f"could not join the process group:\n{failed[r][1]}{outputs[r]}")
+            raise TimeoutError(f"{_who(unfinished)} did not start within {START_TIMEOUT_S:g} s")
+
+    def _kill(self) -> None:
+        for p in self._procs:
+            p.kill()
+        for p in self._procs:
+            p.join(timeout=10)
+        for conn in self._conns:
+            conn.close()
+        self._procs, self._conns = [], []
+
+    def _ask(self, fn, args: tuple, timeout_s: float | None = None) -> tuple[Outputs, list]:
+        """Run ``fn(namespace, *args)`` on every rank; (outputs, results) by rank."""
+        limit = self.timeout_s if timeout_s is None else timeout_s
+        require_real("timeout_s", limit)
+        try:
+            request = cloudpickle.dumps((fn, args))
+        except Exception as e:  # noqa: BLE001 - pickling raises several types; one message for all
+            raise TypeError(f"cannot send {args!r:.200} to the ranks ({type(e).__name__}: {e})") from e
+        if not self._procs:  # stopped by close() or Ctrl-C: the reader knows the variables are gone
+            self._start()
+        elif not self.running:  # a rank died between calls (killed by the OS, say)
+            dead = {r: (None, f"process exited with code {p.exitcode} since the last call\n")
+                    for r, p in enumerate(self._procs) if not p.is_alive()}
+            self.restart()
+            raise CellError(_explain(Outputs([""] * self.world_size), dead, [], limit, True, self.world_size),
+                            Outputs([""] * self.world_size), {r: t for r, (_, t) in dead.items()}, [], True)
+        for conn in self._conns:
+            conn.send_bytes(request)
+        try:
+            outputs, values, failed, unfinished = self._collect(time.monotonic() + limit)
+        except KeyboardInterrupt:
+            self._kill()
+            raise KeyboardInterrupt("ranks stopped; the next call starts fresh ones (variables lost)") from None
+        # A rank that hangs or dies leaves its peers' collectives unmatched: the group
+        # cannot be trusted any more, so every rank goes and fresh ones start.
+        restarted = bool(unfinished) or not self.running
+        if restarted:
+            self.restart()
+        if failed or unfinished:
+            message = _explain(outputs, failed, unfinished, limit, restarted, self.world_size)
+            raise CellError(message, outputs, {r: text for r, (_, text) in failed.items()}, unfinished, restarted)
+        return outputs, [pickle.loads(values[r]) for r in range(self.world_size)]
+
+    def _collect(self, deadline: float) -> tuple[Outputs, dict, dict, list[int]]:
+        """Read every rank's messages until each has replied or ``deadline`` (monotonic s).
+
+        Returns (outputs, results as pickled bytes, failures as (line, traceback), ranks
+        that did not reply). A rank that exits without replying counts as failed.
+        """
+        outputs = Outputs([""] * self.world_size)
+        values: dict[int, bytes] = {}
+        failed: dict[int, tuple[int | None, str]] = {}
+        pending = set(range(self.world_size))
+        while pending and time.monotonic() < deadline:
+            waiting = {self._conns[r]: r for r in pending} | {self._procs[r].sentinel: r for r in pending}
+            for ready in wait(list(waiting), timeout=max(0.0, deadline - time.monotonic())):
+                r = waiting[ready]
+                conn = self._conns[r]
+                if r not in pending:
+                    continue
+                try:
+                    if not conn.poll():  # exited, nothing left to read
+                        raise EOFError
+                    kind, payload = pickle.loads(conn.recv_bytes())
+                except (EOFError, OSError):
+                    self._procs[r].join(timeout=1)
+                    kind, payload = "error", (None, f"process exited with code {self._procs[r].exitcode}\n")
+                if kind == "out":
+                    outputs[r] += payload
+                    continue
+                (values if kind == "ok" else failed)[r] = payload
+                pending.discard(r)
+                if kind == "error":  # the others may be waiting for this one in a collective
+                    deadline = min(deadline, time.monotonic() + GRACE_S)
+        return outputs, values, failed, sorted(pending)
+
+
+def _explain(outputs: Outputs, failed: dict, unfinished: list[int], limit: float, restarted: bool,
+             world_size: int) -> str:
+    """The reader's error: what every rank printed, each failure, who did not finish."""
+    parts = [repr(outputs)] if any(outputs) else []
+    alike: dict[tuple, list[int]] = {}  # ranks that failed the same way are named together
+    for r in sorted(failed):
+        alike.setdefault(failed[r], []).append(r)
+    for (line, text), ranks in alike.items():
+        where = f" at line {line} of the cell" if line is not None else ""
+        parts.append(f"{_who(ranks)} failed{where}:\n" + "\n".join("    " + t for t in text.rstrip().splitlines()))
+    if unfinished and failed:
+        parts.append(f"{_who(unfinished)} had not finished {GRACE_S:g} s after {_who([min(failed)])} failed "
+                     "(waiting for it in a collective, most likely).")
+    elif unfinished:
+        parts.append(f"{_who(unfinished)} did not finish within {limit:g} s: waiting in a collective that other "
+                     "ranks never called, most likely (longer work needs a longer timeout: "
+                     f"zerolearn.live.start({world_size}, timeout_s=...)).")
+    if restarted:
+        parts.append(f"All ranks were killed and {world_size} fresh ones started: every variable is lost; "
+                     "run the cells that define them again.")
+    return "\n".join(parts)
+
+
+def _who(ranks: list[int]) -> str:
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
+
+
+# ---- one default pool for the notebook, and the %%ranks magic ----
+
+_POOLS: weakref.WeakSet = weakref.WeakSet()
+_CURRENT: Ranks | None = None
+
+
+def start(world_size: int, backend: str = "gloo", timeout_s: float = 60.0) -> Ranks:
+    """Stop the current ranks, start ``world_size`` new ones and make them current.
+
+    Raises what :class:`Ranks` raises.
+    """
+    global _CURRENT
+    _validate(world_size, backend, timeout_s)  # bad input stops nothing
+    stop()
+    _CURRENT = Ranks(world_size, backend, timeout_s)
+    return _CURRENT
+
+
+def current() -> Ranks | None:
+    """The ranks that ``%%ranks`` uses, or None."""
+    return _CURRENT
+
+
+def stop() -> None:
+    """Stop the current ranks, if any."""
+    global _CURRENT
+    if _CURRENT is not None:
+        _CURRENT.close()
+    _CURRENT = None
+
+
+@atexit.register
+def _close_all() -> None:
+    for pool in list(_POOLS):
+        pool._kill()
+
+
+def _magic(line: str, cell: str | None = None) -> None:
+    """``%%ranks [N]``: run the cell on the current ranks, starting N ranks first if none
+    run or their number differs. ``%ranks N|status|restart|stop``: start, show, restart
+    or stop the current ranks."""
+    from IPython.core.error import UsageError
+
+    word = line.strip()
+    try:
+        if cell is not None:
+            pool = _sized(word, "%%ranks") if word else _CURRENT
+            if pool is None:
+                raise ConfigError("%%ranks: no ranks running; start them with %%ranks N")
+        elif word == "status":
+            print(_CURRENT if _CURRENT is not None else "no ranks running")
+        elif word in ("restart", "stop") and _CURRENT is None:
+            raise ConfigError(f"%ranks {word}: no ranks running; start them with %ranks N")
+        elif word == "restart":
+            _CURRENT.restart()
+        elif word == "stop":
+            stop()
+        else:
+            _sized(word, "%ranks")
+    except ConfigError as e:
+        raise UsageError(str(e)) from None  # IPython shows the message alone, no traceback
+    if cell is not None:
+        outputs = pool.run(cell)
+        if any(outputs):
+            print(repr(outputs))
+
+
+def _sized(word: str, magic: str) -> Ranks:
+    """The current ranks if there are ``word`` of them, else ``word`` fresh ones (same backend, timeout)."""
+    if not word.isdigit():
+        allowed = "N (a number of ranks), status, restart, stop" if magic == "%ranks" else "N (a number of ranks)"
+        raise ConfigError(f"{f'{magic} {word}'.strip()}: allowed are {allowed}")
+    pool = _CURRENT
+    if pool is not None and pool.world_size == int(word):
+        return pool
+    if pool is not None:
+        print(f"(stopping {pool.world_size} ranks and their variables, starting {word})")
+    return start(int(word), *((pool.backend, pool.timeout_s) if pool is not None else ()))
+
+
+def load_ipython_extension(ipython) -> None:
+    """``%load_ext zerolearn.live``: registers ``%%ranks`` and ``%ranks``."""
+    ipython.register_magic_function(_magic, magic_kind="line_cell", magic_name="ranks")
