@@ -1,64 +1,30 @@
-"""Persistent ranks for a notebook: build a model in one cell, reduce-scatter in the next.
+"""The kernel side of :mod:`zerolearn.live`: :class:`Ranks`, a pool of persistent ranks.
 
-:func:`zerolearn.ranks.launch` starts ranks, runs one function and ends them. Here
-``world_size`` spawned processes join one process group once and each keeps a Python
-namespace between calls, so a notebook can work on real ranks cell by cell::
-
-    %load_ext zerolearn.live
-
-    %%ranks 2
-    x = torch.arange(4.0) + rank        # runs on every rank; rank, world_size, device,
-    shard = torch.empty(2)              # torch, dist and comm are predefined
-    comm.reduce_scatter(shard, x)
-    print(shard)                        # shown as "[rank 0] tensor([1., 3.])" ...
-
-From Python the same pool is :class:`Ranks` (``run``, ``call``, ``pull``, ``push``).
-
-Why not ipyparallel? It keeps engines alive and its ``%%px`` labels output by engine,
-but it brings a controller, ZMQ and per-engine startup, and it knows nothing of
-torch.distributed: each engine would still have to join the process group, and a rank
-blocked inside a gloo collective ignores Ctrl-C, so after a hang someone must kill
-every engine and rejoin the group by hand. A few spawned processes and their pipes do
-what we need with nothing but :mod:`multiprocessing`: join one group with a timeout,
-put a deadline on every call, kill and restart all ranks together when one hangs, and
-label every line of output with its rank.
-
-The rank side (``_serve``: a loop that runs what the kernel sends) and the kernel side
-(:class:`Ranks`) speak one small protocol, a pickled function one way and output, a
-result or a short traceback the other, so they stay in one file, longer than most.
-
-Every wait has a deadline. A call that some ranks do not finish within ``timeout_s``
-(a collective only some ranks called, an endless loop) kills all ranks and starts
-fresh ones: their variables are lost, and the error says so. Ctrl-C while waiting
-kills them too; the next call starts fresh ones.
+``Ranks`` spawns the rank processes (:mod:`zerolearn.live.rank`), sends each call to
+every rank, and collects what comes back by a deadline: output labelled by rank
+(:class:`Outputs`), results, or failures raised as one :class:`CellError`. A hang or a
+dead rank kills and restarts them all.
 """
 
 from __future__ import annotations
 
 import ast
-import atexit
-import linecache
 import multiprocessing as mp
-import os
 import pickle
-import signal
-import sys
-import threading
 import time
-import traceback
 import weakref
 from multiprocessing.connection import wait
 
 import cloudpickle
-import torch
 
-from zerolearn.errors import ConfigError, require_choice, require_count, require_real
+from zerolearn.errors import require_choice, require_count, require_real
+from zerolearn.live.rank import _call, _exec, _pull, _push, _serve
 from zerolearn.ranks import RankError, _check, free_port
-
-__all__ = ["CellError", "Outputs", "Ranks", "current", "load_ipython_extension", "start", "stop"]
 
 START_TIMEOUT_S = 120.0  # spawning N processes that each import torch: seconds, more on a busy laptop
 GRACE_S = 3.0  # once a rank has failed, how long the others may still take (they may wait for it)
+
+_POOLS: weakref.WeakSet = weakref.WeakSet()  # every live Ranks, for the atexit hook in zerolearn.live.magic
 
 
 class CellError(RuntimeError):
@@ -85,102 +51,6 @@ class Outputs(list):
     def __repr__(self) -> str:
         return "\n".join(f"[rank {r}] {line}" for r, text in enumerate(self) for line in text.splitlines())
 
-
-# ---- the rank side: one process per rank, serving requests from the kernel ----
-
-class _Pipe:
-    """The rank's end of its pipe; also its sys.stdout and sys.stderr."""
-
-    def __init__(self, conn):
-        self.conn, self.lock = conn, threading.Lock()
-
-    def send(self, kind: str, payload) -> None:
-        with self.lock:  # a thread that prints must not interleave with a reply
-            self.conn.send_bytes(pickle.dumps((kind, payload)))
-
-    def write(self, text: str) -> int:
-        if text:
-            self.send("out", text)
-        return len(text)
-
-    def flush(self) -> None:
-        pass
-
-
-def _serve(rank: int, world_size: int, port: int, backend: str, timeout_s: float, conn) -> None:
-    # Ctrl-C in Jupyter signals the kernel's whole process group; the kernel decides
-    # what happens to ranks (it kills them), so a rank never dies half-way by itself.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)  # ranks share the machine's cores, as in zerolearn.ranks
-    pipe = _Pipe(conn)
-    sys.stdout = sys.stderr = pipe
-    namespace: dict = {}
-    request = pickle.dumps((_join, (rank, world_size, backend, timeout_s)))
-    try:
-        while request is not None:
-            try:
-                fn, args = pickle.loads(request)
-                reply = ("ok", cloudpickle.dumps(fn(namespace, *args)))
-            except BaseException as e:  # noqa: BLE001 - every failure goes back to the kernel
-                reply = ("error", _short_traceback(e))
-            pipe.send(*reply)
-            request = conn.recv_bytes() or None  # empty bytes: close
-    except (EOFError, OSError):
-        return  # the kernel is gone: nobody to serve
-    from zerolearn import dist as zdist
-
-    zdist.teardown(clean=False)
-
-
-def _join(namespace: dict, rank: int, world_size: int, backend: str, timeout_s: float) -> None:
-    import torch.distributed as dist
-
-    from zerolearn import comm
-    from zerolearn import dist as zdist
-
-    device = zdist.init(backend, "cuda" if backend == "nccl" else "cpu", timeout_s).device  # cuda:rank or cpu
-    namespace.update(__name__="__main__", rank=rank, world_size=world_size, device=device, torch=torch,
-                     dist=dist, comm=comm)
-
-
-def _exec(namespace: dict, code: str, filename: str) -> None:
-    """Run a cell; if it ends with an expression (and no ``;``), print its value as Jupyter shows it."""
-    linecache.cache[filename] = (len(code), None, code.splitlines(True), filename)  # for tracebacks
-    tree = ast.parse(code, filename)
-    shown = tree.body and isinstance(tree.body[-1], ast.Expr) and not code.rstrip().endswith(";")
-    last = tree.body.pop() if shown else None
-    exec(compile(tree, filename, "exec"), namespace)
-    if last is not None:
-        value = eval(compile(ast.Expression(last.value), filename, "eval"), namespace)
-        if value is not None:
-            print(repr(value))
-
-
-def _call(namespace: dict, fn, args: tuple, kwargs: dict):
-    return fn(*args, **kwargs)
-
-
-def _pull(namespace: dict, name: str):
-    if name not in namespace:
-        raise NameError(f"name {name!r} is not defined on rank {namespace['rank']}")
-    return namespace[name]
-
-
-def _push(namespace: dict, values: dict) -> None:
-    namespace.update(values)
-
-
-def _short_traceback(e: BaseException) -> tuple[int | None, str]:
-    """(line of the first cell frame or None, the traceback without this module's frames)."""
-    frames = [f for f in traceback.extract_tb(e.__traceback__) if f.filename != __file__]
-    line = next((f.lineno for f in frames if f.filename.startswith("<cell")), None)
-    text = "".join(traceback.format_list(frames) + traceback.format_exception_only(type(e), e))
-    return line, text
-
-
-# ---- the kernel side ----
 
 def _validate(world_size: int, backend: str, timeout_s: float) -> None:
     require_count("world_size", world_size)
@@ -423,88 +293,3 @@ def _explain(outputs: Outputs, failed: dict, unfinished: list[int], limit: float
 
 def _who(ranks: list[int]) -> str:
     return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {', '.join(map(str, ranks))}"
-
-
-# ---- one default pool for the notebook, and the %%ranks magic ----
-
-_POOLS: weakref.WeakSet = weakref.WeakSet()
-_CURRENT: Ranks | None = None
-
-
-def start(world_size: int, backend: str = "gloo", timeout_s: float = 60.0) -> Ranks:
-    """Stop the current ranks, start ``world_size`` new ones and make them current.
-
-    Raises what :class:`Ranks` raises.
-    """
-    global _CURRENT
-    _validate(world_size, backend, timeout_s)  # bad input stops nothing
-    stop()
-    _CURRENT = Ranks(world_size, backend, timeout_s)
-    return _CURRENT
-
-
-def current() -> Ranks | None:
-    """The ranks that ``%%ranks`` uses, or None."""
-    return _CURRENT
-
-
-def stop() -> None:
-    """Stop the current ranks, if any."""
-    global _CURRENT
-    if _CURRENT is not None:
-        _CURRENT.close()
-    _CURRENT = None
-
-
-@atexit.register
-def _close_all() -> None:
-    for pool in list(_POOLS):
-        pool._kill()
-
-
-def _magic(line: str, cell: str | None = None) -> None:
-    """``%%ranks [N]``: run the cell on the current ranks, starting N ranks first if none
-    run or their number differs. ``%ranks N|status|restart|stop``: start, show, restart
-    or stop the current ranks."""
-    from IPython.core.error import UsageError
-
-    word = line.strip()
-    try:
-        if cell is not None:
-            pool = _sized(word, "%%ranks") if word else _CURRENT
-            if pool is None:
-                raise ConfigError("%%ranks: no ranks running; start them with %%ranks N")
-        elif word == "status":
-            print(_CURRENT if _CURRENT is not None else "no ranks running")
-        elif word in ("restart", "stop") and _CURRENT is None:
-            raise ConfigError(f"%ranks {word}: no ranks running; start them with %ranks N")
-        elif word == "restart":
-            _CURRENT.restart()
-        elif word == "stop":
-            stop()
-        else:
-            _sized(word, "%ranks")
-    except ConfigError as e:
-        raise UsageError(str(e)) from None  # IPython shows the message alone, no traceback
-    if cell is not None:
-        outputs = pool.run(cell)
-        if any(outputs):
-            print(repr(outputs))
-
-
-def _sized(word: str, magic: str) -> Ranks:
-    """The current ranks if there are ``word`` of them, else ``word`` fresh ones (same backend, timeout)."""
-    if not word.isdigit():
-        allowed = "N (a number of ranks), status, restart, stop" if magic == "%ranks" else "N (a number of ranks)"
-        raise ConfigError(f"{f'{magic} {word}'.strip()}: allowed are {allowed}")
-    pool = _CURRENT
-    if pool is not None and pool.world_size == int(word):
-        return pool
-    if pool is not None:
-        print(f"(stopping {pool.world_size} ranks and their variables, starting {word})")
-    return start(int(word), *((pool.backend, pool.timeout_s) if pool is not None else ()))
-
-
-def load_ipython_extension(ipython) -> None:
-    """``%load_ext zerolearn.live``: registers ``%%ranks`` and ``%ranks``."""
-    ipython.register_magic_function(_magic, magic_kind="line_cell", magic_name="ranks")
