@@ -34,11 +34,12 @@ from zerolearn import compat, guard
 from zerolearn.guard import CollectiveError, CollectiveMismatch, debug_enabled, set_debug, unit
 
 OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
-# Profiler labels: "<LAUNCH>|op|async or sync|unit|doing" around a call, "<WAIT>|op" around Handle.wait.
-LAUNCH, WAIT = "zerolearn.comm", "zerolearn.wait"
-__all__ = ["LAUNCH", "LEDGER", "OPS", "WAIT", "CollectiveError", "CollectiveMismatch", "CommLedger", "Handle",
-           "all_gather", "all_reduce", "barrier", "broadcast", "debug_enabled", "gather_objects", "monitor_mean",
-           "profiler_label", "reduce_scatter", "set_debug", "unit"]
+# Profiler labels: "<LAUNCH>|op|async or sync|unit|doing" around a call, "<WAIT>|op" around Handle.wait,
+# "<RELEASE>|op" around the wait for gloo to let go of the tensors (inside either).
+LAUNCH, WAIT, RELEASE = "zerolearn.comm", "zerolearn.wait", "zerolearn.release"
+__all__ = ["LAUNCH", "LEDGER", "OPS", "RELEASE", "WAIT", "CollectiveError", "CollectiveMismatch", "CommLedger",
+           "Handle", "all_gather", "all_reduce", "barrier", "broadcast", "debug_enabled", "gather_objects",
+           "monitor_mean", "profiler_label", "reduce_scatter", "set_debug", "unit"]
 
 
 @dataclass
@@ -116,9 +117,14 @@ def _released(count, before, relaxed, grace_over: bool) -> bool:
     return relaxed is not None and grace_over and all(c <= n for c, n in zip(count, relaxed))
 
 
-def _await_release(tensors, before: list | None, relaxed: list | None = None) -> None:
+def _await_release(tensors, before: list | None, relaxed: list | None = None, op: str = "-") -> None:
     if before is None:
         return
+    with profiler_label(RELEASE, op):
+        _poll_release(tensors, before, relaxed)
+
+
+def _poll_release(tensors, before: list, relaxed: list | None) -> None:
     relaxed = relaxed or [None] * len(tensors)
     start = time.perf_counter()
     while True:
@@ -167,7 +173,7 @@ class Handle:
                 # Python references are left out: a view makes C++ hold one, however many views.
                 relaxed = [(now[0] + 1_000_000, *(c - h for c, h in zip(now[1:], took[1:])))
                            for now, took in zip(counts, self._held)]
-                _await_release(self._tensors, self._before, relaxed)
+                _await_release(self._tensors, self._before, relaxed, self._op)
         self._tensors = ()
 
 
@@ -183,7 +189,7 @@ def _run(op: str, counted: torch.Tensor, call, async_op: bool, group, tensors: t
             work = call()
         LEDGER.record(op, counted, time.perf_counter() - t0, tag)
         if not async_op:
-            _await_release(tensors, before)
+            _await_release(tensors, before, op=op)
     if not async_op:
         return Handle(None, op, group)
     after = _use_counts(tensors, group)

@@ -10,9 +10,10 @@ static figure, no kernel needed. The numbers come from the paper's formulas in
 Units: bytes in data. Figures of formulas use the paper's decimal GB (1e9 bytes);
 figures of measured runs use binary KiB (2**10 bytes), as small models are measured.
 
-Two modules, re-exported here: :mod:`~zerolearn.figures.formulas` (the paper's formulas:
-memory, fit, trade-off) and :mod:`~zerolearn.figures.measured` (a run's timeline,
-fragmentation).
+Modules, re-exported here: :mod:`~zerolearn.figures.formulas` (the paper's formulas:
+memory, fit, trade-off, each stage beside DP, ZeRO-R), :mod:`~zerolearn.figures.measured`
+(a run's memory timeline, fragmentation) and :mod:`~zerolearn.figures.timeline` (per-rank
+step timelines of compute and collectives, recorded by :mod:`zerolearn.timeline`).
 """
 
 from zerolearn.figures.formulas import (
@@ -37,7 +38,17 @@ from zerolearn.figures.measured import (
     timeline_figure,
     timeline_series,
 )
+from zerolearn.figures.timeline import (
+    OP_COLORS,
+    bucket_sweep_figure,
+    lanes_figure,
+    prefetch_figure,
+    stage_timelines_figure,
+    sweep_timelines_figure,
+)
 
 __all__ = ["CATEGORIES", "COLORS", "GPUS", "NDS", "PHASE_COLORS", "STAGE_COLORS", "fewest_gpus", "fit_figure",
            "fragmentation", "fragmentation_figure", "memory_by_stage", "memory_figure", "readable",
-           "recorded_trace", "timeline_figure", "timeline_series", "tradeoff", "tradeoff_figure"]
+           "recorded_trace", "timeline_figure", "timeline_series", "tradeoff", "tradeoff_figure",
+           "OP_COLORS", "bucket_sweep_figure", "lanes_figure", "prefetch_figure", "stage_timelines_figure",
+           "sweep_timelines_figure"]
