@@ -12,8 +12,9 @@
 #
 # 1. state ZeRO-2's model-state memory, $2\Psi + (2 + K)\Psi/N_d$ bytes (Sec 5.2, Fig 1),
 #    and check it against bytes measured on running ranks;
-# 2. follow a gradient from autograd hook to bucket to reduce-scatter to freed memory in
-#    the package's `Zero2Engine`, and read the result off a memory timeline;
+# 2. write the hook that reduce-scatters a finished gradient bucket into a rank's shard and
+#    frees the full gradient, check it on real ranks, then follow the same path in the
+#    package's `Zero2Engine` and read the result off a memory timeline;
 # 3. explain, with measurements, why an implementation that keeps full gradients and
 #    builds each reduce-scatter input from $N_d$ copies of the gradient ends up with a
 #    higher peak than ZeRO-1;
@@ -73,7 +74,48 @@ def kib(n):
 # The shared engine base registers a hook on every parameter that fires once autograd
 # has accumulated that parameter's gradient. The hook copies the gradient into its
 # group's flat buffer, drops autograd's copy, and when the group is complete launches
-# the group's reduction asynchronously, while backward carries on with earlier layers:
+# the group's reduction, while backward carries on with earlier layers. Before reading
+# the engine's version, write its core yourself. The exercises of this book are
+# functions with a stated signature; `exercises.check` runs yours on 2 and then 3 real
+# gloo ranks (3 ranks make uneven shards, so buckets need padding) and compares it
+# with single-process training and with the memory and communication ledgers. Besides
+# their arguments, exercise functions may use the names the next cell imports.
+
+# %%
+import torch  # noqa: F401 - for the exercises' functions
+import torch.distributed as dist  # noqa: F401
+import torch.nn.functional as F  # noqa: F401
+from torch import nn  # noqa: F401
+
+from zerolearn import comm, exercises  # noqa: F401
+
+# %% [markdown]
+# ### Exercise 1 · the bucket hook
+#
+# Chapter 1's `bucket_hook` all-reduced whole buckets from autograd hooks; ZeRO-2
+# reduce-scatters them and keeps only a shard. Write `reduce_scatter_hook(bucket, shard,
+# world_size)`. `bucket` is a list of fp32 parameters whose gradients, laid end to end
+# in that order and zero-padded, form a flat buffer of `world_size * shard.numel()`
+# elements; `shard` (fp32, 1-D) is this rank's slice of it. Register a
+# `register_post_accumulate_grad_hook` on every parameter (autograd calls `hook(p)` once
+# `p.grad` is complete). When the last parameter of the bucket has its gradient, write
+# the mean over ranks of this rank's slice into `shard` with one
+# `comm.reduce_scatter(output, input)`, and free the full gradients. The checker trains
+# the seed MLP (4 Linear layers of width 64, 16,640 parameters) for 3 SGD steps in 3
+# buckets and compares every shard with one process; it measures, with the memory
+# ledger, the gradient bytes alive after backward (only the shards may be), and counts
+# the elements your hooks move (1 $\Psi$).
+
+# %% tags=["exercise"]
+# exercise: 03.reduce_scatter_hook
+
+# %%
+exercises.check("03.reduce_scatter_hook", reduce_scatter_hook)
+
+# %% [markdown]
+# The engine's hook does the same for every bucket of the model, with two differences:
+# it copies each gradient into the bucket's flat buffer as it arrives, and it launches
+# the reduction asynchronously, finishing it later:
 
 # %%
 print(inspect.getsource(base.Engine._on_grad))
@@ -223,25 +265,21 @@ plt.show()
 print(inspect.getsource(ch03.BlogZero2))
 
 # %% [markdown]
-# ### Exercise 1 · what does a hook returning `None` do?
-#
-# `tensor.register_hook(fn)` calls `fn(grad)` when the gradient of `tensor` is computed.
-# Does `lambda grad: None` *discard* the gradient, so that `tensor.grad` stays `None`?
-# Answer `True` (it discards it) or `False` (the gradient is kept). The check runs the
-# hook on a tiny tensor.
+# Item 1 is where it goes wrong. `tensor.register_hook(fn)` calls `fn(grad)` when the
+# gradient of `tensor` is computed, and `fn` may return a new gradient to use *instead*;
+# returning `None` means "keep the original", it discards nothing. (The checker of
+# Exercise 1 knows this bug as `keeps_whole_gradient`.) On a tiny tensor:
 
 # %%
-answer = None  # True or False
-ch03.check_hook(answer)
+print(f"gradient still there after a hook returned None: {ch03.hook_returning_none_keeps_gradient()}")
 
 # %% [markdown]
-# (PyTorch's rule: a hook may return a new gradient to use *instead*; returning `None`
-# means "keep the original".) So every rank still holds the full gradient after
-# backward, exactly as in ZeRO-1. On top of it, each reduce-scatter briefly needs
-# $N_d$ copies of the tensor's gradient plus a full-size output, and since every rank
-# receives the full sum the "reduce-scatter" is an all-reduce that moves $N_d$ times
-# the data. Our run of the blog's MLP at width 512 on 2 ranks measures all four
-# versions; one Linear layer of fp32 gradient is 1,026 KiB here.
+# So every rank still holds the full gradient after backward, exactly as in ZeRO-1. On
+# top of it, each reduce-scatter briefly needs $N_d$ copies of the tensor's gradient
+# plus a full-size output, and since every rank receives the full sum the
+# "reduce-scatter" is an all-reduce that moves $N_d$ times the data. Our run of the
+# blog's MLP at width 512 on 2 ranks measures all four versions; one Linear layer of
+# fp32 gradient is 1,026 KiB here.
 
 # %%
 ours1, ours2, blog1, blog2 = nd2[0][2:]
@@ -388,26 +426,6 @@ plt.show()
 # peak is then the full gradient *plus* the shard being reduced into). Below
 # about 0.25 MiB the gradient peak hardly falls: the largest tensors (65,536 elements,
 # 256 KiB in fp32) form buckets of their own, whatever the cap.
-#
-# ### Exercise 2 · Fig 1, recomputed for ZeRO-2
-#
-# For Fig 1's $\Psi = 7.5\text{B}$, $K = 12$, $N_d = 64$: how many GB (decimal) of
-# model states does each GPU hold under ZeRO-2? Two decimals.
-
-# %%
-answer = None  # GB per GPU
-ch03.check_fig1_zero2(answer)
-
-# %% [markdown]
-# ### Exercise 3 · the blog's traffic
-#
-# In the ledger's count (reduce-scatter input, broadcast tensor), how many $\Psi$ per
-# step does the blog-style ZeRO-2 move on $N_d = 8$ ranks? Use the table of Section 4
-# ($N_d = 2$) to find the pattern.
-
-# %%
-answer = None  # Psi per step
-ch03.check_blog_volume(answer)
 
 # %% [markdown]
 # ## 6. Gradient accumulation: traffic against memory
@@ -439,6 +457,25 @@ print(f"full fp32 gradient: {kib(4 * acc['no_sync']['psi'])} KiB")
 # order than buckets launch, so several buckets wait at once). DeepSpeed's ZeRO-2 does
 # the latter by default; when the interconnect, not memory, is the limit, `no_sync` is
 # the better trade.
+#
+# ### Exercise 2 · accumulate into the shard
+#
+# Write the core of the per-micro-batch way: `accumulate(shard, bucket_grad,
+# micro_batch, micro_batches, world_size)`. It is called for each bucket after each
+# micro-batch's backward, with `bucket_grad` the bucket's flat, zero-padded gradient
+# (fp32, `world_size * shard.numel()` elements) of this rank's mean loss on that
+# micro-batch. Reduce it at once with one `comm.reduce_scatter` and accumulate into
+# `shard`, so that after micro-batch `micro_batches - 1` the shard holds this rank's
+# slice of the step's gradient: the mean over ranks and micro-batches. At micro-batch
+# 0 the shard still holds the previous step's gradient. The checker runs 3 SGD steps of
+# 4 micro-batches on the MLP of Exercise 1 and compares every shard, at the end of each
+# step, with one process on the whole global batch.
+
+# %% tags=["exercise"]
+# exercise: 03.accumulate
+
+# %%
+exercises.check("03.accumulate", accumulate)
 
 # %% [markdown]
 # ## Summary

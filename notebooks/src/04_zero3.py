@@ -12,7 +12,8 @@
 # **Learning goals.** After this chapter you can
 #
 # 1. explain how ZeRO-3 cuts the model into *units* and gathers, uses and frees each
-#    unit around its forward and its backward, with the next unit prefetched;
+#    unit around its forward and its backward, with the next unit prefetched, and write
+#    those hooks and the prefetch yourself, checked on real ranks;
 # 2. free a gathered tensor so that its memory is really released, and show with the
 #    memory ledger why reassigning `.data` does not do it;
 # 3. read ZeRO-3's sawtooth in a measured memory timeline and bound its peak by the
@@ -105,14 +106,8 @@ for moment, value in ch04.free_by_resizing_storage().items():
 # %% [markdown]
 # The input was all ones, so the gradient of `y.sum()` with respect to each input
 # element is a column sum of the weight, and `x_grad_sum` (4 rows of those sums) is a
-# real number computed from the re-filled values. The engine's gather and free are
-# these two moves, around a collective:
-
-# %%
-for method in (Zero3Engine._start_gather, Zero3Engine._gather, Zero3Engine._free_unit):
-    print(inspect.getsource(method))
-
-# %% [markdown]
+# real number computed from the re-filled values.
+#
 # ## 3. Gather and free around forward and backward, with prefetch
 #
 # Module hooks place the gathers (Sec 5.3):
@@ -127,6 +122,74 @@ for method in (Zero3Engine._start_gather, Zero3Engine._gather, Zero3Engine._free
 #
 # So, between units, a rank holds its shards; during a unit's compute, that unit plus
 # at most one prefetched neighbour: about two gathered units.
+#
+# Before reading the engine's hooks, write them. Each exercise below is a function with
+# a stated signature; `exercises.check` runs it on 2 and then 3 real gloo ranks (3 ranks
+# make uneven shards, so every unit is padded) and compares it with single-process
+# training and with the memory and communication ledgers. Besides their arguments,
+# exercise functions may use the names the next cell imports.
+
+# %%
+import torch  # noqa: F401 - for the exercises' functions
+import torch.distributed as dist  # noqa: F401
+import torch.nn.functional as F  # noqa: F401
+from torch import nn  # noqa: F401
+
+from zerolearn import comm, exercises  # noqa: F401
+
+# %% [markdown]
+# ### Exercise 1 · gather and free around a unit
+#
+# Write `gather_hooks(unit, flat, shard, world_size)`. The unit's parameters are views
+# of `flat` (fp32, 1-D, `world_size * shard.numel()` elements, zero-padded), whose
+# storage holds 0 bytes between uses; `shard` (fp32, 1-D) is the rank's slice of it, the
+# only copy of the parameters it keeps. To gather, grow the storage back,
+# `flat.untyped_storage().resize_(flat.numel() * 4)`, and `comm.all_gather(flat, shard)`
+# into it; to free, resize it to 0 bytes, as Section 2 did. Register hooks on the unit
+# so that it is gathered for its forward and again for its backward, and freed after
+# each. The checker cuts the seed MLP (4 Linear layers of width 64) into one unit per
+# layer, trains 3 SGD steps and compares the gradients with one process; it reads the
+# parameter bytes alive over the step from the memory ledger (at most the shards plus
+# one unit or two) and counts the elements gathered per step (2 $\Psi$; 3 $\Psi$ with
+# the gradients' reduce-scatter, Sec 7.2.2).
+
+# %% tags=["exercise"]
+# exercise: 04.gather_hooks
+
+# %%
+exercises.check("04.gather_hooks", gather_hooks)
+
+# %% [markdown]
+# ### Exercise 2 · prefetch
+#
+# Gathering a unit only when it is needed makes every unit wait for its own all-gather.
+# Write `prefetch(units, flats, shards, world_size)` for a forward pass under
+# `torch.no_grad()` (so a unit may be freed as soon as its forward returns): `units` in
+# forward order, `flats[i]` and `shards[i]` as in Exercise 1 for `units[i]`. In each
+# unit's forward pre-hook, make sure the unit is gathered, then launch the next unit's
+# all-gather without waiting for it, `comm.all_gather(..., async_op=True)`, which
+# returns a handle whose `.wait()` blocks until the data has arrived; free each unit in
+# its forward hook. The checker logs every launch, wait and compute: while unit $i$
+# computes, unit $i + 1$'s all-gather must be in flight, and the outputs must equal one
+# process.
+
+# %% tags=["exercise"]
+# exercise: 04.prefetch
+
+# %%
+exercises.check("04.prefetch", prefetch)
+
+# %% [markdown]
+# The engine does both for units of several flat groups. Its gather and free are the
+# moves of Section 2 around a collective, launched asynchronously:
+
+# %%
+for method in (Zero3Engine._start_gather, Zero3Engine._gather, Zero3Engine._free_unit):
+    print(inspect.getsource(method))
+
+# %% [markdown]
+# and its hooks place them. Backward walks the units in reverse, so the unit to
+# prefetch there is the previous one:
 
 # %%
 for method in (Zero3Engine._pre_forward, Zero3Engine._post_forward, Zero3Engine._pre_backward,
@@ -179,9 +242,9 @@ print(text_table(['stage', 'params B', 'formula', 'grads B', 'formula', 'optim B
 # %%
 rows = []
 for r in reports:
-    steps, comm = len(r['losses']), r['ranks'][0]['comm']
+    steps, moved = len(r['losses']), r['ranks'][0]['comm']
     rows.append([f"{r['config']['stage']} {STAGE_NAMES[r['config']['stage']]}",
-                 *(comm[op]['elements'] // steps for op in ('all_reduce', 'reduce_scatter', 'all_gather'))])
+                 *(moved[op]['elements'] // steps for op in ('all_reduce', 'reduce_scatter', 'all_gather'))])
 print(text_table(['stage', 'all_reduce', 'reduce_scatter', 'all_gather'], rows))
 print(f'Psi = {psi:,}')
 
@@ -267,50 +330,9 @@ print(text_table(['Nd', 'stage', 'measured B', 'formula B', 'padding', 'formula(
 # billions of parameters the same few thousand elements are negligible. Otherwise the
 # ratios follow Table 1 to its printed digits: P_os tends to 4/16 of DP's memory,
 # P_os+g to 2/16, and P_os+g+p keeps falling as 1/Nd, the only stage with no floor.
-#
-# ## Exercises
-#
-# **Exercise 1.** From the units table of Section 1 and the shards of the ZeRO-3 run,
-# predict the most parameter bytes rank 0 holds at any moment of a step (shards plus
-# the two largest units it can hold at once; here both are blocks). Give bytes.
-
-# %%
-answer_peak = None  # bytes, e.g. 123456
-ch04.check_peak_params(answer_peak, z3)
-
-# %% [markdown]
-# <details><summary>Solution</summary>
-#
-# Shards 234,880 bytes (2 Psi / 2 in bf16) plus two blocks of 2 x 49,984 = 99,968
-# bytes each: 434,816 bytes. The measured timeline's maximum is exactly that.
-# </details>
-#
-# **Exercise 2.** Table 1 prints 15.6 GB for Psi = 1T parameters at Nd = 1024 under
-# P_os+g+p (K = 12). Compute the exact value in GB (1 GB = 1e9 bytes).
-
-# %%
-answer_gb = None  # GB
-ch04.check_trillion_gb(answer_gb)
-
-# %% [markdown]
-# <details><summary>Solution</summary>
-#
-# 16 bytes x 1e12 / 1024 = 15.625e9 bytes = 15.625 GB; the table truncates it to 15.6.
-# </details>
-#
-# **Exercise 3.** How many elements does each rank of the 2-rank ZeRO-3 run
-# all-gather per step, in terms of Psi? Give the number of elements.
-
-# %%
-answer_gathered = None  # elements per step
-ch04.check_gathered_elements(answer_gathered, z3)
-
-# %% [markdown]
-# <details><summary>Solution</summary>
-#
-# 2 Psi = 469,760 elements: the whole model once before forward and once before
-# backward (Sec 7.2.2); the ledger counts the full output of each all-gather.
-# </details>
+# At the paper's scale the same formula gives Table 1's last row: a trillion parameters
+# on 1024 GPUs under P_os+g+p hold 16 x 10^12 / 1024 bytes = 15.625 GB per GPU, printed
+# as 15.6.
 #
 # ## Summary
 #

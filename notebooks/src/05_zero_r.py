@@ -12,10 +12,10 @@
 # 1. explain activation checkpointing and measure what it saves (Sec 3.2);
 # 2. build Megatron-style tensor parallelism from two layers, column- and row-parallel,
 #    and check it trains exactly like one process;
-# 3. measure $P_a$ (Sec 6.1): checkpoint bytes per rank divided by $N_m$, for one extra
-#    all-gather per block that costs about 1/12 of the model parallelism's own traffic (Sec 8);
-#    and $P_{a+cpu}$, which moves checkpoints to host memory;
-# 4. show why fused buffers must have a constant size (CB, Sec 6.2);
+# 3. write $P_a$ (Sec 6.1) and measure it: checkpoint bytes per rank divided by $N_m$, for
+#    one extra all-gather per block that costs about 1/12 of the model parallelism's own
+#    traffic (Sec 8); and $P_{a+cpu}$, which moves checkpoints to host memory;
+# 4. show why fused buffers must have a constant size, and write one (CB, Sec 6.2);
 # 5. reproduce, by replaying real training steps through a model of the caching allocator,
 #    an out-of-memory error with over 30% of memory still free, and its cure by contiguous
 #    pools (MD, Sec 6.3).
@@ -76,7 +76,47 @@ print("all equal to the single process within 1e-5:", same)
 # recomputes the rest in backward, about a third more compute (Sec 3.2). Under model
 # parallelism every rank of the group keeps the *same* checkpoint. $P_a$ keeps $1/N_m$ of
 # it per rank and all-gathers it just before the recomputation; $P_{a+cpu}$ parks that
-# part in host memory. The store that holds them:
+# part in host memory.
+#
+# Before reading the package's version, write $P_a$'s core yourself. Each exercise is a
+# function with a stated signature; `exercises.check` runs it on 2 and then 3 real gloo
+# ranks and compares it with plain training in one process and with the memory and
+# communication ledgers. Besides their arguments, exercise functions may use the names
+# the next cell imports.
+
+# %%
+import torch  # noqa: F401 - for the exercises' functions
+import torch.distributed as dist  # noqa: F401
+import torch.nn.functional as F  # noqa: F401
+from torch import nn  # noqa: F401
+
+from zerolearn import comm, exercises  # noqa: F401
+
+# %% [markdown]
+# ### Exercise 1 · a partitioned checkpoint
+#
+# Write `partition_checkpoint(x, group)`. `x` is a checkpointed block's input (fp32,
+# any shape), the same on the $N_m$ ranks of `group`. Keep only this rank's piece:
+# elements $r c$ to $(r + 1) c - 1$ of `x` flattened and zero-padded at the end, with
+# $c = \lceil n / N_m \rceil$ for $n$ = `x.numel()`, and no reference to `x` or to a
+# view of it. Return `restore()`, a function that all-gathers the pieces with one
+# `comm.all_gather(output, piece, group=group)` and returns a tensor equal to `x`;
+# backward calls it just before recomputing the block. The checker trains three
+# checkpointed blocks whose input, 31 x 61 = 1,891 values, splits unevenly over 2 and 3
+# ranks (here all ranks form one model-parallel group, so $N_m$ is the world size); it
+# compares every restored checkpoint with the block's input in forward and the
+# gradients with plain training, measures the bytes alive after forward with the
+# memory ledger (1/$N_m$ of each checkpoint) and counts the elements gathered.
+
+# %% tags=["exercise"]
+# exercise: 05.partition_checkpoint
+
+# %%
+exercises.check("05.partition_checkpoint", partition_checkpoint)
+
+# %% [markdown]
+# The package's store does the same for every block, and also offers $P_{a+cpu}$ and a
+# contiguous pool (MD, Section 4):
 
 # %%
 print(inspect.getsource(checkpointing.CheckpointStore.save))
@@ -99,7 +139,10 @@ for name, r in runs.items():
 # are the same memory; on a GPU the device column is what the GPU keeps). The contiguous
 # variant shows its pool, reserved once for all blocks. The activations column is
 # everything the ledger saw allocated in forward and still alive at its end: the
-# checkpoints, plus the embedding and the head, which are not checkpointed.
+# checkpoints, plus the embedding and the head, which are not checkpointed. At the
+# paper's scale the same count is what makes $P_a$ matter: a 100B-parameter-class block
+# (hidden 8192) at batch 4 and sequence 1024 in fp16 checkpoints 64 MiB per block, and
+# at $N_m = 16$ each rank keeps 4 MiB of it.
 #
 # ### What $P_a$ costs
 #
@@ -151,6 +194,26 @@ ax.set_title("CB: the buffer stays under the cap as the model grows")
 ax.legend()
 plt.tight_layout()
 plt.show()
+
+# %% [markdown]
+# ### Exercise 2 · a constant buffer
+#
+# Write `constant_buffer(tensors, buffer, world_size)`: average `tensors` (contiguous
+# fp32 tensors of any shapes, a model's gradients, $n$ elements in all) over the ranks
+# in place, using `buffer` (fp32, 1-D, $B$ elements) as the only fused buffer. Lay the
+# tensors' elements end to end and take them $B$ at a time: copy each run into
+# `buffer` (a tensor may span two runs, a run may hold pieces of several tensors),
+# average the filled part with one `comm.all_reduce` and copy it back. The checker
+# averages the gradients of two MLPs, of 3,095 and 17,201 values, through the same
+# 1,024-element buffer; it compares the results with the average over ranks, counts the
+# all-reduce calls ($\lceil n / B \rceil$) and measures, with the memory ledger, what
+# your function allocates: nothing that grows with the model.
+
+# %% tags=["exercise"]
+# exercise: 05.constant_buffer
+
+# %%
+exercises.check("05.constant_buffer", constant_buffer)
 
 # %% [markdown]
 # ## 4. MD: out of memory with memory free
@@ -248,25 +311,6 @@ print("blocks x hidden; MiB. 'without MD', 'with MD': the least memory each need
 # failure on models far larger (Sec 6.3). `MemoryLedger(record_trace=True)` records any
 # step you write; `defrag.replay` takes its trace.
 #
-# ## Exercises
-#
-# **1.** A 100B-parameter-class block has hidden 8192; at batch 4 and sequence 1024 in
-# fp16, how many bytes of checkpoint does each rank keep per block with $P_a$ at
-# $N_m = 16$?
-
-# %%
-answer = None  # bytes
-ch05.check("pa_bytes", answer)
-
-# %% [markdown]
-# **2.** For the same block, what fraction of model parallelism's traffic does $P_a$ add
-# (Sec 8)? Give a number between 0 and 1.
-
-# %%
-answer = None
-ch05.check("pa_ratio", answer)
-
-# %% [markdown]
 # ## Summary
 #
 # - Tensor parallelism splits each block across $N_m$ ranks with two all-reduces in

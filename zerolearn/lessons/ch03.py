@@ -1,4 +1,4 @@
-"""Chapter 3, ZeRO-2 (P_os+g): a reproduction of a flawed ZeRO-2, and the checks.
+"""Chapter 3, ZeRO-2 (P_os+g): a reproduction of a flawed ZeRO-2, and accumulation measured.
 
 The blog this book starts from (seed 002) measured ZeRO-2's peak memory *above*
 ZeRO-1's, which the paper's Sec 5.2 says cannot happen. :class:`BlogZero2` rebuilds
@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from zerolearn import comm
-from zerolearn.lessons.ch02 import NaiveZero1, check
+from zerolearn.lessons.ch02 import NaiveZero1
 
 
 class BlogZero2(NaiveZero1):
@@ -112,24 +112,3 @@ def accumulation_tradeoff(micro_batches: int = 4, steps: int = 2) -> dict[str, d
                     "peak_grad_bytes": engine.peak_grad_bytes, "psi": engine.psi}
     return out
 
-
-# ----- exercise checks -------------------------------------------------------------
-def check_fig1_zero2(answer) -> None:
-    """Exercise: ZeRO-2 model states per GPU for Fig 1's 7.5B model at Nd = 64, K = 12 (GB)."""
-    psi, nd, k = 7.5e9, 64, 12
-    check(answer, round((2 * psi + (2 + k) * psi / nd) / 1e9, 2), "GB", rel=4e-3)  # Fig 1 prints 16.6
-
-
-def check_blog_volume(answer) -> None:
-    """Exercise: Psi per step the blog's ZeRO-2 moves at Nd = 8 (reduce-scatter input plus broadcast)."""
-    check(answer, 9, "Psi per step")
-
-
-def check_hook(answer) -> None:
-    """Exercise: does a hook that returns None discard the gradient? (True / False)"""
-    if answer is None:
-        print("Fill in `answer` first.")
-        return
-    discards = not hook_returning_none_keeps_gradient()
-    print(f"Correct: {'it discards it' if discards else 'the gradient is kept'}." if answer == discards
-          else "Not yet: run the hook on a tiny tensor and look at x.grad.")

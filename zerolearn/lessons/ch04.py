@@ -1,4 +1,4 @@
-"""Chapter 4, ZeRO-3 (P_os+g+p): what the notebook runs, measures and checks.
+"""Chapter 4, ZeRO-3 (P_os+g+p): what the notebook runs and measures.
 
 * :func:`free_by_reassigning_data` and :func:`free_by_resizing_storage` free a
   gathered weight two ways while autograd still holds the graph, under the
@@ -8,24 +8,18 @@
   :func:`zerolearn.dist.launch` spawned (one spawn instead of four).
 * :func:`simulate` is ``python -m zerolearn.train --simulate-world-size N`` run in
   this process: rank 0 of N ranks, real shards, no data moved.
-* :func:`check` and the ``check_*`` functions tell a reader whether an exercise's
-  answer is right.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 from torch import nn
 
 from zerolearn.config import TrainConfig
 from zerolearn.memory.ledger import MemoryLedger, category
-from zerolearn.memory.model import GB, model_state_bytes
 from zerolearn.train import train, train_here
 
-__all__ = ["all_stages", "check", "check_gathered_elements", "check_peak_params", "check_trillion_gb",
-           "free_by_reassigning_data", "free_by_resizing_storage", "simulate"]
+__all__ = ["all_stages", "free_by_reassigning_data", "free_by_resizing_storage", "simulate"]
 
 WIDTH = 256  # the demo's Linear(WIDTH, WIDTH): 256 x 256 fp32 = 262,144 bytes of weight
 
@@ -117,38 +111,3 @@ def simulate(stage: int, nd: int, config: TrainConfig) -> dict:
     """
     return train_here(config.replace(stage=stage, simulate_world_size=nd))
 
-
-def check(answer, expected, rel: float = 1e-3, what: str = "answer") -> None:
-    """Print whether ``answer`` matches ``expected``.
-
-    Numbers match within a relative tolerance ``rel``; anything else (tuples,
-    strings) must be equal. ``None`` means the reader has not answered yet.
-    """
-    if answer is None:
-        print(f"No {what} yet: replace None with your {what} and run this cell again.")
-        return
-    if isinstance(expected, (int, float)) and isinstance(answer, (int, float)):
-        ok = math.isclose(answer, expected, rel_tol=rel)
-    else:
-        ok = answer == expected
-    print(f"Correct: {answer!r}." if ok else f"Not yet: {answer!r} is not right; try again.")
-
-
-def check_peak_params(answer, report: dict) -> None:
-    """Exercise: the most parameter bytes rank 0 of a ZeRO-3 ``report`` holds during its step.
-
-    Graded against the ledger's timeline (``--memory-timeline``), not a formula.
-    """
-    timeline = report["ranks"][0]["memory"]["timeline"]
-    check(answer, max(event[3]["params"] for event in timeline), rel=0, what="peak parameter bytes")
-
-
-def check_trillion_gb(answer) -> None:
-    """Exercise: GB per device for Psi = 1e12 at Nd = 1024 under P_os+g+p, K = 12 (Table 1)."""
-    check(answer, model_state_bytes(10**12, 1024, 3)["total"] / GB, rel=1e-3, what="GB per device")
-
-
-def check_gathered_elements(answer, report: dict) -> None:
-    """Exercise: elements rank 0 of a ZeRO-3 ``report`` all-gathers per step (the comm ledger)."""
-    steps = len(report["losses"])
-    check(answer, report["ranks"][0]["comm"]["all_gather"]["elements"] // steps, rel=0, what="element count")

@@ -1,4 +1,4 @@
-"""Chapter 5, ZeRO-R: the runs the chapter measures, and its exercise checks.
+"""Chapter 5, ZeRO-R: the runs the chapter measures.
 
 ``zero_r_run`` trains the book's small GPT on an Nd x Nm world with Megatron-style
 tensor parallelism, optionally with activation checkpointing and ZeRO-R's P_a,
@@ -13,8 +13,6 @@ from __future__ import annotations
 from zerolearn import dist as zdist
 from zerolearn.config import TrainConfig
 from zerolearn.figures import recorded_trace
-from zerolearn.lessons.ch00 import grade
-from zerolearn.memory import model as analytic
 from zerolearn.models import GPTConfig, build_model
 from zerolearn.residual import buffers, defrag
 from zerolearn.train import train
@@ -63,23 +61,6 @@ def zero_r_runs(runs: list[dict]) -> list[dict]:
 def bucket_sweep(widths: list[int], bucket_mbs: list[float], stage: int = 2) -> list[dict]:
     """Largest fused buffer (bytes) of one MLP step per (width, bucket size): CB, Sec 6.2."""
     return [buffers.fused_buffer_peak(stage, width, 6, bucket_mb) for width in widths for bucket_mb in bucket_mbs]
-
-
-def check(exercise: str, answer) -> None:
-    """Grade chapter 5's exercises: ``"pa_bytes"``, ``"pa_ratio"``."""
-    if exercise == "pa_bytes":
-        # Per rank, per block: batch x seq x hidden values of 2 bytes, split over Nm = 16.
-        expected = analytic.partitioned_checkpoint_bytes(8192, 4, 1024, 1, nm=16, bytes_per_value=2)
-        grade(answer, expected, hint="One checkpoint is batch x seq x hidden values; P_a keeps 1/Nm of it.",
-              why=f"4 x 1024 x 8192 x 2 bytes / 16 = {expected / 2**20:.0f} MiB per block per rank.")
-    elif exercise == "pa_ratio":
-        expected = analytic.pa_overhead_ratio(1024, 4, 8192)
-        grade(answer, expected, rel_tol=0.02,
-              hint="Sec 8: MP moves 12 x seq x hidden per block (six all-reduces, each 2x its size); P_a "
-                   "adds one all-gather of seq x hidden.",
-              why=f"1 / 12 = {expected:.3f}: about 8%, whatever the model's size.")
-    else:
-        raise ValueError(f"unknown exercise {exercise!r}: allowed are 'pa_bytes', 'pa_ratio'")
 
 
 def md_comparison(sizes=((4, 256), (4, 512), (8, 512))) -> list[dict]:
