@@ -13,6 +13,22 @@ from zerolearn.exercises import EXERCISES, check
 
 NAMES = sorted(EXERCISES)
 BUGS = [(n, b) for n in NAMES for b in EXERCISES[n].bugs]
+RANK_EXERCISES = [n for n in NAMES if EXERCISES[n].world_sizes]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def persistent_ranks():
+    """One pool of ranks per world size for the whole module, as ``check --all`` uses;
+    tests that need fresh ranks leave it with ``fresh_ranks``."""
+    with exercises.reusing_ranks():
+        yield
+
+
+def _defined_in_a_cell(name: str, source: str):
+    """The function ``source`` defines, compiled as a notebook cell is (not importable by name)."""
+    namespace = {"__name__": "__main__"}
+    exec(compile(exercises.PRELUDE + "\n" + source, "<cell>", "exec"), namespace)
+    return namespace[EXERCISES[name].solution.__name__]
 
 
 def test_chapters_01_to_05_have_at_least_two_exercises_each():
@@ -40,10 +56,23 @@ def test_skeleton_keeps_the_signature_and_docstring_and_raises(name):
     assert skeleton.splitlines()[0] == solution.splitlines()[0]  # the def line
     assert "raise NotImplementedError" in skeleton and "raise NotImplementedError" not in solution
     assert EXERCISES[name].solution.__doc__, f"{name}: the reader needs the docstring"
-    namespace = {}
-    exec(exercises.PRELUDE + "\n" + skeleton, namespace)
-    result = check(name, namespace[EXERCISES[name].solution.__name__], quiet=True)
+    result = check(name, _defined_in_a_cell(name, skeleton), quiet=True)
     assert not result.written and "not written yet" in str(result)
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_the_books_solution_cell_passes_with_only_the_prelude(name):
+    # The book's cell holds solution_source(name), run after the chapter's prelude imports.
+    result = check(name, _defined_in_a_cell(name, exercises.solution_source(name)), quiet=True)
+    assert result.passed, str(result)
+
+
+@pytest.mark.parametrize("name", RANK_EXERCISES[:1] + RANK_EXERCISES[-1:])
+def test_a_solution_written_in_a_cell_passes_on_fresh_ranks(name, monkeypatch):
+    # What a reader's notebook does: the function travels by value to newly spawned ranks.
+    monkeypatch.setattr(exercises.core, "_POOLS", None)
+    result = check(name, _defined_in_a_cell(name, exercises.solution_source(name)), quiet=True)
+    assert result.passed, str(result)
 
 
 def test_a_function_that_raises_is_named_with_its_line():

@@ -184,18 +184,32 @@ for c, nb in watched["peak_by_category"].items():
 # billion-parameter models, model states dominate (Sec 3.1), which is why ZeRO attacks them
 # first; but activations grow with batch and sequence length, as section 2 shows.
 #
-# ### Exercise 1: K for SGD with momentum
+# ### Exercise 1: the model states of one replica
 #
-# Mixed precision (bf16) with SGD and momentum 0.9: how many bytes of model states per parameter
-# does a rank hold? Work it out from the paper's accounting, then set `answer` to a number. (You
-# can confirm it with `launch(ch00.reports, 1, [common.replace(dtype="bf16", optimizer="sgd",
-# momentum=0.9)])`.)
+# Write `model_state_bytes(psi, optimizer, dtype)`: the bytes of parameters, gradients and
+# optimizer states that one data-parallel replica of a model with `psi` parameters holds, by the
+# paper's accounting (Sec 3.1). `optimizer` is `"adam"` (momentum and variance), `"sgd_momentum"`
+# (one momentum buffer) or `"sgd"` (no state); `dtype` is the working dtype of parameters and
+# gradients, `"fp32"`, `"bf16"` or `"fp16"`. Return `{"params": ..., "grads": ...,
+# "optimizer_states": ...}` in bytes, ints. Remember what mixed precision adds to the optimizer's
+# own buffers, and what it does not need in fp32.
+#
+# `exercises.check` calls your function for every optimizer and dtype at three model sizes (our
+# GPT, 1.5B and 7.5B parameters), compares each entry with `zerolearn.memory.model`, and names the
+# first entry that differs and what it should count. Your functions may use `torch`, `nn`, `F`,
+# `dist` and `comm` besides their arguments; the next cell imports them and the checker.
 
 # %%
-answer = None  # bytes per parameter, e.g. 16
+import torch.distributed as dist  # noqa: F401 - for the exercises' functions
+from torch import nn  # noqa: F401
+
+from zerolearn import comm, exercises  # noqa: F401
+
+# %% tags=["exercise"]
+# exercise: 00.model_state_bytes
 
 # %%
-ch00.check("sgd_bytes_per_param", answer)
+exercises.check("00.model_state_bytes", model_state_bytes)
 
 # %% [markdown]
 # ## 2. Residual states: activations
@@ -356,16 +370,22 @@ plt.show()
 # %% [markdown]
 # ### Exercise 2: how large a batch fits?
 #
-# Keep GPT-2 1.5B with mixed-precision Adam on one 32 GB V100 (32 · 10<sup>9</sup> bytes), sequence
-# length 1024, **no** activation checkpointing, and the paper's 12 h · b · s · L activation
-# values of 2 bytes. Ignoring temporary buffers and fragmentation, how many sequences per step
-# (batch size b) fit beside the 24 GB of model states? Set `answer` to an integer.
+# Write `max_batch(psi, device_bytes, hidden, seq_len, layers, checkpointing=False)`: the largest
+# batch b (sequences per step) that fits on one device beside the model states of
+# mixed-precision Adam (16 bytes per parameter), with the paper's activations: 12 h · b · s · L
+# values of 2 bytes, or h · b · s · L with one checkpoint per block (Sec 3.2). Leave out temporary
+# buffers and fragmentation. Return an int, 0 when not even the model states fit; a batch that
+# fills the device exactly fits.
+#
+# The checker tries GPT-2 1.5B on a 32 GB V100 (32 · 10<sup>9</sup> bytes) with and without
+# checkpointing, a model that fills its device exactly, one whose model states alone are too
+# large, and 7.5B parameters on a 141 GB device, against `zerolearn.memory.model`.
+
+# %% tags=["exercise"]
+# exercise: 00.max_batch
 
 # %%
-answer = None  # sequences per step, e.g. 32
-
-# %%
-ch00.check("gpt2_batch", answer)
+exercises.check("00.max_batch", max_batch)
 
 # %% [markdown]
 # ## Summary

@@ -120,41 +120,46 @@ print(f"volume of reduce_scatter + all_gather:     {ledger['reduce_scatter']['el
       f"{ledger['reduce_scatter']['elements'] + ledger['all_gather']['elements']} elements")
 
 # %% [markdown]
-# ### Exercise 1: what a ring really sends
-#
-# A ring all-reduce of Ψ = 1,000,000 elements on N<sub>d</sub> = 8 ranks: how many elements does
-# each rank send? Set `answer` to a number.
-
-# %%
-answer = None  # elements sent per rank
-
-# %%
-ch01.check("ring_elements", answer)
-
-# %% [markdown]
 # ## 2. Naive data parallelism
 #
 # The simplest DP: run forward and backward on this rank's slice of the batch, then all-reduce
 # each parameter's gradient and divide by N<sub>d</sub>, so every rank holds the gradient of the
 # *global* batch; then step. All ranks build the model from the same seed, so the replicas start
 # identical without a broadcast (PyTorch's DDP broadcasts rank 0's weights instead).
+#
+# ### Exercise 1: average the gradients
+#
+# Write `average_gradients(model, world_size)`, the heart of naive DP: called on every rank after
+# `loss.backward()`, it replaces each parameter's `p.grad` by the mean of that gradient over the
+# ranks, in place, with `comm.all_reduce` (which sums over the ranks and books what it moves).
+#
+# `exercises.check` runs your function on 2 and then 3 real gloo ranks. Each rank trains a small
+# GPT (Ψ = 42,368 in 29 tensors) with Adam for three steps on its slice of a global batch of 12
+# sequences and calls your function after backward; the checker compares every gradient, and
+# after the optimizer step every parameter, with the same GPT trained in one process on the whole
+# batch, then reads the ledger: averaging the gradients moves 2 Ψ per step. A wrong result is
+# named by rank, step and tensor. Your functions may use `torch`, `nn`, `F`, `dist` and `comm`
+# besides their arguments; the next cell imports them and the checker.
+
+# %%
+import torch  # noqa: F401 - for the exercises' functions
+import torch.distributed as dist  # noqa: F401
+import torch.nn.functional as F  # noqa: F401
+from torch import nn  # noqa: F401
+
+from zerolearn import comm, exercises  # noqa: F401
+
+# %% tags=["exercise"]
+# exercise: 01.average_gradients
+
+# %%
+exercises.check("01.average_gradients", average_gradients)
+
+# %% [markdown]
+# The chapter's `naive_dp_step` does this inside a whole training step:
 
 # %%
 print(inspect.getsource(ch01.naive_dp_step))
-
-# %% [markdown]
-# ### Exercise 2: how many collectives?
-#
-# Our GPT (`ch01.GPT`: width 64, two blocks, byte vocabulary; embeddings, per block two
-# LayerNorms and four Linear layers with biases, a final LayerNorm and an output projection
-# without bias) has Ψ = 134,912 parameters. How many `all_reduce` calls does `naive_dp_step` make
-# per step? Set `answer`; the next section measures it.
-
-# %%
-answer = None  # all_reduce calls per step
-
-# %%
-ch01.check("naive_calls", answer)
 
 # %% [markdown]
 # Naive DP is correct but wasteful twice over. Communication starts only after the whole backward
@@ -165,7 +170,33 @@ ch01.check("naive_calls", answer)
 # **Buckets from autograd hooks.** Real implementations (PyTorch DDP, DeepSpeed, and our engines)
 # lay the gradients out in a few flat *buckets* of bounded size, fill them as backward produces
 # gradients, and launch each bucket's reduction asynchronously the moment it is complete, while
-# backward goes on with earlier layers. The engine's constructor puts a hook on every parameter:
+# backward goes on with earlier layers.
+#
+# ### Exercise 2: buckets from hooks
+#
+# Write `bucket_hook(buckets, world_size)`. `buckets` is a list of buckets, each a list of the
+# model's parameters (every parameter in exactly one). Register a hook on every parameter with
+# `p.register_post_accumulate_grad_hook(hook)`: autograd calls `hook(p)` with the *parameter*
+# once `p.grad` is complete. When a bucket's last gradient has arrived, copy the bucket's
+# gradients into one flat buffer and launch `comm.all_reduce(buffer, async_op=True)` at once,
+# keeping the handle it returns. Return a function `finish()` that the caller runs after
+# `loss.backward()`: it waits for every handle, divides by `world_size` and copies each averaged
+# gradient back into `p.grad`.
+#
+# The checker trains the GPT of Exercise 1 on 2 and 3 ranks with five buckets of at most 48 KiB,
+# in reverse parameter order (the order backward produces gradients). Besides every gradient and
+# parameter against one process, it counts the all-reduces: one per bucket per step, each
+# launched during backward, 2 Ψ in all.
+
+# %% tags=["exercise"]
+# exercise: 01.bucket_hook
+
+# %%
+exercises.check("01.bucket_hook", bucket_hook)
+
+# %% [markdown]
+# The engine does the same with the bookkeeping a library needs (gradient accumulation, shared
+# parameters, a bound on the buffers in flight). Its constructor puts a hook on every parameter:
 
 # %%
 source = inspect.getsource(Engine.__init__).splitlines()
@@ -327,19 +358,6 @@ plt.show()
 # rank 1/N<sub>d</sub> of the optimizer states and of the step, keeping DP's 2 Ψ of communication
 # (Sec 5.1, Sec 7.2.1).
 #
-# ### Exercise 3: the paper's 7.5B model under DP
-#
-# The paper's Fig 1 runs a model with Ψ = 7.5B on N<sub>d</sub> = 64 GPUs with mixed-precision
-# Adam. Under plain DP, how many GB (10<sup>9</sup> bytes) of model states do the 64 GPUs hold
-# *together*? Set `answer` to a number of GB.
-
-# %%
-answer = None  # GB, all 64 GPUs together
-
-# %%
-ch01.check("dp_total_gb", answer)
-
-# %% [markdown]
 # ## Summary
 #
 # * All-reduce = reduce-scatter + all-gather; we showed it on 4 gloo ranks. A ring all-reduce

@@ -102,9 +102,41 @@ for nd in (3, 4):
 #
 # ## 3. Flat padded shards
 #
-# ZeRO partitions by *element*, not by tensor (Sec 5). `zerolearn.flat` lays a group
-# of parameters end to end in one 1-D buffer, pads it with zeros to a multiple of the
-# number of shards, and gives rank $r$ the $r$-th equal slice. A `FlatLayout` is only that
+# ZeRO partitions by *element*, not by tensor (Sec 5): lay a group of parameters end to
+# end in one 1-D buffer, pad it with zeros to a multiple of the number of shards, and give
+# rank $r$ the $r$-th equal slice. Every rank then holds the same number of elements,
+# whatever the tensor sizes.
+#
+# ### Exercise 1 · which elements a rank owns
+#
+# Write `shard_range(psi, world_size, rank)`: for a flat buffer of `psi` elements split
+# over `world_size` ranks, return `(start, end, padding)`, where this rank's shard is
+# elements `[start, end)` of the padded buffer and `padding` is the number of zeros
+# appended (none when `psi` already divides by `world_size`).
+#
+# `exercises.check` runs your function on 2 and then 3 real gloo ranks: each rank asks
+# for its own shard, the answers are gathered, and the checker looks for elements no rank
+# owns, elements two ranks own, shards of unequal size or out of rank order, and more
+# padding than needed, for buffers of 1 to 42,368 elements. Your functions may use
+# `torch`, `nn`, `F`, `dist` and `comm` besides their arguments; the next cell imports
+# them and the checker.
+
+# %%
+import torch
+import torch.distributed as dist  # noqa: F401 - for the exercises' functions
+import torch.nn.functional as F  # noqa: F401
+from torch import nn
+
+from zerolearn import comm, exercises  # noqa: F401
+
+# %% tags=["exercise"]
+# exercise: 02.shard_range
+
+# %%
+exercises.check("02.shard_range", shard_range)
+
+# %% [markdown]
+# `zerolearn.flat` does this arithmetic for the engines. A `FlatLayout` is only that
 # arithmetic, fixed once built (what an engine keeps per group from step to step lives in
 # `zerolearn.engines.group.GroupState`):
 
@@ -122,25 +154,11 @@ print(inspect.getsource(flat.FlatLayout.views))
 # rank's shard has 8 elements, and shards cut straight through tensors.
 
 # %%
-import torch
-from torch import nn
-
 toy = [(name, nn.Parameter(torch.zeros(n))) for name, n in (("a", 10), ("b", 7), ("c", 5))]
 for rank in range(3):
     g = flat.make_groups(toy, bucket_bytes=1 << 20, element_size=4, num_shards=3, shard_index=rank)[0]
     print(f"rank {rank}: shard = elements [{g.shard_range[0]:>2}, {g.shard_range[1]:>2}) "
           f"of {g.padded_numel} ({g.numel} real + {g.padding} padding); tensor offsets {g.offsets}")
-
-# %% [markdown]
-# ### Exercise 1 · a flat layout
-#
-# Three tensors of 10, 7 and 6 elements form one group on $N_d = 4$ ranks. How many
-# padding elements does the group get, and which elements `(start, end)` does rank 3
-# own? Write `answer = (padding, (start, end))`.
-
-# %%
-answer = None  # e.g. (3, (10, 15))
-ch02.check_flat_layout(answer)
 
 # %% [markdown]
 # ## 4. Reduce-scatter, update, all-gather
@@ -154,9 +172,42 @@ ch02.check_flat_layout(answer)
 #    ($\Psi$ more).
 #
 # A ring all-reduce *is* a reduce-scatter followed by an all-gather (Sec 7.1), so ZeRO-1
-# moves the $2\Psi$ that DP moves, and simply does the update in between. The
-# package's engine is short because the shared base class (`engines/base.py`) launches
-# a group's reduction from autograd hooks as soon as its gradients are complete:
+# moves the $2\Psi$ that DP moves, and simply does the update in between.
+#
+# ### Exercise 2 · one ZeRO-1 step
+#
+# Write `zero1_step(flat_params, flat_grad, state, world_size, rank, lr)`, the three moves
+# on one flat buffer of `n` elements (a multiple of `world_size`), after backward:
+#
+# - `flat_params` holds every parameter end to end, then zeros; the model's parameters are
+#   views into it, so it must hold the updated parameters on return;
+# - `flat_grad` is this rank's gradient laid out the same way;
+# - `state` is a dict kept from step to step (empty at the first step): keep in it an
+#   fp32 master copy of this rank's shard and a `torch.optim.Adam(..., lr=lr)` over that
+#   shard alone.
+#
+# Reduce-scatter `flat_grad` into this rank's shard and average it, step Adam on the master
+# shard, all-gather the updated shards into `flat_params`, and return the averaged gradient
+# shard you stepped with. Use `comm.reduce_scatter(output, input)` and
+# `comm.all_gather(output, input)`.
+#
+# The checker trains the chapter's kind of GPT (here Ψ = 42,368, so 3 ranks need one
+# padding element) for three steps on 2 and then 3 ranks, and compares the gradient shard
+# you return and every parameter with single-process Adam on the whole batch; then the
+# ledger (ZeRO-1 moves 2 Ψ per step) and the tensors you keep in `state` (at most
+# $K\Psi/N_d$ bytes, $K = 12$: a 4-byte master copy and Adam's two 4-byte moments per
+# shard element).
+
+# %% tags=["exercise"]
+# exercise: 02.zero1_step
+
+# %%
+exercises.check("02.zero1_step", zero1_step)
+
+# %% [markdown]
+# The package's engine does the same for each flat group. It is short because the shared
+# base class (`engines/base.py`) launches a group's reduction from autograd hooks as soon
+# as its gradients are complete:
 
 # %%
 print(inspect.getsource(zero1.Zero1Engine))
@@ -367,17 +418,6 @@ for nd in (3, 4):
               f"| naive by size {by_size['losses'][step]:.4f} | engine bf16 {eng16['losses'][step]:#.3g}")
     gap = max(abs(a - b) for run in (by_count, by_size) for a, b in zip(eng["losses"], run["losses"]))
     print(f"  fp32 engine and naive agree within 1e-5: {gap < 1e-5}")
-
-# %% [markdown]
-# ### Exercise 2 · Fig 1, recomputed
-#
-# Fig 1's model has $\Psi = 7.5\text{B}$ parameters, trained with mixed-precision Adam
-# ($K = 12$) on $N_d = 64$ GPUs. How many GB (decimal, $10^9$ bytes, as the paper
-# counts) of model states does each GPU hold under ZeRO-1? Two decimals.
-
-# %%
-answer = None  # GB per GPU
-ch02.check_fig1_zero1(answer)
 
 # %% [markdown]
 # ## Summary

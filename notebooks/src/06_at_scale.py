@@ -128,8 +128,39 @@ plt.show()
 #
 # Table 2 turns the formulas around: with 32 GB per V100 and Nd = 64 data-parallel
 # ranks, how many parameters fit per stage, with model parallelism (MP) of degree
-# 1 to 16 on top? Its theoretical column counts model states only;
-# `max_model_params` solves `model_state_bytes(psi, ...) = 32e9` for Psi:
+# 1 to 16 on top? Its theoretical column counts model states only.
+#
+# ### Exercise 1 · the largest model per stage
+#
+# Write `max_psi(device_bytes, nd, stage, nm=1, k=12)`: the largest Psi whose model
+# states fit one device, for 2-byte parameters and gradients and `k` bytes of optimizer
+# state per parameter. Model parallelism of degree `nm` gives each device Psi / Nm of the
+# parameters; ZeRO then divides by Nd what the stage partitions. Return the number of
+# parameters as a float, unrounded.
+#
+# `exercises.check` tries every row of Table 2 (32 GB, Nd = 64, MP 1 to 16, all four
+# stages), then other devices, Nd and K, against `zerolearn.memory.model` and names the
+# first case that differs with the bytes per parameter the stage holds. Your functions may
+# use `torch`, `nn`, `F`, `dist` and `comm` besides their arguments; the next cell imports
+# them and the checker.
+
+# %%
+import torch  # noqa: F401 - for the exercises' functions
+import torch.distributed as dist  # noqa: F401
+import torch.nn.functional as F  # noqa: F401
+from torch import nn  # noqa: F401
+
+from zerolearn import comm, exercises  # noqa: F401
+
+# %% tags=["exercise"]
+# exercise: 06.max_psi
+
+# %%
+exercises.check("06.max_psi", max_psi)
+
+# %% [markdown]
+# The package's `max_model_params` solves `model_state_bytes(psi, ...) = 32e9` for Psi.
+# Beside the values Table 2 prints:
 
 # %%
 rows = [[f"{r['mp']} x {r['gpus'] // r['mp']}", r['gpus'],
@@ -163,10 +194,27 @@ print(text_table(['stage', 'measured bytes/param', 'largest Psi (B), measured', 
 #
 # ## 4. Can my hardware fit this model?
 #
-# The fit solver (`zerolearn.memory.fit.smallest_fit`) answers the question people
-# bring to the paper: given a model and a GPU, which stage and how many GPUs? Its rule:
-# the fewest GPUs first, then the lowest stage, since lower stages partition less and
-# never communicate more (Sec 7). A 7B model in bf16 with Adam on 80 GB GPUs:
+# The question people bring to the paper: given a model and a GPU, which stage and how
+# many GPUs? A good rule: the fewest GPUs first, then the lowest stage, since lower
+# stages partition less and never communicate more (Sec 7).
+#
+# ### Exercise 2 · the fewest GPUs
+#
+# Write `fewest_gpus(psi, device_bytes, max_nd=1024)`: the `(stage, nd)` of that rule for
+# model states only, bf16 with Adam (K = 12), trying Nd = 1, 2, ... up to `max_nd`, or
+# None when nothing fits. A model that fills a device exactly fits. The checker tries
+# models from 1.5B to 10T parameters on 32 to 141 GB devices against the package's
+# solver.
+
+# %% tags=["exercise"]
+# exercise: 06.fewest_gpus
+
+# %%
+exercises.check("06.fewest_gpus", fewest_gpus)
+
+# %% [markdown]
+# The package's fit solver, `zerolearn.memory.fit.smallest_fit`, follows the same rule
+# and can add residual states, as below. A 7B model in bf16 with Adam on 80 GB GPUs:
 
 # %%
 fit = smallest_fit(7e9, 80 * GB)
@@ -401,50 +449,6 @@ display(widgets.FragmentationSimulator())
 figures.fragmentation_figure()  # the default: the smallest arena that works with MD, here without it
 
 # %% [markdown]
-# ## Exercises
-#
-# **Exercise 1.** You have A100 40 GB GPUs and a 13B-parameter model (bf16, Adam).
-# What is the smallest fit: give `(stage, gpus)`.
-
-# %%
-answer_fit = None  # (stage, gpus), e.g. (2, 8)
-ch06.check_fit_13b(answer_fit)
-
-# %% [markdown]
-# <details><summary>Solution</summary>
-#
-# On n GPUs, P_os holds 4 x 13 + 156 / n GB, P_os+g 26 + 182 / n, P_os+g+p 208 / n.
-# P_os never fits (52 GB > 40); P_os+g needs n >= 182 / 14 = 13 GPUs; P_os+g+p needs
-# n >= 208 / 40 = 5.2, so 6 GPUs at 34.7 GB each: `(3, 6)`.
-# </details>
-#
-# **Exercise 2.** Table 2 prints 14.4B as the largest model under P_os+g on 64 GPUs of
-# 32 GB (MP = 1). Compute the exact value in billions of parameters.
-
-# %%
-answer_billions = None  # billions of parameters
-ch06.check_table2_pos_g(answer_billions)
-
-# %% [markdown]
-# <details><summary>Solution</summary>
-#
-# P_os+g holds (2 + 14 / 64) bytes per parameter = 2.21875; 32e9 / 2.21875 = 14.42e9
-# parameters, 14.42B.
-# </details>
-#
-# **Exercise 3.** In the cost model, with no latency and no overlap, by what factor is
-# ZeRO-3's communication time larger than DP's for the same job?
-
-# %%
-answer_factor = None  # a number
-ch06.check_zero3_comm_factor(answer_factor)
-
-# %% [markdown]
-# <details><summary>Solution</summary>
-#
-# 1.5: 3 Psi against 2 Psi through the same links (Sec 7.2.2).
-# </details>
-#
 # ## Summary
 #
 # * Table 1 and Table 2's theoretical column follow from three formulas

@@ -35,6 +35,35 @@ for name, r in results.items():
           f"{b['grads'] / 1024:>10.1f} {b['optimizer_states'] / 1024:>10.1f}")
 
 # %% [markdown]
+# ### Exercise 1 · which stage does it run?
+#
+# The bytes a rank holds tell which states an implementation partitions, and so which
+# stage it runs. Write `stage_from_bytes(held, full)`: `held` is
+# `{"params": ..., "grads": ..., "optimizer_states": ...}`, the bytes one rank holds, and
+# `full` the same for one unpartitioned replica. A state is partitioned when the rank holds
+# less of it than a replica, however unequal the shards. Return the stage, 0 to 3, and
+# raise `ValueError` when the partitioned states match no stage.
+#
+# `exercises.check` tries every stage on 2, 3 and 4 ranks with padded flat shards, uneven
+# whole-tensor shards such as `ZeroRedundancyOptimizer` makes, and two combinations no
+# stage makes. Your functions may use `torch`, `nn`, `F`, `dist` and `comm` besides their
+# arguments; the next cell imports them and the checker.
+
+# %%
+import torch  # noqa: F401 - for the exercises' functions
+import torch.distributed as dist  # noqa: F401
+import torch.nn.functional as F  # noqa: F401
+from torch import nn  # noqa: F401
+
+from zerolearn import comm, exercises  # noqa: F401
+
+# %% tags=["exercise"]
+# exercise: 07.stage_from_bytes
+
+# %%
+exercises.check("07.stage_from_bytes", stage_from_bytes)
+
+# %% [markdown]
 # All eight runs print the same losses: the same model, the same global batches, the same
 # Adam. The bytes each rank holds tell which states each implementation shards on our
 # 2 ranks: DDP holds everything (our stage 0); `ZeroRedundancyOptimizer` shards only the
@@ -145,10 +174,29 @@ for step, (a, b) in enumerate(zip(hf["losses"], hf["reference_losses"])):
 # ## Choosing a stage
 #
 # Use the lowest stage that fits: stage 1 and 2 move no more data than DP (Sec 7.2.1),
-# stage 3 moves 1.5x (Sec 7.2.2). The fit solver answers "what is the smallest setup that
-# holds my model?", first for model states alone, then for GPT-2 1.5B with its residual
-# states at batch 32 (checkpointed activations, one block's recomputation, DP's fused fp32
-# gradient buffer; Sec 3.2):
+# stage 3 moves 1.5x (Sec 7.2.2). And budget for the residual states (activations,
+# temporary buffers; Sec 3.2), which ZeRO-DP does not divide.
+#
+# ### Exercise 2 · the lowest stage for the GPUs you have
+#
+# Write `choose_stage(psi, device_bytes, nd, residual_bytes=0)`: the lowest stage whose
+# model states (bf16 and Adam, K = 12) on `nd` GPUs plus `residual_bytes` per GPU fit in
+# `device_bytes`, or None when no stage fits. The checker tries GPT-2 1.5B with and
+# without its residual states at batch 32, a model whose residual states move the answer
+# from stage 0 to stage 3, and models of 7B to 70B parameters on 40 and 80 GB GPUs,
+# against `zerolearn.memory.model`.
+
+# %% tags=["exercise"]
+# exercise: 07.choose_stage
+
+# %%
+exercises.check("07.choose_stage", choose_stage)
+
+# %% [markdown]
+# The fit solver asks the other question, "what is the smallest setup that holds my
+# model?", first for model states alone, then for GPT-2 1.5B with its residual states at
+# batch 32 (checkpointed activations, one block's recomputation, DP's fused fp32 gradient
+# buffer; Sec 3.2):
 
 # %%
 for psi, gb in ((1.5e9, 32), (7e9, 80), (13e9, 80), (70e9, 80)):
@@ -181,21 +229,6 @@ print(f"GPT-2 1.5B, batch 32, with residual states on 32 GB GPUs: stage {fit.sta
 # it. Every process group here has a timeout, and a debug mode
 # (`ZEROLEARN_DEBUG_COLLECTIVES=1`) compares what each rank is about to do before every
 # collective and names the ranks that disagree.
-#
-# ## Exercises
-#
-# **1.** Which stage does the fit solver pick for a 7B-parameter model on 80 GB GPUs?
-
-# %%
-answer = None  # 0, 1, 2 or 3
-ch07.check("stage_for_7b", answer)
-
-# %% [markdown]
-# **2.** Which of our stages does `torch.distributed.optim.ZeroRedundancyOptimizer` implement?
-
-# %%
-answer = None  # 0, 1, 2 or 3
-ch07.check("zero_redundancy_stage", answer)
 
 # %% [markdown]
 # ## Summary

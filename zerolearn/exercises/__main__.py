@@ -16,7 +16,7 @@ import argparse
 import sys
 
 from zerolearn.errors import ConfigError
-from zerolearn.exercises import EXERCISES, check, get
+from zerolearn.exercises import EXERCISES, check, get, reusing_ranks
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -61,18 +61,25 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     failed = []
-    for name, bug in runs:
-        if bug is None:
-            ok = bool(check(name, solution=True))
-        else:
-            says = EXERCISES[name].bugs[bug].says
-            result = check(name, bug=bug, quiet=True)
-            ok = not result.passed and result.written and says in str(result)
-            print(f"{name} --bug {bug}: {'caught' if ok else 'NOT CAUGHT as expected'}: {result}")
-        if not ok:
-            failed.append(f"{name}{' --bug ' + bug if bug else ''}")
+    with reusing_ranks():
+        for name, bug in runs:
+            _one(name, bug, failed)
     print(f"{len(runs) - len(failed)} of {len(runs)} as expected" + (f"; not: {', '.join(failed)}" if failed else ""))
     return 1 if failed else 0
+
+
+def _one(name: str, bug: str | None, failed: list[str]) -> None:
+    """Check ``name``'s solution (``bug`` None) or one of its bugs; append it to ``failed`` if
+    it did not come out as expected."""
+    if bug is None:
+        ok = bool(check(name, solution=True))
+    else:
+        says = EXERCISES[name].bugs[bug].says
+        result = check(name, bug=bug, quiet=True)
+        ok = not result.passed and result.written and says in str(result)
+        print(f"{name} --bug {bug}: {'caught' if ok else 'NOT CAUGHT as expected'}: {result}")
+    if not ok:
+        failed.append(f"{name}{' --bug ' + bug if bug else ''}")
 
 
 if __name__ == "__main__":

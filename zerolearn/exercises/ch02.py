@@ -1,1 +1,351 @@
-"""Chapter 02's exercises."""
+"""Chapter 02's exercises: ZeRO-1 (P_os) on flat padded shards (paper Sec 5.1, Sec 7.2.1).
+
+* ``02.shard_range``: which elements of a flat buffer padded to a multiple of Nd a rank
+  owns; checked on real ranks by gathering every rank's answer.
+* ``02.zero1_step``: one ZeRO-1 step on a flat gradient: reduce-scatter, Adam on this
+  rank's fp32 master shard, all-gather of the updated parameters; checked against
+  single-process Adam, the ledger's 2 Psi per step and the optimizer state kept (K Psi / Nd).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from zerolearn import comm
+from zerolearn import dist as zdist
+from zerolearn.exercises.ch01 import (
+    LR,
+    batches,
+    compare_grad,
+    compare_params,
+    gpt_pair,
+    loss_of,
+    psi_per_step,
+    reference_grads,
+)
+from zerolearn.exercises.core import Bug, Exercise, Wrong, register
+from zerolearn.flat import FlatLayout
+
+# ----- 02.shard_range --------------------------------------------------------------------
+
+SIZES = (23, 22, 24, 10, 1, 2, 3, 42_368)
+"""Buffer sizes (Psi, elements) the trial asks about: with and without a remainder on 2 and 3 ranks."""
+
+
+def shard_range(psi, world_size, rank):
+    """This rank's shard of a flat buffer of ``psi`` elements split over ``world_size`` ranks.
+
+    The buffer is padded with zeros at its end up to the next multiple of ``world_size``
+    (no padding when ``psi`` already is one), and rank r owns the r-th of ``world_size``
+    equal, contiguous slices of the padded buffer.
+
+    Args:
+        psi: elements in the buffer, an int >= 1.
+        world_size: the number of ranks, Nd, an int >= 1.
+        rank: this rank, 0 <= rank < world_size.
+
+    Returns:
+        ``(start, end, padding)``, ints: the shard is elements ``[start, end)`` of the
+        padded buffer; ``padding`` is how many zeros were appended (the same on every rank).
+    """
+    # BEGIN SOLUTION
+    padding = -psi % world_size
+    shard = (psi + padding) // world_size
+    return rank * shard, (rank + 1) * shard, padding
+    # END SOLUTION
+
+
+def _spans(elements: list[int], psi: int) -> str:
+    """Sorted element indices as 'element 22 of the 23 is' / 'elements 21 to 22 of the 23 are'."""
+    run_end = elements[0]
+    while run_end + 1 in elements:
+        run_end += 1
+    if len(elements) == 1:
+        return f"element {elements[0]} of the {psi} is"
+    head = f"elements {elements[0]} to {run_end}" if run_end - elements[0] + 1 == len(elements) else \
+        f"{len(elements)} elements, from {elements[0]},"
+    return f"{head} of the {psi} are"
+
+
+def _shard_trial(fn) -> str:
+    """Every rank answers for its own rank; the answers, gathered, must cover each of the
+    ``psi`` elements exactly once, in equal contiguous shards in rank order, with the least
+    padding that makes them equal."""
+    ctx = zdist.context()
+    ws, rank = ctx.world_size, ctx.rank
+    for psi in SIZES:
+        got = fn(psi, ws, rank)
+        got = tuple(got) if isinstance(got, list) else got
+        ok = isinstance(got, tuple) and len(got) == 3 and all(isinstance(v, int) for v in got)
+        answers = comm.gather_objects(got if ok else None)
+        if not ok:
+            raise Wrong(f"shard_range({psi}, {ws}, {rank}) returned {got!r}; expected a tuple of three ints "
+                        "(start, end, padding)")
+        if None in answers:
+            raise Wrong(f"rank {answers.index(None)} did not return a tuple of three ints for psi = {psi}")
+        where = f"psi = {psi} on {ws} ranks, your shards are " + ", ".join(f"[{s}, {e})" for s, e, _ in answers)
+        owners = {}
+        for r, (s, e, _) in enumerate(answers):
+            for i in range(max(s, 0), min(e, psi)):
+                if i in owners:
+                    raise Wrong(f"element {i} is owned by rank {owners[i]} and rank {r}: {where}")
+                owners[i] = r
+        orphans = [i for i in range(psi) if i not in owners]
+        if orphans:
+            raise Wrong(f"{_spans(orphans, psi)} owned by no rank: {where}; pad the buffer to a "
+                        "multiple of world_size so that the last shard covers the remainder")
+        sizes = [e - s for s, e, _ in answers]
+        if len(set(sizes)) > 1:
+            big = max(range(ws), key=lambda r: sizes[r])
+            small = min(range(ws), key=lambda r: sizes[r])
+            raise Wrong(f"rank {big}'s shard has {sizes[big]} elements, rank {small}'s {sizes[small]}: {where}; "
+                        "shards must be equal (pad the buffer with zeros instead)")
+        starts = [s for s, _, _ in answers]
+        if starts != [r * sizes[0] for r in range(ws)]:
+            raise Wrong(f"{where}; rank r's shard must start at r x {sizes[0]}, the r-th slice in rank order")
+        want = -psi % ws
+        pads = {p for _, _, p in answers}
+        if pads != {want}:
+            reason = (f"{psi} is already a multiple of {ws}" if want == 0 else
+                      f"the next multiple of world_size is {psi + want}")
+            raise Wrong(f"psi = {psi} on {ws} ranks: you pad {sorted(pads)[0]} elements; {reason}, so padding is "
+                        f"{want}: pad only up to the next multiple of world_size")
+        if answers[-1][1] != psi + want:
+            raise Wrong(f"{where}; the last shard must end at the padded size {psi + want}")
+    start, end, padding = fn(SIZES[0], ws, rank)
+    return (f"shards of {', '.join(map(str, SIZES))} elements are equal, in rank order, and cover every element "
+            f"once (Psi = {SIZES[0]} on {ws} ranks: padding {padding}, rank {rank} owns [{start}, {end}))")
+
+
+def _drop_remainder(psi, world_size, rank):
+    """psi // world_size per rank and no padding: the last psi % world_size elements get no
+    owner (their optimizer state and update are silently lost)."""
+    shard = psi // world_size
+    return rank * shard, (rank + 1) * shard, 0
+
+
+def _last_takes_rest(psi, world_size, rank):
+    """torch.chunk / array_split style: the last rank takes the remainder, so shards differ
+    and an equal-size reduce-scatter or all-gather cannot move them."""
+    shard = psi // world_size
+    end = psi if rank == world_size - 1 else (rank + 1) * shard
+    return rank * shard, end, 0
+
+
+def _always_pad(psi, world_size, rank):
+    """``world_size - psi % world_size`` zeros: a whole extra row of padding when psi already
+    divides (an off-by-one of the ceil-to-multiple formula)."""
+    padding = world_size - psi % world_size
+    shard = (psi + padding) // world_size
+    return rank * shard, (rank + 1) * shard, padding
+
+
+register(Exercise(
+    "02.shard_range", "Flat padded shards: which elements each rank owns",
+    shard_range, _shard_trial,
+    {"drop_remainder": Bug(_drop_remainder, "per-rank size psi // Nd with no padding", "owned by no rank"),
+     "last_takes_rest": Bug(_last_takes_rest, "torch.chunk-style splits", "shards must be equal"),
+     "always_pad": Bug(_always_pad, "an off-by-one in padding to a multiple", "the next multiple")}))
+
+
+# ----- 02.zero1_step ---------------------------------------------------------------------
+
+STEPS = 3
+K = 12  # bytes per shard element a rank may keep: fp32 master 4 + Adam's moments 4 + 4
+
+
+def zero1_step(flat_params, flat_grad, state, world_size, rank, lr):
+    """One ZeRO-1 (P_os) step on this rank: reduce-scatter, update the shard, all-gather.
+
+    Args:
+        flat_params: (n,) fp32, every parameter of the model end to end, then zeros up to
+            n, a multiple of world_size. The model's parameters are views into it: on
+            return it must hold the updated parameters, written in place.
+        flat_grad: (n,) fp32, this rank's gradient (of the mean loss on its slice of the
+            batch), laid out as ``flat_params``, zeros in the padding.
+        state: a dict kept from step to step, empty at the first step. Keep in it an fp32
+            master copy of this rank's shard of the parameters (elements
+            ``[rank * n // world_size, (rank + 1) * n // world_size)``) and a
+            ``torch.optim.Adam(..., lr=lr)`` over that master alone, so that Adam's moments
+            cover 1/Nd of the model.
+        world_size: the number of ranks, Nd.
+        rank: this rank.
+        lr: Adam's learning rate.
+
+    Returns:
+        (n // world_size,) fp32: the averaged gradient of this rank's shard, the one
+        Adam stepped with.
+
+    Move data with ``comm.reduce_scatter(output, input)`` and ``comm.all_gather(output,
+    input)`` only: ZeRO-1 moves 2 Psi per step, as DP does (Sec 7.2.1).
+    """
+    # BEGIN SOLUTION
+    shard = flat_params.numel() // world_size
+    if not state:  # the first step: this rank's master shard, and Adam over it alone
+        state["master"] = nn.Parameter(flat_params[rank * shard:(rank + 1) * shard].clone())
+        state["adam"] = torch.optim.Adam([state["master"]], lr=lr)
+    master, adam = state["master"], state["adam"]
+    grad = torch.empty(shard)
+    comm.reduce_scatter(grad, flat_grad)  # the sum over ranks of this rank's shard only
+    grad.div_(world_size)
+    master.grad = grad
+    adam.step()
+    master.grad = None
+    comm.all_gather(flat_params, master.detach())  # every rank's updated shard, on every rank
+    return grad
+    # END SOLUTION
+
+
+def _kept_bytes(state, skip: set[int]) -> int:
+    """Bytes of the tensors reachable from ``state`` (optimizers' state and parameters
+    included, gradients not), each storage once, storages in ``skip`` and scalars left out."""
+    seen, total, stack, visited = set(skip), 0, [state], set()
+    while stack:
+        obj = stack.pop()
+        if id(obj) in visited:
+            continue
+        visited.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            key = obj.untyped_storage().data_ptr()
+            if obj.numel() > 1 and key not in seen:
+                seen.add(key)
+                total += obj.untyped_storage().nbytes()
+        elif isinstance(obj, torch.optim.Optimizer):
+            stack += [v for s in obj.state.values() for v in s.values()]
+            stack += [p for g in obj.param_groups for p in g["params"]]
+        elif isinstance(obj, nn.Module):
+            stack += list(obj.parameters()) + list(obj.buffers())
+        elif isinstance(obj, dict):
+            stack += list(obj.values())
+        elif isinstance(obj, (list, tuple, set)):
+            stack += list(obj)
+    return total
+
+
+def kib(n: float) -> str:
+    """Bytes in KiB for messages, to a tenth."""
+    return f"{n / 1024:,.1f} KiB"
+
+
+def _zero1_trial(fn) -> str:
+    """Three steps of a GPT whose parameters are views of one flat padded buffer, against
+    single-process Adam on the whole batch: the gradient shard each rank stepped with,
+    the traffic (2 Psi), every parameter, and the optimizer state kept (K Psi / Nd)."""
+    ctx = zdist.context()
+    ws, rank = ctx.world_size, ctx.rank
+    model, ref = gpt_pair()
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=LR)
+    named = list(model.named_parameters())
+    params = [p for _, p in named]
+    psi = sum(p.numel() for p in params)
+    layout = FlatLayout.of([n for n, _ in named], [p.shape for p in params], ws, rank)
+
+    def flat(tensors) -> torch.Tensor:
+        return layout.flatten(tensors, torch.float32, torch.device("cpu"))
+
+    flat_params = flat(params)
+    layout.bind(params, flat_params)
+    state: dict = {}
+    limit = K * layout.shard_numel
+    for step in range(STEPS):
+        local = layout.shard_of(flat(reference_grads(ref, step)))
+        want = layout.shard_of(flat([q.grad for q in ref.parameters()]))
+        (x, y), _ = batches(step)
+        loss_of(model, x, y).backward()
+        flat_grad = flat([p.grad for p in params])
+        for p in params:
+            p.grad = None
+        before = layout.shard_of(flat_params).clone()
+        comm.LEDGER.reset()
+        got = fn(flat_params, flat_grad, state, ws, rank, LR)
+        compare_grad("the gradient shard you stepped with (your return value)", got, want, local, before, ws, step)
+        moved = comm.LEDGER.volume_elements()
+        if moved == 0:
+            raise Wrong("comm.LEDGER saw no collective: call comm.reduce_scatter and comm.all_gather "
+                        "(they book what moves), not torch.distributed directly", step)
+        if moved != 2 * layout.padded_numel:
+            raise Wrong(f"you moved {psi_per_step(moved, psi)} per step; ZeRO-1 moves 2.0 Psi (a reduce-scatter "
+                        "of the gradients and an all-gather of the updated parameters, Sec 7.2.1)", step)
+        ref_opt.step()
+        ref_opt.zero_grad(set_to_none=True)
+        compare_params(model, ref, step)
+        kept = _kept_bytes(state, {flat_params.untyped_storage().data_ptr(), flat_grad.untyped_storage().data_ptr()})
+        if kept == 0:
+            raise Wrong("`state` holds no tensor after the step: keep this rank's master shard and its Adam "
+                        "in it, so that they persist from step to step", step)
+        if kept > limit:
+            raise Wrong(f"you keep {kib(kept)} of optimizer states; ZeRO-1 keeps at most {kib(limit)}: an fp32 "
+                        f"master copy and Adam's two moments for this rank's {layout.shard_numel:,} elements "
+                        f"only, K Psi / Nd bytes with K = {K} (Sec 5.1)", step)
+    return (f"gradient shards and parameters equal single-process Adam for {STEPS} steps; 2.0 Psi per step; "
+            f"{kib(kept)} of optimizer states on this rank, K Psi / Nd for Psi = {psi:,} "
+            f"(+ {layout.padding} padding) on {ws} ranks")
+
+
+def _allreduce_then_broadcast(flat_params, flat_grad, state, world_size, rank, lr):
+    """Seed 002 (the blog reproduction this book starts from): every gradient is
+    all-reduced (2 Psi), the owner steps its shard, then each owner broadcasts its
+    updated parameters (Psi more): 3 Psi per step for the numbers of 2 Psi."""
+    shard = flat_params.numel() // world_size
+    if not state:
+        state["master"] = nn.Parameter(flat_params[rank * shard:(rank + 1) * shard].clone())
+        state["adam"] = torch.optim.Adam([state["master"]], lr=lr)
+    master, adam = state["master"], state["adam"]
+    comm.all_reduce(flat_grad)
+    grad = flat_grad[rank * shard:(rank + 1) * shard] / world_size
+    master.grad = grad
+    adam.step()
+    master.grad = None
+    flat_params[rank * shard:(rank + 1) * shard].copy_(master.detach())
+    for owner in range(world_size):
+        comm.broadcast(flat_params[owner * shard:(owner + 1) * shard], src=owner)
+    return grad
+
+
+def _whole_model_state(flat_params, flat_grad, state, world_size, rank, lr):
+    """Every rank keeps an fp32 master and Adam's moments for the whole model and steps all
+    of it: DP's optimizer, the redundancy ZeRO-1 exists to remove (Sec 4, Sec 5.1)."""
+    shard = flat_params.numel() // world_size
+    if not state:
+        state["master"] = nn.Parameter(flat_params.clone())
+        state["adam"] = torch.optim.Adam([state["master"]], lr=lr)
+    master, adam = state["master"], state["adam"]
+    grad = torch.empty(shard)
+    comm.reduce_scatter(grad, flat_grad)
+    grad.div_(world_size)
+    full = torch.empty_like(flat_grad)
+    comm.all_gather(full, grad)
+    master.grad = full
+    adam.step()
+    master.grad = None
+    flat_params.copy_(master.detach())
+    return grad
+
+
+def _average_twice(flat_params, flat_grad, state, world_size, rank, lr):
+    """Nd divided out before the sum (as engines do, to keep fp16 sums finite) and again
+    after it. Adam's update barely changes with the gradient's scale, so only the
+    gradient itself shows the mistake."""
+    shard = flat_params.numel() // world_size
+    if not state:
+        state["master"] = nn.Parameter(flat_params[rank * shard:(rank + 1) * shard].clone())
+        state["adam"] = torch.optim.Adam([state["master"]], lr=lr)
+    master, adam = state["master"], state["adam"]
+    grad = torch.empty(shard)
+    comm.reduce_scatter(grad, flat_grad / world_size)
+    grad.div_(world_size)
+    master.grad = grad
+    adam.step()
+    master.grad = None
+    comm.all_gather(flat_params, master.detach())
+    return grad
+
+
+register(Exercise(
+    "02.zero1_step", "ZeRO-1: reduce-scatter, update this rank's shard, all-gather",
+    zero1_step, _zero1_trial,
+    {"allreduce_then_broadcast": Bug(_allreduce_then_broadcast, "seed 002, the blog's ShardedOptimizer",
+                                     "ZeRO-1 moves 2.0 Psi"),
+     "whole_model_state": Bug(_whole_model_state, "DP's optimizer kept on every rank", "KiB of optimizer states"),
+     "average_twice": Bug(_average_twice, "dividing by Nd before and after the sum", "divided twice")}))

@@ -22,6 +22,7 @@ imports before its exercises.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import re
 import textwrap
@@ -36,7 +37,7 @@ import torch
 from zerolearn.errors import ConfigError
 
 __all__ = ["EXERCISES", "PRELUDE", "Bug", "Exercise", "Mistake", "Result", "Wrong", "check", "first_difference",
-           "register", "skeleton", "solution_source"]
+           "register", "reusing_ranks", "skeleton", "solution_source"]
 
 PRELUDE = ("import torch\nimport torch.distributed as dist\nimport torch.nn.functional as F\nfrom torch import nn\n\n"
            "from zerolearn import comm")
@@ -227,6 +228,51 @@ def run_trial(exercise: Exercise, fn: Callable) -> tuple[str, Any]:
         return "wrong", (None, f"your function raised {type(e).__name__}: {e}{where}")
 
 
+_POOLS: dict[int, Any] | None = None  # world size -> zerolearn.live.Ranks, inside reusing_ranks()
+
+
+@contextlib.contextmanager
+def reusing_ranks():
+    """Inside this block, checks run on persistent ranks (:class:`zerolearn.live.Ranks`),
+    one pool per world size, started at first use and closed at the end, instead of
+    spawning fresh ranks for every check: what ``check --all`` and the tests use.
+
+    A rank that hangs is killed and its pool restarted by :mod:`zerolearn.live`, so a
+    wrong function cannot leave a pool stuck.
+    """
+    global _POOLS
+    if _POOLS is not None:  # already inside one: share it
+        yield
+        return
+    _POOLS = {}
+    try:
+        yield
+    finally:
+        pools, _POOLS = _POOLS, None
+        for pool in pools.values():
+            pool.close()
+
+
+def _on_ranks(exercise: Exercise, fn: Callable, world_size: int) -> list[tuple[str, Any]]:
+    """Each rank's :func:`run_trial` outcome at ``world_size``; raises RankError or TimeoutError
+    (fresh ranks) as :func:`zerolearn.ranks.launch` does, also for a pool's CellError."""
+    from zerolearn.ranks import RankError, launch
+
+    if _POOLS is None:
+        return launch(run_trial, world_size, exercise, fn, timeout_s=exercise.timeout_s)
+    from zerolearn.live import CellError, Ranks
+
+    if world_size not in _POOLS:
+        _POOLS[world_size] = Ranks(world_size, timeout_s=exercise.timeout_s)
+    try:
+        return _POOLS[world_size].call(run_trial, exercise, fn)
+    except CellError as e:
+        if e.failed:
+            rank = min(e.failed)
+            raise RankError(rank, e.failed[rank].strip().splitlines()[-1]) from None
+        raise TimeoutError(f"ranks {e.unfinished} gave no result within {exercise.timeout_s:.0f} s") from None
+
+
 def _verdict(name: str, outcomes: list[tuple[str, Any]], world_size: int | None) -> Result:
     for rank, (kind, value) in enumerate(outcomes):
         if kind == "unwritten":
@@ -265,11 +311,11 @@ def check(name: str, fn: Callable | None = None, *, solution: bool = False, bug:
     if not exercise.world_sizes:
         result = _verdict(name, [run_trial(exercise, fn)], None)
     else:
-        from zerolearn.ranks import RankError, launch
+        from zerolearn.ranks import RankError
 
         for world_size in exercise.world_sizes:
             try:
-                outcomes = launch(run_trial, world_size, exercise, fn, timeout_s=exercise.timeout_s)
+                outcomes = _on_ranks(exercise, fn, world_size)
             except RankError as e:
                 outcomes = [("ok", "")] * world_size
                 outcomes[e.rank] = ("wrong", (None, str(e).split("\n", 1)[0]))

@@ -8,14 +8,15 @@ formulas in :mod:`zerolearn.memory.model`:
 * :func:`measure_activations` watches one forward pass with the memory ledger
   (residual states: activations, with and without checkpointing; Sec 3.2);
 * :func:`block_saved_tensors` lists what autograd keeps of one transformer block;
-* :func:`step_timeline` records one training step, allocation by allocation;
-* :func:`grade` and :func:`check` tell the reader whether an exercise is right.
+* :func:`step_timeline` records one training step, allocation by allocation.
+
+The chapter's exercises (``00.model_state_bytes``, ``00.max_batch``) are in
+:mod:`zerolearn.exercises.ch00`.
 """
 
 from __future__ import annotations
 
 import contextlib
-import math
 
 import torch
 import torch.nn.functional as F
@@ -25,7 +26,6 @@ from zerolearn import data
 from zerolearn import dist as zdist
 from zerolearn.config import TrainConfig
 from zerolearn.engines import make_engine
-from zerolearn.memory import model as analytic
 from zerolearn.memory.ledger import MemoryLedger
 from zerolearn.models import GPTConfig, build_model
 from zerolearn.precision import DTYPES
@@ -134,43 +134,3 @@ def step_timeline(dtype: str = "bf16", optimizer: str = "adam", stage: int = 0, 
                 engine.zero_grad()
     return {"timeline": [[e.index, e.phase, e.total, e.by_category] for e in ledger.timeline],
             "peak_bytes": ledger.peak, "peak_by_category": dict(ledger.peak_by_category)}
-
-
-# ----- exercises ------------------------------------------------------------------------
-
-def grade(answer, expected: float, *, rel_tol: float = 0.01, hint: str = "", why: str = "") -> None:
-    """Print whether ``answer`` is within ``rel_tol`` of ``expected`` (None: not answered)."""
-    if answer is None:
-        print("Not answered yet: set `answer` in the cell above and run both cells again.")
-        return
-    try:
-        ok = math.isclose(float(answer), float(expected), rel_tol=rel_tol)
-    except (TypeError, ValueError):
-        print(f"Not quite: {answer!r} is not a number. {hint}")
-        return
-    print(f"Correct. {why}" if ok else f"Not quite: {answer} is not it. {hint}")
-
-
-_V100_LEFT = analytic.V100_BYTES - analytic.model_state_bytes(1.5e9, 1, 0)["total"]
-_PER_SEQUENCE = analytic.activation_bytes(hidden=1600, batch=1, seq_len=1024, layers=48)
-
-
-def check(exercise: str, answer) -> None:
-    """Grade chapter 0's exercises: ``"sgd_bytes_per_param"``, ``"gpt2_batch"``."""
-    if exercise == "sgd_bytes_per_param":
-        k = analytic.optimizer_k("sgd", "bf16", momentum=True)
-        grade(answer, 2 + 2 + k, rel_tol=0,
-              hint="Count 2 bytes of working params, 2 of grads, then what SGD with momentum keeps in "
-                   "fp32: the master copy and one momentum buffer.",
-              why=f"2 + 2 + K with K = 4 (fp32 master) + 4 (momentum) = {k}: {2 + 2 + k} bytes per "
-                  "parameter, 4 fewer than Adam's 16.")
-    elif exercise == "gpt2_batch":
-        best = math.floor(_V100_LEFT / _PER_SEQUENCE)
-        grade(answer, best, rel_tol=0,
-              hint=f"32 GB minus 24 GB of model states leaves {_V100_LEFT / 1e9:.0f} GB; one sequence of "
-                   "1K tokens costs 12 x 1600 x 1024 x 48 values of 2 bytes.",
-              why=f"{_V100_LEFT / 1e9:.0f} GB / {_PER_SEQUENCE / 1e9:.2f} GB per sequence = "
-                  f"{_V100_LEFT / _PER_SEQUENCE:.2f}, so {best} sequences, before any temporary buffer "
-                  "or fragmentation.")
-    else:
-        raise ValueError(f"unknown exercise {exercise!r}: allowed are 'sgd_bytes_per_param', 'gpt2_batch'")

@@ -8,8 +8,10 @@ starts from:
   one blocking all_reduce per parameter tensor;
 * :func:`compare_dp` trains the same GPT with the naive version, with the book's
   bucketed stage-0 engine and with torch's ``DistributedDataParallel``;
-* :func:`single_process` is the reference all of them must match;
-* :func:`check` grades the chapter's exercises.
+* :func:`single_process` is the reference all of them must match.
+
+The chapter's exercises (``01.average_gradients``, ``01.bucket_hook``) are in
+:mod:`zerolearn.exercises.ch01`.
 
 Every collective goes through :mod:`zerolearn.comm`, so its ledger counts them.
 """
@@ -26,7 +28,6 @@ from torch import nn
 from zerolearn import comm, data
 from zerolearn import dist as zdist
 from zerolearn.engines import make_engine
-from zerolearn.lessons.ch00 import grade
 from zerolearn.models import GPTConfig, build_model
 
 GPT = GPTConfig(seq_len=32, n_layer=2, n_head=4, d_model=64)
@@ -149,33 +150,3 @@ def single_process(steps: int = 5) -> list[float]:
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
     return losses
-
-
-# ----- exercises ------------------------------------------------------------------------
-
-def check(exercise: str, answer) -> None:
-    """Grade chapter 1's exercises: ``"naive_calls"``, ``"ring_elements"``, ``"dp_total_gb"``."""
-    if exercise == "naive_calls":
-        tensors = sum(1 for p in build_model("gpt", 0, gpt=GPT).parameters() if p.requires_grad)
-        grade(answer, tensors, rel_tol=0,
-              hint="One all_reduce per parameter tensor: count them, e.g. "
-                   "len(list(model.parameters())).",
-              why=f"one call per parameter tensor: {tensors} per step, however small the tensor.")
-    elif exercise == "ring_elements":
-        psi, nd = 1_000_000, 8
-        sent = 2 * (nd - 1) * psi // nd
-        grade(answer, sent, rel_tol=1e-6,
-              hint="Reduce-scatter: Nd - 1 steps of Psi / Nd elements; all-gather: the same again.",
-              why=f"2 (Nd - 1) / Nd x Psi = {sent:,} elements, just under the paper's 2 Psi = "
-                  f"{2 * psi:,} (Sec 7.1 drops the (Nd - 1) / Nd).")
-    elif exercise == "dp_total_gb":
-        from zerolearn.memory import model as analytic
-
-        per_gpu = analytic.model_state_bytes(7.5e9, nd=64, stage=0)["total"]
-        grade(answer, 64 * per_gpu / analytic.GB, rel_tol=0.005,
-              hint="Each GPU holds (2 + 2 + K) Psi bytes with K = 12, whatever Nd is.",
-              why=f"64 x {per_gpu / analytic.GB:.0f} GB = {64 * per_gpu / analytic.GB:,.0f} GB, 64 copies of "
-                  "the same 120 GB (Fig 1).")
-    else:
-        raise ValueError(f"unknown exercise {exercise!r}: allowed are 'naive_calls', 'ring_elements', "
-                         "'dp_total_gb'")

@@ -11,7 +11,8 @@ updated tensors. It trains correctly, but
   reduce-scatter plus all-gather moves 2 Psi (paper Sec 7.2.1).
 
 Everything here runs on ranks spawned by :func:`zerolearn.dist.launch`; the real
-engine is :class:`zerolearn.engines.Zero1Engine`.
+engine is :class:`zerolearn.engines.Zero1Engine`. The chapter's exercises
+(``02.shard_range``, ``02.zero1_step``) are in :mod:`zerolearn.exercises.ch02`.
 """
 
 from __future__ import annotations
@@ -223,29 +224,3 @@ def jobs(specs: list[tuple]) -> list:
         else:
             raise ValueError(f"unknown job kind {kind!r}")
     return out
-
-
-# ----- exercise checks -------------------------------------------------------------
-def check(answer, expected, unit: str = "", rel: float = 1e-3) -> None:
-    """Print whether ``answer`` matches ``expected`` (numbers within ``rel``, else equal)."""
-    if answer is None:
-        print("Fill in `answer` first.")
-        return
-    if isinstance(expected, (int, float)) and not isinstance(expected, bool):
-        ok = isinstance(answer, (int, float)) and abs(answer - expected) <= rel * max(abs(expected), 1e-12)
-    else:
-        ok = answer == expected
-    print(f"Correct: {expected} {unit}".rstrip() if ok else f"Not yet: {answer!r} is not right; try again.")
-
-
-def check_fig1_zero1(answer) -> None:
-    """Exercise: ZeRO-1 model states per GPU for Fig 1's 7.5B model at Nd = 64, K = 12 (GB)."""
-    psi, nd, k = 7.5e9, 64, 12
-    check(answer, round((4 * psi + k * psi / nd) / 1e9, 2), "GB", rel=2e-3)
-
-
-def check_flat_layout(answer) -> None:
-    """Exercise: (padding, (start, end) of rank 3's shard) for tensors of 10, 7, 6 elements at Nd = 4."""
-    group = make_groups([("a", nn.Parameter(torch.empty(10))), ("b", nn.Parameter(torch.empty(7))),
-                         ("c", nn.Parameter(torch.empty(6)))], 1 << 30, 4, 4, 3)[0]
-    check(answer, (group.padding, group.shard_range))

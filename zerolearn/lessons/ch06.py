@@ -6,19 +6,20 @@
   (rank 0 of Nd ranks in this process, see :func:`zerolearn.lessons.ch04.simulate`).
 * :func:`scaling_rows` is the super-linear scaling argument of Sec 10.3 (Fig 3) on
   the cost model of :mod:`zerolearn.costmodel`.
-* the ``check_*`` functions grade the chapter's exercises.
+
+The chapter's exercises (``06.max_psi``, ``06.fewest_gpus``) are in
+:mod:`zerolearn.exercises.ch06`.
 """
 
 from __future__ import annotations
 
 from zerolearn.config import TrainConfig
-from zerolearn.costmodel import EfficiencyCurve, Hardware, Job, step_time, throughput_per_gpu
-from zerolearn.lessons.ch04 import check, simulate
-from zerolearn.memory.fit import gpt_params, smallest_fit
+from zerolearn.costmodel import EfficiencyCurve, Hardware, throughput_per_gpu
+from zerolearn.lessons.ch04 import simulate
+from zerolearn.memory.fit import gpt_params
 from zerolearn.memory.model import GB, TABLE1_GB, TABLE2_THEORETICAL_B, V100_BYTES, max_model_params, model_state_bytes
 
-__all__ = ["DGX2", "GPT_60B", "check_fit_13b", "check_table2_pos_g", "check_zero3_comm_factor", "measure_per_rank",
-           "scaling_rows", "table1_rows", "table2_rows"]
+__all__ = ["DGX2", "GPT_60B", "measure_per_rank", "scaling_rows", "table1_rows", "table2_rows"]
 
 DGX2 = Hardware(tflops_achieved=40, intra_node_GBps=300, inter_node_GBps=800 / 8 / 16, gpus_per_node=16)
 """The paper's cluster as the cost model sees it: 25 DGX-2 nodes of 16 V100s on 300 GB/s
@@ -89,21 +90,3 @@ def scaling_rows(gpus: list[int], stage: int = 2, nm: int = 16, curve: Efficienc
         rows.append({"gpus": n, "nd": n // nm, "batch": t.batch_per_gpu, "tflops_per_gpu": t.tflops_per_gpu,
                      "aggregate_pflops": n * t.tflops_per_gpu / 1000})
     return rows
-
-
-def check_fit_13b(answer) -> None:
-    """Exercise: ``(stage, gpus)`` of the smallest fit of 13e9 parameters on A100 40 GB (bf16, Adam)."""
-    fit = smallest_fit(13e9, 40 * GB)
-    check(answer, (fit.stage, fit.gpus), what="(stage, gpus)")
-
-
-def check_table2_pos_g(answer) -> None:
-    """Exercise: Table 2's largest Psi (billions) under P_os+g on 64 GPUs of 32 GB, MP = 1."""
-    check(answer, max_model_params(V100_BYTES, 64, 2) / 1e9, rel=1e-3, what="size in billions")
-
-
-def check_zero3_comm_factor(answer) -> None:
-    """Exercise: ZeRO-3's communication time over DP's in the cost model (no latency, no overlap)."""
-    job = {"psi": 7.5e9, "tokens_per_gpu": 1024, "nd": 64}
-    ratio = step_time(Job(stage=3, **job), DGX2).comm_s / step_time(Job(stage=0, **job), DGX2).comm_s
-    check(answer, ratio, rel=1e-3, what="factor")

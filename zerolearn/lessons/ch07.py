@@ -5,6 +5,9 @@ implementation on the current process group and returns, per implementation, the
 losses, the model-state bytes this rank holds (counted from its tensors: local shards
 of DTensors, the optimizer's local state) and the median step time. The DeepSpeed
 config keys that correspond to our stages are in ``DEEPSPEED_CONFIG``.
+
+The chapter's exercises (``07.stage_from_bytes``, ``07.choose_stage``) are in
+:mod:`zerolearn.exercises.ch07`.
 """
 
 from __future__ import annotations
@@ -18,7 +21,6 @@ import torch.nn.functional as F
 from zerolearn import comm, compat, data
 from zerolearn import dist as zdist
 from zerolearn.engines import make_engine
-from zerolearn.lessons.ch00 import grade
 from zerolearn.models import GPTConfig, build_model
 
 GPT = GPTConfig(seq_len=32, n_layer=2, n_head=4, d_model=64)
@@ -171,16 +173,3 @@ def side_by_side(steps: int = 4) -> dict[str, dict]:
                        ("fsdp2_grad_op", "torch FSDP2, no reshard"), ("fsdp2", "torch FSDP2")):
         out[name] = _run_torch(kind, steps)
     return out
-
-
-def check(exercise: str, answer) -> None:
-    """Grade chapter 7's exercises: ``"stage_for_7b"``, ``"zero_redundancy_stage"``."""
-    if exercise == "stage_for_7b":
-        grade(answer, 1, rel_tol=0, hint="Use zerolearn.memory.smallest_fit(7e9, 80e9).",
-              why="ZeRO-1 on 2 GPUs: 4 x 7 + 12 x 7 / 2 = 70 GB of model states per GPU.")
-    elif exercise == "zero_redundancy_stage":
-        grade(answer, 1, rel_tol=0,
-              hint="Look at the table: which states does ZeroRedundancyOptimizer shard, and which not?",
-              why="It shards only the optimizer states, as P_os (stage 1), and keeps DDP's full gradients.")
-    else:
-        raise ValueError(f"unknown exercise {exercise!r}: allowed are 'stage_for_7b', 'zero_redundancy_stage'")
