@@ -51,6 +51,8 @@ CHROMIUM = Path(os.environ.get("ZEROLEARN_CHROMIUM", "/usr/bin/chromium"))
 SHOTS = ROOT / "artifacts" / "screenshots"
 EXPLORER = ROOT / "notebooks" / "06a_memory_explorer.ipynb"
 VIEWS = "chapter_views.ipynb"  # written by the jupyterlab fixture from VIEW_CELLS
+LIVE = "live_ranks.ipynb"  # written by the jupyterlab fixture: chapter 2's cells tagged "live"
+LIVE_CHAPTER = ROOT / "notebooks" / "src" / "02_zero1.py"
 _IMPORTS = "%matplotlib inline\nfrom IPython.display import display\n\nfrom zerolearn import widgets\n" \
            "from zerolearn.figures import formulas\n\n"
 # The cells of chapters 2-5 that show their stage's view, each followed by its static figure.
@@ -177,6 +179,9 @@ def jupyterlab(tmp_path_factory):
     views = nbformat.v4.new_notebook(metadata={"kernelspec": nb.metadata.kernelspec})
     views.cells = [nbformat.v4.new_code_cell(source) for source in VIEW_CELLS]
     nbformat.write(views, root / VIEWS)
+    live = nbformat.v4.new_notebook(metadata={"kernelspec": nb.metadata.kernelspec})
+    live.cells = [nbformat.v4.new_code_cell(source) for source in live_cells()]
+    nbformat.write(live, root / LIVE)
 
     # No "get notified about Jupyter news?" pop-up over the page.
     news = home / "settings" / "@jupyterlab" / "apputils-extension" / "notification.jupyterlab-settings"
@@ -391,6 +396,37 @@ def test_chapter_views_in_jupyterlab_show_each_stages_formula(browser, jupyterla
         shot(residual, "residual_view_nm64_cpu.png")
         assert page.get_by_text("Click to show javascript error").count() == 0
         assert not [e for e in errors if "widget" in e.lower()], errors
+
+
+def live_cells() -> list[str]:
+    """Chapter 2's persistent-ranks cells (tagged ``live`` in its source), in order."""
+    sys.path.insert(0, str(ROOT / "notebooks"))
+    import build  # notebooks/build.py
+
+    cells = [c.source for c in build.read_source(LIVE_CHAPTER).cells if "live" in c.metadata.get("tags", [])]
+    assert any(c.startswith("%%ranks") for c in cells), f"{LIVE_CHAPTER.name} has no %%ranks cell tagged live"
+    return cells
+
+
+def test_persistent_ranks_keep_a_tensor_from_cell_to_cell_in_jupyterlab(browser, jupyterlab):
+    # Chapter 2's cells: each of 3 ranks builds (r + 1) * [1..7] padded to 9 in one cell,
+    # reduce-scatters it in the next (rank r gets slice r of the sum 6 * [1..7]), and
+    # updates and all-gathers its slice in the third: state kept between cells.
+    base, token = jupyterlab
+    total = [6.0 * i for i in range(1, 8)] + [0.0, 0.0]
+    with opened(browser, "live_ranks", height=1300) as (page, errors):
+        page.goto(f"{base}/lab/workspaces/live/tree/{LIVE}?token={token}")
+        page.locator(".jp-Notebook").wait_for()
+        wait_for_kernel(base, token)
+        run_all_cells(page)
+        outputs = page.locator(".jp-OutputArea-output")
+        for rank in range(3):
+            outputs.filter(has_text=f"[rank {rank}] {total[3 * rank:3 * rank + 3]}").first.wait_for()
+        updated = [v - 0.5 for v in total]
+        outputs.filter(has_text=f"[rank 2] {updated[:7]}").first.wait_for()
+        shot(page, "live_ranks.png")
+        assert page.get_by_text("CellError").count() == 0
+        assert not errors, errors
 
 
 # ----- the built book ----------------------------------------------------------------------

@@ -48,10 +48,9 @@ from zerolearn.train import train
 # ## 1. Collectives on four ranks
 #
 # `zerolearn.dist.launch(fn, world_size, *args)` spawns `world_size` processes, joins them into a
-# gloo process group, runs `fn(*args)` on each and returns the results in rank order. Spawned
-# processes import `fn` by name, so it lives in the package: this chapter's functions are in
-# `zerolearn.lessons.ch01`. Every collective goes through `zerolearn.comm`, whose ledger counts
-# calls and elements.
+# gloo process group, runs `fn(*args)` on each and returns the results in rank order. This
+# chapter's longer functions are in `zerolearn.lessons.ch01`. Every collective goes through
+# `zerolearn.comm`, whose ledger counts calls and elements.
 #
 # Each rank starts from a different 8-element "gradient". All-reduce sums them on every rank.
 # Reduce-scatter also sums them, but leaves rank r only the r-th quarter of the sum; all-gather
@@ -120,6 +119,28 @@ print(f"volume of reduce_scatter + all_gather:     {ledger['reduce_scatter']['el
       f"{ledger['reduce_scatter']['elements'] + ledger['all_gather']['elements']} elements")
 
 # %% [markdown]
+# `fn` need not live in the package. A function written in a cell travels to the ranks by
+# value (cloudpickle), closures and lambdas included. This one reads `scale`, a variable
+# of this notebook:
+
+# %%
+import torch.distributed as dist
+
+from zerolearn import comm
+
+scale = 10.0
+
+
+def scaled_sum():
+    t = torch.tensor([scale * (dist.get_rank() + 1)])
+    comm.all_reduce(t)  # 10 + 20 + 30 on every rank
+    return dist.get_rank(), t.item()
+
+
+print(launch(scaled_sum, 3))
+print(launch(lambda: dist.get_world_size() * scale, 2))
+
+# %% [markdown]
 # ## 2. Naive data parallelism
 #
 # The simplest DP: run forward and backward on this rank's slice of the batch, then all-reduce
@@ -143,11 +164,10 @@ print(f"volume of reduce_scatter + all_gather:     {ledger['reduce_scatter']['el
 
 # %%
 import torch  # noqa: F401 - for the exercises' functions
-import torch.distributed as dist  # noqa: F401
 import torch.nn.functional as F  # noqa: F401
 from torch import nn  # noqa: F401
 
-from zerolearn import comm, exercises  # noqa: F401
+from zerolearn import exercises  # noqa: F401
 
 # %% tags=["exercise"]
 # exercise: 01.average_gradients
@@ -274,6 +294,43 @@ ax.set_title("Same losses: one process and three DP implementations on 4 ranks")
 ax.set_xticks(range(steps))
 ax.legend()
 plt.show()
+
+# %% [markdown]
+# ### Where the time goes: one step on a timeline
+#
+# The ledger counts what the all-reduces moved, not when. `zerolearn.timeline` records one
+# training step on each rank with `torch.profiler`: compute (forward, backward, optimizer
+# step), each collective from launch to completion (gloo runs it on a thread of its own, so
+# an asynchronous all-reduce runs *under* backward), and the time the main thread blocks
+# waiting. The results were stored by `python -m zerolearn.timeline --out
+# notebooks/data/timeline/` (its `--traces DIR` also writes Chrome/Perfetto trace files);
+# the counts are the same on every machine, the times are not.
+
+# %%
+from zerolearn import figures
+from zerolearn.lessons import stored
+
+TL = stored("timeline/stages.json")
+stage0 = TL["stages"][0]
+print(f"stage 0 on {TL['world_size']} ranks: {stage0['buckets']} gradient buckets")
+for rank, ledger in enumerate(stage0["ledger"]):
+    print(f"rank {rank}: " + ", ".join(f"{c['calls']} {op}" for op, c in ledger.items() if c["calls"])
+          + f", {sum(c['bytes'] for c in ledger.values()):,} bytes")
+
+# %%
+figures.stage_timelines_figure(TL, stages=(0,))
+
+# %% [markdown]
+# Each bucket's all-reduce starts while backward still computes earlier layers. The
+# *overlap* is the fraction of communication time during which the main thread was
+# computing (defined in `zerolearn.timeline.intervals`):
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+for r in stage0["summary"]:
+    b = r["phases"]["backward"]
+    print(f"rank {r['rank']}: all-reduces in flight {b['comm_s'] * 1e3:.1f} ms during backward, "
+          f"{b['overlap']:.0%} of that hidden behind compute; main thread blocked {b['wait_s'] * 1e3:.1f} ms")
 
 # %% [markdown]
 # Parameters are not a model's only state. BatchNorm keeps running statistics in

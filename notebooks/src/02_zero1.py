@@ -58,6 +58,24 @@ print(f"GPT: Psi = {psi:,} parameters in {len(sizes)} tensors; "
       f"largest tensor {max(sizes):,} elements, smallest {min(sizes):,} elements")
 
 # %% [markdown]
+# The view below computes ZeRO-1's bytes per device beside DP's, by category, and what each
+# moves per step, from the formulas above. It opens at Fig 1's setting, $\Psi = 7.5\text{B}$,
+# $N_d = 64$, $K = 12$. Move **Nd** and only the optimizer states shrink, as $K\Psi/N_d$;
+# the traffic stays at DP's $2\Psi$.
+
+# %%
+# %matplotlib inline
+from IPython.display import display
+
+from zerolearn import widgets
+from zerolearn.figures import formulas
+
+display(widgets.StageExplorer(stage=1))  # Fig 1's setting: Psi = 7.5B, Nd = 64, K = 12
+
+# %%
+formulas.stage_figure(stage=1)  # the default view, drawn for the book
+
+# %% [markdown]
 # ## 2. The version many write: each rank owns whole tensors
 #
 # The most direct reading of "each rank updates $1/N_d$ of the parameters" is to hand
@@ -212,6 +230,49 @@ exercises.check("02.zero1_step", zero1_step)
 # %%
 print(inspect.getsource(zero1.Zero1Engine))
 
+
+# %% [markdown]
+# ### 4.1 The three moves, one cell at a time, on live ranks
+#
+# `%%ranks 3` (from `zerolearn.live`) runs a cell on 3 real gloo ranks that keep their
+# variables from one cell to the next; each starts with `rank`, `world_size`, `torch`,
+# `dist` and `comm`, and every line a rank prints is labelled with its rank. Each rank
+# builds its own "gradient" of $\Psi = 7$ elements, which 3 ranks cannot split evenly, so
+# the flat buffer is padded to 9:
+
+# %% tags=["live"]
+# %load_ext zerolearn.live
+
+# %% tags=["live"]
+# %%ranks 3
+psi, shard = 7, 3  # ceil(7 / 3) elements per rank
+grad = torch.zeros(shard * world_size)  # the flat buffer, padded to 9
+grad[:psi] = (rank + 1) * torch.arange(1.0, psi + 1)
+print(grad.tolist())
+
+# %% [markdown]
+# Reduce-scatter: rank $r$ receives the sum over ranks of slice $r$ only. The sum is
+# $6\cdot[1, \dots, 7]$; rank 2's slice is one real element and the two of padding.
+
+# %% tags=["live"]
+# %%ranks
+mine = torch.empty(shard)
+comm.reduce_scatter(mine, grad)
+print(mine.tolist())
+
+# %% [markdown]
+# Each rank updates its own slice (here: subtract 0.5), then all-gather puts every
+# updated slice on every rank; the first 7 values are the parameters, the rest padding.
+
+# %% tags=["live"]
+# %%ranks
+mine -= 0.5
+full = torch.empty(shard * world_size)
+comm.all_gather(full, mine)
+print(full[:psi].tolist())
+
+# %% tags=["live"]
+# %ranks stop
 
 # %% [markdown]
 # To see the two collectives act on numbers you can follow, `ch02.collectives_demo`
@@ -418,6 +479,35 @@ for nd in (3, 4):
               f"| naive by size {by_size['losses'][step]:.4f} | engine bf16 {eng16['losses'][step]:#.3g}")
     gap = max(abs(a - b) for run in (by_count, by_size) for a, b in zip(eng["losses"], run["losses"]))
     print(f"  fp32 engine and naive agree within 1e-5: {gap < 1e-5}")
+
+# %% [markdown]
+# ### 5.5 The same step on a timeline
+#
+# ZeRO-1 launches a reduce-scatter from the same backward hooks where DP all-reduced, and
+# publishes each group's updated shard with an all-gather that runs while the next group's
+# shard is updated (recorded as in chapter 1, `zerolearn.timeline`):
+
+# %%
+from zerolearn import figures
+from zerolearn.lessons import stored
+
+TL = stored("timeline/stages.json")
+for st in TL["stages"][:2]:
+    ops = [op for op, c in st["ledger"][0].items() if c["calls"]]
+    print(f"stage {st['stage']}: " + "; ".join(
+        f"{st['ledger'][0][op]['calls']} {op}, launched in "
+        + " and ".join(sorted({i['phase'] for i in st['intervals'] if i['lane'] == 'comm' and i['label'] == op}))
+        for op in ops))
+
+# %%
+figures.stage_timelines_figure(TL, stages=(0, 1))
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+for r in TL["stages"][1]["summary"]:
+    b, s = r["phases"]["backward"], r["phases"]["step"]
+    print(f"rank {r['rank']}: reduce-scatters {b['overlap']:.0%} hidden behind backward, "
+          f"all-gathers {s['overlap']:.0%} hidden behind the optimizer step; blocked {r['wait_s'] * 1e3:.1f} ms")
 
 # %% [markdown]
 # ## Summary

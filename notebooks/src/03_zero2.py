@@ -69,6 +69,23 @@ def kib(n):
 
 
 # %% [markdown]
+# The same view for ZeRO-2, at Fig 1's setting. Move **Nd**: the gradients row falls as
+# $2\Psi/N_d$ while the parameters stay at $2\Psi$, and the traffic stays at $2\Psi$ per
+# step (Sec 7.2.1).
+
+# %%
+# %matplotlib inline
+from IPython.display import display
+
+from zerolearn import widgets
+from zerolearn.figures import formulas
+
+display(widgets.StageExplorer(stage=2))  # Fig 1's setting: Psi = 7.5B, Nd = 64, K = 12
+
+# %%
+formulas.stage_figure(stage=2)  # the default view, drawn for the book
+
+# %% [markdown]
 # ## 2. Buckets during backward
 #
 # The shared engine base registers a hook on every parameter that fires once autograd
@@ -476,6 +493,30 @@ print(f"full fp32 gradient: {kib(4 * acc['no_sync']['psi'])} KiB")
 
 # %%
 exercises.check("03.accumulate", accumulate)
+
+# %% [markdown]
+# ## 7. Bucket size against time
+#
+# Few large buckets mean few calls, but a reduction starts only when its whole bucket is
+# ready, so less of it hides behind backward. Many small ones start early but pay each
+# call's start-up cost. ZeRO-2 stepped at seven bucket sizes on 2 ranks, recorded with
+# `zerolearn.timeline` as in chapter 1 (on gloo a reduce-scatter is carried out as an
+# all-reduce of the whole bucket, so it takes an all-reduce's time):
+
+# %%
+from zerolearn import figures
+from zerolearn.lessons import stored
+
+SW = stored("timeline/bucket_sweep.json")
+for row in SW["rows"]:
+    print(f"{row['bucket_mb']:>5} MiB: {row['buckets']:>2} buckets, {row['calls']['reduce_scatter']:>2} "
+          f"reduce-scatters + {row['calls']['all_gather']:>2} all-gathers per step")
+
+# %%
+figures.bucket_sweep_figure(SW)
+
+# %%
+figures.sweep_timelines_figure(SW)  # smallest, default (0.25 MiB) and largest bucket, one step each
 
 # %% [markdown]
 # ## Summary

@@ -67,6 +67,22 @@ print(inspect.getsource(Zero3Engine._init_group))
 print(inspect.getsource(_free))
 
 # %% [markdown]
+# For ZeRO-3 every row of the table is divided by $N_d$. The right panel shows the price:
+# $3\Psi$ per step instead of $2\Psi$ (Sec 7.2.2).
+
+# %%
+# %matplotlib inline
+from IPython.display import display
+
+from zerolearn import widgets
+from zerolearn.figures import formulas
+
+display(widgets.StageExplorer(stage=3))  # Fig 1's setting: Psi = 7.5B, Nd = 64, K = 12
+
+# %%
+formulas.stage_figure(stage=3)  # the default view, drawn for the book
+
+# %% [markdown]
 # ## 2. Freeing memory for real
 #
 # `_free` does not delete the buffer, and it does not point the parameters somewhere
@@ -319,6 +335,34 @@ for nd in (8, 64, 1024):
 print(f'Psi = {small_psi:,} parameters; DP holds 16 Psi = {16 * small_psi:,} bytes at every Nd')
 print(text_table(['Nd', 'stage', 'measured B', 'formula B', 'padding', 'formula(Psi+pad)', 'measured/DP',
                  'Table 1/DP'], rows))
+
+# %% [markdown]
+# ## 7. Prefetch, measured (Sec 5.3)
+#
+# While unit $k$ computes, unit $k+1$'s all-gather is already in flight. The recording
+# (`zerolearn.timeline`, as in chapter 1) also ran a ZeRO-3 engine whose hooks gather
+# only their own unit (prefetch off), on this chapter's GPT:
+
+# %%
+from zerolearn import figures
+from zerolearn.lessons import stored
+
+PF = stored("timeline/prefetch.json")
+for run in PF["runs"]:
+    gathers = [i for i in run["intervals"] if i["rank"] == 0 and i["lane"] == "comm" and i["phase"] == "forward"]
+    hooks = {u: sum(i["unit"] == u for i in gathers) for u in dict.fromkeys(i["unit"] for i in gathers)}
+    print(f"prefetch {'on ' if run['prefetch'] else 'off'}: {len(gathers)} all-gathers in forward, "
+          f"issued from the hooks of {hooks}")
+
+# %%
+figures.prefetch_figure(PF)
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+for run in PF["runs"]:
+    print(f"prefetch {'on ' if run['prefetch'] else 'off'}: {run['forward_overlap']:.0%} of the forward "
+          f"all-gathers hidden behind compute, forward blocked {run['forward_wait_s'] * 1e3:.1f} ms, "
+          f"step {run['step_s'] * 1e3:.1f} ms")
 
 # %% [markdown]
 # The measured bytes equal the formula until Nd no longer divides the flat buffers.

@@ -310,7 +310,31 @@ print("blocks x hidden; MiB. 'without MD', 'with MD': the least memory each need
 # than the second, and at 8 blocks MD needs less memory than no MD; the paper met the
 # failure on models far larger (Sec 6.3). `MemoryLedger(record_trace=True)` records any
 # step you write; `defrag.replay` takes its trace.
+
+# %% [markdown]
+# ## 5. ZeRO-R at the paper's scale
 #
+# The view below puts this chapter's pieces together for one GPU of Sec 6.1's
+# 100B-parameter example (125 blocks of hidden 8192, sequence 1K, batch 16 per GPU,
+# $N_m = 16$): checkpoints replicated on every model-parallel rank, partitioned ($P_a$) or
+# moved to the CPU ($P_{a+cpu}$); CB caps the fused buffer; MD recovers what fragmentation
+# wastes (a simple model: a share of the device lost without MD, 30% by default, Sec 6.3's
+# extreme case). Move **Nm**, the checkpoints' place, the CB size or MD, and compare the
+# total with the device.
+
+# %%
+# %matplotlib inline
+from IPython.display import display
+
+from zerolearn import widgets
+from zerolearn.figures import formulas
+
+display(widgets.ResidualExplorer())  # Sec 6.1's 100B example at Nm = 16, Nd = 64, ZeRO-2
+
+# %%
+formulas.residual_figure()  # the default view, drawn for the book
+
+# %% [markdown]
 # ## Summary
 #
 # - Tensor parallelism splits each block across $N_m$ ranks with two all-reduces in

@@ -18,11 +18,10 @@
 
 # %%
 import importlib.util
-from pathlib import Path
 
 import matplotlib.pyplot as plt
 
-from zerolearn import memory
+from zerolearn import lessons, memory
 from zerolearn.dist import launch
 from zerolearn.lessons import ch07
 
@@ -125,7 +124,7 @@ for stage in range(4):
 print("DeepSpeed installed here:", importlib.util.find_spec("deepspeed") is not None)
 
 # %%
-stored = json.loads(Path("data/deepspeed_cpu.json").read_text())
+stored = lessons.stored("deepspeed_cpu.json")
 print(f"DeepSpeed {stored['deepspeed, stage 0']['deepspeed']}, {stored['deepspeed, stage 0']['world_size']} ranks; "
       "KiB per rank")
 print(f"{'':20} {'loss@3':>9} {'max |ours - DS|':>16} {'params':>8} {'fp32 copy':>10} {'optim':>8}")
