@@ -5,8 +5,8 @@ known bug of these chapters runs on real ranks in test_exercises.py.)"""
 import pytest
 import torch
 
-from zerolearn.exercises.ch03 import compare_shard, kib, located
 from zerolearn.exercises.core import Wrong
+from zerolearn.exercises.helpers import compare_shard, kib, located
 from zerolearn.flat import FlatLayout
 
 # A weight (3, 4) and a bias (4,): 16 elements, padded to 18 for 3 shards of 6; this is shard 1.

@@ -2,10 +2,11 @@
 helpers a check uses to report the first wrong thing in the reader's terms.
 
 An :class:`Exercise` is a function the reader writes with a stated signature. Its
-reference solution lives in the package (``zerolearn/exercises/chNN.py``) and is the
-one source of the book's solution cell and of the reader's skeleton: the lines
-between ``# BEGIN SOLUTION`` and ``# END SOLUTION`` in the solution's body are what
-the reader writes (:func:`skeleton` replaces them with ``raise NotImplementedError``).
+reference solution lives in the package (``zerolearn/exercises/chNN.py`` or
+``chNN/<function>.py``) and is the one source of the book's solution cell and of the
+reader's skeleton: the lines between ``# BEGIN SOLUTION`` and ``# END SOLUTION`` in the
+solution's body are what the reader writes (:func:`skeleton` replaces them with
+``raise NotImplementedError``).
 
 A check runs the exercise's ``trial`` with the reader's function, on 2 and then 3
 real gloo ranks (uneven shards included) for rank exercises, or once in this process
@@ -199,15 +200,18 @@ class Result:
 
 _PACKAGE = Path(__file__).resolve().parent.parent  # zerolearn/
 _SOLUTIONS = Path(__file__).resolve().parent  # zerolearn/exercises/: reference solutions and bugs
+_MACHINERY = ("core.py", "__main__.py", "__init__.py", "helpers.py")  # in _SOLUTIONS, at any depth
 
 
 def _reader_frames(tb: traceback.StackSummary) -> str:
     """The last frame of the reader's (or a solution's) code in a traceback, as ' (line N: code)':
-    frames in the package's machinery and in torch are skipped."""
+    frames in torch and in the package's machinery (here: the checker and the trials' shared
+    helpers, :data:`_MACHINERY`) are skipped; exercise modules count, so a raising solution
+    or bug is named at its own line, and an error in a helper at the trial's line that called it."""
     def theirs(frame) -> bool:
         path = Path(frame.filename).resolve()
-        if path.is_relative_to(_SOLUTIONS) and path.name.startswith("ch"):
-            return True
+        if path.is_relative_to(_SOLUTIONS):
+            return path.name not in _MACHINERY
         return not path.is_relative_to(_PACKAGE) and "site-packages" not in path.parts
 
     frame = ([f for f in tb if theirs(f)] or list(tb))[-1]

@@ -1,0 +1,18 @@
+"""Chapter 04's exercises: ZeRO-3's gather and free around each unit (paper Sec 5.3, 7.2.2).
+
+* ``04.gather_hooks`` (:mod:`.gather_hooks`): module and gradient hooks that all-gather
+  a unit's parameters before its forward and again before its backward, and free them
+  after each.
+* ``04.prefetch`` (:mod:`.prefetch`): while one unit computes, the next unit's
+  all-gather is in flight.
+
+The trials cut the book's MLP (4 Linear layers of width 64, 4,160 parameters each,
+fp32) into one unit per layer, laid out as the engine lays them
+(:func:`zerolearn.exercises.helpers.sharded_units`): each unit's parameters are views
+of a flat buffer whose storage is resized to 0 bytes between uses, and each rank keeps
+its shard. ``04.gather_hooks`` trains three SGD steps against one process under the
+memory ledger; ``04.prefetch`` runs evaluation forwards and logs the order of
+launches, waits and computes. Importing this package registers both.
+"""
+
+from zerolearn.exercises.ch04 import gather_hooks, prefetch  # noqa: F401 - they register

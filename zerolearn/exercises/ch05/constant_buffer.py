@@ -1,0 +1,144 @@
+"""Exercise ``05.constant_buffer``: ZeRO-R's constant-size fused buffer, CB (paper Sec 6.2).
+
+Average many gradients over the ranks through one fused buffer of a fixed size, fill
+after fill, so that no buffer grows with the model. The trial reduces each rank's own
+gradients of two MLPs of different sizes (3,095 and 17,201 values) through the same
+1,024-element buffer and checks every value against the average over ranks, that the
+last, partly filled buffer is reduced too, one all-reduce per fill, and that nothing
+else is allocated (memory ledger).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from zerolearn import comm
+from zerolearn import dist as zdist
+from zerolearn.exercises.core import Bug, Exercise, Wrong, first_difference, register
+from zerolearn.exercises.helpers import kib
+from zerolearn.memory.ledger import MemoryLedger
+
+
+def constant_buffer(tensors, buffer, world_size):
+    """Average ``tensors`` over the ranks through ``buffer``, a fused buffer of constant size (CB, Sec 6.2).
+
+    Args:
+        tensors: list of contiguous fp32 tensors of any shapes (here a model's gradients),
+            n elements in all; n may be many times buffer.numel(). Averaged in place.
+        buffer: fp32, 1-D, B elements: the fused buffer, the only scratch memory to use.
+        world_size: the number of ranks.
+
+    Lay the tensors' elements end to end, in list order, and take them B at a time:
+    copy each run of B (the last may be shorter) into buffer (a tensor may span two
+    runs, a run may hold pieces of several tensors), average the filled part over the
+    ranks with one ``comm.all_reduce``, and copy it back into the tensors. Allocate
+    nothing whose size grows with n (views and in-place copies allocate nothing).
+    Returns None.
+    """
+    # BEGIN SOLUTION
+    flats = [t.view(-1) for t in tensors]
+    n, size = sum(f.numel() for f in flats), buffer.numel()
+    for lo in range(0, n, size):  # one fill: elements lo ... hi - 1 of the tensors laid end to end
+        hi = min(lo + size, n)
+        pieces, offset = [], 0
+        for f in flats:
+            a, b = max(lo, offset), min(hi, offset + f.numel())
+            if a < b:
+                pieces.append((f[a - offset:b - offset], buffer[a - lo:b - lo]))
+            offset += f.numel()
+        for part, fused in pieces:
+            fused.copy_(part)
+        comm.all_reduce(buffer[:hi - lo])
+        buffer[:hi - lo].div_(world_size)
+        for part, fused in pieces:
+            part.copy_(fused)
+    # END SOLUTION
+
+
+def _grows_with_model(tensors, buffer, world_size):
+    fused = torch.cat([t.view(-1) for t in tensors])  # one buffer as large as the model
+    comm.all_reduce(fused)
+    fused /= world_size
+    offset = 0
+    for t in tensors:
+        t.view(-1).copy_(fused[offset:offset + t.numel()])
+        offset += t.numel()
+
+
+def _drops_tail(tensors, buffer, world_size):
+    flats = [t.view(-1) for t in tensors]
+    n, size = sum(f.numel() for f in flats), buffer.numel()
+    for lo in range(0, n - size + 1, size):  # only full fills: the last, shorter one is never reduced
+        pieces, offset = [], 0
+        for f in flats:
+            a, b = max(lo, offset), min(lo + size, offset + f.numel())
+            if a < b:
+                pieces.append((f[a - offset:b - offset], buffer[a - lo:b - lo]))
+            offset += f.numel()
+        for part, fused in pieces:
+            fused.copy_(part)
+        comm.all_reduce(buffer)
+        buffer.div_(world_size)
+        for part, fused in pieces:
+            part.copy_(fused)
+
+
+BUFFER = 1024  # elements: 4 KiB of fp32
+MODELS = {"small": (17, 33, 64, 5), "large": (17, 97, 150, 5)}  # MLP widths: n = 3,095 and 17,201
+
+
+def _gradients(widths, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for fan_in, fan_out in zip(widths, widths[1:]):
+        out += [torch.randn(fan_out, fan_in, generator=g), torch.randn(fan_out, generator=g)]
+    return out
+
+
+def _buffer_trial(fn) -> str:
+    """Each rank's own gradients of two MLPs averaged through one 1,024-element buffer."""
+    ctx = zdist.context()
+    ws, rank = ctx.world_size, ctx.rank
+    buffer = torch.zeros(BUFFER)
+    peaks, sizes = {}, {}
+    for model, widths in MODELS.items():
+        grads, before = _gradients(widths, rank), _gradients(widths, rank)
+        want = [sum(ts) / ws for ts in zip(*(_gradients(widths, r) for r in range(ws)))]
+        n = sizes[model] = sum(t.numel() for t in grads)
+        comm.LEDGER.reset()
+        with MemoryLedger(record_timeline=False) as ledger:
+            fn(grads, buffer, ws)
+        peaks[model] = ledger.peak
+        offset = 0
+        for k, (got, w, old) in enumerate(zip(grads, want, before)):
+            untouched = torch.isclose(got, old) & ~torch.isclose(got, w)
+            if untouched.any():
+                first = offset + int(untouched.flatten().nonzero()[0])
+                raise Wrong(f"the {model} model's values from element {first:,} of {n:,} on were not averaged "
+                            f"(tensor {k}, shape {tuple(got.shape)}): the last, partly filled buffer must be "
+                            "reduced too")
+            first_difference(f"the {model} model's tensor {k} (shape {tuple(got.shape)})", got, w,
+                             reference="the average over ranks")
+            offset += got.numel()
+        calls = comm.LEDGER.as_dict()["all_reduce"]["calls"]
+        if calls != math.ceil(n / BUFFER) and ledger.peak <= 4 * BUFFER:
+            raise Wrong(f"your function made {calls} all-reduce calls for the {model} model's {n:,} values; "
+                        f"{BUFFER:,} at a time takes {math.ceil(n / BUFFER)}")
+    if max(peaks.values()) > 4 * BUFFER:
+        raise Wrong(f"your function allocated {kib(peaks['small'])} for the small model ({sizes['small']:,} values) "
+                    f"and {kib(peaks['large'])} for the large one ({sizes['large']:,}): a fused buffer that grows "
+                    f"with the model; CB's stays {kib(4 * BUFFER)} whatever the model's size (Sec 6.2)")
+    return (f"two models of {sizes['small']:,} and {sizes['large']:,} values averaged exactly through one "
+            f"{kib(4 * BUFFER)} buffer, nothing else allocated")
+
+
+register(Exercise(
+    "05.constant_buffer", "CB: average gradients through one fused buffer of constant size",
+    constant_buffer, _buffer_trial,
+    {"grows_with_model": Bug(_grows_with_model, "fusing every gradient into one buffer before the all-reduce, as "
+                             "Sec 6.2 says Megatron-LM and DP implementations did (12 GB for 3B parameters)",
+                             "grows with the model"),
+     "drops_tail": Bug(_drops_tail, "a fill loop over whole buffers only (range(0, n - B + 1, B)): the "
+                       "shorter last fill is never reduced", "were not averaged")}))
