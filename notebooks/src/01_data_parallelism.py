@@ -124,6 +124,7 @@ print(f"volume of reduce_scatter + all_gather:     {ledger['reduce_scatter']['el
 # of this notebook:
 
 # %%
+import torch
 import torch.distributed as dist
 
 from zerolearn import comm
@@ -163,8 +164,7 @@ print(launch(lambda: dist.get_world_size() * scale, 2))
 # besides their arguments; the next cell imports them and the checker.
 
 # %%
-import torch  # noqa: F401 - for the exercises' functions
-import torch.nn.functional as F  # noqa: F401
+import torch.nn.functional as F  # noqa: F401 - for the exercises' functions
 from torch import nn  # noqa: F401
 
 from zerolearn import exercises  # noqa: F401
