@@ -104,3 +104,13 @@ def test_cli_refuses_bad_arguments_with_exit_2():
     run = subprocess.run([sys.executable, "-m", "zerolearn.exercises", "check", "--all", "--bug", "x"],
                          capture_output=True, text=True)
     assert run.returncode == 2 and "use --bugs" in run.stderr
+
+
+def test_a_notebook_cell_ending_in_check_shows_the_verdict_once(capsys):
+    name = next(n for n in NAMES if not EXERCISES[n].world_sizes)
+    result = check(name, solution=True)
+    result._ipython_display_()  # what Jupyter calls for the cell's value
+    assert capsys.readouterr().out.count(f"{name}: correct.") == 1
+    quiet = check(name, solution=True, quiet=True)
+    quiet._ipython_display_()
+    assert capsys.readouterr().out.count(f"{name}: correct.") == 1

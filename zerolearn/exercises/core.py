@@ -186,8 +186,15 @@ class Result:
     world_size: int | None = None
     summary: str = ""
 
+    shown: bool = field(default=False, compare=False, repr=False)  # check() printed it already
+
     def __bool__(self) -> bool:
         return self.passed
+
+    def _ipython_display_(self) -> None:
+        # A notebook cell ending in check(...) shows the verdict once: check printed it.
+        if not self.shown:
+            print(self)
 
     def __str__(self) -> str:
         if not self.written:
@@ -332,4 +339,5 @@ def check(name: str, fn: Callable | None = None, *, solution: bool = False, bug:
                 break
     if not quiet:
         print(result)
+        object.__setattr__(result, "shown", True)
     return result
