@@ -3,13 +3,14 @@
 # make check  the quick loop: unit tests, world-size-2 equivalence, one short notebook
 # make notebooks  re-execute every chapter from notebooks/src/ and store its outputs
 # make book   build the book from the stored notebooks (book/_build/html)
+# make bench  our stages against DDP, ZeroRedundancyOptimizer, FSDP2, DeepSpeed, then the scaling sweeps (QUICK=1: the comparison only, about 2 min)
 # The first use creates .venv with a pinned torch (override: make TORCH=torch==2.11.0 ...).
 PYTHON ?= python3
 TORCH ?= torch==2.13.0
 VENV := .venv
 PY := $(VENV)/bin/python
 
-.PHONY: tour test check notebooks book lint clean gpu-check deepspeed paper-map
+.PHONY: tour test check notebooks book lint clean gpu-check deepspeed paper-map bench
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -48,6 +49,14 @@ deepspeed: $(VENV)/.installed
 		DS_ACCELERATOR=cpu $(VENV)/bin/torchrun --standalone --nproc-per-node=2 \
 			-m zerolearn.experiments.deepspeed_cpu --stage $$stage --out notebooks/data/deepspeed_cpu.json || exit 1; \
 	done
+
+# Results go to notebooks/data/bench/ (QUICK=1: quick.json; else bench.json and scaling.json, chapter 7's figure).
+# DeepSpeed is installed without compiled ops; if that fails the bench runs without it.
+bench: $(VENV)/.installed
+	DS_BUILD_OPS=0 $(PY) -m pip install --quiet --no-build-isolation deepspeed || echo "deepspeed could not be installed: benchmarking without it"
+	mkdir -p notebooks/data/bench
+	$(PY) -m zerolearn.bench $(if $(QUICK),--quick) --out notebooks/data/bench/$(if $(QUICK),quick,bench).json
+	$(if $(QUICK),,$(PY) -m zerolearn.bench scaling --out notebooks/data/bench/scaling.json)
 
 # book/paper_map.md is generated from zerolearn/papermap.py; tests/test_papermap.py checks it is current.
 paper-map: $(VENV)/.installed

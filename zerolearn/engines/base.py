@@ -25,7 +25,7 @@ from zerolearn import comm
 from zerolearn.dist import ConfigError
 from zerolearn.engines import optim
 from zerolearn.engines.buckets import MAX_IN_FLIGHT, BucketedBackward
-from zerolearn.engines.group import GroupState
+from zerolearn.engines.group import GradTally, GroupState
 from zerolearn.engines.state import EngineStateMixin
 from zerolearn.flat import FlatLayout, buckets
 from zerolearn.memory.ledger import retag
@@ -153,6 +153,9 @@ class Engine(BucketedBackward, EngineStateMixin, abc.ABC):
             raise ConfigError("the model has no trainable parameters (all requires_grad=False)")
         self.psi = sum(p.numel() for _, p in trainable)
         self.groups: list[GroupState] = self._build_groups(trainable, units)
+        self._grad_tally = GradTally()  # gradient bytes held now, kept by the groups (for peak_grad_bytes)
+        for g in self.groups:
+            g.tally = self._grad_tally
         self._norm_weights = (optim.replica_weights(self.groups, torch.distributed.get_world_size(
             model_parallel_group)) if model_parallel_group is not None else None)
         self._publishing: list[comm.Handle] = []  # all_gathers of updated shards in flight
@@ -161,8 +164,9 @@ class Engine(BucketedBackward, EngineStateMixin, abc.ABC):
         for g, m in zip(self.groups, masters32):
             self._init_group(g, m)
         del masters32
-        self.optimizer = optim.make_optimizer(optimizer, [g.master for g in self.groups], lr,
-                                              weight_decay, momentum, betas)
+        # One torch optimizer per group's master, used as one (optim.GroupedOptimizer).
+        self.optimizer = optim.make_grouped(optimizer, [g.master for g in self.groups], lr, weight_decay,
+                                            momentum, betas)
         # The gradient matches the master element for element, so ranks hold different
         # parts of it exactly when masters are shards: then the norm sums over ranks.
         self.shards_grads_for_norm = any(g.master.numel() != g.layout.padded_numel for g in self.groups)
@@ -257,14 +261,14 @@ class Engine(BucketedBackward, EngineStateMixin, abc.ABC):
         self.scaler.update(found_inf)
         if found_inf:
             return False
-        for g, gr in zip(self.groups, grads):
+        for i, (g, gr) in enumerate(zip(self.groups, grads)):
             # One group at a time, so at most one group's fp32 gradient exists at once (the
-            # paper's (2 + 2 + K) Psi has no fp32 gradient); masters whose .grad is None are
-            # skipped by torch.optim, so each call updates this group's master alone.
+            # paper's (2 + 2 + K) Psi has no fp32 gradient); each master has an optimizer of
+            # its own, so stepping it costs the same however many groups there are.
             g.master.grad = gr.float() if gr.dtype != torch.float32 else gr
             if coef != 1.0:
                 g.master.grad.mul_(coef)
-            self.optimizer.step()
+            self.optimizer.step_group(i)
             g.master.grad = None
             retag(optim.optimizer_state(self.optimizer, g.master), "optimizer_states")
             self._publish_labelled(g)  # its all_gather runs while the next group steps

@@ -25,7 +25,6 @@ from torch import nn
 
 from zerolearn import comm
 from zerolearn.engines.group import GroupState
-from zerolearn.engines.optim import unique_storage_bytes
 from zerolearn.memory.ledger import category
 
 MAX_IN_FLIGHT = 2  # reductions launched but not finished; bounds live gradient buckets
@@ -37,7 +36,8 @@ class BucketedBackward:
     Expects what :class:`~zerolearn.engines.base.Engine` sets up: ``groups``,
     ``scaler``, ``world_size``, ``dtype``, ``device``, the stage's ``_reduce`` and
     the bookkeeping ``_next``, ``_sync``, ``_pending``, ``_no_sync_depth``,
-    ``holds_reduced``, ``in_backward``, ``peak_grad_bytes``, ``temp_buffer_peak_bytes``.
+    ``holds_reduced``, ``in_backward``, ``peak_grad_bytes``, ``temp_buffer_peak_bytes``,
+    ``_grad_tally``.
     The per-parameter hooks that call :meth:`_on_grad` are registered by ``Engine``.
     """
 
@@ -139,5 +139,5 @@ class BucketedBackward:
         self.temp_buffer_peak_bytes = max(self.temp_buffer_peak_bytes, t.numel() * t.element_size())
 
     def _track_grad_bytes(self) -> None:
-        held = unique_storage_bytes([t for g in self.groups for t in (g.grad_full, g.grad_shard)], set())
-        self.peak_grad_bytes = max(self.peak_grad_bytes, held)
+        # The groups keep the tally as their gradients come and go (GroupState, GradTally).
+        self.peak_grad_bytes = max(self.peak_grad_bytes, self._grad_tally.held)

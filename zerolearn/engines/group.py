@@ -28,6 +28,31 @@ from zerolearn import comm
 from zerolearn.flat import FlatLayout
 
 
+class GradTally:
+    """Gradient bytes an engine's groups hold now (``held``), kept up to date by
+    :class:`GroupState` whenever a group's ``grad_full`` or ``grad_shard`` is set.
+
+    So reading the total costs O(1), not a walk over every group's storages: the
+    engine reads it after each gradient allocation (``peak_grad_bytes``), and a walk
+    there would cost O(G^2) per step for G groups.
+    """
+
+    def __init__(self) -> None:
+        self.held = 0
+
+
+def _storage_bytes(*tensors) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (None skipped)."""
+    seen, total = set(), 0
+    for t in tensors:
+        if t is not None:
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
+    return total
+
+
 @dataclass(eq=False)
 class GroupState:
     """One flat group's tensors on this rank; ``None`` means not held now.
@@ -48,6 +73,8 @@ class GroupState:
             (stage 1 always; stages 2-3 while accumulating onto an earlier backward).
         reducing: the reduction in flight (launched, not finished), or None.
         ready: parameters whose gradient has arrived in this backward.
+        tally: the engine's :class:`GradTally`, told the change in this group's
+            gradient bytes whenever ``grad_full`` or ``grad_shard`` is set (None: not tallied).
     """
 
     layout: FlatLayout
@@ -60,6 +87,16 @@ class GroupState:
     reduced: torch.Tensor | None = None
     reducing: comm.Handle | None = field(default=None, repr=False)
     ready: int = 0
+    tally: GradTally | None = field(default=None, repr=False)
+
+    def __setattr__(self, name: str, value) -> None:
+        tally = self.__dict__.get("tally")
+        if tally is None or name not in ("grad_full", "grad_shard"):
+            object.__setattr__(self, name, value)
+            return
+        before = _storage_bytes(self.grad_full, self.grad_shard)
+        object.__setattr__(self, name, value)
+        tally.held += _storage_bytes(self.grad_full, self.grad_shard) - before
 
     @property
     def complete(self) -> bool:

@@ -1,12 +1,15 @@
 """What an engine's step needs besides collectives: the optimizer, clipping, bytes held.
 
 The optimizer is torch's own, over the flat fp32 masters (one tensor per group:
-the whole buffer at stage 0, this rank's shard at stages 1-3). Adam and SGD are
-element-wise, so stepping flat shards gives the same numbers as stepping the
-original tensors; that is what lets ZeRO shard them freely (Sec 5.1).
+the whole buffer at stage 0, this rank's shard at stages 1-3), one torch optimizer
+per master (:class:`GroupedOptimizer`). Adam and SGD are element-wise, so stepping
+flat shards gives the same numbers as stepping the original tensors; that is what
+lets ZeRO shard them freely (Sec 5.1).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator, Mapping
 
 import torch
 from torch import nn
@@ -50,7 +53,107 @@ def make_optimizer(name: str, params: list[nn.Parameter], lr: float, weight_deca
     raise ConfigError(f"--optimizer {name!r}: allowed are {', '.join(OPTIMIZERS)}")
 
 
-def optimizer_state(optimizer: torch.optim.Optimizer, master: torch.Tensor) -> list[torch.Tensor]:
+class _StateView(Mapping):
+    """``GroupedOptimizer.state``: master -> its optimizer's state, read through."""
+
+    def __init__(self, owner: GroupedOptimizer):
+        self._owner = owner
+
+    def __getitem__(self, master: torch.Tensor) -> dict:
+        i = self._owner.index.get(id(master))
+        if i is None or master not in self._owner.optimizers[i].state:
+            raise KeyError(master)
+        return self._owner.optimizers[i].state[master]
+
+    def __iter__(self) -> Iterator[torch.Tensor]:
+        return (m for o in self._owner.optimizers for m in o.state)
+
+    def __len__(self) -> int:
+        return sum(len(o.state) for o in self._owner.optimizers)
+
+
+class GroupedOptimizer:
+    """One torch optimizer per flat master, seen from outside as one optimizer over them.
+
+    The engine steps one group at a time: in mixed precision only one group's fp32
+    gradient may exist at once (the paper's (2 + 2 + K) Psi holds none). A single torch
+    optimizer over all G masters walks all of them on every ``step()`` to find the one
+    with a gradient, O(G^2) Python work per engine step; with one optimizer per master,
+    :meth:`step_group` touches its master alone, O(G). Each master's update is computed
+    on its own either way (see :func:`make_optimizer`), so the numbers are bit-identical.
+
+    Outside, it reads as one optimizer over the masters in group order: ``state``
+    maps each master to its state, and :meth:`state_dict` / :meth:`load_state_dict`
+    use the layout of a single torch optimizer over them (one param group, params
+    0..G-1), which checkpoints are built from.
+
+    Args:
+        optimizers: one torch optimizer per master, each over that master alone.
+        masters: the flat fp32 masters, in group order.
+    """
+
+    def __init__(self, optimizers: list[torch.optim.Optimizer], masters: list[torch.Tensor]):
+        self.optimizers, self.masters = optimizers, masters
+        self.index = {id(m): i for i, m in enumerate(masters)}
+
+    def step_group(self, i: int) -> None:
+        """Update master ``i`` from its ``.grad``."""
+        self.optimizers[i].step()
+
+    def step(self) -> None:
+        """Update every master that has a ``.grad``."""
+        for o in self.optimizers:
+            o.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for o in self.optimizers:
+            o.zero_grad(set_to_none=set_to_none)
+
+    @property
+    def state(self) -> Mapping:
+        """master -> its state (Adam's ``step``, ``exp_avg``, ``exp_avg_sq``), as in torch."""
+        return _StateView(self)
+
+    @property
+    def param_groups(self) -> list[dict]:
+        """Every optimizer's param groups (one each; setting ``lr`` there takes effect)."""
+        return [g for o in self.optimizers for g in o.param_groups]
+
+    def state_dict(self) -> dict:
+        """``{"state": {i: state of master i}, "param_groups": [{hyperparameters,
+        "params": [0, ..., G-1]}]}``: what one torch optimizer over the masters returns."""
+        parts = [o.state_dict() for o in self.optimizers]
+        state = {i: part["state"][0] for i, part in enumerate(parts) if 0 in part["state"]}
+        group = {**parts[0]["param_groups"][0], "params": list(range(len(parts)))}
+        return {"state": state, "param_groups": [group]}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load :meth:`state_dict`'s layout (param groups may split the indices differently).
+
+        Raises:
+            ValueError: the state dict does not name exactly the masters 0..G-1.
+        """
+        groups = {i: g for g in state_dict["param_groups"] for i in g["params"]}
+        if sorted(groups) != list(range(len(self.optimizers))):
+            raise ValueError(f"optimizer state dict for params {sorted(groups)}: this engine has "
+                             f"{len(self.optimizers)} flat masters (0..{len(self.optimizers) - 1})")
+        for i, o in enumerate(self.optimizers):
+            state = {0: state_dict["state"][i]} if i in state_dict["state"] else {}
+            o.load_state_dict({"state": state, "param_groups": [{**groups[i], "params": [0]}]})
+
+
+def make_grouped(name: str, masters: list[nn.Parameter], lr: float, weight_decay: float = 0.0,
+                 momentum: float = 0.0, betas: tuple[float, float] = (0.9, 0.999)) -> GroupedOptimizer:
+    """:class:`GroupedOptimizer` of :func:`make_optimizer`'s ``name``, one per master.
+
+    Raises:
+        ConfigError: ``name`` is not one of :data:`OPTIMIZERS`.
+    """
+    return GroupedOptimizer([make_optimizer(name, [m], lr, weight_decay, momentum, betas) for m in masters],
+                            list(masters))
+
+
+def optimizer_state(optimizer: torch.optim.Optimizer | GroupedOptimizer, master: torch.Tensor) -> list[torch.Tensor]:
     """The optimizer's per-element state of ``master`` (Adam's moments, SGD's momentum).
 
     Scalars such as Adam's step counter are bookkeeping, not model states: left out.

@@ -13,9 +13,12 @@ figures of measured runs use binary KiB (2**10 bytes), as small models are measu
 Modules, re-exported here: :mod:`~zerolearn.figures.formulas` (the paper's formulas:
 memory, fit, trade-off, each stage beside DP, ZeRO-R), :mod:`~zerolearn.figures.measured`
 (a run's memory timeline, fragmentation) and :mod:`~zerolearn.figures.timeline` (per-rank
-step timelines of compute and collectives, recorded by :mod:`zerolearn.timeline`).
+step timelines of compute and collectives, recorded by :mod:`zerolearn.timeline`) and
+:mod:`~zerolearn.figures.bench` (step time and bytes against world size and model size,
+recorded by ``make bench``).
 """
 
+from zerolearn.figures.bench import load_result, scaling_figure, scaling_series
 from zerolearn.figures.formulas import (
     CATEGORIES,
     COLORS,
@@ -51,4 +54,4 @@ __all__ = ["CATEGORIES", "COLORS", "GPUS", "NDS", "PHASE_COLORS", "STAGE_COLORS"
            "fragmentation", "fragmentation_figure", "memory_by_stage", "memory_figure", "readable",
            "recorded_trace", "timeline_figure", "timeline_series", "tradeoff", "tradeoff_figure",
            "OP_COLORS", "bucket_sweep_figure", "lanes_figure", "prefetch_figure", "stage_timelines_figure",
-           "sweep_timelines_figure"]
+           "sweep_timelines_figure", "load_result", "scaling_figure", "scaling_series"]
