@@ -38,6 +38,7 @@ from torch import nn
 from zerolearn import compat
 from zerolearn import dist as zdist
 from zerolearn.config import TrainConfig
+from zerolearn.engines.optim import unique_storage_bytes
 from zerolearn.lessons.ch07 import DEEPSPEED_CONFIG
 from zerolearn.train import build, loss_fn, setup
 
@@ -45,19 +46,8 @@ from zerolearn.train import build, loss_fn, setup
 def held_bytes(tensors, seen: set[int]) -> int:
     """Bytes of the storages behind ``tensors`` (DTensors: their local shard; None and
     0-d tensors skipped), each storage counted once across calls sharing ``seen``."""
-    total = 0
-    for t in tensors:
-        if t is None:
-            continue
-        t = t.to_local() if hasattr(t, "to_local") else t
-        if t.dim() == 0:
-            continue
-        storage = t.untyped_storage()
-        if storage.nbytes() == 0 or storage.data_ptr() in seen:
-            continue
-        seen.add(storage.data_ptr())
-        total += storage.nbytes()
-    return total
+    local = (t.to_local() if hasattr(t, "to_local") else t for t in tensors if t is not None)
+    return unique_storage_bytes([t for t in local if t.dim() > 0], seen)
 
 
 def _state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
