@@ -34,7 +34,7 @@ for name, r in results.items():
           f"{b['grads'] / 1024:>10.1f} {b['optimizer_states'] / 1024:>10.1f}")
 
 # %% [markdown]
-# ### Exercise 1 · which stage does it run?
+# ## Exercise 1 · which stage does it run?
 #
 # The bytes a rank holds tell which states an implementation partitions, and so which
 # stage it runs. Write `stage_from_bytes(held, full)`: `held` is
