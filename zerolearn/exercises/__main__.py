@@ -5,6 +5,7 @@
     python -m zerolearn.exercises check 02.zero1_step --bug allreduce_then_allgather
     python -m zerolearn.exercises check --all --solution     # exit 0: every solution passes
     python -m zerolearn.exercises check --all --bugs         # exit 0: every known bug is caught
+    python -m zerolearn.exercises times [NAME ...]           # seconds to a verdict, mistakes on one rank
 
 Exit status 0 when every check came out as expected (a solution passes; a bug is caught
 with the words its entry says), 1 otherwise, 2 for bad arguments.
@@ -19,10 +20,20 @@ from zerolearn.errors import ConfigError
 from zerolearn.exercises import EXERCISES, check, get, reusing_ranks
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad argument is one line on stderr (naming it and what is allowed) and exit 2."""
+
+    def error(self, message: str):
+        print(f"error: {self.prog}: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m zerolearn.exercises", description=__doc__.split("\n\n")[0])
-    sub = p.add_subparsers(dest="command", required=True)
+    p = _Parser(prog="python -m zerolearn.exercises", description=__doc__.split("\n\n")[0])
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
     sub.add_parser("list", help="every exercise, chapter first, one per line")
+    t = sub.add_parser("times", help="seconds to a verdict for a mistake on one rank, per rank exercise")
+    t.add_argument("names", nargs="*", metavar="NAME", help="rank exercises (default: all)")
     c = sub.add_parser("check", help="run the checker on reference solutions or known bugs")
     c.add_argument("name", nargs="?", help="an exercise, e.g. 02.zero1_step")
     c.add_argument("--all", action="store_true", help="every exercise")
@@ -56,6 +67,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name:28} {EXERCISES[name].title}")
         return 0
     try:
+        if args.command == "times":
+            from zerolearn.exercises import timing
+
+            ranked = sorted(n for n in EXERCISES if EXERCISES[n].world_sizes and EXERCISES[n].bugs)
+            for name in args.names:
+                if name not in ranked:
+                    raise ConfigError(f"times {name!r}: allowed are the rank exercises {', '.join(ranked)}")
+            timing.time_to_verdict(args.names or None)
+            return 0
         runs = _runs(args)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)

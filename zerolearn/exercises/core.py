@@ -26,8 +26,11 @@ from __future__ import annotations
 import contextlib
 import inspect
 import re
+import sysconfig
 import textwrap
+import time
 import traceback
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,8 +40,8 @@ import torch
 
 from zerolearn.errors import ConfigError
 
-__all__ = ["EXERCISES", "PRELUDE", "Bug", "Exercise", "Mistake", "Result", "Wrong", "check", "first_difference",
-           "register", "reusing_ranks", "skeleton", "solution_source"]
+__all__ = ["EXERCISES", "PRELUDE", "Bug", "Exercise", "Mistake", "Result", "Wrong", "agree", "check",
+           "first_difference", "register", "reusing_ranks", "skeleton", "solution_source"]
 
 PRELUDE = ("import torch\nimport torch.distributed as dist\nimport torch.nn.functional as F\nfrom torch import nn\n\n"
            "from zerolearn import comm")
@@ -210,33 +213,161 @@ _SOLUTIONS = Path(__file__).resolve().parent  # zerolearn/exercises/: reference 
 _MACHINERY = ("core.py", "__main__.py", "__init__.py", "helpers.py")  # in _SOLUTIONS, at any depth
 
 
+_STDLIB = Path(sysconfig.get_paths()["stdlib"]).resolve()
+
+
 def _reader_frames(tb: traceback.StackSummary) -> str:
     """The last frame of the reader's (or a solution's) code in a traceback, as ' (line N: code)':
-    frames in torch and in the package's machinery (here: the checker and the trials' shared
-    helpers, :data:`_MACHINERY`) are skipped; exercise modules count, so a raising solution
-    or bug is named at its own line, and an error in a helper at the trial's line that called it."""
+    frames in torch and other installed packages, in Python's standard library (contextlib's
+    ``self.gen.throw``, say) and in the package's machinery (here: the checker and the trials'
+    shared helpers, :data:`_MACHINERY`) are skipped; exercise modules count, so a raising
+    solution or bug is named at its own line, and an error in a helper at the trial's line
+    that called it."""
     def theirs(frame) -> bool:
+        if frame.filename.startswith("<") and not frame.filename.startswith("<cell"):
+            return False  # <frozen ...>, <string>: Python's own
         path = Path(frame.filename).resolve()
         if path.is_relative_to(_SOLUTIONS):
             return path.name not in _MACHINERY
-        return not path.is_relative_to(_PACKAGE) and "site-packages" not in path.parts
+        return not (path.is_relative_to(_PACKAGE) or path.is_relative_to(_STDLIB) or "site-packages" in path.parts
+                    or "dist-packages" in path.parts)
 
     frame = ([f for f in tb if theirs(f)] or list(tb))[-1]
     return f" (line {frame.lineno}: {frame.line})" if frame.line else f" (line {frame.lineno} of {frame.name})"
 
 
-def run_trial(exercise: Exercise, fn: Callable) -> tuple[str, Any]:
-    """Run ``exercise``'s trial with ``fn`` here; ``("ok", summary)``, ``("wrong", (step, message))``
-    or ``("unwritten", None)``. Used on every rank and for in-process exercises."""
+# ----- ranks agree on the verdict --------------------------------------------------------
+
+AGREE_S = 8.0
+"""Seconds a rank that finished a trial step waits at :func:`agree` for its peers to finish it
+too. Steps take milliseconds; a peer still missing after this waits in a collective that
+this rank never called."""
+_POLL_S = 0.002
+
+
+class _PeerFailed(Exception):  # noqa: N818 - raised on a rank whose peer failed first
+    def __init__(self, rank: int):
+        super().__init__(rank)
+        self.rank = rank
+
+
+@dataclass
+class _Agreement:
+    """One trial's side channel on a rank: the process group's key-value store, under ``token``."""
+
+    store: Any
+    token: str
+    rank: int
+    world_size: int
+    step: int = 0  # steps every rank has finished
+
+    def key(self, what: str) -> str:
+        return f"zerolearn/check/{self.token}/{what}"
+
+    def fail(self) -> None:
+        """Post that this rank failed (the first rank to post is kept), so that peers stop at their next step."""
+        try:
+            self.store.compare_set(self.key("failed"), "", str(self.rank))
+        except Exception:  # noqa: BLE001 - the store is gone with a killed peer: nobody to tell
+            pass
+
+    def failed(self) -> int | None:
+        if self.store.check([self.key("failed")]):
+            return int(self.store.get(self.key("failed")))
+        return None
+
+
+_AGREEMENT: _Agreement | None = None  # set on each rank while a trial runs
+
+
+def agree(step: int) -> None:
+    """The end of a trial's ``step`` on this rank: post that this rank passed it and wait until
+    every peer has passed it too, at most :data:`AGREE_S` seconds, on the process group's
+    key-value store (which no collective can block).
+
+    A trial calls it after each step's comparisons, so that ranks stop together: when a peer
+    posted a failure instead, this rank stops here (and does not enter the next step's
+    collectives, where it would wait for the failed rank forever). A peer that does not
+    arrive in time is named in a :class:`Wrong`. Outside a check on ranks it does nothing.
+    """
+    a = _AGREEMENT
+    if a is None or a.world_size == 1:
+        return
+    a.store.set(a.key(f"{step}/{a.rank}"), "passed")
+    peers = [a.key(f"{step}/{r}") for r in range(a.world_size) if r != a.rank]
+    deadline = time.monotonic() + AGREE_S
+    while not a.store.check(peers):
+        if (peer := a.failed()) is not None:
+            raise _PeerFailed(peer)
+        if time.monotonic() > deadline:
+            late = [r for r in range(a.world_size) if r != a.rank and not a.store.check([a.key(f"{step}/{r}")])]
+            who = f"rank {late[0]}" if len(late) == 1 else f"ranks {', '.join(map(str, late))}"
+            raise Wrong(f"{who} did not finish this step within {AGREE_S:g} s of rank {a.rank}, which made "
+                        f"{guard_count()} collectives so far: {who} waits in a collective the other ranks "
+                        "never call (every rank must call the same collectives, in the same order)", step)
+        time.sleep(_POLL_S)
+    a.step = step + 1
+
+
+def guard_count() -> int:
+    """Collectives issued through :mod:`zerolearn.comm` on this rank so far."""
+    from zerolearn import guard
+
+    return guard.current()
+
+
+def run_trial(exercise: Exercise, fn: Callable, token: str | None = None) -> tuple[str, Any]:
+    """Run ``exercise``'s trial with ``fn`` here; ``(kind, value, when)``: ``("ok", summary)``,
+    ``("wrong", (step, message))``, ``("unwritten", None)`` or, on a rank that stopped because
+    a peer failed first, ``("stopped", peer)``; ``when`` is the time (``time.time()``) of
+    the verdict. Used on every rank and for in-process exercises.
+
+    On ranks (``token`` given), the trial's :func:`agree` calls and any failure go through
+    the process group's store under ``token``, and collectives are checked for
+    agreement first (:func:`zerolearn.comm.set_debug`): a rank that calls another
+    collective than its peers gets an error naming both, not a hang.
+    """
+    outcome = _run_trial(exercise, fn, token)
+    return (*outcome, time.time())
+
+
+def _run_trial(exercise: Exercise, fn: Callable, token: str | None) -> tuple[str, Any]:
+    global _AGREEMENT
+    debug = None
+    if token is not None:
+        from zerolearn import comm
+        from zerolearn import dist as zdist
+
+        ctx = zdist.context()
+        _AGREEMENT = _Agreement(zdist.store(), token, ctx.rank, ctx.world_size)
+        debug = comm.debug_enabled()
+        comm.set_debug(True)
     try:
         return "ok", exercise.trial(fn)
+    except _PeerFailed as e:
+        return "stopped", e.rank
     except Wrong as e:
+        _post_failure()
         return "wrong", (e.step, str(e))
     except NotImplementedError:
+        _post_failure()
         return "unwritten", None
     except Exception as e:  # noqa: BLE001 - the reader's error is the verdict
+        _post_failure()
         where = _reader_frames(traceback.extract_tb(e.__traceback__))
-        return "wrong", (None, f"your function raised {type(e).__name__}: {e}{where}")
+        step = _AGREEMENT.step or None if _AGREEMENT is not None else None  # the step it was in, once known
+        return "wrong", (step, f"your function raised {type(e).__name__}: {e}{where}")
+    finally:
+        if token is not None:
+            from zerolearn import comm
+
+            comm.set_debug(debug)
+            _AGREEMENT = None
+
+
+def _post_failure() -> None:
+    if _AGREEMENT is not None:
+        _AGREEMENT.fail()
 
 
 _POOLS: dict[int, Any] | None = None  # world size -> zerolearn.live.Ranks, inside reusing_ranks()
@@ -264,35 +395,81 @@ def reusing_ranks():
             pool.close()
 
 
-def _on_ranks(exercise: Exercise, fn: Callable, world_size: int) -> list[tuple[str, Any]]:
-    """Each rank's :func:`run_trial` outcome at ``world_size``; raises RankError or TimeoutError
-    (fresh ranks) as :func:`zerolearn.ranks.launch` does, also for a pool's CellError."""
-    from zerolearn.ranks import RankError, launch
+GRACE_S = 2.0
+"""Seconds the other ranks get, once one rank has its verdict, to reach theirs (a failure at
+the same step, or a stop at :func:`agree`); ranks still running then wait in a collective for
+the rank that stopped, and are killed."""
+_PEER_CAUSED = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "CollectiveError",
+                "Socket Timeout", "Timed out waiting")  # what a rank reads when a peer stopped or died
 
+
+def _decides(outcome) -> bool:
+    return outcome[0] != "ok"
+
+
+def _on_ranks(exercise: Exercise, fn: Callable, world_size: int) -> tuple[dict[int, tuple], dict[int, str],
+                                                                             list[int]]:
+    """Run the trial on ``world_size`` ranks until a verdict: (each finished rank's
+    :func:`run_trial` outcome, each rank that died with its exit, the ranks killed unfinished).
+
+    Inside :func:`reusing_ranks` the persistent pool of that size runs it; otherwise fresh
+    ranks start for this check and stop after it. Once one rank has a verdict the others
+    get :data:`GRACE_S` seconds; a rank still running then is killed (it waits in a
+    collective for the rank that stopped), and its pool restarts at the next call.
+    """
+    from zerolearn.live import Ranks
+
+    token = uuid.uuid4().hex[:12]
     if _POOLS is None:
-        return launch(run_trial, world_size, exercise, fn, timeout_s=exercise.timeout_s)
-    from zerolearn.live import CellError, Ranks
-
+        with Ranks(world_size, timeout_s=exercise.timeout_s) as pool:
+            return pool.call_until(_decides, run_trial, exercise, fn, token, grace_s=GRACE_S)
     if world_size not in _POOLS:
         _POOLS[world_size] = Ranks(world_size, timeout_s=exercise.timeout_s)
-    try:
-        return _POOLS[world_size].call(run_trial, exercise, fn)
-    except CellError as e:
-        if e.failed:
-            rank = min(e.failed)
-            raise RankError(rank, e.failed[rank].strip().splitlines()[-1]) from None
-        raise TimeoutError(f"ranks {e.unfinished} gave no result within {exercise.timeout_s:.0f} s") from None
+    return _POOLS[world_size].call_until(_decides, run_trial, exercise, fn, token, grace_s=GRACE_S)
 
 
-def _verdict(name: str, outcomes: list[tuple[str, Any]], world_size: int | None) -> Result:
-    for rank, (kind, value) in enumerate(outcomes):
+def _peer_caused(kind: str, value) -> bool:
+    """An outcome a peer's stop or death caused, not this rank's own verdict."""
+    if kind == "stopped":
+        return True
+    return kind == "wrong" and value[0] is None and any(words in value[1] for words in _PEER_CAUSED)
+
+
+def _verdict(name: str, outcomes: dict[int, tuple], world_size: int | None, died: dict[int, str] | None = None,
+             cut: list[int] | None = None, timeout_s: float = 0.0) -> Result:
+    """The first real verdict of any rank: the earliest step, then the earliest in time; what
+    a peer's stop or death caused (a closed connection, say) only when no rank has its own."""
+    real = [(r, o) for r, o in outcomes.items() if o[0] not in ("ok", "stopped") and not _peer_caused(*o[:2])]
+    if real:
+        def order(item):
+            r, (kind, value, when) = item
+            step = value[0] if kind == "wrong" and value[0] is not None else -1 if kind == "unwritten" else 1 << 30
+            return step, when, r
+
+        rank, (kind, value, _) = min(real, key=order)
         if kind == "unwritten":
             return Result(name, False, written=False)
-        if kind == "wrong":
-            step, message = value
-            return Result(name, False, mistake=Mistake(rank if world_size else None, step, message),
-                          world_size=world_size)
-    return Result(name, True, world_size=world_size, summary=outcomes[0][1])
+        step, message = value
+        return Result(name, False, mistake=Mistake(rank if world_size else None, step, message),
+                      world_size=world_size)
+    if died:
+        rank = min(died)
+        exit_line = died[rank].strip().splitlines()[-1] if died[rank].strip() else "died"
+        message = (f"the rank's process ended ({exit_line}) inside the trial: gloo ends a rank whose collective "
+                   "does not match its peers' (another operation, size or group)")
+        return Result(name, False, mistake=Mistake(rank, None, message), world_size=world_size)
+    secondary = sorted((r, o) for r, o in outcomes.items() if o[0] != "ok")
+    if secondary:
+        rank, (kind, value, _) = secondary[0]
+        message = value[1] if kind == "wrong" else f"stopped because rank {value} failed"
+        return Result(name, False, mistake=Mistake(rank, value[0] if kind == "wrong" else None, message),
+                      world_size=world_size)
+    if cut:
+        who = f"rank {cut[0]}" if len(cut) == 1 else f"ranks {cut}"
+        return Result(name, False, mistake=Mistake(None, None, f"{who} gave no result within {timeout_s:.0f} s: "
+                                                   "a rank waits in a collective its peers never call, or never "
+                                                   "returns"), world_size=world_size)
+    return Result(name, True, world_size=world_size, summary=outcomes[min(outcomes)][1])
 
 
 def check(name: str, fn: Callable | None = None, *, solution: bool = False, bug: str | None = None,
@@ -301,8 +478,9 @@ def check(name: str, fn: Callable | None = None, *, solution: bool = False, bug:
 
     ``solution=True`` checks the reference solution, ``bug=NAME`` one of the known bugs
     instead of ``fn``. Rank exercises run on each of the exercise's world sizes in turn
-    (spawned gloo ranks, :func:`zerolearn.ranks.launch`) and stop at the first one
-    with a mistake. A function still raising NotImplementedError is "not written yet",
+    (spawned gloo ranks, :class:`zerolearn.live.Ranks`) and stop at the first one
+    with a mistake; the verdict is the first real one of any rank (:func:`_verdict`),
+    within seconds of it, whichever rank it is on. A function still raising NotImplementedError is "not written yet",
     not an error, so a reader's copy runs top to bottom.
 
     Raises:
@@ -320,21 +498,11 @@ def check(name: str, fn: Callable | None = None, *, solution: bool = False, bug:
         raise ConfigError(f"check({name!r}, {fn!r}): expected the function you wrote")
     result = None
     if not exercise.world_sizes:
-        result = _verdict(name, [run_trial(exercise, fn)], None)
+        result = _verdict(name, {0: run_trial(exercise, fn)}, None)
     else:
-        from zerolearn.ranks import RankError
-
         for world_size in exercise.world_sizes:
-            try:
-                outcomes = _on_ranks(exercise, fn, world_size)
-            except RankError as e:
-                outcomes = [("ok", "")] * world_size
-                outcomes[e.rank] = ("wrong", (None, str(e).split("\n", 1)[0]))
-            except TimeoutError as e:
-                result = Result(name, False, mistake=Mistake(None, None, f"{e}: a rank waits in a collective "
-                                                             "its peers never call"), world_size=world_size)
-                break
-            result = _verdict(name, outcomes, world_size)
+            outcomes, died, cut = _on_ranks(exercise, fn, world_size)
+            result = _verdict(name, outcomes, world_size, died, cut, exercise.timeout_s)
             if not result.passed:
                 break
     if not quiet:

@@ -122,6 +122,29 @@ class Ranks:
         """
         return self._ask(_call, (fn, args, kwargs))[1]
 
+    def call_until(self, decides, fn, *args, grace_s: float = GRACE_S, **kwargs) -> tuple[dict, dict, list[int]]:
+        """``fn(*args, **kwargs)`` on every rank, ending as soon as one rank's result decides.
+
+        Like :meth:`call`, but once some rank returns a result ``r`` with ``decides(r)``
+        true (a verdict, say), the ranks still running get ``grace_s`` more seconds and
+        are then killed: they may wait in a collective for the rank that returned, which
+        nothing can wake. Fresh ranks start at the next call (variables lost).
+
+        Returns:
+            ``(results, failed, cut)``: each finished rank's result by rank, each rank that
+            raised or died (its short traceback or exit code), and the ranks killed
+            unfinished, at the decision's grace or at the pool's deadline.
+
+        Raises:
+            TypeError: cloudpickle cannot send ``fn`` or its arguments (nothing has run).
+            CellError: a rank died between calls (the pool was restarted).
+        """
+        outputs, values, failed, unfinished = self._send_and_collect(_call, (fn, args, kwargs), None,
+                                                                     decides, grace_s)
+        if unfinished or not self.running:
+            self._kill()  # fresh ranks start at the next call
+        return values, {r: text for r, (_, text) in failed.items()}, unfinished
+
     def pull(self, name: str) -> list:
         """The value of variable ``name`` on every rank, by rank (tensors arrive as copies).
 
@@ -204,6 +227,22 @@ class Ranks:
     def _ask(self, fn, args: tuple, timeout_s: float | None = None) -> tuple[Outputs, list]:
         """Run ``fn(namespace, *args)`` on every rank; (outputs, results) by rank."""
         limit = self.timeout_s if timeout_s is None else timeout_s
+        outputs, values, failed, unfinished = self._send_and_collect(fn, args, timeout_s)
+        # A rank that hangs or dies leaves its peers' collectives unmatched: the group
+        # cannot be trusted any more, so every rank goes and fresh ones start.
+        restarted = bool(unfinished) or not self.running
+        if restarted:
+            self.restart()
+        if failed or unfinished:
+            message = _explain(outputs, failed, unfinished, limit, restarted, self.world_size)
+            raise CellError(message, outputs, {r: text for r, (_, text) in failed.items()}, unfinished, restarted)
+        return outputs, [values[r] for r in range(self.world_size)]
+
+    def _send_and_collect(self, fn, args: tuple, timeout_s: float | None, decides=None,
+                          grace_s: float = GRACE_S) -> tuple[Outputs, dict, dict, list[int]]:
+        """Send ``fn(namespace, *args)`` to every rank and collect (see :meth:`_collect`);
+        results come back unpickled."""
+        limit = self.timeout_s if timeout_s is None else timeout_s
         require_real("timeout_s", limit)
         try:
             request = cloudpickle.dumps((fn, args))
@@ -220,25 +259,19 @@ class Ranks:
         for conn in self._conns:
             conn.send_bytes(request)
         try:
-            outputs, values, failed, unfinished = self._collect(time.monotonic() + limit)
+            return self._collect(time.monotonic() + limit, decides, grace_s)
         except KeyboardInterrupt:
             self._kill()
             raise KeyboardInterrupt("ranks stopped; the next call starts fresh ones (variables lost)") from None
-        # A rank that hangs or dies leaves its peers' collectives unmatched: the group
-        # cannot be trusted any more, so every rank goes and fresh ones start.
-        restarted = bool(unfinished) or not self.running
-        if restarted:
-            self.restart()
-        if failed or unfinished:
-            message = _explain(outputs, failed, unfinished, limit, restarted, self.world_size)
-            raise CellError(message, outputs, {r: text for r, (_, text) in failed.items()}, unfinished, restarted)
-        return outputs, [pickle.loads(values[r]) for r in range(self.world_size)]
 
-    def _collect(self, deadline: float) -> tuple[Outputs, dict, dict, list[int]]:
+    def _collect(self, deadline: float, decides=None, grace_s: float = GRACE_S) -> tuple[Outputs, dict, dict,
+                                                                                          list[int]]:
         """Read every rank's messages until each has replied or ``deadline`` (monotonic s).
 
-        Returns (outputs, results as pickled bytes, failures as (line, traceback), ranks
-        that did not reply). A rank that exits without replying counts as failed.
+        Returns (outputs, results unpickled, failures as (line, traceback), ranks that did
+        not reply). A rank that exits without replying counts as failed; after a failure,
+        or a result for which ``decides(result)`` is true, the others get ``GRACE_S``
+        (``grace_s``) more seconds.
         """
         outputs = Outputs([""] * self.world_size)
         values: dict[int, bytes] = {}
@@ -261,10 +294,14 @@ class Ranks:
                 if kind == "out":
                     outputs[r] += payload
                     continue
-                (values if kind == "ok" else failed)[r] = payload
                 pending.discard(r)
-                if kind == "error":  # the others may be waiting for this one in a collective
-                    deadline = min(deadline, time.monotonic() + GRACE_S)
+                if kind == "ok":
+                    values[r] = pickle.loads(payload)
+                    if decides is not None and decides(values[r]):  # the others may wait for this one
+                        deadline = min(deadline, time.monotonic() + grace_s)
+                else:
+                    failed[r] = payload
+                    deadline = min(deadline, time.monotonic() + GRACE_S)  # the others may be waiting for it
         return outputs, values, failed, sorted(pending)
 
 

@@ -13,7 +13,7 @@ import torch
 
 from zerolearn import comm
 from zerolearn import dist as zdist
-from zerolearn.exercises.core import Bug, Exercise, Wrong, register
+from zerolearn.exercises.core import Bug, Exercise, Wrong, agree, register
 from zerolearn.exercises.helpers import (
     ADAM_LR,
     batches,
@@ -75,6 +75,7 @@ def _average_trial(fn) -> str:
         opt.zero_grad(set_to_none=True)
         ref_opt.zero_grad(set_to_none=True)
         compare_params(model, ref, step)
+        agree(step)
     calls = comm.LEDGER.as_dict()["all_reduce"]["calls"]
     return (f"every gradient and parameter equals single-process Adam on the global batch for {STEPS} steps; "
             f"2.0 Psi per step in {calls} all_reduce calls")

@@ -14,7 +14,7 @@ import torch
 
 from zerolearn import comm, flat
 from zerolearn import dist as zdist
-from zerolearn.exercises.core import Bug, Exercise, Wrong, register
+from zerolearn.exercises.core import Bug, Exercise, Wrong, agree, register
 from zerolearn.exercises.helpers import (
     ADAM_LR,
     batches,
@@ -127,6 +127,7 @@ def _bucket_trial(fn) -> str:
         opt.zero_grad(set_to_none=True)
         ref_opt.zero_grad(set_to_none=True)
         compare_params(model, ref, step)
+        agree(step)
     return (f"every gradient and parameter equals single-process Adam for {STEPS} steps; {n} all_reduce calls "
             f"per step, all launched during backward; 2.0 Psi per step")
 

@@ -14,7 +14,7 @@ from torch import nn
 
 from zerolearn import comm
 from zerolearn import dist as zdist
-from zerolearn.exercises.core import Bug, Exercise, Wrong, register
+from zerolearn.exercises.core import Bug, Exercise, Wrong, agree, register
 from zerolearn.exercises.helpers import (
     ADAM_LR,
     batches,
@@ -150,6 +150,7 @@ def _zero1_trial(fn) -> str:
             raise Wrong(f"you keep {kib(kept)} of optimizer states; ZeRO-1 keeps at most {kib(limit)}: an fp32 "
                         f"master copy and Adam's two moments for this rank's {layout.shard_numel:,} elements "
                         f"only, K Psi / Nd bytes with K = {K} (Sec 5.1)", step)
+        agree(step)
     return (f"gradient shards and parameters equal single-process Adam for {STEPS} steps; 2.0 Psi per step; "
             f"{kib(kept)} of optimizer states on this rank, K Psi / Nd for Psi = {psi:,} "
             f"(+ {layout.padding} padding) on {ws} ranks")

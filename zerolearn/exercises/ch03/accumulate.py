@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from zerolearn import comm, data
 from zerolearn import dist as zdist
-from zerolearn.exercises.core import Bug, Exercise, Wrong, register
+from zerolearn.exercises.core import Bug, Exercise, Wrong, agree, register
 from zerolearn.exercises.helpers import WIDTH, close_to, compare_shard, mlp, mlp_buckets, mlp_grads, sgd_on_shards
 
 BATCH, STEPS, MICRO = 12, 3, 4  # BATCH * MICRO samples per global batch
@@ -126,6 +126,7 @@ def _accumulate_trial(fn) -> str:
                         f"{MICRO} micro-batches; one reduce-scatter per micro-batch moves {MICRO * padded / psi:.2f}",
                         step)
         sgd_on_shards(buckets, layouts, shards, ref)
+        agree(step)
     return (f"{STEPS} SGD steps of {MICRO} micro-batches each: every gradient shard equals single-process "
             f"training on the whole global batch of {batch}")
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from zerolearn import comm, data
 from zerolearn import dist as zdist
-from zerolearn.exercises.core import Bug, Exercise, Wrong, register
+from zerolearn.exercises.core import Bug, Exercise, Wrong, agree, register
 from zerolearn.exercises.helpers import (
     BUCKETS,
     WIDTH,
@@ -161,6 +161,7 @@ def _rs_trial(fn) -> str:
             raise Wrong(f"your hooks moved {moved / psi:.2f} Psi in backward{how}; ZeRO-2's reduce-scatter of "
                         f"the gradient moves {padded / psi:.2f} Psi, half of its 2 Psi per step (Sec 7.2.1)", step)
         sgd_on_shards(buckets, layouts, shards, ref)
+        agree(step)
     return (f"{STEPS} SGD steps of a {psi:,}-parameter MLP in {len(BUCKETS)} buckets: every gradient shard equals "
             f"single-process training, only the shards ({kib(shard_bytes)} per rank) outlive backward, and "
             f"backward moved {padded / psi:.2f} Psi")

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 
 from zerolearn import comm, data
 from zerolearn import dist as zdist
-from zerolearn.exercises.core import Bug, Exercise, Wrong, register
+from zerolearn.exercises.core import Bug, Exercise, Wrong, agree, register
 from zerolearn.exercises.helpers import (
     CPU,
     LAYERS,
@@ -193,6 +193,7 @@ def _gather_trial(fn) -> str:
         with torch.no_grad():
             for p in ref.parameters():
                 p -= SGD_LR * p.grad
+        agree(step)
     return (f"{STEPS} SGD steps, {LAYERS} units: gradients equal single-process training, parameters held at most "
             f"the shards plus one unit ({kib(peak)}), {3 * padded / psi:.2f} Psi per step with the gradients")
 

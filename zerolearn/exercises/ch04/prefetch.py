@@ -14,7 +14,7 @@ import torch
 
 from zerolearn import comm, data
 from zerolearn import dist as zdist
-from zerolearn.exercises.core import Bug, Exercise, Wrong, first_difference, register
+from zerolearn.exercises.core import Bug, Exercise, Wrong, agree, first_difference, register
 from zerolearn.exercises.helpers import LAYERS, WIDTH, gathered_units, mlp, sharded_units
 
 BATCH, STEPS = 12, 3
@@ -177,6 +177,7 @@ def _prefetch_trial(fn) -> str:
                     shard.mul_(0.9)
                 for p in ref.parameters():
                     p.mul_(0.9)
+            agree(step)
     finally:
         comm.all_gather = original
     return (f"{STEPS} evaluation forwards through {LAYERS} units: outputs equal one process, and while each unit "

@@ -21,7 +21,7 @@ from torch import nn
 
 from zerolearn import comm
 from zerolearn import dist as zdist
-from zerolearn.exercises.core import Bug, Exercise, Wrong, first_difference, register
+from zerolearn.exercises.core import Bug, Exercise, Wrong, agree, first_difference, register
 from zerolearn.exercises.helpers import kib
 from zerolearn.memory.ledger import MemoryLedger, category
 
@@ -201,6 +201,7 @@ def _partition_trial(fn) -> str:
                 p -= LR * p.grad
                 ref_p -= LR * ref_p.grad
                 p.grad = ref_p.grad = None
+        agree(step)
     return (f"{STEPS} SGD steps through {BLOCKS} checkpointed blocks: gradients equal plain training, each rank "
             f"kept {kib(4 * c)} of every {kib(4 * numel)} checkpoint (1/{nm}) and moved one all-gather per block")
 
