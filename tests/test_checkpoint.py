@@ -86,7 +86,7 @@ def test_resharding_round_trip_is_exact(chain, optimizer):
     # state element comes back bit for bit, and matches what each engine loaded.
     p = chain["path"]
     keys = {"adam": ("master", "exp_avg", "exp_avg_sq"), "sgd": ("master", "momentum_buffer")}[optimizer]
-    assert checkpoint.manifest(p[optimizer + "s2n2"])["state_keys"] == sorted(keys[1:])
+    assert checkpoint.manifest(p[optimizer + "s2n2"]).state_keys == tuple(sorted(keys[1:]))
     for key in keys:
         saved = [checkpoint.read_full(p[optimizer + hop], key) for hop in HOPS]
         for name, value in saved[0].items():
@@ -99,11 +99,11 @@ def test_resharding_round_trip_is_exact(chain, optimizer):
 
 def test_manifest_records_stage_world_size_and_pieces(chain):
     man = checkpoint.manifest(chain["path"]["adams3n4"])
-    assert (man["step"], man["stage"], man["world_size"]) == (SAVE_AT, 3, 4)
-    assert [f["rank"] for f in man["files"]] == [0, 1, 2, 3]
-    assert all(sorted(p[0] for p in g["pieces"]) == [0, 1, 2, 3] for g in man["groups"])
+    assert (man.step, man.stage, man.world_size) == (SAVE_AT, 3, 4)
+    assert [f.rank for f in man.files] == [0, 1, 2, 3]
+    assert all(sorted(p.rank for p in g.pieces) == [0, 1, 2, 3] for g in man.groups)
     stage2 = checkpoint.manifest(chain["path"]["adams2n2"])
-    assert stage2["extra"] == {"note": "test"} and stage2["world_size"] == 2
+    assert stage2.extra == {"note": "test"} and stage2.world_size == 2
 
 
 def test_fp16_loss_scale_is_restored(chain):
@@ -159,7 +159,7 @@ def test_a_crash_during_a_save_leaves_the_last_good_checkpoint(tmp_path):
     assert info.value.rank == 1
     assert os.path.basename(checkpoint.latest(str(d))) == "step_00000002"
     assert (d / ".step_00000004.tmp").is_dir()  # the half-written save, never renamed
-    assert checkpoint.manifest(str(d))["step"] == 2
+    assert checkpoint.manifest(str(d)).step == 2
     assert len(checkpoint.read_full(str(d))) == len(list(jobs.small_gpt().parameters()))
     # The next run (stage 2 on one rank) resumes from step 2; its first save clears the debris.
     run = launch(jobs.ckpt_resume, 1, 2, "adam", str(d), 4, str(d))[0]
@@ -173,8 +173,10 @@ def test_a_crash_during_a_save_leaves_the_last_good_checkpoint(tmp_path):
     ("fewer_layers", "saved from another model: .*missing from the checkpoint: blocks.1"),
     ("narrower", r"saved from another model: .*embed.tok.weight: checkpoint \[256, 16\], this model \[256, 32\]"),
     ("sgd", "holds sgd state; this engine uses adam"),
-    ("world_size", r"world size 3 but rank files for ranks \[0, 1\]; this checkpoint cannot be mapped"),
-    ("uncovered", "are in no rank's shard; this checkpoint cannot be mapped onto any world size"),
+    ("world_size", r"manifest.json: files: world size 3 but rank files for ranks \[0, 1\]; this checkpoint cannot "
+                   "be mapped"),
+    # world_size 1 with rank 1's pieces dropped: the shard files' recorded world size gives it away.
+    ("uncovered", r"manifest.json: files\[0\].world_size: 2, but the manifest's world_size is 1"),
     ("garbled_manifest", "manifest.json: cannot be read as JSON"),
     ("empty", "no complete checkpoint"),
 ])
@@ -260,10 +262,10 @@ def test_manifest_records_each_shards_checksum_and_owner(saved):
     import hashlib
 
     man = checkpoint.manifest(str(saved["dir"]))
-    for rank, entry in enumerate(man["files"]):
-        data = (saved["dir"] / "step_00000004" / entry["file"]).read_bytes()
-        assert entry["sha256"] == hashlib.sha256(data).hexdigest() and entry["bytes"] == len(data)
-        assert {k: entry[k] for k in ("rank", "step", "world_size", "stage", "dtype")} == {
+    for rank, entry in enumerate(man.files):
+        data = (saved["dir"] / "step_00000004" / entry.file).read_bytes()
+        assert entry.sha256 == hashlib.sha256(data).hexdigest() and entry.bytes == len(data)
+        assert entry.identity() == {
             "rank": rank, "step": 4, "world_size": 2, "stage": 2, "dtype": "fp32"}
     assert checkpoint.verify(checkpoint.latest(str(saved["dir"]))) is True
 

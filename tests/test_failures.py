@@ -50,7 +50,7 @@ def test_killed_rank_restarts_and_finishes_exactly_like_an_uninterrupted_run(tmp
         a = checkpoint.read_full(str(tmp_path / "whole"), key)
         b = checkpoint.read_full(str(tmp_path / "killed"), key)
         assert all(torch.equal(a[n], b[n]) for n in a), key
-    assert checkpoint.manifest(str(tmp_path / "killed"))["step"] == 6
+    assert checkpoint.manifest(str(tmp_path / "killed")).step == 6
 
 
 def test_resumed_run_with_nothing_left_and_resume_with_other_data(tmp_path):
@@ -58,7 +58,7 @@ def test_resumed_run_with_nothing_left_and_resume_with_other_data(tmp_path):
     first, again, other = launch(jobs.train_jobs, 1, [ck, ck, ck.replace(seed=1)])[0]
     assert first["first_step"] == 0 and len(first["losses"]) == 6
     assert again["first_step"] == 6 and again["losses"] == []
-    assert "holds a checkpoint of a run with --seed 0 (this run: 1)" in other
+    assert "holds a checkpoint of a run with other options: this run has --seed 1 (the checkpoint's run: 0)" in other
 
 
 def test_debug_mode_names_ranks_that_disagree_instead_of_hanging(monkeypatch):

@@ -194,8 +194,19 @@ def _check_choices(c: TrainConfig) -> None:
         require_choice(_flag(name), getattr(c, name), choices)
 
 
+SEED_MAX = 2**32 - 1  # the seed of step s's batch is seed x 1_000_003 + s, a 64-bit generator seed
+COUNT_MAX = 2**63 - 1  # every count fits the 64-bit integers torch and the OS take
+TIMEOUT_MAX = 2**31 - 1  # seconds: torch's collective timeouts are C ints of seconds
+
+
+def _check_upper(name: str, value, high) -> None:
+    if value is not None and value > high:
+        raise ConfigError(f"{_flag(name)} {value}: too large; allowed are up to {high}")
+
+
 def _check_numbers(c: TrainConfig) -> None:
-    """Counts >= 1, finite positive reals, a width the heads divide, a sequence the corpus holds."""
+    """Counts >= 1 (and in 64 bits), finite positive reals, a width the heads divide, a
+    sequence the corpus holds."""
     for name in ("steps", "global_batch_size", "seq_len", "grad_accum_steps", "loss_scale_window", "n_layer",
                  "d_model", "n_head", "mlp_width", "mlp_layers", "tensor_parallel", "seed"):
         require_count(_flag(name), getattr(c, name), minimum=0 if name == "seed" else 1)
@@ -209,6 +220,10 @@ def _check_numbers(c: TrainConfig) -> None:
             require_real(_flag(name), getattr(c, name))
     for name in ("momentum", "weight_decay"):
         require_real(_flag(name), getattr(c, name), strict=False)
+    for f in dataclasses.fields(c):
+        if isinstance(getattr(c, f.name), int) and not isinstance(getattr(c, f.name), bool):
+            _check_upper(f.name, getattr(c, f.name), SEED_MAX if f.name == "seed" else COUNT_MAX)
+    _check_upper("timeout", c.timeout, TIMEOUT_MAX)
     if c.model == "gpt" and c.d_model % c.n_head:
         raise ConfigError(f"--d-model {c.d_model} is not divisible by --n-head {c.n_head}; allowed are head "
                           f"counts that divide the width")
@@ -239,18 +254,45 @@ def _check_needs(c: TrainConfig) -> None:
 
 
 def _check_paths(c: TrainConfig) -> None:
-    """Output paths that training would only fail on at its end are checked first."""
+    """Output paths that training would only fail on at its end are checked first.
+
+    ``--report`` must name a file (not a folder, not ending in a path separator)
+    whose folder exists and is writable; ``--checkpoint-dir`` a folder, or a path
+    whose nearest existing folder is writable. A path that cannot be reached (a loop
+    of symbolic links, a component that is a file, no permission) is refused naming
+    the reason.
+    """
     if c.report:
-        parent = os.path.dirname(os.path.abspath(c.report))
+        where = f"--report {c.report}"
+        if c.report.endswith((os.sep, "/")):
+            raise ConfigError(f"{where}: ends in a path separator; give a file name (e.g. run.json)")
+        _reachable(c.report, where)
+        parent = os.path.dirname(os.path.realpath(c.report))
         if os.path.isdir(c.report) or not os.path.isdir(parent) or not os.access(parent, os.W_OK):
-            raise ConfigError(f"--report {c.report}: cannot write a file there (the folder must exist and be "
+            raise ConfigError(f"{where}: cannot write a file there (the folder must exist and be "
                               "writable)")
     if c.checkpoint_dir:
+        where = f"--checkpoint-dir {c.checkpoint_dir}"
         d = os.path.abspath(c.checkpoint_dir)
-        while not os.path.exists(d):  # the nearest folder that exists must be writable
+        while not _reachable(d, where):  # the nearest folder that exists must be writable
+            if os.path.islink(d):
+                raise ConfigError(f"{where}: {d} is a symbolic link to nothing")
             d = os.path.dirname(d)
         if not os.path.isdir(d) or not os.access(d, os.W_OK):
-            raise ConfigError(f"--checkpoint-dir {c.checkpoint_dir}: not a writable folder ({d})")
+            raise ConfigError(f"{where}: not a writable folder ({d})")
+
+
+def _reachable(path: str, where: str) -> bool:
+    """Whether ``path`` exists (False: it does not, yet); ConfigError if it cannot be reached."""
+    try:
+        os.stat(path)
+    except FileNotFoundError:
+        return False
+    except OSError as e:  # ELOOP, ENOTDIR, EACCES, ENAMETOOLONG, ...
+        raise ConfigError(f"{where}: cannot be reached ({e.strerror}: {path})") from None
+    except ValueError as e:  # an embedded NUL byte
+        raise ConfigError(f"{where}: not a path ({e})") from None
+    return True
 
 
 def micro_batch(c: TrainConfig, nd: int) -> int:

@@ -5,18 +5,27 @@ zerolearn.train`` refuses with exit 2 would exit 1 under torchrun. This launcher
 torchrun's own options, then ``--``, then the training options::
 
     python -m zerolearn.launch --nproc-per-node 4 -- --stage 3 --report run.json
+    python -m zerolearn.launch --standalone --nproc-per-node 4 -- --stage 3
 
-It checks the training options for the whole world (``--nnodes`` x
-``--nproc-per-node`` ranks) before starting any worker, starts them with torchrun's
-machinery (``torch.distributed.run``), and exits with the workers' code: 0 done, 2
-bad input, 130 Ctrl-C, 1 anything else (workers that torchrun stops by a signal after
-another failed do not count). See
-``zerolearn.train.main`` for what each code means.
+On one node no rendezvous option is needed: as with ``torchrun --standalone``, the
+workers meet at a store on a free port of this machine (``--master-port``,
+``--rdzv-endpoint`` and the other rendezvous options of torchrun are honoured when
+given). It checks the launcher's and the training options for the whole world
+(``--nnodes`` x ``--nproc-per-node`` ranks) before starting any worker, starts them
+with torchrun's machinery (``torch.distributed.run``), and exits with the workers'
+code: 0 done, 2 bad input, 130 Ctrl-C (SIGINT), 143 SIGTERM, 1 anything else
+(workers that torchrun stops by a signal after another failed do not count). On
+SIGINT or SIGTERM torchrun passes the signal on to the workers, whose rank 0 prints
+one line naming it and the last checkpoint. See ``zerolearn.train.main`` for what
+each code means.
 """
 
 from __future__ import annotations
 
+import logging
+import signal
 import sys
+import uuid
 
 from torch.distributed import run as torchrun
 from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -25,6 +34,9 @@ from torch.distributed.launcher.api import elastic_launch
 
 from zerolearn.config import TrainConfig, build_parser
 from zerolearn.dist import ConfigError
+
+PROG = "python -m zerolearn.launch"
+EXIT_ON_SIGNAL = {signal.SIGINT: 130, signal.SIGTERM: 143}  # 128 + the signal's number
 
 
 def _world_size(args) -> int | None:
@@ -36,12 +48,43 @@ def _world_size(args) -> int | None:
     return int(low) * int(nproc) if str(nproc).isdigit() else None
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    split = argv.index("--") if "--" in argv else len(argv)
-    run_argv, train_argv = argv[:split], argv[split + 1:]
-    args = torchrun.get_args_parser().parse_args([*run_argv, "-m", "zerolearn.train", *train_argv])
+def _refuse(message: str) -> None:
+    """Exit 2 with argparse's ``prog: error: message`` line."""
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def _rendezvous(args) -> None:
+    """Set what ``torchrun`` itself sets before it launches (``torch.distributed.run.run``):
+    ``--standalone``, or no rendezvous option on a single node, is a c10d store on a
+    free local port; a static rendezvous without ``--master-port`` uses 29500."""
+    one_node = torchrun.parse_min_max_nnodes(args.nnodes)[1] == 1
+    if args.standalone or (args.rdzv_backend == "static" and not args.rdzv_endpoint and args.master_port is None
+                           and one_node):
+        args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id = "c10d", "localhost:0", str(uuid.uuid4())
+    if args.master_port is None:
+        args.master_port = 29500
+
+
+def _parse(run_argv: list[str], train_argv: list[str]):
+    """torchrun's namespace and the checked training options; exits 2 on anything bad."""
+    parser = torchrun.get_args_parser()
+    parser.prog = PROG
+    args = parser.parse_args([*run_argv, "-m", "zerolearn.train", *train_argv])
     options = TrainConfig.from_argv(train_argv)  # exits 2 naming a bad option
+    try:
+        low, high = torchrun.parse_min_max_nnodes(args.nnodes)
+    except (ValueError, RuntimeError):
+        _refuse(f"--nnodes {args.nnodes}: allowed are N or MIN:MAX, integers >= 1")
+    if not 0 < low <= high:
+        _refuse(f"--nnodes {args.nnodes}: allowed are N or MIN:MAX with 1 <= MIN <= MAX")
+    nproc = str(args.nproc_per_node)
+    if nproc not in ("auto", "cpu", "gpu", "xpu") and not (nproc.isdigit() and 0 < int(nproc) < 2**16):
+        _refuse(f"--nproc-per-node {nproc}: allowed are an integer from 1 to 65535, auto, cpu or gpu")
+    if args.max_restarts < 0:
+        _refuse(f"--max-restarts {args.max_restarts}: must be an integer >= 0")
+    if args.master_port is not None and not 0 < args.master_port < 2**16:
+        _refuse(f"--master-port {args.master_port}: allowed are 1 to 65535")
     world = _world_size(args)
     if world is not None:
         try:
@@ -49,14 +92,31 @@ def main(argv: list[str] | None = None) -> int:
         except ConfigError as e:
             parser = build_parser()
             parser.exit(2, f"{parser.prog}: error: {e}\n")
-    config, cmd, cmd_args = torchrun.config_from_args(args)
+    _rendezvous(args)
+    return args, options
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    split = argv.index("--") if "--" in argv else len(argv)
+    run_argv, train_argv = argv[:split], argv[split + 1:]
+    args, _ = _parse(run_argv, train_argv)
+    try:
+        config, cmd, cmd_args = torchrun.config_from_args(args)
+    except (AssertionError, ValueError) as e:
+        _refuse(str(e))
+    # torchrun's agent logs each worker it stops by a signal; the exit code and the
+    # workers' own line say what happened.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
     try:
         elastic_launch(config, cmd)(*cmd_args)
     except ChildFailedError as e:
         # Workers that exited decide; torchrun stops the rest by a signal (negative codes).
         exited = {failure.exitcode for failure in e.failures.values() if failure.exitcode >= 0}
-        return exited.pop() if len(exited) == 1 and exited <= {2, 130} else 1
-    except (KeyboardInterrupt, SignalException):
+        return exited.pop() if len(exited) == 1 and exited <= {2, 130, 143} else 1
+    except SignalException as e:
+        return EXIT_ON_SIGNAL.get(e.sigval, 128 + int(e.sigval))
+    except KeyboardInterrupt:
         return 130
     return 0
 

@@ -44,8 +44,14 @@ from zerolearn.models import GPTConfig, build_model
 from zerolearn.report import make_report, saved_config
 from zerolearn.residual import setup as residual_setup
 
-# A resumed run must see the same data stream and model as the run that saved.
-RESUME_MUST_MATCH = ("model", "seed", "global_batch_size", "seq_len", "mlp_width", "optimizer", "lr")
+# A resumed run must see the same data stream and the same model as the run that saved
+# (every option that shapes it: two runs with other --n-head have the same shapes and
+# compute another function), and the same optimizer and learning rate.
+RESUME_MUST_MATCH = ("model", "seed", "global_batch_size", "seq_len", "n_layer", "d_model", "n_head", "mlp_width",
+                     "mlp_layers", "optimizer", "lr")
+# Options of the optimisation that a resumed run may change; each change is printed.
+RESUME_MAY_CHANGE = ("weight_decay", "max_grad_norm", "momentum", "dtype", "grad_accum_steps", "loss_scale_window",
+                     "bucket_mb")
 
 
 def batch(config: TrainConfig, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,7 +139,7 @@ def setup(config: TrainConfig, engine_factory=make_engine) -> Run:
                             bucket_mb=config.bucket_mb, max_grad_norm=config.max_grad_norm, group=groups.dp_group,
                             model_parallel_group=groups.tp_group if groups.nm > 1 else None)
     engine.scaler.growth_interval = config.loss_scale_window
-    first = checkpoint.resume(engine, config.checkpoint_dir, config.as_dict(), RESUME_MUST_MATCH)
+    first = checkpoint.resume(engine, config.checkpoint_dir, config.as_dict(), RESUME_MUST_MATCH, RESUME_MAY_CHANGE)
     if first > config.steps:  # equal is a finished run started again: nothing left, exit 0
         raise ConfigError(f"--steps {config.steps}: the checkpoint in {config.checkpoint_dir} is at step {first} "
                           f"already; allowed: --steps {first} or more")

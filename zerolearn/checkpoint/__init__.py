@@ -91,11 +91,17 @@ from zerolearn.checkpoint.files import (
     resolve,
 )
 from zerolearn.checkpoint.lock import CheckpointLockedError
+from zerolearn.checkpoint.manifest import Manifest, ManifestError
 from zerolearn.errors import ConfigError
 
 
-def manifest(path: str) -> dict:
-    """The checked manifest of checkpoint ``path`` (or of the newest one under it)."""
+def manifest(path: str) -> Manifest:
+    """The checked manifest of checkpoint ``path`` (or of the newest one under it).
+
+    Raises:
+        CheckpointError: no checkpoint there, or its manifest does not fit the schema
+            (:class:`zerolearn.checkpoint.manifest.Manifest`: the file and field named).
+    """
     return read_manifest(resolve(path))
 
 
@@ -122,19 +128,39 @@ def _decide(directory: str) -> tuple:
     return ("load", path, note)
 
 
-def resume(engine, directory: str | None, config: dict, must_match: tuple[str, ...] = ()) -> int:
+def _flag(key: str) -> str:
+    return "--" + key.replace("_", "-")
+
+
+def compare_options(saved: dict, config: dict, must_match: tuple[str, ...],
+                    may_change: tuple[str, ...]) -> tuple[list[str], list[str]]:
+    """(options of ``must_match`` that differ, options of ``may_change`` that differ),
+    each as ``--flag VALUE (the checkpoint's run: VALUE)``, between a checkpoint's saved
+    config and this run's ``config`` (both by field name). Keys the saving run did not
+    record are not compared."""
+    def differ(keys):
+        return [f"{_flag(k)} {config.get(k)} (the checkpoint's run: {saved[k]})"
+                for k in keys if k in saved and saved[k] != config.get(k)]
+    return differ(must_match), differ(may_change)
+
+
+def resume(engine, directory: str | None, config: dict, must_match: tuple[str, ...] = (),
+           may_change: tuple[str, ...] = ()) -> int:
     """Load the newest complete checkpoint under ``directory`` that verifies into ``engine``.
 
     Returns the step to start at: the checkpoint's, or 0 when ``directory`` is None or
     holds no complete checkpoint. ``config`` is saved as ``extra["config"]`` by the
-    training loop; the keys in ``must_match`` (data and model options) must equal the
-    saving run's. A collective (call on every rank).
+    training loop; the keys in ``must_match`` (the data and every option that shapes
+    the model) must equal the saving run's; those in ``may_change`` (options of the
+    optimisation, such as weight decay and clipping) may differ, and rank 0 prints one
+    line naming each change. A collective (call on every rank).
 
-    Rank 0 alone checks the checkpoints, newest first, against their manifests' sizes
-    and SHA-256 (:func:`zerolearn.checkpoint.checksums.choose`) and tells the others which
-    to load. If the newest fails, the newest one that verifies is loaded instead and
-    rank 0 prints one line to stderr naming both (and why the newest failed); a
-    checkpoint saved without checksums loads with a line saying so.
+    Rank 0 alone checks the checkpoints, newest first, against their manifests
+    (schema, sizes, SHA-256, the shards' contents;
+    :func:`zerolearn.checkpoint.checksums.choose`) and tells the others which to load.
+    If the newest fails, whatever the damage, the newest one that verifies is loaded
+    instead and rank 0 prints one line to stderr naming both (and why the newest
+    failed); a checkpoint saved without checksums loads with a line saying so.
 
     Raises:
         ConfigError: a key of ``must_match`` differs (named, with both values).
@@ -153,14 +179,17 @@ def resume(engine, directory: str | None, config: dict, must_match: tuple[str, .
     path, note = decision[1], decision[2]
     if note and engine.rank == 0:
         _say(note)
-    saved = manifest(path)["extra"].get("config", {})
-    differ = [f"--{k.replace('_', '-')} {saved[k]} (this run: {config.get(k)})"
-              for k in must_match if k in saved and saved[k] != config.get(k)]
+    saved = manifest(path).extra.get("config", {})
+    if not isinstance(saved, dict):
+        raise ManifestError(f"{os.path.join(path, 'manifest.json')}: extra.config: must be an object")
+    differ, changed = compare_options(saved, config, must_match, may_change)
     if differ:
-        raise ConfigError(f"{directory} holds a checkpoint of a run with " + ", ".join(differ)
-                          + "; resume with the same options or use another directory")
+        raise ConfigError(f"{directory} holds a checkpoint of a run with other options: this run has "
+                          + ", ".join(differ) + "; resume with the same options or use another directory")
+    if changed and engine.rank == 0:
+        _say(f"resuming from {path} with changed options: " + ", ".join(changed))
     return load(engine, path, verify_files=False)  # rank 0 has just verified every file
 
 
-__all__ = ["CheckpointError", "CheckpointLockedError", "CheckpointWriteError", "choose", "consolidate", "latest",
-           "load", "manifest", "read_full", "resume", "save", "verify"]
+__all__ = ["CheckpointError", "CheckpointLockedError", "CheckpointWriteError", "Manifest", "ManifestError", "choose",
+           "compare_options", "consolidate", "latest", "load", "manifest", "read_full", "resume", "save", "verify"]

@@ -16,8 +16,6 @@ import torch
 from zerolearn import comm, compat
 from zerolearn.checkpoint.checksums import sha256_file, verify, verify_share
 from zerolearn.checkpoint.files import (
-    FORMAT,
-    VERSION,
     CheckpointError,
     CheckpointWriteError,
     complete,
@@ -29,6 +27,7 @@ from zerolearn.checkpoint.files import (
     write_atomic,
 )
 from zerolearn.checkpoint.lock import held_or_free
+from zerolearn.checkpoint.manifest import FORMAT, VERSION
 from zerolearn.checkpoint.reshard import cpu_copy, module_state, plan
 from zerolearn.precision import DTYPES
 
@@ -271,8 +270,8 @@ def _apply(engine, found: dict, restore_rng: bool) -> None:
     """Set what :func:`zerolearn.checkpoint.reshard.plan` found (a collective: republishes)."""
     engine.load_shards(found["masters"], found["optimizer"])
     man = found["manifest"]
-    if man["scaler"]["enabled"] and engine.scaler.enabled:
-        engine.scaler.load_state_dict(man["scaler"])
+    if man.scaler.enabled and engine.scaler.enabled:
+        engine.scaler.load_state_dict(man.scaler.state_dict())
     if "module" in found:
         mine = engine.model.state_dict(keep_vars=True)
         for k, t in found["module"].items():

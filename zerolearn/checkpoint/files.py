@@ -7,26 +7,21 @@ The format is described in :mod:`zerolearn.checkpoint`.
 
 from __future__ import annotations
 
-import json
 import math
 import os
-import re
 import shutil
 
 import torch
 
-from zerolearn.errors import ConfigError
+from zerolearn.checkpoint.manifest import (
+    MANIFEST,
+    STEP_DIR,
+    CheckpointError,
+    Manifest,
+    rank_file,
+)
 
-FORMAT, VERSION = "zerolearn-checkpoint", 1
-MANIFEST = "manifest.json"
-_STEP_DIR = re.compile(r"^step_(\d{8})$")
-
-
-class CheckpointError(ConfigError):
-    """A checkpoint that is missing, damaged, incomplete or does not fit the model.
-
-    Raised before any parameter is changed (the model is untouched).
-    """
+_STEP_DIR = STEP_DIR
 
 
 class CheckpointWriteError(RuntimeError):
@@ -43,10 +38,6 @@ def step_dir(directory: str, step: int) -> str:
 
 def tmp_dir(directory: str, step: int) -> str:
     return os.path.join(directory, f".step_{step:08d}.tmp")
-
-
-def rank_file(rank: int) -> str:
-    return f"rank_{rank:05d}.pt"
 
 
 def complete(directory: str) -> list[tuple[int, str]]:
@@ -118,84 +109,135 @@ def remove(path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def read_manifest(path: str, check_files: bool = True) -> dict:
-    """The manifest of checkpoint ``path``, checked for completeness and consistency.
+def read_manifest(path: str, check_files: bool = True) -> Manifest:
+    """The manifest of checkpoint ``path``, checked whole (:class:`Manifest`).
 
-    Checks: the format and version, every rank file listed once and (unless
-    ``check_files`` is False) present with the recorded size (a truncated or missing
-    shard fails here; :func:`zerolearn.checkpoint.checksums.verify` also checks contents),
-    and every element of every parameter held by some piece (else the checkpoint
-    cannot be mapped onto any world size).
+    Checks the schema and every cross-check of :mod:`zerolearn.checkpoint.manifest`
+    (step against the folder's name, each shard's owner and file name, offsets and
+    pieces against the layout), and (unless ``check_files`` is False) that every rank
+    file is present with the recorded size; :func:`zerolearn.checkpoint.checksums.verify`
+    also checks their contents.
 
     Raises:
-        CheckpointError: naming the file and what is wrong.
+        CheckpointError: naming the file and the field or what is wrong.
     """
-    name = os.path.join(path, MANIFEST)
-    try:
-        with open(name) as f:
-            man = json.load(f)
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{name}: cannot be read as JSON ({e})") from None
-    if not isinstance(man, dict) or man.get("format") != FORMAT or man.get("version") != VERSION:
-        raise CheckpointError(f"{name}: not a {FORMAT} manifest of version {VERSION}")
-    files = man["files"]
-    if sorted(f["rank"] for f in files) != list(range(man["world_size"])):
-        raise CheckpointError(f"{name}: world size {man['world_size']} but rank files for ranks "
-                              f"{sorted(f['rank'] for f in files)}; this checkpoint cannot be mapped")
-    for f in files if check_files else []:
-        check_size(path, man, f)
-    for gi, g in enumerate(man["groups"]):
-        held = sorted((start, stop) for _, start, stop, _ in g["pieces"])
-        end = 0
-        for start, stop in held:
-            if start > end:
-                break
-            end = max(end, stop)
-        if end < g["numel"]:
-            raise CheckpointError(f"{name}: elements {end}.. of group {gi} ({g['names'][0]}, ...) are in no "
-                                  f"rank's shard; this checkpoint cannot be mapped onto any world size")
+    man = Manifest.read(path)
+    for entry in man.files if check_files else []:
+        check_size(man, entry)
     return man
 
 
-def check_size(path: str, man: dict, entry: dict) -> int:
+def check_size(man: Manifest, entry) -> int:
     """The size in bytes of the rank file of manifest entry ``entry``, checked.
 
     Raises:
         CheckpointError: the file is missing, or its size is not the recorded one.
     """
-    full = os.path.join(path, entry["file"])
+    full = os.path.join(man.path, rank_file(entry.rank))
     if not os.path.isfile(full):
-        raise CheckpointError(f"{path}: shard {entry['file']} of rank {entry['rank']} (of {man['world_size']}) "
+        raise CheckpointError(f"{man.path}: shard {entry.file} of rank {entry.rank} (of {man.world_size}) "
                               "is missing")
     size = os.path.getsize(full)
-    if size != entry["bytes"]:
-        raise CheckpointError(f"{full}: {size} bytes, the manifest says {entry['bytes']}: the file is "
+    if size != entry.bytes:
+        raise CheckpointError(f"{full}: {size} bytes, the manifest says {entry.bytes}: the file is "
                               "truncated or was changed after the save")
     return size
+
+
+def _tensor(saved: dict, key: str, numel: int, where: str) -> None:
+    t = saved.get(key) if isinstance(saved, dict) else None
+    if not torch.is_tensor(t) or t.dim() != 1 or t.numel() != numel or t.dtype != torch.float32:
+        shown = f"{t.dtype} {list(t.shape)}" if torch.is_tensor(t) else type(t).__name__
+        raise CheckpointError(f"{where} {key!r}: {shown}, the manifest implies float32 [{numel}]")
+
+
+def check_shard(man: Manifest, rank: int, saved, name: str) -> None:
+    """Check rank ``rank``'s loaded file ``saved`` (read from ``name``) against the manifest.
+
+    Its recorded owner (rank, step, world size, stage, dtype) must be the manifest's
+    entry's, and its pieces those the manifest gives this rank, in order: the same
+    group, start and stop, an fp32 master of stop - start elements and the same for
+    each of ``state_keys``. Rank 0's file holds the frozen tensors of ``module_keys``.
+
+    Raises:
+        CheckpointError: naming the file and the field that differs.
+    """
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"{name}: holds a {type(saved).__name__}, not a shard")
+    entry = man.files[rank]
+    differ = [f"{k} {saved.get(k)!r} (the manifest says {v!r})" for k, v in entry.identity().items()
+              if saved.get(k) != v]
+    if differ:
+        hint = (" (a shard copied in from another checkpoint?)" if saved.get("step") != entry.step
+                else " (shard files swapped or renamed?)" if saved.get("rank") != entry.rank else "")
+        raise CheckpointError(f"{name}: holds the shard of " + ", ".join(differ) + hint)
+    mine, pieces = man.pieces_of(rank), saved.get("pieces")
+    if not isinstance(pieces, list) or len(pieces) != len(mine):
+        raise CheckpointError(f"{name}: pieces: {len(pieces) if isinstance(pieces, list) else pieces!r}, the "
+                              f"manifest lists {len(mine)} for rank {rank}")
+    for (gi, p), got in zip(mine, pieces):
+        where = f"{name}: pieces[{p.index}]"
+        if not isinstance(got, dict) or [got.get(k) for k in ("group", "start", "stop")] != [gi, p.start, p.stop]:
+            shown = [got.get(k) for k in ("group", "start", "stop")] if isinstance(got, dict) else got
+            raise CheckpointError(f"{where}: (group, start, stop) {shown}, the manifest says "
+                                  f"{[gi, p.start, p.stop]}")
+        _tensor(got, "master", p.stop - p.start, where)
+        state = got.get("state")
+        if not isinstance(state, dict) or sorted(state) != sorted(man.state_keys):
+            raise CheckpointError(f"{where}: state {sorted(state) if isinstance(state, dict) else state!r}, the "
+                                  f"manifest's state_keys are {list(man.state_keys)}")
+        for key in man.state_keys:
+            _tensor(state, key, p.stop - p.start, f"{where}.state")
+        if not isinstance(got.get("scalars"), dict):
+            raise CheckpointError(f"{where}: scalars missing")
+    rng = saved.get("rng")
+    if not isinstance(rng, dict) or not torch.is_tensor(rng.get("torch")):
+        raise CheckpointError(f"{name}: rng: missing or not a random state")
+    if rank == 0:
+        module = saved.get("module")
+        if not isinstance(module, dict) or sorted(module) != sorted(man.module_keys) or not all(
+                torch.is_tensor(t) for t in module.values()):
+            raise CheckpointError(f"{name}: module: {sorted(module) if isinstance(module, dict) else module!r}, "
+                                  f"the manifest's module_keys are {list(man.module_keys)}")
+
+
+def load_shard(man: Manifest, rank: int) -> dict:
+    """Rank ``rank``'s file of checkpoint ``man.path``, memory-mapped and checked (:func:`check_shard`).
+
+    ``torch.load(..., weights_only=True)``: a file holding anything but tensors and
+    plain containers is refused, never run.
+
+    Raises:
+        CheckpointError: the file cannot be read, or does not fit the manifest.
+    """
+    name = os.path.join(man.path, rank_file(rank))
+    try:
+        saved = torch.load(name, mmap=True, weights_only=True, map_location="cpu")
+    except Exception as e:  # noqa: BLE001 - any failure to read is a damaged file
+        raise CheckpointError(f"{name}: cannot be read ({type(e).__name__}: {e})") from None
+    check_shard(man, rank, saved, name)
+    return saved
 
 
 class Reader:
     """Reads ranges of saved flat buffers, opening rank files lazily (memory-mapped).
 
     Memory-mapping means only the bytes actually copied are read from disk: loading
-    one rank's new shard touches only the saved pieces that overlap it.
+    one rank's new shard touches only the saved pieces that overlap it. Every file is
+    checked against the manifest when opened (:func:`check_shard`).
     """
 
-    def __init__(self, path: str, manifest: dict):
-        self.path, self.man = path, manifest
+    def __init__(self, man: Manifest):
+        self.path, self.man = man.path, man
         self._files: dict[int, dict] = {}
         self.where = {}  # parameter name -> (group, offset, numel)
-        for gi, g in enumerate(manifest["groups"]):
-            for n, o, s in zip(g["names"], g["offsets"], g["shapes"]):
+        for gi, g in enumerate(man.groups):
+            for n, o, s in zip(g.names, g.offsets, g.shapes):
                 self.where[n] = (gi, o, math.prod(s))
 
     def file(self, rank: int) -> dict:
         if rank not in self._files:
-            name = os.path.join(self.path, rank_file(rank))
-            try:
-                self._files[rank] = torch.load(name, mmap=True, weights_only=True, map_location="cpu")
-            except Exception as e:  # noqa: BLE001 - any failure to read is a damaged file
-                raise CheckpointError(f"{name}: cannot be read ({type(e).__name__}: {e})") from None
+            self._files[rank] = load_shard(self.man, rank)
         return self._files[rank]
 
     def close(self, rank: int | None = None) -> None:
@@ -212,21 +254,18 @@ class Reader:
         ``key`` is ``"master"`` (fp32 parameters) or an optimizer state name (e.g.
         ``"exp_avg"``). ``out`` has ``stop - start`` elements.
         """
-        for rank, ps, pe, index in self.man["groups"][group]["pieces"]:
-            lo, hi = max(start, ps), min(stop, pe)
+        for p in self.man.groups[group].pieces:
+            lo, hi = max(start, p.start), min(stop, p.stop)
             if lo >= hi:
                 continue
-            saved = self.piece(rank, index)
+            saved = self.piece(p.rank, p.index)
             table = saved if key == "master" else saved["state"]
-            if key not in table or table[key].numel() != pe - ps:
-                raise CheckpointError(f"{os.path.join(self.path, rank_file(rank))}: piece {index} has no "
-                                      f"{pe - ps}-element {key!r}")
-            out[lo - start:hi - start].copy_(table[key][lo - ps:hi - ps])
+            out[lo - start:hi - start].copy_(table[key][lo - p.start:hi - p.start])
 
     def scalars(self, group: int) -> dict:
         """The optimizer's scalar state (e.g. Adam's ``step``) of saved group ``group``."""
-        rank, _, _, index = self.man["groups"][group]["pieces"][0]
-        return self.piece(rank, index)["scalars"]
+        p = self.man.groups[group].pieces[0]
+        return self.piece(p.rank, p.index)["scalars"]
 
 
 def read_full(path: str, key: str = "master") -> dict[str, torch.Tensor]:
@@ -241,20 +280,67 @@ def read_full(path: str, key: str = "master") -> dict[str, torch.Tensor]:
     """
     path = resolve(path)
     man = read_manifest(path)
-    reader = Reader(path, man)
-    out = {n: torch.empty(shape, dtype=torch.float32) for n, shape in man["params"]}
-    for rank in range(man["world_size"]):
-        for p in reader.file(rank)["pieces"]:
-            table = p if key == "master" else p["state"]
-            if key not in table:
-                raise CheckpointError(f"{path}: {key!r} was not saved (saved: master, {', '.join(p['state'])})")
-            g = man["groups"][p["group"]]
-            for n, o, s in zip(g["names"], g["offsets"], g["shapes"]):
-                lo, hi = max(p["start"], o), min(p["stop"], o + math.prod(s))
+    if key != "master" and key not in man.state_keys:
+        raise CheckpointError(f"{path}: {key!r} was not saved (saved: master, {', '.join(man.state_keys)})")
+    reader = Reader(man)
+    out = {n: torch.empty(shape, dtype=torch.float32) for n, shape in man.params}
+    for rank in range(man.world_size):
+        for gi, p in man.pieces_of(rank):
+            saved = reader.piece(rank, p.index)
+            table = saved if key == "master" else saved["state"]
+            g = man.groups[gi]
+            for n, o, s in zip(g.names, g.offsets, g.shapes):
+                lo, hi = max(p.start, o), min(p.stop, o + math.prod(s))
                 if lo < hi:
-                    out[n].view(-1)[lo - o:hi - o].copy_(table[key][lo - p["start"]:hi - p["start"]])
+                    out[n].view(-1)[lo - o:hi - o].copy_(table[key][lo - p.start:hi - p.start])
         reader.close(rank)  # unmap this shard before opening the next
     return out
+
+
+def inside_checkpoint(out: str, sources: tuple[str, ...] = ()) -> str | None:
+    """The checkpoint folder ``out`` lies in, or None.
+
+    ``out`` lies in one if any folder above it (symbolic links followed) is one of
+    ``sources``, holds a ``manifest.json`` (a checkpoint), or holds ``step_NNNNNNNN``
+    checkpoints or ``.step_*.tmp`` saves (a checkpoint directory).
+    """
+    given = {os.path.realpath(s) for s in sources}
+    d = os.path.dirname(os.path.realpath(out))
+    while True:
+        if d in given or os.path.isfile(os.path.join(d, MANIFEST)) or complete(d):
+            return d
+        try:
+            if any(n.startswith(".step_") and n.endswith(".tmp") for n in os.listdir(d)):
+                return d
+        except OSError:
+            pass
+        up = os.path.dirname(d)
+        if up == d:
+            return None
+        d = up
+
+
+def check_out(out: str, sources: tuple[str, ...] = ()) -> None:
+    """Refuse an output file ``out`` that cannot be written or would land in a checkpoint.
+
+    Raises:
+        CheckpointError: ``out`` ends in a path separator or is a folder, its folder
+            does not exist or cannot be reached, or it lies inside a checkpoint
+            (writing it there could overwrite the checkpoint's own files).
+    """
+    if not out or out.endswith((os.sep, "/")) or os.path.isdir(out):
+        raise CheckpointError(f"OUT {out!r}: a folder; give a file name (e.g. model.pt)")
+    parent = os.path.dirname(os.path.abspath(out))
+    try:
+        os.stat(parent)
+    except OSError as e:
+        raise CheckpointError(f"OUT {out}: its folder {parent} cannot be reached ({e.strerror})") from None
+    if not os.path.isdir(parent):
+        raise CheckpointError(f"OUT {out}: {parent} is not a folder")
+    inside = inside_checkpoint(out, sources)
+    if inside is not None:
+        raise CheckpointError(f"OUT {out}: inside the checkpoint directory {inside}; write it elsewhere (a "
+                              "checkpoint's files are never overwritten)")
 
 
 def consolidate(path: str, out: str) -> dict[str, torch.Tensor]:
@@ -264,25 +350,29 @@ def consolidate(path: str, out: str) -> dict[str, torch.Tensor]:
     the plain ``nn.Module``: trainable parameters in fp32 from the masters, tied
     names included, plus frozen parameters and buffers as rank 0 held them (floating
     ones as fp32). Every shard is first verified against the manifest (size and
-    SHA-256; see :mod:`zerolearn.checkpoint.checksums`). Written to ``out.part`` and
-    renamed when complete; on any failure no ``out.part`` is left. Returns it.
+    SHA-256 of the file that is then read; see :mod:`zerolearn.checkpoint.checksums`).
+    ``out`` may not lie inside any checkpoint directory (:func:`check_out`). Written
+    to ``out.part`` and renamed when complete; on any failure no ``out.part`` is
+    left. Returns it.
 
     Raises:
-        CheckpointError: a shard does not verify (named, with what differs); see
-            :func:`read_full`.
+        CheckpointError: ``out`` is refused; a shard does not verify (named, with
+            what differs); see :func:`read_full`.
         OSError: ``out`` cannot be written.
     """
     from zerolearn.checkpoint.checksums import verify  # verify imports this module
 
+    check_out(out, (path,))
     path = resolve(path)
+    check_out(out, (path,))
     man = read_manifest(path, check_files=False)
     verify(path, man)
     state = read_full(path, "master")
-    for key, name in man["aliases"].items():
+    for key, name in man.aliases.items():
         state[key] = state[name]
-    if man["module_keys"]:
-        module = Reader(path, man).file(0)["module"]
-        for key in man["module_keys"]:
+    if man.module_keys:
+        module = Reader(man).file(0)["module"]
+        for key in man.module_keys:
             t = module[key]
             state[key] = t.float().clone() if t.is_floating_point() else t.clone()
     write_atomic(out, lambda f: torch.save(state, f))

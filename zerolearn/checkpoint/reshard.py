@@ -44,14 +44,14 @@ def _same(a: dict, b: dict) -> bool:
     return plain(a) == plain(b)
 
 
-def check_model(engine, man: dict, path: str) -> None:
+def check_model(engine, man, path: str) -> None:
     """Refuse a checkpoint of another model (names, shapes, frozen tensors) or optimizer.
 
     Raises:
         CheckpointError: naming what differs (first five names of each kind).
     """
     mine = {n: list(s) for g in engine.groups for n, s in zip(g.layout.names, g.layout.shapes)}
-    theirs = dict((n, s) for n, s in man["params"])
+    theirs = {n: list(s) for n, s in man.params}
     problems = [f"{n}: checkpoint {theirs[n]}, this model {s}" for n, s in mine.items()
                 if n in theirs and theirs[n] != s]
     for what, names in (("missing from the checkpoint", [n for n in mine if n not in theirs]),
@@ -59,16 +59,16 @@ def check_model(engine, man: dict, path: str) -> None:
         if names:
             problems.append(f"{what}: {', '.join(names[:5])}{' ...' * (len(names) > 5)}")
     module = set(module_state(engine, copy=False)[1])
-    if module != set(man["module_keys"]):
-        problems.append(f"frozen parameters and buffers differ: checkpoint {sorted(man['module_keys'])}, "
+    if module != set(man.module_keys):
+        problems.append(f"frozen parameters and buffers differ: checkpoint {sorted(man.module_keys)}, "
                         f"this model {sorted(module)}")
     if problems:
         raise CheckpointError(f"{path} was saved from another model: " + "; ".join(problems))
-    if man["optimizer"] != engine.optimizer_name:
-        raise CheckpointError(f"{path} holds {man['optimizer']} state; this engine uses {engine.optimizer_name}")
+    if man.optimizer != engine.optimizer_name:
+        raise CheckpointError(f"{path} holds {man.optimizer} state; this engine uses {engine.optimizer_name}")
 
 
-def _read_group(reader: Reader, g, state_keys: list[str], path: str) -> tuple[torch.Tensor, dict]:
+def _read_group(reader: Reader, g, state_keys: tuple[str, ...], path: str) -> tuple[torch.Tensor, dict]:
     """This rank's shard of group ``g``: (fp32 master, optimizer state for it or {}).
 
     Raises:
@@ -111,23 +111,23 @@ def plan(engine, path: str) -> dict:
     path = resolve(path)
     man = read_manifest(path)
     check_model(engine, man, path)
-    reader = Reader(path, man)
+    reader = Reader(man)
     masters, state = [], {}
     for j, g in enumerate(engine.groups):
-        master, group_state = _read_group(reader, g, man["state_keys"], path)
+        master, group_state = _read_group(reader, g, man.state_keys, path)
         masters.append(master)
         if group_state:
             state[j] = group_state
     optimizer = engine.optimizer.state_dict()
     optimizer["state"] = state
-    out = {"step": man["step"], "masters": masters, "optimizer": optimizer, "manifest": man, "rng": None}
-    if man["module_keys"]:
+    out = {"step": man.step, "masters": masters, "optimizer": optimizer, "manifest": man, "rng": None}
+    if man.module_keys:
         out["module"] = reader.file(0)["module"]
         mine = engine.model.state_dict(keep_vars=True)
         for k, t in out["module"].items():
             if t.shape != mine[k].shape:
                 raise CheckpointError(f"{path} was saved from another model: {k}: checkpoint "
                                       f"{list(t.shape)}, this model {list(mine[k].shape)}")
-    if man["world_size"] == engine.world_size:  # each rank gets its own random state back
+    if man.world_size == engine.world_size:  # each rank gets its own random state back
         out["rng"] = reader.file(engine.rank)["rng"]
     return out
