@@ -163,7 +163,7 @@ def interrupt_when_training(procs: list[subprocess.Popen], d, timeout: float = 6
 
 CTRL_C = [sys.executable, "-m", "zerolearn.train", *RUN.replace(steps=1000, checkpoint_keep=1).to_argv(),
           "--checkpoint-every", "1"]  # with --checkpoint-dir, added per test
-LINE = re.compile(r"interrupted \(Ctrl-C\) at step (\d+)\n")
+LINE = re.compile(r"interrupted \(Ctrl-C\) at step (\d+); last checkpoint: \S+/step_\d{8}\n")
 
 
 def test_ctrl_c_stops_with_one_line_and_exit_code_130(tmp_path):

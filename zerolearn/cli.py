@@ -3,9 +3,11 @@
 Exit codes (DESIGN section 4): 0 done; 2 bad arguments, or a ``--checkpoint-dir``
 another job holds (before training; every rank alike); 1 a runtime failure, its
 message naming the rank (an OSError writing a checkpoint or the report, a full disk
-included); 130 interrupted by Ctrl-C (SIGINT): rank 0 prints one line,
-``interrupted (Ctrl-C) at step N``, and every rank exits without a traceback. The
-checkpoint directory's lock is released however the run ends.
+included); 130 interrupted by Ctrl-C (SIGINT) and 143 stopped by SIGTERM (a job
+scheduler's, ``kill``'s): rank 0 prints one line naming the signal, the step and the
+last complete checkpoint (``interrupted (Ctrl-C) at step N; last checkpoint:
+D/step_00000040``, ``terminated (SIGTERM) at step N; ...``), and every rank exits
+without a traceback. The checkpoint directory's lock is released however the run ends.
 
 ``--report PATH`` makes rank 0 write the JSON report of DESIGN section 4: the global
 mean loss per step, and per rank the model-state bytes measured from the tensors it
@@ -52,7 +54,8 @@ from zerolearn.config import TrainConfig, build_parser
 from zerolearn.errors import ConfigError
 from zerolearn.faults import say
 
-_CTRL_C = {"interrupted": False, "cleaning": False}  # main()'s SIGINT state
+_CTRL_C = {"interrupted": False, "cleaning": False, "signal": signal.SIGINT}  # main()'s SIGINT/SIGTERM state
+SIGNALS = {signal.SIGINT: ("interrupted (Ctrl-C)", 130), signal.SIGTERM: ("terminated (SIGTERM)", 143)}
 
 
 class _Exit(Exception):
@@ -63,14 +66,26 @@ class _Exit(Exception):
         self.code = code
 
 
-def _on_sigint(signum, frame) -> None:
-    """SIGINT handler of :func:`main`: the first raises KeyboardInterrupt; those that
-    arrive while main cleans up (torchrun passes Ctrl-C on to its workers a second
-    time) are ignored, so the cleanup is not cut short by a traceback."""
+def _on_signal(signum, frame) -> None:
+    """SIGINT and SIGTERM handler of :func:`main`: the first raises KeyboardInterrupt
+    (and is remembered); those that arrive while main cleans up (torchrun passes a
+    signal on to its workers a second time) are ignored, so the cleanup is not cut
+    short by a traceback."""
     if _CTRL_C["cleaning"]:
         return
-    _CTRL_C["interrupted"] = True
+    if not _CTRL_C["interrupted"]:
+        _CTRL_C.update(interrupted=True, signal=signal.Signals(signum))
     raise KeyboardInterrupt
+
+
+def last_checkpoint(config: TrainConfig) -> str:
+    """Where a stopped run can resume from: the newest complete checkpoint, said in words."""
+    if not config.checkpoint_dir:
+        return "none (no --checkpoint-dir)"
+    try:
+        return checkpoint.latest(config.checkpoint_dir) or f"none yet in {config.checkpoint_dir}"
+    except OSError as e:
+        return f"unknown ({config.checkpoint_dir}: {e.strerror})"
 
 
 def _interrupted_step(error: BaseException) -> int | None:
@@ -171,9 +186,9 @@ def _finish(config: TrainConfig, report: dict, world_size: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     """The command line: train, write the report, print a summary (rank 0); the exit code (see above)."""
     config = TrainConfig.from_argv(argv)
-    _CTRL_C.update(interrupted=False, cleaning=False)
+    _CTRL_C.update(interrupted=False, cleaning=False, signal=signal.SIGINT)
     handle = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGINT, _on_sigint) if handle else None
+    previous = {sig: signal.signal(sig, _on_signal) for sig in SIGNALS} if handle else {}
     ctx = None
     try:
         ctx = _join(config)
@@ -185,14 +200,17 @@ def main(argv: list[str] | None = None) -> int:
         return e.code
     except KeyboardInterrupt as e:
         _CTRL_C["cleaning"] = True
+        what, code = SIGNALS[_CTRL_C["signal"]]
         step = _interrupted_step(e.__cause__ or e)
         if (ctx.rank if ctx is not None else os.environ.get("RANK", "0")) in (0, "0"):
-            say(f"interrupted (Ctrl-C) {'before the first step' if step is None else f'at step {step}'}")
+            say(f"{what} {'before the first step' if step is None else f'at step {step}'}; "
+                f"last checkpoint: {last_checkpoint(config)}")
         zdist.teardown(clean=False)
-        return 130
+        return code
     finally:
         _CTRL_C["cleaning"] = True
         if config.checkpoint_dir:
             checkpoint_lock.release(config.checkpoint_dir)
-        if handle and previous is not None:  # None: a handler not set from Python, cannot be restored
-            signal.signal(signal.SIGINT, previous)
+        for sig, handler in previous.items():
+            if handler is not None:  # None: a handler not set from Python, cannot be restored
+                signal.signal(sig, handler)

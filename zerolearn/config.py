@@ -254,32 +254,52 @@ def _check_needs(c: TrainConfig) -> None:
 
 
 def _check_paths(c: TrainConfig) -> None:
-    """Output paths that training would only fail on at its end are checked first.
-
-    ``--report`` must name a file (not a folder, not ending in a path separator)
-    whose folder exists and is writable; ``--checkpoint-dir`` a folder, or a path
-    whose nearest existing folder is writable. A path that cannot be reached (a loop
-    of symbolic links, a component that is a file, no permission) is refused naming
-    the reason.
-    """
+    """Output paths that training would only fail on at its end are checked first."""
     if c.report:
-        where = f"--report {c.report}"
-        if c.report.endswith((os.sep, "/")):
-            raise ConfigError(f"{where}: ends in a path separator; give a file name (e.g. run.json)")
-        _reachable(c.report, where)
-        parent = os.path.dirname(os.path.realpath(c.report))
-        if os.path.isdir(c.report) or not os.path.isdir(parent) or not os.access(parent, os.W_OK):
-            raise ConfigError(f"{where}: cannot write a file there (the folder must exist and be "
-                              "writable)")
+        check_output_file("--report", c.report)
     if c.checkpoint_dir:
-        where = f"--checkpoint-dir {c.checkpoint_dir}"
-        d = os.path.abspath(c.checkpoint_dir)
-        while not _reachable(d, where):  # the nearest folder that exists must be writable
-            if os.path.islink(d):
-                raise ConfigError(f"{where}: {d} is a symbolic link to nothing")
-            d = os.path.dirname(d)
-        if not os.path.isdir(d) or not os.access(d, os.W_OK):
-            raise ConfigError(f"{where}: not a writable folder ({d})")
+        check_output_folder("--checkpoint-dir", c.checkpoint_dir)
+
+
+def check_output_file(option: str, path: str) -> None:
+    """Refuse an output file ``path`` (given as ``option``) before any work.
+
+    It must name a file (not a folder, not ending in a path separator) whose folder
+    exists and is writable. A path that cannot be reached (a loop of symbolic links,
+    a component that is a file, no permission) is refused naming the reason.
+
+    Raises:
+        ConfigError: naming ``option``, ``path`` and what is wrong.
+    """
+    where = f"{option} {path}"
+    if not path or path.endswith((os.sep, "/")):
+        raise ConfigError(f"{where}: ends in a path separator; give a file name (e.g. run.json)")
+    _reachable(path, where)
+    parent = os.path.dirname(os.path.realpath(path))
+    _reachable(parent, where)
+    if os.path.isdir(path) or not os.path.isdir(parent) or not os.access(parent, os.W_OK):
+        raise ConfigError(f"{where}: cannot write a file there (the folder must exist and be writable)")
+
+
+def check_output_folder(option: str, path: str) -> None:
+    """Refuse an output folder ``path`` (given as ``option``; created if missing) before any work.
+
+    It must be a writable folder, or a path whose nearest existing folder is
+    writable; a path that cannot be reached is refused naming the reason.
+
+    Raises:
+        ConfigError: naming ``option``, ``path`` and what is wrong.
+    """
+    where = f"{option} {path}"
+    if not path:
+        raise ConfigError(f"{where}: empty; give a folder")
+    d = os.path.abspath(path)
+    while not _reachable(d, where):  # the nearest folder that exists must be writable
+        if os.path.islink(d):
+            raise ConfigError(f"{where}: {d} is a symbolic link to nothing")
+        d = os.path.dirname(d)
+    if not os.path.isdir(d) or not os.access(d, os.W_OK):
+        raise ConfigError(f"{where}: not a writable folder ({d})")
 
 
 def _reachable(path: str, where: str) -> bool:

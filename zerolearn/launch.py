@@ -107,7 +107,8 @@ def main(argv: list[str] | None = None) -> int:
         _refuse(str(e))
     # torchrun's agent logs each worker it stops by a signal; the exit code and the
     # workers' own line say what happened.
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+    for name in [n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed.elastic")]:
+        logging.getLogger(name).setLevel(logging.ERROR)
     try:
         elastic_launch(config, cmd)(*cmd_args)
     except ChildFailedError as e:

@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 
 from zerolearn.bench.spec import QUICK, SYSTEMS, BenchSpec, parse_systems
+from zerolearn.config import check_output_file
 from zerolearn.errors import ConfigError
 
 PROG = "python -m zerolearn.bench"
@@ -68,12 +68,11 @@ def spec_from_args(args: argparse.Namespace, base: BenchSpec | None = None) -> B
 
 
 def check_out(path: str | None) -> None:
-    """Refuse an ``--out`` that cannot be written, before the run (ConfigError)."""
+    """Refuse an ``--out`` that cannot be written, before the run (ConfigError): a
+    folder, a path ending in a separator, a missing or unreachable folder."""
     if path is None:
         return
-    parent = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path) or not os.path.isdir(parent) or not os.access(parent, os.W_OK):
-        raise ConfigError(f"--out {path}: cannot write a file there (the folder must exist and be writable)")
+    check_output_file("--out", path)
 
 
 def write_json(result: dict, path: str | None) -> None:

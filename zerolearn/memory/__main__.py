@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import sys
 
 from zerolearn.errors import ConfigError, require_count, require_real
@@ -65,6 +66,10 @@ def _check_options(args: argparse.Namespace) -> None:
     for name in _SIZES:
         if getattr(args, name) is not None:
             require_real(f"--{name.replace('_', '-')}", getattr(args, name))
+    for name, unit in (("device_gb", GB), ("cb_mb", 1e6)):  # in bytes, still a finite number
+        if getattr(args, name) is not None and not math.isfinite(getattr(args, name) * unit):
+            raise ConfigError(f"--{name.replace('_', '-')} {getattr(args, name):g}: too large; allowed are up to "
+                              f"{sys.float_info.max / unit:.3g}")
 
 
 def _psi(args: argparse.Namespace) -> int | float:

@@ -2,7 +2,9 @@
 
 Writes ``stages.json``, ``bucket_sweep.json`` and ``prefetch.json`` into DIR (times in
 seconds) and prints one line per recording; ``--traces DIR`` also keeps the profiler's
-Chrome trace of each recording and rank. Exit codes: 0 success, 2 bad arguments.
+Chrome trace of each recording and rank. Exit codes: 0 success, 2 bad arguments
+(before anything is recorded: counts out of range, a DIR that is a file or cannot be
+reached or written).
 """
 
 from __future__ import annotations
@@ -14,6 +16,11 @@ import sys
 import time
 
 from zerolearn import timeline
+from zerolearn.config import check_output_folder
+from zerolearn.errors import ConfigError
+
+MAX_WORLD_SIZE = 64  # gloo ranks on this machine's CPU cores
+MAX_REPEATS = 1000
 
 
 def _print(results: dict) -> None:
@@ -39,8 +46,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=3, help="recorded steps per sweep point and prefetch setting")
     p.add_argument("--traces", default=None, metavar="DIR", help="also write Chrome traces (one per run and rank)")
     args = p.parse_args(argv)
-    if args.world_size < 1 or args.repeats < 1:
-        p.error("--world-size and --repeats must be >= 1")
+    for name, value, high in (("--world-size", args.world_size, MAX_WORLD_SIZE),
+                              ("--repeats", args.repeats, MAX_REPEATS)):
+        if not 1 <= value <= high:
+            p.error(f"{name} {value}: allowed are 1 to {high}")
+    try:
+        check_output_folder("--out", args.out)
+        if args.traces is not None:
+            check_output_folder("--traces", args.traces)
+    except ConfigError as e:
+        p.error(str(e))
     t0 = time.perf_counter()
     results = timeline.record_all(args.world_size, args.traces, args.repeats)
     os.makedirs(args.out, exist_ok=True)
