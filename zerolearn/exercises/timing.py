@@ -70,5 +70,6 @@ def time_to_verdict(names: list[str] | None = None, out=print) -> list[tuple[str
                 rows.append((name, case, time.perf_counter() - t0, str(result)))
     out(f"{'exercise':25} {'case':20} {'seconds':>7}  verdict")
     for name, case, seconds, verdict in rows:
-        out(f"{name:25} {case:20} {seconds:7.1f}  {verdict.split(': ', 1)[-1] if verdict.startswith(name) else verdict}")
+        said = verdict.split(": ", 1)[-1] if verdict.startswith(name) else verdict
+        out(f"{name:25} {case:20} {seconds:7.1f}  {said}")
     return rows

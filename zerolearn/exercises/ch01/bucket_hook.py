@@ -21,13 +21,16 @@ from zerolearn.exercises.helpers import (
     compare_grad,
     compare_params,
     gpt_pair,
+    kib,
     loss_of,
     psi_per_step,
     reference_grads,
 )
+from zerolearn.memory.ledger import MemoryLedger
 
 STEPS = 3
 BUCKET_BYTES = 48 * 1024  # 5 buckets for the trials' GPT
+GROWTH_SLACK = 1024  # bytes: what the hooks keep may differ this much between steps, not grow step after step
 
 
 def bucket_hook(buckets, world_size):
@@ -96,14 +99,21 @@ def _bucket_trial(fn) -> str:
     if not callable(finish):
         raise Wrong(f"bucket_hook returned {type(finish).__name__}; it must return finish(), a function "
                     "the caller runs after loss.backward()")
+    ledgers, kept = [], []  # a memory ledger per step's backward and finish(); bytes they left alive
     for step in range(STEPS):
         local = reference_grads(ref, step)
         (x, y), _ = batches(step)
         comm.LEDGER.reset()
-        loss_of(model, x, y).backward()
-        during = comm.LEDGER.as_dict()["all_reduce"]["calls"]
-        finish()
+        with MemoryLedger(record_timeline=False) as ledger:
+            loss_of(model, x, y).backward()
+            during = comm.LEDGER.as_dict()["all_reduce"]["calls"]
+            finish()
+        ledgers.append(ledger)
         calls, moved = comm.LEDGER.as_dict()["all_reduce"]["calls"], comm.LEDGER.volume_elements()
+        if moved == 0 and step > 0:
+            raise Wrong(f"no all_reduce ran in this step, though step 0 made {n}: your hooks stopped launching "
+                        "after the first backward; reset what counts a bucket's arrived gradients when the "
+                        "bucket launches (the hooks stay registered and run again every backward)", step)
         if moved == 0:
             raise Wrong("comm.LEDGER saw no collective: call comm.all_reduce (it books what moves), "
                         "not dist.all_reduce", step)
@@ -127,6 +137,12 @@ def _bucket_trial(fn) -> str:
         opt.zero_grad(set_to_none=True)
         ref_opt.zero_grad(set_to_none=True)
         compare_params(model, ref, step)
+        kept.append(sum(sum(led.live.values()) for led in ledgers))  # gradients are gone: what the hooks keep
+        if step > 0 and kept[-1] > kept[0] + GROWTH_SLACK:
+            raise Wrong(f"what your hooks keep grows step after step: {', '.join(kib(k) for k in kept)} after "
+                        f"steps 0 to {step}, allocated during backward and finish() and still referenced: let "
+                        "each step's buffers and handles go in finish() (clear the list of launched "
+                        "all-reduces), or every step waits on and holds all the earlier ones too", step)
         agree(step)
     return (f"every gradient and parameter equals single-process Adam for {STEPS} steps; {n} all_reduce calls "
             f"per step, all launched during backward; 2.0 Psi per step")
@@ -216,6 +232,68 @@ def _after_backward(buckets, world_size):
     return finish
 
 
+def _counter_never_reset(buckets, world_size):
+    """The reference hooks without ``arrived[i] = 0``: after the first backward no count equals its
+    bucket's size again, so no bucket launches from the second step on."""
+    bucket_of = {id(p): i for i, bucket in enumerate(buckets) for p in bucket}
+    arrived = [0] * len(buckets)
+    in_flight = []
+
+    def hook(p):
+        i = bucket_of[id(p)]
+        arrived[i] += 1
+        if arrived[i] == len(buckets[i]):
+            buffer = torch.cat([q.grad.flatten() for q in buckets[i]])
+            in_flight.append((comm.all_reduce(buffer, async_op=True), buffer, buckets[i]))
+
+    for bucket in buckets:
+        for p in bucket:
+            p.register_post_accumulate_grad_hook(hook)
+
+    def finish():
+        for handle, buffer, bucket in in_flight:
+            handle.wait()
+            buffer.div_(world_size)
+            offset = 0
+            for q in bucket:
+                q.grad.copy_(buffer[offset:offset + q.numel()].view_as(q))
+                offset += q.numel()
+        in_flight.clear()
+
+    return finish
+
+
+def _never_cleared(buckets, world_size):
+    """The reference hooks without ``in_flight.clear()``: every finish() waits on and copies back every
+    earlier step's buckets too (the last copy wins, so the gradients are right) and keeps their buffers."""
+    bucket_of = {id(p): i for i, bucket in enumerate(buckets) for p in bucket}
+    arrived = [0] * len(buckets)
+    in_flight = []
+
+    def hook(p):
+        i = bucket_of[id(p)]
+        arrived[i] += 1
+        if arrived[i] == len(buckets[i]):
+            arrived[i] = 0
+            buffer = torch.cat([q.grad.flatten() for q in buckets[i]])
+            in_flight.append((comm.all_reduce(buffer, async_op=True), buffer, buckets[i]))
+
+    for bucket in buckets:
+        for p in bucket:
+            p.register_post_accumulate_grad_hook(hook)
+
+    def finish():
+        for handle, buffer, bucket in in_flight:
+            handle.wait()
+            buffer.div_(world_size)
+            offset = 0
+            for q in bucket:
+                q.grad.copy_(buffer[offset:offset + q.numel()].view_as(q))
+                offset += q.numel()
+
+    return finish
+
+
 register(Exercise(
     "01.bucket_hook", "Bucketed gradient averaging from autograd hooks, overlapped with backward",
     bucket_hook, _bucket_trial,
@@ -225,4 +303,8 @@ register(Exercise(
      "one_per_tensor": Bug(_one_per_tensor, "per-tensor overlapped DP (CS336 assignment 2, before buckets)",
                            "one per bucket"),
      "after_backward": Bug(_after_backward, "seed blog 002 and tutorials: reduce after backward",
-                           "launched during backward")}))
+                           "launched during backward"),
+     "counter_never_reset": Bug(_counter_never_reset, "a per-bucket count of arrived gradients never set back to "
+                                "0: right in the first step only", "stopped launching"),
+     "never_cleared": Bug(_never_cleared, "the list of launched all-reduces never cleared: stale handles "
+                          "re-waited, stale buffers kept, every step", "grows step after step")}))

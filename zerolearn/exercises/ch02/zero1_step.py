@@ -16,7 +16,6 @@ from zerolearn import comm
 from zerolearn import dist as zdist
 from zerolearn.exercises.core import Bug, Exercise, Wrong, agree, register
 from zerolearn.exercises.helpers import (
-    ADAM_LR,
     batches,
     compare_grad,
     compare_params,
@@ -30,6 +29,7 @@ from zerolearn.flat import FlatLayout
 
 STEPS = 3
 K = 12  # bytes per shard element a rank may keep: fp32 master 4 + Adam's moments 4 + 4
+LR = 7e-4  # the learning rate passed as lr: no torch optimizer's default, so an optimizer built without it shows
 
 
 def zero1_step(flat_params, flat_grad, state, world_size, rank, lr):
@@ -100,6 +100,44 @@ def _kept_bytes(state, skip: set[int]) -> int:
     return total
 
 
+def _optimizers(state) -> list[torch.optim.Optimizer]:
+    """The torch optimizers reachable from ``state`` (dicts, lists and tuples searched)."""
+    found, stack, seen = [], [state], set()
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.optim.Optimizer):
+            found.append(obj)
+        elif isinstance(obj, dict):
+            stack += list(obj.values())
+        elif isinstance(obj, (list, tuple)):
+            stack += list(obj)
+    return found
+
+
+def _check_optimizers(state, step: int) -> None:
+    """A torch optimizer kept in ``state`` must step as single-process Adam at the given lr:
+    plain Adam (not AdamW, no weight decay, no amsgrad) with ``lr`` the argument, not a default."""
+    for opt in _optimizers(state):
+        name = type(opt).__name__
+        for group in opt.param_groups:
+            decoupled = group.get("decoupled_weight_decay", False) or isinstance(opt, torch.optim.AdamW)
+            if not isinstance(opt, torch.optim.Adam) or decoupled:
+                what = "AdamW (its weight decay is decoupled from the gradient)" if decoupled else name
+                raise Wrong(f"your optimizer is {what}, single-process training here is torch.optim.Adam: ZeRO-1 "
+                            "must step as the optimizer it partitions, so build torch.optim.Adam(..., lr=lr) "
+                            "over your master shard", step)
+            if group["lr"] != LR:
+                default = " (Adam's default: was lr=lr forgotten?)" if group["lr"] == 1e-3 else ""
+                raise Wrong(f"your optimizer's learning rate is {group['lr']:g}{default}; the step must use the lr "
+                            f"argument, {LR:g}: torch.optim.Adam(..., lr=lr)", step)
+            if group.get("weight_decay", 0) or group.get("amsgrad", False):
+                raise Wrong(f"your Adam has weight_decay={group.get('weight_decay', 0):g}, "
+                            f"amsgrad={group.get('amsgrad', False)}; single-process training uses neither", step)
+
+
 def _zero1_trial(fn) -> str:
     """Three steps of a GPT whose parameters are views of one flat padded buffer, against
     single-process Adam on the whole batch: the gradient shard each rank stepped with,
@@ -107,7 +145,7 @@ def _zero1_trial(fn) -> str:
     ctx = zdist.context()
     ws, rank = ctx.world_size, ctx.rank
     model, ref = gpt_pair()
-    ref_opt = torch.optim.Adam(ref.parameters(), lr=ADAM_LR)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=LR)
     named = list(model.named_parameters())
     params = [p for _, p in named]
     psi = sum(p.numel() for p in params)
@@ -130,8 +168,9 @@ def _zero1_trial(fn) -> str:
             p.grad = None
         before = layout.shard_of(flat_params).clone()
         comm.LEDGER.reset()
-        got = fn(flat_params, flat_grad, state, ws, rank, ADAM_LR)
+        got = fn(flat_params, flat_grad, state, ws, rank, LR)
         compare_grad("the gradient shard you stepped with (your return value)", got, want, local, before, ws, step)
+        _check_optimizers(state, step)
         moved = comm.LEDGER.volume_elements()
         if moved == 0:
             raise Wrong("comm.LEDGER saw no collective: call comm.reduce_scatter and comm.all_gather "
@@ -215,10 +254,42 @@ def _average_twice(flat_params, flat_grad, state, world_size, rank, lr):
     return grad
 
 
+def _zero1_with(optimizer, flat_params, flat_grad, state, world_size, rank):
+    """The reference step with another optimizer over the master shard (``optimizer(params)``)."""
+    shard = flat_params.numel() // world_size
+    if not state:
+        state["master"] = nn.Parameter(flat_params[rank * shard:(rank + 1) * shard].clone())
+        state["adam"] = optimizer([state["master"]])
+    master, adam = state["master"], state["adam"]
+    grad = torch.empty(shard)
+    comm.reduce_scatter(grad, flat_grad)
+    grad.div_(world_size)
+    master.grad = grad
+    adam.step()
+    master.grad = None
+    comm.all_gather(flat_params, master.detach())
+    return grad
+
+
+def _default_lr(flat_params, flat_grad, state, world_size, rank, lr):
+    """torch.optim.Adam built without ``lr=``: it steps at its default, 1e-3, whatever lr says."""
+    return _zero1_with(torch.optim.Adam, flat_params, flat_grad, state, world_size, rank)
+
+
+def _adamw(flat_params, flat_grad, state, world_size, rank, lr):
+    """AdamW for Adam: its decoupled weight decay (0.01 by default) moves every parameter a little
+    more than single-process Adam does, too little to see in one step's parameters."""
+    return _zero1_with(lambda params: torch.optim.AdamW(params, lr=lr), flat_params, flat_grad, state,
+                       world_size, rank)
+
+
 register(Exercise(
     "02.zero1_step", "ZeRO-1: reduce-scatter, update this rank's shard, all-gather",
     zero1_step, _zero1_trial,
     {"allreduce_then_broadcast": Bug(_allreduce_then_broadcast, "seed 002, the blog's ShardedOptimizer",
                                      "ZeRO-1 moves 2.0 Psi"),
      "whole_model_state": Bug(_whole_model_state, "DP's optimizer kept on every rank", "KiB of optimizer states"),
-     "average_twice": Bug(_average_twice, "dividing by Nd before and after the sum", "divided twice")}))
+     "average_twice": Bug(_average_twice, "dividing by Nd before and after the sum", "divided twice"),
+     "default_lr": Bug(_default_lr, "an optimizer built without lr= (a test at Adam's default lr cannot see it)",
+                       "(Adam's default"),
+     "adamw": Bug(_adamw, "torch.optim.AdamW for Adam: the names differ by one letter", "your optimizer is AdamW")}))

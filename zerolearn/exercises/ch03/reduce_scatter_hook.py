@@ -125,8 +125,9 @@ def _rs_trial(fn) -> str:
     model, buckets, layouts = mlp_buckets(ws, rank)
     ref = mlp()
     shards = [torch.zeros(layout.shard_numel) for layout in layouts]
-    for b, shard in zip(buckets, shards):
-        fn([p for _, p in b], shard, ws)
+    with MemoryLedger(record_timeline=False) as setup:  # what the reader's set-up allocates and keeps
+        for b, shard in zip(buckets, shards):
+            fn([p for _, p in b], shard, ws)
     psi = sum(layout.numel for layout in layouts)
     padded = sum(layout.padded_numel for layout in layouts)
     shard_bytes = 4 * sum(s.numel() for s in shards)
@@ -138,7 +139,9 @@ def _rs_trial(fn) -> str:
                 loss = F.mse_loss(model(data.rank_slice(x, rank, ws)), data.rank_slice(y, rank, ws))
             with ledger.phase("backward"):
                 loss.backward()
-        held = ledger.live["temporary"]  # made in backward, still alive: full gradients kept
+        made = ledger.live["temporary"]  # made in backward, still alive: full gradients kept
+        kept = sum(setup.live.values())  # made at set-up, still alive: buffers the hooks keep
+        held = made + kept
         moved, reduced = comm.LEDGER.volume_elements(), comm.LEDGER.as_dict()
         want = mlp_grads(ref, x, y)
         for k, (b, layout, shard) in enumerate(zip(buckets, layouts, shards)):
@@ -152,6 +155,11 @@ def _rs_trial(fn) -> str:
                           factors={ws: f"reduce_scatter sums over the {ws} ranks; the mean divides by world_size"})
         if held > 4 * min(layout.numel for layout in layouts) / 2:
             whole = "keeps the whole gradient" if held >= 4 * psi else f"keeps {kib(held)} of full gradients"
+            if kept > made:
+                raise Wrong(f"this rank keeps {kib(kept)} allocated when your hooks were registered, alive after "
+                            f"backward: {kib(held + shard_bytes)} in all, ZeRO-2 keeps {kib(shard_bytes)} (its "
+                            "shards); allocate each bucket's flat gradient in the hook and let it go after the "
+                            "reduce-scatter, not once for the whole run", step)
             raise Wrong(f"this rank {whole}: {kib(held + shard_bytes)} after backward, ZeRO-2 keeps "
                         f"{kib(shard_bytes)} (its shards); free each full gradient (p.grad = None) once its "
                         "bucket is reduced", step)
@@ -167,6 +175,27 @@ def _rs_trial(fn) -> str:
             f"backward moved {padded / psi:.2f} Psi")
 
 
+def _flat_kept_from_setup(bucket, shard, world_size):
+    """One flat buffer per bucket allocated once at set-up and reused every step: as large as the
+    bucket's whole gradient, alive for the whole run (the blog's ZeRO-2 keeps such buffers)."""
+    flat = torch.zeros(shard.numel() * world_size)
+    ready = []
+
+    def hook(p):
+        ready.append(p)
+        if len(ready) < len(bucket):
+            return
+        ready.clear()
+        torch.cat([q.grad.flatten() for q in bucket], out=flat[:sum(q.numel() for q in bucket)])
+        for q in bucket:
+            q.grad = None
+        comm.reduce_scatter(shard, flat)
+        shard.div_(world_size)
+
+    for p in bucket:
+        p.register_post_accumulate_grad_hook(hook)
+
+
 register(Exercise(
     "03.reduce_scatter_hook", "ZeRO-2's bucket hook: reduce-scatter a finished bucket, free the full gradient",
     reduce_scatter_hook, _rs_trial,
@@ -178,4 +207,7 @@ register(Exercise(
      "reduces_parameters": Bug(_reduces_parameters, "picotron's bucketed DDP (STYLE.md): a post-accumulate-grad "
                                "hook receives the parameter, not the gradient", "the parameters' values"),
      "all_reduce_then_slice": Bug(_all_reduce_then_slice, "ZeRO-2 written as DDP plus slicing; the blog's "
-                                  "reduce-scatter of Nd copies moves even more (seed 002)", "Psi in backward")}))
+                                  "reduce-scatter of Nd copies moves even more (seed 002)", "Psi in backward"),
+     "flat_kept_from_setup": Bug(_flat_kept_from_setup, "a bucket-sized flat buffer allocated once, when the hooks "
+                                 "are registered, and kept: no allocation in backward, the whole gradient's size "
+                                 "alive all the time", "allocated when your hooks were registered")}))

@@ -4,8 +4,9 @@ Average many gradients over the ranks through one fused buffer of a fixed size, 
 after fill, so that no buffer grows with the model. The trial reduces each rank's own
 gradients of two MLPs of different sizes (3,095 and 17,201 values) through the same
 1,024-element buffer and checks every value against the average over ranks, that the
-last, partly filled buffer is reduced too, one all-reduce per fill, and that nothing
-else is allocated (memory ledger).
+last, partly filled buffer is reduced too, one all-reduce per fill of only the elements
+it holds, and the memory rule (memory ledger): nothing allocated grows with the model,
+and scratch stays within as much again as the buffer.
 """
 
 from __future__ import annotations
@@ -86,6 +87,9 @@ def _drops_tail(tensors, buffer, world_size):
 
 
 BUFFER = 1024  # elements: 4 KiB of fp32
+# The memory rule: what the function allocates must not grow with the model (it may differ between the two
+# models by SLACK bytes, a few small tensors), and stays within SCRATCH bytes: as much again as the buffer.
+SLACK, SCRATCH = 512, 4 * BUFFER
 MODELS = {"small": (17, 33, 64, 5), "large": (17, 97, 150, 5)}  # MLP widths: n = 3,095 and 17,201
 
 
@@ -122,16 +126,68 @@ def _buffer_trial(fn) -> str:
             first_difference(f"the {model} model's tensor {k} (shape {tuple(got.shape)})", got, w,
                              reference="the average over ranks")
             offset += got.numel()
-        calls = comm.LEDGER.as_dict()["all_reduce"]["calls"]
-        if calls != math.ceil(n / BUFFER) and ledger.peak <= 4 * BUFFER:
+        reduced = comm.LEDGER.as_dict()["all_reduce"]
+        calls, elements = reduced["calls"], reduced["elements"]
+        fills = math.ceil(n / BUFFER)
+        if peaks[model] <= SCRATCH and calls != fills:
             raise Wrong(f"your function made {calls} all-reduce calls for the {model} model's {n:,} values; "
-                        f"{BUFFER:,} at a time takes {math.ceil(n / BUFFER)}")
-    if max(peaks.values()) > 4 * BUFFER:
-        raise Wrong(f"your function allocated {kib(peaks['small'])} for the small model ({sizes['small']:,} values) "
-                    f"and {kib(peaks['large'])} for the large one ({sizes['large']:,}): a fused buffer that grows "
-                    f"with the model; CB's stays {kib(4 * BUFFER)} whatever the model's size (Sec 6.2)")
+                        f"{BUFFER:,} at a time takes {fills}")
+        if peaks[model] <= SCRATCH and elements != n:
+            last = n - (fills - 1) * BUFFER
+            raise Wrong(f"your all-reduces moved {elements:,} elements for the {model} model's {n:,} values: "
+                        f"{elements - n:,} more than it has; reduce only the filled part of the buffer "
+                        f"(buffer[:{last}] for the last fill of {last:,}), not the whole {BUFFER:,}")
+    grown = peaks["large"] - peaks["small"]
+    figures = (f"your function allocated {kib(peaks['small'])} for the small model ({sizes['small']:,} values) "
+               f"and {kib(peaks['large'])} for the large one ({sizes['large']:,})")
+    if grown > SLACK:
+        raise Wrong(f"{figures}: {kib(grown)} more for {sizes['large'] - sizes['small']:,} more values, memory "
+                    f"that grows with the model; CB allocates nothing whose size grows with the model: the "
+                    f"fused buffer stays {kib(4 * BUFFER)} whatever its size (Sec 6.2)")
+    if max(peaks.values()) > SCRATCH + SLACK:
+        raise Wrong(f"{figures}: it does not grow with the model, but it is more than the {kib(SCRATCH)} of "
+                    f"scratch CB allows besides the fused buffer (as much again as the buffer's {kib(4 * BUFFER)}): "
+                    "fill the buffer you were given, not a new one")
     return (f"two models of {sizes['small']:,} and {sizes['large']:,} values averaged exactly through one "
             f"{kib(4 * BUFFER)} buffer, nothing else allocated")
+
+
+def _fills(tensors, buffer, whole: bool = False, keep: list | None = None, scratch: int = 0):
+    """The reference fill loop; ``whole`` reduces the whole buffer at every fill (its stale tail
+    included), ``keep`` collects a copy of every fill, ``scratch`` allocates that many elements."""
+    flats = [t.view(-1) for t in tensors]
+    n, size = sum(f.numel() for f in flats), buffer.numel()
+    extra = torch.empty(scratch) if scratch else None  # noqa: F841 - held for the whole call
+    world_size = zdist.context().world_size
+    for lo in range(0, n, size):
+        hi = min(lo + size, n)
+        pieces, offset = [], 0
+        for f in flats:
+            a, b = max(lo, offset), min(hi, offset + f.numel())
+            if a < b:
+                pieces.append((f[a - offset:b - offset], buffer[a - lo:b - lo]))
+            offset += f.numel()
+        for part, fused in pieces:
+            fused.copy_(part)
+        filled = buffer if whole else buffer[:hi - lo]
+        comm.all_reduce(filled)
+        filled.div_(world_size)
+        if keep is not None:
+            keep.append(buffer.clone())
+        for part, fused in pieces:
+            part.copy_(fused)
+
+
+def _whole_last_fill(tensors, buffer, world_size):
+    _fills(tensors, buffer, whole=True)
+
+
+def _keeps_every_fill(tensors, buffer, world_size):
+    _fills(tensors, buffer, keep=[])
+
+
+def _big_staging(tensors, buffer, world_size):
+    _fills(tensors, buffer, scratch=16 * BUFFER)
 
 
 register(Exercise(
@@ -141,4 +197,9 @@ register(Exercise(
                              "Sec 6.2 says Megatron-LM and DP implementations did (12 GB for 3B parameters)",
                              "grows with the model"),
      "drops_tail": Bug(_drops_tail, "a fill loop over whole buffers only (range(0, n - B + 1, B)): the "
-                       "shorter last fill is never reduced", "were not averaged")}))
+                       "shorter last fill is never reduced", "were not averaged"),
+     "whole_last_fill": Bug(_whole_last_fill, "all_reduce(buffer) at every fill: the short last fill's stale "
+                            "tail travels too (right values, more traffic)", "more than it has"),
+     "keeps_every_fill": Bug(_keeps_every_fill, "a copy of every fill kept (for a later copy-back, a log): "
+                             "one buffer per fill, as many as the model has", "grows with the model"),
+     "big_staging": Bug(_big_staging, "a staging tensor of its own, 16 times the fused buffer", "scratch CB allows")}))

@@ -3,10 +3,12 @@
 Each of the Nm model-parallel ranks keeps 1/Nm of a block's checkpoint and hands back
 a function that all-gathers the whole of it before the block is recomputed. The trial
 checkpoints a stack of three blocks (Linear(61, 61) and tanh) whose input, 31 tokens x
-61 features = 1,891 values, splits unevenly over 2 and over 3 ranks; all ranks form one
-model-parallel group, so Nm is the world size. It trains two SGD steps and checks every
-restored checkpoint against the block's input, the gradients against plain training in
-one process, the bytes kept after forward (memory ledger) and one all-gather per block.
+61 features = 1,891 values, splits unevenly over 2 and over 3 ranks; on 2 and 3 ranks all
+ranks form one model-parallel group, on 4 ranks two groups of 2 that are neither the world
+nor in rank order ([2, 0] and [3, 1]), so a rank's place in its group is not its global
+rank. It trains two SGD steps and checks every restored checkpoint against the block's
+input, the gradients against plain training in one process, the bytes kept after forward
+(memory ledger), and one all-gather per block, over the group, of this rank's own piece.
 """
 
 from __future__ import annotations
@@ -116,6 +118,32 @@ def _all_reduce(x, group):
     return restore
 
 
+def _global_rank(x, group):
+    nm, rank = dist.get_world_size(group), dist.get_rank()  # the global rank, not the rank in the group
+    shape, numel, c = x.shape, x.numel(), math.ceil(x.numel() / nm)
+    piece = F.pad(x.detach().reshape(-1), (0, c * nm - numel))[rank * c:(rank + 1) * c].clone()
+
+    def restore():
+        full = torch.empty(c * nm)
+        comm.all_gather(full, piece, group=group)
+        return full[:numel].view(shape)
+
+    return restore
+
+
+def _world_gather(x, group):
+    nm, rank = dist.get_world_size(group), dist.get_rank(group)
+    shape, numel, c = x.shape, x.numel(), math.ceil(x.numel() / nm)
+    piece = F.pad(x.detach().reshape(-1), (0, c * nm - numel))[rank * c:(rank + 1) * c].clone()
+
+    def restore():
+        full = torch.empty(c * nm)
+        comm.all_gather(full, piece)  # no group=: every rank of the world
+        return full[:numel].view(shape)
+
+    return restore
+
+
 class _Checkpointed(torch.autograd.Function):
     """``block(x)`` keeping only what the reader's function keeps; backward restores, checks, recomputes."""
 
@@ -130,6 +158,7 @@ class _Checkpointed(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        _RESTORING["x"] = ctx.original  # what the all-gather's piece is checked against
         x = ctx.restore()
         ctx.check(x, ctx.original)
         x = x.detach().requires_grad_()
@@ -155,15 +184,74 @@ def _stack() -> tuple[nn.Module, nn.ModuleList]:
     return stem, blocks
 
 
+_RESTORING: dict = {}  # the checkpoint being restored now, on this rank
+
+
+def _model_parallel_group(world_size: int):
+    """The trial's model-parallel group and its members: the world in rank order on 2 and 3 ranks;
+    on 4, two groups of 2 (data parallelism x model parallelism = 2 x 2), strided and in reverse
+    rank order, [2, 0] and [3, 1], so that a rank's place in its group is not its global rank."""
+    if world_size != 4:
+        members = [list(range(world_size))]
+    else:
+        members = [[2, 0], [3, 1]]
+    rank = dist.get_rank()
+    groups = [dist.new_group(m, sort_ranks=False) for m in members]  # every rank creates every group
+    mine = next(i for i, m in enumerate(members) if rank in m)
+    return groups[mine], members[mine]
+
+
+def _checked_all_gather(original, group, members: list[int], step_of):
+    """``comm.all_gather`` that first checks the reader's call: over ``group``, and with this rank's
+    piece of the checkpoint being restored (its place in the group, not its global rank)."""
+    def all_gather(output, input, group=None, async_op=False, **kwargs):
+        step = step_of()
+        if group is not wanted:
+            over = ("the default group, every rank" if group is None or group is dist.group.WORLD else
+                    f"a group of ranks {dist.get_process_group_ranks(group)}")
+            raise Wrong(f"your restore() all-gathered over {over}, not the model-parallel group it was given "
+                        f"(ranks {members}): pass group=group", step)
+        x = _RESTORING.get("x")
+        rank, mine = dist.get_rank(), members.index(dist.get_rank())
+        if x is not None and rank != mine and isinstance(input, torch.Tensor):
+            nm, numel = len(members), x.numel()
+            c = math.ceil(numel / nm)
+            flat = F.pad(x.reshape(-1), (0, c * nm - numel))
+            theirs = flat[rank * c:(rank + 1) * c]
+            right = flat[mine * c:(mine + 1) * c]
+            if not (input.shape == right.shape and torch.equal(input, right)) and \
+                    (input.numel() == theirs.numel() and torch.equal(input.reshape(-1), theirs)):
+                got = f"piece {rank}" if theirs.numel() else f"piece {rank}, which is empty"
+                raise Wrong(f"this rank kept {got} of the checkpoint, for its global rank {rank}; in the "
+                            f"model-parallel group (ranks {members}) it is rank {mine} and keeps piece {mine}: "
+                            "use dist.get_rank(group), the rank in the group, not dist.get_rank()", step)
+        return original(output, input, group=group, async_op=async_op, **kwargs)
+
+    wanted = group
+    return all_gather
+
+
 def _partition_trial(fn) -> str:
-    """Two SGD steps of a stem and three checkpointed blocks, P_a over all ranks, against plain training."""
+    """Two SGD steps of a stem and three checkpointed blocks, P_a over a model-parallel group
+    (the world on 2 and 3 ranks, 2 x 2 on 4), against plain training."""
     ctx = zdist.context()
-    nm = ctx.world_size
-    group = dist.new_group(list(range(nm)))
+    group, members = _model_parallel_group(ctx.world_size)
+    nm = len(members)
+    original, now = comm.all_gather, {"step": 0}
+    comm.all_gather = _checked_all_gather(original, group, members, lambda: now["step"])
+    try:
+        return _partition_steps(fn, group, nm, now)
+    finally:
+        comm.all_gather = original
+        _RESTORING.clear()
+
+
+def _partition_steps(fn, group, nm: int, now: dict) -> str:
     (stem, blocks), (ref_stem, ref_blocks) = _stack(), _stack()
     numel = TOKENS * HIDDEN
     c = math.ceil(numel / nm)
     for step in range(STEPS):
+        now["step"] = step
         g = torch.Generator().manual_seed(step)
         x, target = torch.randn(TOKENS, HIDDEN, generator=g), torch.randn(TOKENS, HIDDEN, generator=g)
         comm.LEDGER.reset()
@@ -216,4 +304,9 @@ register(Exercise(
      "tensor_split": Bug(_tensor_split, "torch.tensor_split's uneven pieces (the first numel % Nm are longer) "
                          "gathered at offsets of equal padded pieces", "in rank 1's piece"),
      "all_reduce": Bug(_all_reduce, "an all-reduce of zeros plus one's own piece instead of an all-gather: right "
-                       "values, twice the traffic", "moved")}))
+                       "values, twice the traffic", "moved"),
+     "global_rank": Bug(_global_rank, "dist.get_rank() for the piece: right while the model-parallel group is "
+                        "the world in rank order, wrong in a 2 x 2 layout", "use dist.get_rank(group)"),
+     "world_gather": Bug(_world_gather, "comm.all_gather without group=: the default group, every rank",
+                         "pass group=group")},
+    world_sizes=(2, 4, 3)))
