@@ -12,7 +12,7 @@ import pytest  # noqa: E402
 # torchrun jobs, failure injection or a book build are slow; so is every multi-rank
 # test at world size 3 or 4 (world size 2 stays in the quick tier).
 SLOW_MODULES = {"test_checkpoint", "test_failures", "test_cli", "test_residual", "test_simulated_world",
-                "test_deepspeed_cpu", "test_seed_experiment"}
+                "test_deepspeed_cpu", "test_seed_experiment", "test_trust_checkpoints"}
 BROWSER_MODULES = {"test_browser"}
 
 
