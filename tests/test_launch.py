@@ -1,5 +1,8 @@
 """python -m zerolearn.launch: torchrun with the training CLI's exit codes."""
 
+import os
+import re
+import shlex
 import subprocess
 import sys
 import threading
@@ -159,3 +162,53 @@ def test_ranks_that_never_return_are_cut_off_at_the_timeout():
     with pytest.raises(TimeoutError, match=r"launch: ranks \[0, 1\] gave no result within 3 s"):
         launch(lambda: time.sleep(600), 2, timeout_s=3)
     assert time.monotonic() - start < 60  # killed, not waited for
+
+
+# ----- the README's launcher commands, and bad launcher options ------------------------
+
+def readme_launch_commands() -> list[str]:
+    """The ``python -m zerolearn.launch`` lines of README.md's training section, as written."""
+    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
+    section = readme.split("## Training runs and chapter scripts", 1)[1].split("\n## ", 1)[0]
+    lines = [line.split("  #")[0].strip() for block in section.split("```bash")[1:]
+             for line in block.split("```")[0].splitlines()]
+    return [line for line in lines if line.startswith("python -m zerolearn.launch")]
+
+
+def test_the_readme_shows_the_standalone_form_and_the_form_with_no_rendezvous_option():
+    commands = readme_launch_commands()
+    assert any("--standalone" in c for c in commands), commands
+    assert any(not re.search(r"--standalone|--master-port|--rdzv", c) for c in commands), commands
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("command", readme_launch_commands())
+def test_the_readmes_launcher_commands_run_as_written(command, tmp_path):
+    argv = shlex.split(command)
+    assert argv[0] == "python"
+    done = subprocess.run([sys.executable, *argv[1:]], capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    stage = argv[argv.index("--stage") + 1]
+    nproc = argv[argv.index("--nproc-per-node") + 1]
+    assert re.search(rf"stage {stage}: loss \d+\.\d+ -> \d+\.\d+ over steps 0-\d+ on {nproc} rank\(s\)", done.stdout)
+    assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--nproc-per-node", "0"], "--nproc-per-node 0: allowed are an integer from 1 to 65535, auto, cpu or gpu"),
+    (["--nproc-per-node", "99999999999999999999"], "--nproc-per-node 99999999999999999999: allowed are"),
+    (["--nnodes", "0"], "--nnodes 0: allowed are N or MIN:MAX with 1 <= MIN <= MAX"),
+    (["--nnodes", "x"], "--nnodes x: allowed are N or MIN:MAX"),
+    (["--max-restarts", "-1"], "--max-restarts -1: must be an integer >= 0"),
+    (["--master-port", "70000"], "--master-port 70000: allowed are 1 to 65535"),
+    (["--nproc-per-node", "2", "--", "--seed", "99999999999999999999"],
+     "--seed 99999999999999999999: too large; allowed are up to 4294967295"),
+    (["--nproc-per-node", "2", "--", "--report", "newdir/"], "--report newdir/: ends in a path separator"),
+])
+def test_bad_launcher_options_exit_2_before_any_worker_starts(args, message, capsys):
+    from zerolearn import launch as launcher
+
+    with pytest.raises(SystemExit) as info:
+        launcher.main(args if "--" in args else [*args, "--", "--steps", "1"])
+    err = capsys.readouterr().err
+    assert info.value.code == 2 and message in err, err
