@@ -432,7 +432,8 @@ def _peer_caused(kind: str, value) -> bool:
     """An outcome a peer's stop or death caused, not this rank's own verdict."""
     if kind == "stopped":
         return True
-    return kind == "wrong" and value[0] is None and any(words in value[1] for words in _PEER_CAUSED)
+    return kind == "wrong" and value[1].startswith("your function raised") and \
+        any(words in value[1] for words in _PEER_CAUSED)
 
 
 def _verdict(name: str, outcomes: dict[int, tuple], world_size: int | None, died: dict[int, str] | None = None,

@@ -1,0 +1,117 @@
+"""The checker's verdict when a mistake lives on one rank, its choice among the ranks'
+verdicts, the line it names, valid solutions its memory rule accepts, and the CLI's
+answer to bad input. Rank checks share one persistent pool of 2 ranks."""
+
+import contextlib
+import subprocess
+import sys
+import traceback
+
+import pytest
+import torch
+
+from zerolearn import comm, exercises
+from zerolearn.exercises import check, core
+from zerolearn.exercises.__main__ import main
+from zerolearn.exercises.timing import OnOneRank
+
+
+@pytest.fixture(scope="module", autouse=True)
+def persistent_ranks():
+    with exercises.reusing_ranks():
+        yield
+
+
+def test_a_bug_on_the_last_rank_only_is_named_with_that_ranks_own_words():
+    exercise = exercises.EXERCISES["01.average_gradients"]
+    fn = OnOneRank(exercise.solution, exercise.bugs["no_divide"].fn, -1)
+    result = check("01.average_gradients", fn, quiet=True)
+    assert not result.passed and result.world_size == 2
+    assert result.mistake.rank == 1 and result.mistake.step == 0
+    assert "not their mean" in result.mistake.message, str(result)
+
+
+def test_a_function_that_raises_on_one_rank_shows_its_exception():
+    exercise = exercises.EXERCISES["03.accumulate"]
+    result = check("03.accumulate", OnOneRank(exercise.solution, None, -1), quiet=True)
+    assert not result.passed and result.mistake.rank == 1
+    assert "RaisedOnOneRank: a mistake on rank 1 of 2 only" in str(result), str(result)
+    # the ranks that waited for it were replaced: the next check runs on fresh ones
+    assert check("03.accumulate", solution=True, quiet=True).passed
+
+
+def test_the_real_verdict_comes_before_what_a_peers_stop_caused():
+    outcomes = {0: ("wrong", (2, "your function raised RuntimeError: Connection reset by peer"), 1.0),
+                1: ("wrong", (2, "the gradient shard, element 3: you have 1"), 2.0),
+                2: ("stopped", 1, 1.5)}
+    result = core._verdict("x", outcomes, 3)
+    assert (result.mistake.rank, result.mistake.step) == (1, 2)
+    earlier = {**outcomes, 2: ("wrong", (1, "its own words"), 3.0)}
+    assert core._verdict("x", earlier, 3).mistake.rank == 2  # an earlier step comes first
+    died = core._verdict("x", {0: outcomes[0]}, 2, died={1: "process exited with code -6\n"})
+    assert died.mistake.rank == 1 and "code -6" in died.mistake.message
+
+
+def test_the_readers_line_skips_the_standard_librarys_frames():
+    @contextlib.contextmanager
+    def scope():
+        yield
+
+    def reader():
+        with scope():
+            raise ValueError("inside")  # the reader's line
+
+    try:
+        reader()
+    except ValueError as e:
+        where = core._reader_frames(traceback.extract_tb(e.__traceback__))
+    assert "the reader's line" in where and "gen.throw" not in where
+
+
+def test_constant_buffer_accepts_a_scratch_tensor_of_the_buffers_size():
+    def constant_buffer(tensors, buffer, world_size):
+        scratch = torch.empty(buffer.numel())  # 4 KiB, alive for the whole call; does not grow with the model
+        flats = [t.view(-1) for t in tensors]
+        n, size = sum(f.numel() for f in flats), buffer.numel()
+        for lo in range(0, n, size):
+            hi, offset = min(lo + size, n), 0
+            for f in flats:
+                a, b = max(lo, offset), min(hi, offset + f.numel())
+                if a < b:
+                    buffer[a - lo:b - lo].copy_(f[a - offset:b - offset])
+                offset += f.numel()
+            comm.all_reduce(buffer[:hi - lo])
+            torch.div(buffer[:hi - lo], world_size, out=scratch[:hi - lo])
+            offset = 0
+            for f in flats:
+                a, b = max(lo, offset), min(hi, offset + f.numel())
+                if a < b:
+                    f[a - offset:b - offset].copy_(scratch[a - lo:b - lo])
+                offset += f.numel()
+
+    result = check("05.constant_buffer", constant_buffer, quiet=True)
+    assert result.passed, str(result)
+
+
+@pytest.mark.parametrize("argv,named", [
+    (["check", "02.no_such", "--solution"], "'02.no_such'"),
+    (["check", "--all"], "--solution"),
+    (["check", "02.zero1_step", "--bug", "nope"], "'nope'"),
+    (["times", "00.max_batch"], "'00.max_batch'"),
+    (["check", "--all", "--solution", "--fast"], "--fast"),
+    (["frobnicate"], "'frobnicate'"),
+])
+def test_cli_answers_bad_input_with_one_line_and_exit_2(argv, named, capsys):
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse's own errors
+        code = e.code
+    out, err = capsys.readouterr()
+    assert code == 2 and out == ""
+    assert len(err.strip().splitlines()) == 1 and named in err, err
+
+
+def test_cli_bad_input_from_the_shell_exits_2():
+    run = subprocess.run([sys.executable, "-m", "zerolearn.exercises", "check", "--all", "--solution", "--fast"],
+                         capture_output=True, text=True)
+    assert run.returncode == 2 and len(run.stderr.strip().splitlines()) == 1 and "--fast" in run.stderr
