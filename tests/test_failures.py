@@ -147,8 +147,9 @@ def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(two_ranks, stage
 
 # ----- Ctrl-C (issue 17) ------------------------------------------------------------------
 
-def interrupt_when_training(procs: list[subprocess.Popen], d, timeout: float = 60) -> list[tuple[int, str]]:
-    """Send SIGINT to every process once the first checkpoint under ``d`` exists (training
+def interrupt_when_training(procs: list[subprocess.Popen], d, timeout: float = 60,
+                            sig: int = signal.SIGINT) -> list[tuple[int, str]]:
+    """Send ``sig`` to every process once the first checkpoint under ``d`` exists (training
     is under way, the lock held); (exit code, stderr) of each."""
     deadline = time.monotonic() + timeout
     while not (d.is_dir() and any(n.startswith("step_") for n in os.listdir(d))):
@@ -156,7 +157,7 @@ def interrupt_when_training(procs: list[subprocess.Popen], d, timeout: float = 6
         assert time.monotonic() < deadline, "no checkpoint written"
         time.sleep(0.05)
     for p in procs:
-        p.send_signal(signal.SIGINT)
+        p.send_signal(sig)
     errs = [p.communicate(timeout=60)[1] for p in procs]
     return [(p.returncode, err) for p, err in zip(procs, errs)]
 
@@ -199,3 +200,32 @@ def test_ctrl_c_on_two_ranks_exits_130_on_each_and_rank_0_says_so(tmp_path):
     assert (code0, code1) == (130, 130), (err0, err1)
     assert LINE.fullmatch(err0), err0
     assert err1 == ""
+
+
+# ----- SIGTERM (a scheduler's or kill's) ----------------------------------------------------
+
+TERM_LINE = re.compile(r"terminated \(SIGTERM\) at step (\d+); last checkpoint: (\S+/step_(\d{8}))")
+
+
+@pytest.mark.parametrize("how", ["train", "launch"])
+def test_sigterm_stops_with_one_line_naming_it_and_the_last_checkpoint_and_exit_code_143(tmp_path, how):
+    # To python -m zerolearn.train, or to python -m zerolearn.launch (which passes it on
+    # to its 2 workers): exit 143, no traceback, one line from rank 0 naming the signal,
+    # the step and the newest complete checkpoint, from which a run can resume.
+    d = tmp_path / "ck"
+    options = [*RUN.replace(steps=1000, checkpoint_keep=1).to_argv(), "--checkpoint-every", "1",
+               "--checkpoint-dir", str(d)]
+    head = [sys.executable, "-m", "zerolearn.launch", "--nproc-per-node", "2", "--"] if how == "launch" else \
+        [sys.executable, "-m", "zerolearn.train"]
+    proc = subprocess.Popen([*head, *options], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        [(code, err)] = interrupt_when_training([proc], d, sig=signal.SIGTERM)
+    finally:
+        proc.kill()
+    assert code == 143, err
+    assert "Traceback" not in err
+    lines = [line for line in err.splitlines() if "SIGTERM" in line or "terminated" in line]
+    assert len(lines) == 1 and TERM_LINE.fullmatch(lines[0]), err
+    step, last, saved = TERM_LINE.fullmatch(lines[0]).groups()
+    assert os.path.isdir(last) and int(saved) <= int(step) + 1
+    checkpoint.verify(last)
