@@ -1,8 +1,12 @@
 """Models nobody here wrote, and loops written the way their users write them, for
-spawned gloo ranks: Hugging Face GPT-2 (tied and untied) and Llama tiny configs, a
-BatchNorm CNN, hand-written weight tying, tensor parallelism with clipping and fp16."""
+spawned gloo ranks: Hugging Face GPT-2 (tied and untied), Llama, BERT, T5, ViT, ALBERT,
+Qwen2 (tied), BART tiny configs and torch's nn.Transformer, a BatchNorm CNN,
+hand-written weight tying, parents that read their children's weights, units that
+return dataclasses, branches unused on some or all ranks, mixed-dtype parameters."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import torch
 import torch.nn.functional as F
@@ -15,11 +19,39 @@ from zerolearn.engines import make_engine
 BATCH, SEQ, VOCAB = 12, 16, 256
 
 
+HF_KINDS = ("bert", "t5", "vit", "albert", "qwen2_tied", "bart", "torch_transformer")
+SEQ2SEQ = ("t5", "bart", "torch_transformer")
+
+
 def hf_model(kind: str) -> nn.Module:
     """A tiny Hugging Face model built from a config in code (nothing downloaded)."""
     import transformers
 
     torch.manual_seed(0)
+    small = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
+    no_dropout = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    if kind == "bert":
+        return transformers.BertForMaskedLM(transformers.BertConfig(vocab_size=VOCAB, max_position_embeddings=SEQ,
+                                                                    **small, **no_dropout))
+    if kind == "albert":
+        return transformers.AlbertForMaskedLM(transformers.AlbertConfig(
+            vocab_size=VOCAB, embedding_size=16, max_position_embeddings=SEQ, **small, **no_dropout))
+    if kind == "vit":
+        return transformers.ViTForImageClassification(transformers.ViTConfig(
+            image_size=8, patch_size=4, num_channels=3, num_labels=10, **small, **no_dropout))
+    if kind == "t5":
+        return transformers.T5ForConditionalGeneration(transformers.T5Config(
+            vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_heads=4, dropout_rate=0.0,
+            decoder_start_token_id=0, pad_token_id=0))
+    if kind == "bart":
+        return transformers.BartForConditionalGeneration(transformers.BartConfig(
+            vocab_size=VOCAB, d_model=32, encoder_layers=1, decoder_layers=1, encoder_attention_heads=2,
+            decoder_attention_heads=2, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=SEQ,
+            dropout=0.0, attention_dropout=0.0, activation_dropout=0.0))
+    if kind == "qwen2_tied":
+        return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=SEQ, tie_word_embeddings=True))
     if kind in ("gpt2", "gpt2_untied"):
         cfg = transformers.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2,
                                       tie_word_embeddings=kind == "gpt2", attn_pdrop=0.0, embd_pdrop=0.0,
@@ -42,6 +74,123 @@ class HandTied(nn.Module):
         return F.linear(torch.tanh(self.mix(self.emb(x))), self.emb.weight)
 
 
+class TorchTransformer(nn.Module):
+    """torch's own ``nn.Transformer`` between a token embedding and a head."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(VOCAB, 32)
+        self.transformer = nn.Transformer(32, 2, num_encoder_layers=1, num_decoder_layers=1, dim_feedforward=64,
+                                          dropout=0.0, batch_first=True)
+        self.head = nn.Linear(32, VOCAB)
+
+    def forward(self, x, decoder_input_ids):
+        return self.head(self.transformer(self.emb(x), self.emb(decoder_input_ids)))
+
+
+class ReadsNextWeight(nn.Module):
+    """The parent reads the next unit's weight between two units (ZeRO-3 has only
+    prefetched it there)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.a, self.b = nn.Embedding(VOCAB, 16), nn.Linear(16, 16), nn.Linear(16, VOCAB)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(self.emb(x)))
+        return self.b(h * self.b.weight.mean())
+
+
+class ReadsChildWeight(nn.Module):
+    """The parent uses a child's weight through ``torch.matmul`` and adds its bias."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.mix = nn.Embedding(VOCAB, 16), nn.Linear(16, 16)
+        self.head = nn.Linear(16, VOCAB)
+
+    def forward(self, x):
+        h = self.mix(self.emb(x))
+        return self.head(torch.tanh(torch.matmul(h, self.mix.weight.t()) + self.mix.bias))
+
+
+@dataclasses.dataclass
+class BlockOut:
+    hidden: torch.Tensor
+
+
+class DataclassBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, h):
+        return BlockOut(torch.tanh(self.fc(h)))
+
+
+class DataclassUnits(nn.Module):
+    """Units that return a dataclass (no tensor the engine can see)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(VOCAB, 16)
+        self.blocks = nn.ModuleList([DataclassBlock() for _ in range(3)])
+        self.head = nn.Linear(16, VOCAB)
+
+    def forward(self, x):
+        h = self.emb(x)
+        for block in self.blocks:
+            h = block(h).hidden
+        return self.head(h)
+
+
+class EncoderOnly(nn.Module):
+    """``nn.TransformerEncoder`` as the whole model (its layers are an ``nn.ModuleList``),
+    fed embeddings made outside it."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        layer = nn.TransformerEncoderLayer(16, 2, dim_feedforward=32, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False)
+
+    def forward(self, x):
+        return self.encoder(x)
+
+
+class Branchy(nn.Module):
+    """A branch that runs only when ``use_branch`` is set (by the loop, per step and rank)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.trunk, self.branch = nn.Embedding(VOCAB, 16), nn.Linear(16, 16), nn.Linear(16, 16)
+        self.head = nn.Linear(16, VOCAB)
+        self.use_branch = True
+
+    def forward(self, x):
+        h = torch.tanh(self.trunk(self.emb(x)))
+        if self.use_branch:
+            h = h + torch.tanh(self.branch(h))
+        return self.head(h)
+
+
+class MixedDtypes(nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.head = nn.Embedding(VOCAB, 16), nn.Linear(16, VOCAB)
+        self.scale = nn.Parameter(torch.ones(16, dtype=torch.float64))
+        self.shift = nn.Parameter(torch.zeros(16, dtype=torch.bfloat16))
+
+    def forward(self, x):
+        return self.head(self.emb(x) * self.scale.float() + self.shift.float())
+
+
 class BatchNormCNN(nn.Module):
     def __init__(self):
         super().__init__()
@@ -54,51 +203,90 @@ class BatchNormCNN(nn.Module):
         return self.head(self.features(x).mean(dim=(2, 3)))
 
 
+HAND_WRITTEN = {"cnn": lambda: BatchNormCNN(), "hand_tied": lambda: HandTied(),
+                "torch_transformer": lambda: TorchTransformer(), "reads_next": lambda: ReadsNextWeight(),
+                "reads_child": lambda: ReadsChildWeight(), "dataclass_units": lambda: DataclassUnits(),
+                "encoder_only": lambda: EncoderOnly(), "branchy": lambda: Branchy(),
+                "mixed_dtypes": lambda: MixedDtypes()}
+
+
 def build(kind: str) -> nn.Module:
-    if kind == "cnn":
-        return BatchNormCNN()
-    if kind == "hand_tied":
-        return HandTied()
-    return hf_model(kind)
+    return HAND_WRITTEN[kind]() if kind in HAND_WRITTEN else hf_model(kind)
+
+
+def use_branch(kind: str, step: int, rank: int, branch: str | None) -> bool:
+    """Whether ``Branchy`` takes its branch: ``"never"``, ``"odd_steps"`` (on every rank
+    at step 1 only), ``"rank0"`` (on rank 0 only), else always."""
+    return {"never": False, "odd_steps": step % 2 == 1, "rank0": rank == 0}.get(branch, True)
+
+
+def run_model(kind: str, fn, x):
+    """``fn`` (a model or an engine) on the inputs ``x``, as its kind is called."""
+    return fn(x, decoder_input_ids=x) if kind in SEQ2SEQ else fn(x)
 
 
 def batch(kind: str, step: int):
     g = torch.Generator().manual_seed(100 + step)
-    if kind == "cnn":
+    if kind in ("cnn", "vit"):
         return torch.randn(BATCH, 3, 8, 8, generator=g), torch.randint(0, 10, (BATCH,), generator=g)
+    if kind == "encoder_only":
+        x = torch.randn(BATCH, SEQ, 16, generator=g)
+        return x, x.roll(-1, dims=1)
     x = torch.randint(0, VOCAB, (BATCH, SEQ), generator=g)
     return x, x.roll(-1, dims=1)
 
 
 def loss_of(kind: str, model: nn.Module, out, y):
     logits = out.logits if hasattr(out, "logits") else out
-    return F.cross_entropy(logits.float().flatten(0, -2) if kind != "cnn" else logits.float(), y.flatten())
+    if kind == "encoder_only":
+        return F.mse_loss(logits.float(), y)
+    return F.cross_entropy(logits.float().flatten(0, -2) if kind not in ("cnn", "vit") else logits.float(),
+                           y.flatten())
 
 
-def train(kind: str, stage: int | None, steps: int = 3, accum: int = 1, accum_style: str = "repeated") -> dict:
-    """``stage`` None: plain PyTorch Adam on the whole batch in one process (the reference).
-    Else the engine on this rank's slice. Returns losses, full fp32 parameters, buffers."""
+def torch_optimizer(name: str, params, lr: float, momentum: float, weight_decay: float):
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
+    return {"adam": torch.optim.Adam, "adamw": torch.optim.AdamW}[name](params, lr=lr, weight_decay=weight_decay)
+
+
+def train(kind: str, stage: int | None, steps: int = 3, accum: int = 1, accum_style: str = "repeated",
+          optimizer: str = "adam", lr: float = 1e-2, momentum: float = 0.0, weight_decay: float = 0.0,
+          branch: str | None = None, no_grad_first: bool = False) -> dict:
+    """``stage`` None: plain PyTorch on the whole batch in one process (the reference).
+    Else the engine on this rank's slice. Returns losses, full fp32 parameters, buffers.
+
+    ``branch``: when ``Branchy`` takes its branch (:func:`use_branch`; the reference
+    takes it when rank 0 would). ``no_grad_first``: run one forward under
+    ``torch.no_grad()`` before training (evaluation first)."""
     model = build(kind)
     if stage is None:
-        opt = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        opt = torch_optimizer(optimizer, [p for p in model.parameters() if p.requires_grad], lr, momentum,
+                              weight_decay)
         losses = []
         for step in range(steps):
             x, y = batch(kind, step)
+            model.use_branch = use_branch(kind, step, 0, branch)
             opt.zero_grad()
-            loss = loss_of(kind, model, model(x), y)
+            loss = loss_of(kind, model, run_model(kind, model, x), y)
             loss.backward()
             opt.step()
             losses.append(loss.item())
         return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()},
                 "buffers": {n: b.clone() for n, b in model.named_buffers()}}
     ctx = zdist.context()
-    engine = make_engine(stage, model, optimizer="adam", lr=1e-2, bucket_mb=0.01)
+    engine = make_engine(stage, model, optimizer=optimizer, lr=lr, momentum=momentum, weight_decay=weight_decay,
+                         bucket_mb=0.01)
+    if no_grad_first:
+        with torch.no_grad():
+            run_model(kind, engine, data.rank_slice(batch(kind, 0)[0], ctx.rank, ctx.world_size))
     losses = []
     for step in range(steps):
         x, y = (data.rank_slice(t, ctx.rank, ctx.world_size) for t in batch(kind, step))
+        model.use_branch = use_branch(kind, step, ctx.rank, branch)
         local = 0.0
         for i, (xm, ym) in enumerate(zip(x.chunk(accum), y.chunk(accum))):
-            loss = loss_of(kind, model, engine(xm), ym) / accum
+            loss = loss_of(kind, model, run_model(kind, engine, xm), ym) / accum
             if accum_style == "no_sync" and i < accum - 1:
                 with engine.no_sync():
                     engine.backward(loss)
@@ -110,24 +298,27 @@ def train(kind: str, stage: int | None, steps: int = 3, accum: int = 1, accum_st
         losses.append(comm.monitor_mean(local))
     if engine.broadcast_buffers:
         model.eval()  # a last forward syncs buffers, as the next step would (eval: no update after)
-        engine(x[:1])
+        run_model(kind, engine, x[:1])
     return {"losses": losses, "params": engine.full_state_dict(),
             "buffers": {n: b.clone() for n, b in model.named_buffers()}}
 
 
-def train_ddp(kind: str, stage: None = None, steps: int = 3) -> dict:
-    """torch's DistributedDataParallel (buffers broadcast from rank 0, its default) on
-    this rank's slice: the reference for models whose forward depends on the local
-    batch (BatchNorm normalizes with each rank's own batch statistics)."""
+def train_ddp(kind: str, stage: None = None, steps: int = 3, optimizer: str = "adam", lr: float = 1e-2,
+              momentum: float = 0.0, weight_decay: float = 0.0, branch: str | None = None) -> dict:
+    """torch's DistributedDataParallel (buffers broadcast from rank 0, its default;
+    ``find_unused_parameters=True``) on this rank's slice: the reference for models
+    whose forward depends on the rank (BatchNorm's local batch statistics, a branch
+    taken on some ranks only)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     ctx = zdist.context()
     model = build(kind)
-    ddp = DDP(model)
-    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    ddp = DDP(model, find_unused_parameters=True)
+    opt = torch_optimizer(optimizer, model.parameters(), lr, momentum, weight_decay)
     losses = []
     for step in range(steps):
         x, y = (data.rank_slice(t, ctx.rank, ctx.world_size) for t in batch(kind, step))
+        model.use_branch = use_branch(kind, step, ctx.rank, branch)
         opt.zero_grad()
         loss = loss_of(kind, model, ddp(x), y)
         loss.backward()

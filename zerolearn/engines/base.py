@@ -29,7 +29,7 @@ from zerolearn.engines.group import GradTally, GroupState
 from zerolearn.engines.state import EngineStateMixin
 from zerolearn.flat import FlatLayout, buckets
 from zerolearn.memory.ledger import retag
-from zerolearn.precision import LossScaler, needs_master, parse_dtype
+from zerolearn.precision import LossScaler, check_param_dtypes, needs_master, parse_dtype
 
 OPTIMIZERS = optim.OPTIMIZERS
 __all__ = ["MAX_IN_FLIGHT", "OPTIMIZERS", "Engine"]
@@ -108,14 +108,19 @@ class Engine(BucketedBackward, EngineStateMixin, abc.ABC):
             ranks never drift apart; False leaves them per rank (SyncBatchNorm is
             the way to make the statistics themselves global).
 
-    Parameters no rank used in a step get a zero gradient, not "no gradient": plain
-    SGD leaves them alone, but Adam's moments and weight decay still move them, where
-    torch.optim skips a parameter whose ``.grad`` is None. A flat shard cannot tell
-    "unused" from "zero" without a collective per step; DeepSpeed behaves the same.
+    Parameters unused in a step follow torch: one that no rank used since the last
+    ``zero_grad`` is not updated at all (no momentum, no Adam moment or step count, no
+    weight decay), as torch.optim skips a parameter whose ``.grad`` is None; one that
+    some ranks used gets the average over all ranks with zeros from the others, as DDP
+    with ``find_unused_parameters=True``. Ranks learn which parameters were used
+    anywhere from one small exchange of flags per step (outside the ledger, like
+    monitoring).
 
     Raises:
         ConfigError: bad optimizer, dtype, lr or bucket size; parameters on several
-            devices. All raised before anything is allocated or communicated.
+            devices; parameters of a floating dtype other than fp32 and ``dtype``
+            (float64, or bf16 under fp32: they would be cast silently), named with
+            their dtypes. All raised before anything is allocated or communicated.
         TypeError: the class does not implement the four required methods.
     """
 
@@ -148,6 +153,7 @@ class Engine(BucketedBackward, EngineStateMixin, abc.ABC):
         self.scaler = LossScaler(enabled=self.dtype == torch.float16)
         self.mixed = needs_master(self.dtype)
 
+        check_param_dtypes(model, self.dtype)
         trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if not trainable:
             raise ConfigError("the model has no trainable parameters (all requires_grad=False)")
@@ -257,6 +263,7 @@ class Engine(BucketedBackward, EngineStateMixin, abc.ABC):
         fp32 gradient exists at a time (not 4 Psi / Nd bytes at once).
         """
         grads = [self._grad_for_step(g) for g in self.groups]
+        used = self._used_anywhere()
         coef, found_inf = self._unscale_and_clip(grads)
         self.scaler.update(found_inf)
         if found_inf:
@@ -268,12 +275,47 @@ class Engine(BucketedBackward, EngineStateMixin, abc.ABC):
             g.master.grad = gr.float() if gr.dtype != torch.float32 else gr
             if coef != 1.0:
                 g.master.grad.mul_(coef)
-            self.optimizer.step_group(i)
+            self.optimizer.step_group(i, self._parts_to_step(i, g, used[i]))
             g.master.grad = None
             retag(optim.optimizer_state(self.optimizer, g.master), "optimizer_states")
             self._publish_labelled(g)  # its all_gather runs while the next group steps
         self._finish_publish()
         return True
+
+    def _used_anywhere(self) -> list[list[bool]]:
+        """Per group and parameter: did any rank use it since the last ``zero_grad``?
+
+        One exchange of a bit per parameter (``comm.gather_objects``, outside the
+        ledger), the same answer on every rank."""
+        mine = [flag for g in self.groups for flag in g.used]
+        if self.world_size > 1:
+            with comm.unit("<model>", "step: which parameters were used"):
+                everyone = comm.gather_objects(bytes(mine), group=self.pg)
+            mine = [any(flags) for flags in zip(*everyone)]
+        out, k = [], 0
+        for g in self.groups:
+            out.append(list(mine[k:k + len(g.params)]))
+            k += len(g.params)
+        return out
+
+    def _parts_to_step(self, i: int, g: GroupState, used: list[bool]) -> list[tuple[int, int, int]] | None:
+        """Ranges of group ``i``'s master to update, for parameters unused by every rank.
+
+        None (update all of it, the common case) when every parameter of this rank's
+        part was used and, for Adam, none has ever sat out a step. Else, per used
+        parameter, ``(start, end, steps taken)`` in master coordinates
+        (:meth:`GroupedOptimizer.step_group`); unused ones count a skipped step."""
+        lo, hi = (0, g.layout.padded_numel) if g.master.numel() == g.layout.padded_numel else g.layout.shard_range
+        mine = [j for j, (p, off) in enumerate(zip(g.params, g.layout.offsets)) if off < hi and off + p.numel() > lo]
+        counts_steps = self.optimizer_name != "sgd"
+        for j, flag in enumerate(used):
+            g.skipped[j] += not flag
+        if all(used[j] for j in mine) and not (counts_steps and any(g.skipped[j] for j in mine)):
+            return None
+        state = self.optimizer.optimizers[i].state.get(g.master, {})
+        taken = int(state["step"]) if "step" in state else 0  # steps the whole group has taken
+        return [(max(off, lo) - lo, min(off + g.params[j].numel(), hi) - lo, taken - g.skipped[j])
+                for j in mine for off in [g.layout.offsets[j]] if used[j]]
 
     def _unscale_and_clip(self, grads: list[torch.Tensor]) -> tuple[float, bool]:
         """(factor to multiply the gradients by, whether fp16 overflowed on any rank)."""
@@ -313,4 +355,5 @@ class Engine(BucketedBackward, EngineStateMixin, abc.ABC):
         """Drop all gradients (buffers are allocated again in the next backward)."""
         for g in self.groups:
             g.grad_full = g.grad_shard = None
+            g.used = [False] * len(g.params)
         self.holds_reduced = False

@@ -7,9 +7,9 @@ launched asynchronously while backward goes on with earlier layers. Groups launc
 one fixed order on every rank (a group waits for the ones before it), because
 collectives must be issued in the same order on all ranks or they pair up wrongly;
 groups whose parameters got no gradient are launched at the end of backward with
-zeros. So a parameter that no rank used in a step gets a zero gradient (as in
-DeepSpeed), not torch.optim's "no gradient, no update": plain SGD leaves it alone,
-but momentum, Adam's moments and weight decay still move it.
+zeros. Each group also notes which of its parameters got a gradient on this rank
+(``GroupState.used``), so that the step can leave a parameter no rank used exactly
+as torch.optim leaves one whose ``.grad`` is None.
 
 :class:`BucketedBackward` is part of :class:`zerolearn.engines.base.Engine`; it calls
 the stage's ``_reduce`` and the hooks ``_after_reduce``, ``_keep_reduced``,
@@ -104,6 +104,7 @@ class BucketedBackward:
         self._ensure_grad_buffer(g)
         g.layout.view_of(g.grad_full, i).add_(p.grad)
         p.grad = None  # autograd's copy is in the bucket now; free it
+        g.used[i] = True
         g.ready += 1
         if g.complete:
             self._on_group_ready(g)

@@ -73,6 +73,10 @@ class GroupState:
             (stage 1 always; stages 2-3 while accumulating onto an earlier backward).
         reducing: the reduction in flight (launched, not finished), or None.
         ready: parameters whose gradient has arrived in this backward.
+        used: per parameter, whether it got a gradient on this rank since the last
+            ``zero_grad`` (torch's ``.grad is not None``).
+        skipped: per parameter, optimizer steps it sat out because no rank used it
+            (so its Adam step count is the group's minus this).
         tally: the engine's :class:`GradTally`, told the change in this group's
             gradient bytes whenever ``grad_full`` or ``grad_shard`` is set (None: not tallied).
     """
@@ -87,7 +91,13 @@ class GroupState:
     reduced: torch.Tensor | None = None
     reducing: comm.Handle | None = field(default=None, repr=False)
     ready: int = 0
+    used: list[bool] = field(default_factory=list)
+    skipped: list[int] = field(default_factory=list)
     tally: GradTally | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        self.used = [False] * len(self.params)
+        self.skipped = [0] * len(self.params)
 
     def __setattr__(self, name: str, value) -> None:
         tally = self.__dict__.get("tally")

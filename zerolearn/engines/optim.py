@@ -96,9 +96,39 @@ class GroupedOptimizer:
         self.optimizers, self.masters = optimizers, masters
         self.index = {id(m): i for i, m in enumerate(masters)}
 
-    def step_group(self, i: int) -> None:
-        """Update master ``i`` from its ``.grad``."""
-        self.optimizers[i].step()
+    def step_group(self, i: int, parts: list[tuple[int, int, int]] | None = None) -> None:
+        """Update master ``i`` from its ``.grad``; with ``parts``, only those elements.
+
+        Args:
+            parts: ``(start, end, steps)`` element ranges of master ``i`` to update,
+                each with the number of steps its parameter has taken so far (Adam's
+                bias correction counts them per parameter). The other elements, and
+                their optimizer state, are left exactly as they are: torch.optim's
+                behaviour for a parameter whose ``.grad`` is None. None: all of it.
+        """
+        if parts is None:
+            self.optimizers[i].step()
+            return
+        opt, master = self.optimizers[i], self.masters[i]
+        state = opt.state[master]
+        if not state:
+            state.update(_fresh_state(opt, master))
+        # The same torch optimizer, over views of the master and its state: each range
+        # steps as the parameter it is part of would, with its own step count.
+        hyper = {k: v for k, v in opt.param_groups[0].items() if k != "params"}
+        views = []
+        for a, b, _ in parts:
+            view = nn.Parameter(master.detach()[a:b])  # shares the master's storage
+            view.grad = master.grad[a:b]
+            views.append(view)
+        partial = type(opt)([{**hyper, "params": views}])
+        for view, (a, b, steps) in zip(views, parts):
+            partial.state[view] = {k: (v[a:b] if torch.is_tensor(v) and v.dim() > 0 else
+                                       torch.tensor(float(steps), dtype=v.dtype) if torch.is_tensor(v) else v)
+                                   for k, v in state.items()}
+        partial.step()
+        if "step" in state:
+            state["step"] += 1
 
     def step(self) -> None:
         """Update every master that has a ``.grad``."""
@@ -140,6 +170,16 @@ class GroupedOptimizer:
         for i, o in enumerate(self.optimizers):
             state = {0: state_dict["state"][i]} if i in state_dict["state"] else {}
             o.load_state_dict({"state": state, "param_groups": [{**groups[i], "params": [0]}]})
+
+
+def _fresh_state(opt: torch.optim.Optimizer, master: torch.Tensor) -> dict:
+    """The state torch's ``opt`` creates for ``master`` on its first step, before it
+    updates it: Adam's zero step count and moments, SGD's zero momentum buffer (whose
+    first update, 0 * momentum + grad, equals torch's clone of the first gradient)."""
+    if isinstance(opt, torch.optim.SGD):
+        return {"momentum_buffer": torch.zeros_like(master)} if opt.param_groups[0]["momentum"] else {}
+    return {"step": torch.tensor(0.0, dtype=torch.get_default_dtype()), "exp_avg": torch.zeros_like(master),
+            "exp_avg_sq": torch.zeros_like(master)}
 
 
 def make_grouped(name: str, masters: list[nn.Parameter], lr: float, weight_decay: float = 0.0,

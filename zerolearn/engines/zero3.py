@@ -22,20 +22,31 @@ Shared parameters (tied embeddings: GPT-2's ``lm_head.weight is wte.weight``) be
 to two units. They go to the root unit, the model itself, which is gathered for the
 whole forward and the whole backward, so every user finds them gathered; the cost is
 that those parameters stay gathered throughout (FSDP2 and DeepSpeed make the same
-trade for a tied weight that is used far apart). A parameter read *outside* its
-unit's forward (``F.linear(h, self.emb.weight)`` in the parent's forward) is already
-freed there: that fails with a ConfigError naming the parameter, its unit and the fix.
+trade for a tied weight that is used far apart).
+
+A parameter exists only while its unit is gathered, so the engine makes sure nothing
+computes on it at any other time, as FSDP2 does by checking its parameters' state:
+
+* forward: every torch op runs through a guard (a ``TorchFunctionMode``) that looks
+  at the parameters among its arguments; one whose unit is not gathered (its forward
+  has returned, has not run yet, or is only prefetched) stops the forward with a
+  ConfigError naming the parameter, its unit and the fix, before any arithmetic;
+* backward: every tensor autograd saved from a unit's buffer is unpacked through a
+  hook (``saved_tensors_hooks``) that first gathers the unit if it is not gathered,
+  whatever the model's outputs are (the hooks on a unit's output tensors only
+  prefetch);
+* a gather in flight is always waited for before its buffer is used or freed.
 """
 
 from __future__ import annotations
 
-import math
-import re
+import dataclasses
 
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
-from zerolearn import comm
+from zerolearn import comm, guard
 from zerolearn.dist import ConfigError
 from zerolearn.engines.group import GroupState
 from zerolearn.engines.zero2 import Zero2Engine
@@ -48,17 +59,27 @@ class Unit:
         index: position in the unit list (the root unit, the model, comes last).
         name: the module's name in the model (``blocks.1``; ``<model>`` for the root),
             for messages and debug-mode fingerprints.
+        gathering: all_gathers in flight (started, not yet waited for).
+        gathered: every gather finished: the parameters hold their values.
+        ran: its forward has started in the current forward pass.
     """
 
     def __init__(self, index: int, name: str, module: nn.Module, groups: list[GroupState]):
         self.index, self.name, self.module, self.groups = index, name, module, groups
-        self.gathering: list[comm.Handle] = []  # all_gathers in flight
+        self.gathering: list[comm.Handle] = []
         self.gathered = False
+        self.ran = False
         self.backward_gathered = False  # pre-backward already ran in this backward
+
+    def describe(self) -> str:
+        return f"unit {self.index}: {self.name}, {type(self.module).__name__}"
 
 
 def _free(g: GroupState) -> None:
     g.full.untyped_storage().resize_(0)
+
+
+CONTAINERS = (nn.ModuleList, nn.ModuleDict)  # modules with no forward: their hooks never run
 
 
 class Zero3Engine(Zero2Engine):
@@ -68,9 +89,13 @@ class Zero3Engine(Zero2Engine):
     at most about two gathered units during forward and backward.
     Traffic per step: all_gather 2 Psi + reduce_scatter Psi elements.
 
+    Default units are the model's direct children, with an ``nn.ModuleList`` or
+    ``nn.ModuleDict`` child replaced by its items (a container has no forward).
+
     Raises:
-        ConfigError: (in forward) the model read a unit's parameter after that unit's
-            forward had freed it.
+        ConfigError: (construction) a unit passed in ``units=`` is a ModuleList or
+            ModuleDict; (forward) the model read a parameter whose unit was not
+            gathered: outside that unit's forward.
     """
 
     stage = 3
@@ -78,8 +103,14 @@ class Zero3Engine(Zero2Engine):
 
     # ----- layout: groups never cross a unit boundary ------------------------------
     def _build_groups(self, trainable, units) -> list[GroupState]:
+        names = {id(m): name or "<model>" for name, m in self.model.named_modules()}
         if units is None:
-            units = self.model.units() if hasattr(self.model, "units") else list(self.model.children())
+            units = self.model.units() if hasattr(self.model, "units") else _default_units(self.model)
+        for m in units:
+            if isinstance(m, CONTAINERS):
+                raise ConfigError(f"ZeRO-3: units= contains {names.get(id(m), '?')} ({type(m).__name__}), which "
+                                  "has no forward of its own, so it would never be gathered; pass its items "
+                                  f"instead (units=[*{names.get(id(m), 'container')}, ...])")
         # Parameters outside every unit, and parameters shared by several units (tied
         # weights), form a last unit, the root, around the whole model.
         root = len(units)
@@ -88,7 +119,6 @@ class Zero3Engine(Zero2Engine):
             for p in module.parameters():
                 owner[id(p)] = root if owner.get(id(p), u) != u else u
         modules = [*units, self.model]
-        names = {id(m): name or "<model>" for name, m in self.model.named_modules()}
         per_unit: list[list] = [[] for _ in modules]
         for name, p in trainable:
             per_unit[owner.get(id(p), len(units))].append((name, p))
@@ -101,6 +131,10 @@ class Zero3Engine(Zero2Engine):
             groups += unit_groups
         self.units.sort(key=lambda unit: unit.index)  # forward order
         self._unit_of = {id(g): unit for unit in self.units for g in unit.groups}
+        # What the guards look up: a parameter, or a storage autograd saved, -> its unit.
+        self._param_unit = {id(p): (name, unit) for unit in self.units for g in unit.groups
+                            for name, p in zip(g.layout.names, g.params)}
+        self._storage_unit: dict[int, Unit] = {}  # filled by _init_group
         for unit in self.units:
             unit.module.register_forward_pre_hook(lambda m, a, unit=unit: self._pre_forward(unit))
             unit.module.register_forward_hook(lambda m, a, out, unit=unit: self._post_forward(unit, out))
@@ -112,30 +146,49 @@ class Zero3Engine(Zero2Engine):
         g.master = nn.Parameter(g.shard if not self.mixed else g.layout.shard_of(master32).clone())
         g.full = full
         g.layout.bind(g.params, full)  # parameters are views of the full buffer, whose storage we free
+        self._storage_unit[_storage_key(full)] = self._unit_of[id(g)]
         _free(g)
 
     def forward(self, *args, **kwargs):
+        for unit in self.units:
+            unit.ran = False
         try:
-            return super().forward(*args, **kwargs)
-        except RuntimeError as e:
-            if "storage of size 0" not in str(e):
-                raise
-            raise ConfigError(self._used_while_freed(str(e))) from e
+            with _ReadGuard(self), torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+                return super().forward(*args, **kwargs)
+        except (guard.CollectiveError, guard.CollectiveMismatch):
+            raise  # the process group is broken: waiting on it would hang
+        except BaseException:
+            self._settle()  # no gather left in flight, nothing left gathered
+            raise
 
-    def _used_while_freed(self, message: str) -> str:
-        # torch names the shape of the view it could not read (a weight, or its
-        # transpose): match its size to the freed parameters.
-        m = re.search(r"sizes \[([\d, ]*)\]", message)
-        numel = math.prod(int(s) for s in m.group(1).split(",") if s.strip()) if m else None
-        suspects = [(name, unit) for unit in self.units for g in unit.groups
-                    for name, p in zip(g.layout.names, g.params)
-                    if g.full.untyped_storage().nbytes() == 0 and numel in (None, p.numel())]
-        named = ", ".join(f"{name} (unit {unit.index}: {type(unit.module).__name__})" for name, unit in suspects[:4])
-        return (f"ZeRO-3: the model read parameter {named or 'of a freed unit'} after that unit's forward had "
-                "returned and its gathered parameters were freed (for example F.linear(h, self.emb.weight) in "
-                "the parent's forward). Tie through modules instead (lm_head.weight = emb.weight: shared "
-                "parameters stay gathered in the root unit), or pass units= so that the module that reads the "
-                "parameter and the module that owns it are in one unit.")
+    def _refuse_read(self, name: str, unit: Unit) -> None:
+        if unit.ran:
+            when = "after that unit's forward had returned and freed it"
+        elif unit.gathering:
+            when = "before that unit's forward ran (its all_gather was only prefetched, still in flight)"
+        else:
+            when = "while that unit was not gathered (its forward had not run in this forward pass)"
+        raise ConfigError(
+            f"ZeRO-3: the model read parameter {name} ({unit.describe()}) outside that unit's forward, {when}; "
+            "a unit's parameters hold their values only inside its own forward (for example "
+            "F.linear(h, self.emb.weight) or self.child.bias in the parent's forward reads them outside). "
+            "Tie through modules instead (lm_head.weight = emb.weight: shared parameters stay gathered in the "
+            f"root unit), or pass units= so that the module that reads the parameter and {unit.name} are in one "
+            f"unit (a module left out of units= belongs to the root unit, gathered for the whole forward).")
+
+    # ----- backward: saved tensors come back gathered -------------------------------
+    def _pack(self, t: torch.Tensor):
+        unit = self._storage_unit.get(_storage_key(t))
+        return t if unit is None else _Saved(t, unit)
+
+    def _unpack(self, saved):
+        if isinstance(saved, _Saved):
+            if not saved.unit.gathered:
+                saved.unit.backward_gathered = True
+                with comm.unit(saved.unit.name, "backward: gather"):
+                    self._gather(saved.unit)
+            return saved.tensor
+        return saved
 
     # ----- gather / free -------------------------------------------------------------
     def _start_gather(self, unit: Unit) -> None:
@@ -148,26 +201,37 @@ class Zero3Engine(Zero2Engine):
         gathered = sum(g.full.untyped_storage().nbytes() for g in self.groups)
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, gathered)
 
-    def _gather(self, unit: Unit) -> None:
-        self._start_gather(unit)
+    def _finish_gather(self, unit: Unit) -> None:
+        """Wait for the unit's all_gathers in flight (a prefetch): its buffers are whole."""
         for handle in unit.gathering:
             handle.wait()
+        if unit.gathering:
+            unit.gathered = True
         unit.gathering.clear()
-        unit.gathered = True
+
+    def _gather(self, unit: Unit) -> None:
+        self._start_gather(unit)
+        self._finish_gather(unit)
 
     def _free_unit(self, unit: Unit) -> None:
-        for handle in unit.gathering:  # a prefetch nobody used
-            handle.wait()
-        unit.gathering.clear()
+        self._finish_gather(unit)  # a prefetch nobody used: its buffers may be freed only once it is done
         for g in unit.groups:
             _free(g)
         unit.gathered = False
+
+    def _settle(self) -> None:
+        """After a failed forward: wait for every gather in flight, free every unit."""
+        for unit in self.units:
+            self._free_unit(unit)
+            unit.backward_gathered = False
 
     def _neighbour(self, unit: Unit, step: int) -> Unit | None:
         i = self.units.index(unit) + step
         return self.units[i] if 0 <= i < len(self.units) else None
 
     def _pre_forward(self, unit: Unit) -> None:
+        if not self.in_backward:
+            unit.ran = True
         with comm.unit(unit.name, "forward: gather"):  # names this unit in debug mode
             self._gather(unit)
             # Prefetch overlaps the next unit's gather with this compute. A forward inside
@@ -183,7 +247,9 @@ class Zero3Engine(Zero2Engine):
         self._free_unit(unit)
         if torch.is_grad_enabled():
             # A hook on the unit's outputs runs when their gradient is ready, i.e. just
-            # before autograd enters this unit's backward: gather it again there.
+            # before autograd enters this unit's backward: gather it there (and prefetch
+            # the unit before). Outputs it cannot see into are safe too: backward's
+            # saved-tensor hook gathers on first use.
             for t in _tensors(output):
                 if t.requires_grad:
                     t.register_hook(lambda grad, unit=unit: self._pre_backward(unit))
@@ -200,8 +266,9 @@ class Zero3Engine(Zero2Engine):
 
     def _on_group_ready(self, g: GroupState) -> None:
         # All of g's gradients are in: backward no longer needs g's parameters.
-        _free(g)
         unit = self._unit_of[id(g)]
+        self._finish_gather(unit)  # never free a buffer an all_gather is still writing
+        _free(g)
         if all(other.complete for other in unit.groups):
             self._free_unit(unit)
         super()._on_group_ready(g)
@@ -218,11 +285,69 @@ class Zero3Engine(Zero2Engine):
             g.shard.copy_(g.master)
 
 
-def _tensors(output):
+class _Saved:
+    """A tensor autograd saved from a unit's buffer, with the unit to gather first."""
+
+    __slots__ = ("tensor", "unit")
+
+    def __init__(self, tensor: torch.Tensor, unit: Unit):
+        self.tensor, self.unit = tensor, unit
+
+
+# Tensor methods and attributes that read no element (shape, dtype, hooks): allowed
+# on any parameter, gathered or not (Hugging Face reads self.dtype from a parameter).
+_METADATA = frozenset({"__get__", "__set__", "size", "dim", "ndimension", "numel", "nelement", "__len__",
+                       "stride", "storage_offset", "element_size", "is_floating_point", "is_complex",
+                       "is_contiguous", "get_device", "data_ptr", "untyped_storage", "__hash__",
+                       "requires_grad_", "register_hook", "register_post_accumulate_grad_hook"})
+
+
+class _ReadGuard(TorchFunctionMode):
+    """During a ZeRO-3 forward: no torch op may read a parameter whose unit is not gathered."""
+
+    def __init__(self, engine: Zero3Engine):
+        super().__init__()
+        self.engine = engine
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if getattr(func, "__name__", None) not in _METADATA:
+            for p in _parameters_in(args, kwargs):
+                found = self.engine._param_unit.get(id(p))
+                if found is not None and not found[1].gathered:
+                    self.engine._refuse_read(*found)
+        return func(*args, **kwargs)
+
+
+def _parameters_in(args, kwargs):
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, nn.Parameter):
+            yield a
+        elif isinstance(a, (list, tuple)):
+            yield from (x for x in a if isinstance(x, nn.Parameter))
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    """Identity of ``t``'s storage, the same before and after it is resized."""
+    return t.untyped_storage()._cdata
+
+
+def _default_units(model: nn.Module) -> list[nn.Module]:
+    """The model's children, a ModuleList's or ModuleDict's items in its place."""
+    out = []
+    for child in model.children():
+        out += list(child.children()) if isinstance(child, CONTAINERS) else [child]
+    return out
+
+
+def _tensors(output) -> list[torch.Tensor]:
+    """The tensors in a unit's output: nested lists, tuples, dicts and dataclasses."""
     if torch.is_tensor(output):
         return [output]
     if isinstance(output, (list, tuple)):
         return [t for o in output for t in _tensors(o)]
     if isinstance(output, dict):
         return [t for o in output.values() for t in _tensors(o)]
+    if dataclasses.is_dataclass(output) and not isinstance(output, type):
+        return [t for f in dataclasses.fields(output) for t in _tensors(getattr(output, f.name))]
     return []
