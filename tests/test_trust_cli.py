@@ -96,3 +96,15 @@ def test_memory_refuses_a_device_too_large_to_count_in_bytes(capsys):
 def test_checkpoint_cli_refuses_bad_paths_with_exit_2(argv, message, paths, capsys):
     err = refused(checkpoint_cli.main, [a.format(**paths) for a in argv], capsys)
     assert message.format(**paths) in err, err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--world-size", "0"], "--world-size 0: must be an integer >= 1"),
+    (["--world-size", "99999999999999999999"], "--global-batch-size 16 is not divisible by world size 999999"),
+    (["--steps", "0"], "--steps 0: must be an integer >= 1"),
+    (["--report", "x/"], "--report x/: ends in a path separator"),
+])
+def test_tour_refuses_what_its_ranks_would_refuse_before_any_rank_starts(argv, message, capsys):
+    from zerolearn import tour
+
+    assert message in refused(tour.main, argv, capsys)

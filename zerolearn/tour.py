@@ -20,6 +20,7 @@ from tqdm.auto import tqdm
 
 from zerolearn.config import TrainConfig
 from zerolearn.dist import ConfigError, launch
+from zerolearn.errors import require_count
 from zerolearn.report import format_table, stage_row
 from zerolearn.train import train
 
@@ -46,8 +47,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--backend", choices=("gloo", "nccl"), default="nccl" if has_gpu else "gloo")
     args, extra = p.parse_known_args(argv)
+    config = TrainConfig.from_argv(extra)  # exits 2 naming a bad training option
+    try:  # everything the ranks would refuse, refused here before any rank starts
+        require_count("--world-size", args.world_size)
+        config.replace(steps=args.steps, backend=args.backend).validate(args.world_size)
+    except ConfigError as e:
+        p.exit(2, f"{p.prog}: error: {e}\n")
     try:
-        reports, rows = run_tour(args.world_size, args.steps, args.backend, TrainConfig.from_argv(extra))
+        reports, rows = run_tour(args.world_size, args.steps, args.backend, config)
     except ConfigError as e:
         p.exit(2, f"{p.prog}: error: {e}\n")
     r0 = reports[0]
