@@ -229,3 +229,33 @@ def test_consolidate_refuses_an_out_inside_a_checkpoint_and_changes_nothing(save
     # Beside the checkpoint directory, not in it, is fine.
     assert checkpoint_cli.main(["consolidate", "ck", "model.pt"]) == 0
     assert (tmp_path / "model.pt").is_file()
+
+
+def load_unverified(path: str) -> str | None:
+    """(launched, 1 rank) Load ``path`` into a fresh engine without verifying it first, as
+    ranks do after rank 0 verified it: the CheckpointError's message, or None."""
+    from zerolearn import train
+    from zerolearn.engines import make_engine
+
+    engine = make_engine(2, train.build(RUN), optimizer=RUN.optimizer, lr=RUN.lr, bucket_mb=RUN.bucket_mb)
+    try:
+        checkpoint.load(engine, path, verify_files=False)
+    except checkpoint.CheckpointError as e:
+        return str(e)
+    return None
+
+
+def test_a_shard_changed_after_it_was_verified_is_caught_by_the_reader_itself(saved, tmp_path):
+    # verify passes, then a byte of a tensor changes on disk before the ranks read the file
+    # (a race with another program, a flaky disk): the reader hashes the bytes it loads.
+    d = tmp_path / "ck"
+    shutil.copytree(saved["dir"], d)
+    checkpoint.verify(str(d / NEW))
+    shard = d / NEW / "rank_00001.pt"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    shard.write_bytes(bytes(data))
+    message = launch(load_unverified, 1, str(d / NEW))[0]
+    assert message is not None and re.search(r"step_00000004/rank_00001.pt: the bytes read \(\d+\) are not those "
+                                             r"the manifest records .*: the file changed after it was verified",
+                                             message), message

@@ -7,6 +7,8 @@ The format is described in :mod:`zerolearn.checkpoint`.
 
 from __future__ import annotations
 
+import hashlib
+import io
 import math
 import os
 import shutil
@@ -201,18 +203,37 @@ def check_shard(man: Manifest, rank: int, saved, name: str) -> None:
                                   f"the manifest's module_keys are {list(man.module_keys)}")
 
 
-def load_shard(man: Manifest, rank: int) -> dict:
-    """Rank ``rank``'s file of checkpoint ``man.path``, memory-mapped and checked (:func:`check_shard`).
+def load_shard(man: Manifest, rank: int, hashed: bool = False) -> dict:
+    """Rank ``rank``'s file of checkpoint ``man.path``, checked (:func:`check_shard`).
 
-    ``torch.load(..., weights_only=True)``: a file holding anything but tensors and
-    plain containers is refused, never run.
+    ``hashed``: read the file into memory once, check those bytes' size and SHA-256
+    against the manifest, and load the tensors from the same bytes, so that what was
+    checked is exactly what is loaded (memory: the file's size, twice while loading).
+    Otherwise the file is memory-mapped (only the bytes copied out are read; the
+    caller verified it just before, at this same path). A checkpoint saved without
+    checksums is memory-mapped either way. Always ``torch.load(..., weights_only=True)``:
+    a file holding anything but tensors and plain containers is refused, never run.
 
     Raises:
-        CheckpointError: the file cannot be read, or does not fit the manifest.
+        CheckpointError: the file cannot be read, its bytes differ from the manifest's
+            record, or it does not fit the manifest.
     """
     name = os.path.join(man.path, rank_file(rank))
+    entry = man.files[rank]
     try:
-        saved = torch.load(name, mmap=True, weights_only=True, map_location="cpu")
+        if hashed and entry.sha256 is not None:
+            with open(name, "rb") as f:
+                data = f.read()
+            if len(data) != entry.bytes or hashlib.sha256(data).hexdigest() != entry.sha256:
+                raise CheckpointError(f"{name}: the bytes read ({len(data)}) are not those the manifest records "
+                                      f"({entry.bytes} bytes, SHA-256 {entry.sha256[:16]}...): the file changed "
+                                      "after it was verified")
+            saved = torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+            del data
+        else:
+            saved = torch.load(name, mmap=True, weights_only=True, map_location="cpu")
+    except CheckpointError:
+        raise
     except Exception as e:  # noqa: BLE001 - any failure to read is a damaged file
         raise CheckpointError(f"{name}: cannot be read ({type(e).__name__}: {e})") from None
     check_shard(man, rank, saved, name)
@@ -222,13 +243,14 @@ def load_shard(man: Manifest, rank: int) -> dict:
 class Reader:
     """Reads ranges of saved flat buffers, opening rank files lazily (memory-mapped).
 
-    Memory-mapping means only the bytes actually copied are read from disk: loading
-    one rank's new shard touches only the saved pieces that overlap it. Every file is
-    checked against the manifest when opened (:func:`check_shard`).
+    ``hashed`` (loading into an engine): each file is read whole, and its bytes hashed
+    and loaded (:func:`load_shard`). Otherwise (consolidation, after verifying) files
+    are memory-mapped: only the bytes actually copied are read from disk. Every file
+    is checked against the manifest when opened (:func:`check_shard`).
     """
 
-    def __init__(self, man: Manifest):
-        self.path, self.man = man.path, man
+    def __init__(self, man: Manifest, hashed: bool = False):
+        self.path, self.man, self.hashed = man.path, man, hashed
         self._files: dict[int, dict] = {}
         self.where = {}  # parameter name -> (group, offset, numel)
         for gi, g in enumerate(man.groups):
@@ -237,7 +259,7 @@ class Reader:
 
     def file(self, rank: int) -> dict:
         if rank not in self._files:
-            self._files[rank] = load_shard(self.man, rank)
+            self._files[rank] = load_shard(self.man, rank, self.hashed)
         return self._files[rank]
 
     def close(self, rank: int | None = None) -> None:

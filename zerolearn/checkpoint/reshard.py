@@ -111,7 +111,7 @@ def plan(engine, path: str) -> dict:
     path = resolve(path)
     man = read_manifest(path)
     check_model(engine, man, path)
-    reader = Reader(man)
+    reader = Reader(man, hashed=True)  # the bytes loaded are the bytes hashed
     masters, state = [], {}
     for j, g in enumerate(engine.groups):
         master, group_state = _read_group(reader, g, man.state_keys, path)
