@@ -252,13 +252,14 @@ def torch_optimizer(name: str, params, lr: float, momentum: float, weight_decay:
 
 def train(kind: str, stage: int | None, steps: int = 3, accum: int = 1, accum_style: str = "repeated",
           optimizer: str = "adam", lr: float = 1e-2, momentum: float = 0.0, weight_decay: float = 0.0,
-          branch: str | None = None, no_grad_first: bool = False) -> dict:
+          branch: str | None = None, no_grad_first: bool = False, units: list[str] | None = None) -> dict:
     """``stage`` None: plain PyTorch on the whole batch in one process (the reference).
     Else the engine on this rank's slice. Returns losses, full fp32 parameters, buffers.
 
     ``branch``: when ``Branchy`` takes its branch (:func:`use_branch`; the reference
     takes it when rank 0 would). ``no_grad_first``: run one forward under
-    ``torch.no_grad()`` before training (evaluation first)."""
+    ``torch.no_grad()`` before training (evaluation first). ``units``: ZeRO-3 units
+    by module name."""
     model = build(kind)
     if stage is None:
         opt = torch_optimizer(optimizer, [p for p in model.parameters() if p.requires_grad], lr, momentum,
@@ -275,8 +276,9 @@ def train(kind: str, stage: int | None, steps: int = 3, accum: int = 1, accum_st
         return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()},
                 "buffers": {n: b.clone() for n, b in model.named_buffers()}}
     ctx = zdist.context()
+    extra = {"units": [model.get_submodule(name) for name in units]} if units is not None else {}
     engine = make_engine(stage, model, optimizer=optimizer, lr=lr, momentum=momentum, weight_decay=weight_decay,
-                         bucket_mb=0.01)
+                         bucket_mb=0.01, **extra)
     if no_grad_first:
         with torch.no_grad():
             run_model(kind, engine, data.rank_slice(batch(kind, 0)[0], ctx.rank, ctx.world_size))

@@ -133,6 +133,25 @@ def before(op: str, shapes: tuple, dtype: torch.dtype, group) -> None:
                              "(debug mode stopped it before it could hang or mix data):\n" + "\n".join(lines))
 
 
+def agree_on(value: int, group=None, device: torch.device | str = "cpu") -> list[int]:
+    """Every rank's integer ``value``, in group-rank order: one all_gather of an int64.
+
+    For ranks that must agree on what they do next *before* they do it (ZeRO-3: which
+    unit to gather), so that a rank on another code path is named at once instead of
+    pairing with a collective of another size. Eight bytes per rank, outside the ledger
+    (bookkeeping, not the algorithm's traffic); counted in the collective numbering.
+    """
+    n = dist.get_world_size(group)
+    if n == 1 or dist.get_backend(group) == "fake":
+        return [value]
+    mine = torch.tensor([value], dtype=torch.int64, device=device)
+    everyone = torch.empty(n, dtype=torch.int64, device=device)
+    count()
+    with loud("agree_on", group):
+        dist.all_gather_into_tensor(everyone, mine, group=group)
+    return everyone.tolist()
+
+
 def count() -> None:
     """Count a monitoring collective (no fingerprint), so numbering stays aligned."""
     global _seq

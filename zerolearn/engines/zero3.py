@@ -201,6 +201,27 @@ class Zero3Engine(Zero2Engine):
         gathered = sum(g.full.untyped_storage().nbytes() for g in self.groups)
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, gathered)
 
+    def _agree_to_run(self, unit: Unit) -> None:
+        """Every rank names the unit whose forward it is about to run; a rank that took
+        another branch (skipped a unit, ran an extra one) is named here, before an
+        all_gather of another size could pair with this one or a prefetch could hide it
+        (8 bytes per rank per unit forward, outside the ledger).
+
+        Raises:
+            ConfigError: ranks are about to gather different units.
+        """
+        indices = guard.agree_on(unit.index, self.pg, self.device)
+        if len(set(indices)) == 1:
+            return
+        by_index = {u.index: u for u in self.units}
+        ranks = guard.group_ranks(self.pg)
+        doing = "; ".join(f"rank {r} runs {by_index[i].describe()}" for r, i in zip(ranks, indices))
+        raise ConfigError(
+            f"ZeRO-3: ranks are about to run different units ({doing}): the model took a different branch "
+            "on these ranks (an if around a unit that depends on the rank or its data). Every rank must run "
+            "the same units in the same order; a module that runs on some ranks only can be left out of units= "
+            "(its parameters then belong to the root unit, gathered for the whole forward).")
+
     def _finish_gather(self, unit: Unit) -> None:
         """Wait for the unit's all_gathers in flight (a prefetch): its buffers are whole."""
         for handle in unit.gathering:
@@ -231,6 +252,7 @@ class Zero3Engine(Zero2Engine):
 
     def _pre_forward(self, unit: Unit) -> None:
         if not self.in_backward:
+            self._agree_to_run(unit)
             unit.ran = True
         with comm.unit(unit.name, "forward: gather"):  # names this unit in debug mode
             self._gather(unit)
