@@ -260,6 +260,7 @@ class _Agreement:
     rank: int
     world_size: int
     step: int = 0  # steps every rank has finished
+    first: int = 0  # collectives this rank had issued through comm before the trial
 
     def key(self, what: str) -> str:
         return f"zerolearn/check/{self.token}/{what}"
@@ -303,8 +304,9 @@ def agree(step: int) -> None:
             late = [r for r in range(a.world_size) if r != a.rank and not a.store.check([a.key(f"{step}/{r}")])]
             who = f"rank {late[0]}" if len(late) == 1 else f"ranks {', '.join(map(str, late))}"
             raise Wrong(f"{who} did not finish this step within {AGREE_S:g} s of rank {a.rank}, which made "
-                        f"{guard_count()} collectives so far: {who} waits in a collective the other ranks "
-                        "never call (every rank must call the same collectives, in the same order)", step)
+                        f"{guard_count() - a.first} collectives in the trial so far: {who} waits in a collective "
+                        "the other ranks never call (every rank must call the same collectives, in the same order)",
+                        step)
         time.sleep(_POLL_S)
     a.step = step + 1
 
@@ -339,7 +341,7 @@ def _run_trial(exercise: Exercise, fn: Callable, token: str | None) -> tuple[str
         from zerolearn import dist as zdist
 
         ctx = zdist.context()
-        _AGREEMENT = _Agreement(zdist.store(), token, ctx.rank, ctx.world_size)
+        _AGREEMENT = _Agreement(zdist.store(), token, ctx.rank, ctx.world_size, first=guard_count())
         debug = comm.debug_enabled()
         comm.set_debug(True)
     try:

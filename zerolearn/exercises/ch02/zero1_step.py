@@ -283,6 +283,15 @@ def _adamw(flat_params, flat_grad, state, world_size, rank, lr):
                        world_size, rank)
 
 
+def _extra_gather_on_one_rank(flat_params, flat_grad, state, world_size, rank, lr):
+    """The reference step, then on the last rank only one more all-gather (a debugging gather left
+    in under ``if rank == ...``): its peers never call it, so that rank waits in it for ever."""
+    grad = zero1_step(flat_params, flat_grad, state, world_size, rank, lr)
+    if rank == world_size - 1:
+        comm.all_gather(flat_params, state["master"].detach())
+    return grad
+
+
 register(Exercise(
     "02.zero1_step", "ZeRO-1: reduce-scatter, update this rank's shard, all-gather",
     zero1_step, _zero1_trial,
@@ -292,4 +301,6 @@ register(Exercise(
      "average_twice": Bug(_average_twice, "dividing by Nd before and after the sum", "divided twice"),
      "default_lr": Bug(_default_lr, "an optimizer built without lr= (a test at Adam's default lr cannot see it)",
                        "(Adam's default"),
-     "adamw": Bug(_adamw, "torch.optim.AdamW for Adam: the names differ by one letter", "your optimizer is AdamW")}))
+     "adamw": Bug(_adamw, "torch.optim.AdamW for Adam: the names differ by one letter", "your optimizer is AdamW"),
+     "extra_gather_on_one_rank": Bug(_extra_gather_on_one_rank, "a collective under `if rank == ...`: one rank "
+                                     "waits in it, its peers never call it", "never call")}))
