@@ -39,6 +39,8 @@ from contextvars import ContextVar
 import torch
 import torch.distributed as dist
 
+from zerolearn import compat
+
 
 class CollectiveMismatch(RuntimeError):
     """Debug mode: ranks were about to run different collectives (would hang or mix data)."""
@@ -148,7 +150,7 @@ def agree_on(value: int, group=None, device: torch.device | str = "cpu") -> list
     everyone = torch.empty(n, dtype=torch.int64, device=device)
     count()
     with loud("agree_on", group):
-        dist.all_gather_into_tensor(everyone, mine, group=group)
+        compat.all_gather_into_tensor(everyone, mine, group=group)
     return everyone.tolist()
 
 

@@ -118,6 +118,12 @@ class Zero3Engine(Zero2Engine):
         for u, module in enumerate(units):
             for p in module.parameters():
                 owner[id(p)] = root if owner.get(id(p), u) != u else u
+        # A unit's parameter that a module outside every unit shares (Qwen2's lm_head
+        # tied to a unit's embedding) is used in the root's forward too: root's.
+        prefixes = tuple(names[id(m)] + "." for m in units if id(m) in names and m is not self.model)
+        for name, p in self.model.named_parameters(remove_duplicate=False):
+            if id(p) in owner and not name.startswith(prefixes):
+                owner[id(p)] = root
         modules = [*units, self.model]
         per_unit: list[list] = [[] for _ in modules]
         for name, p in trainable:
