@@ -37,6 +37,9 @@ def test_a_misspelled_option_fails_in_the_callers_process():
     (dict(checkpoint_every=2), "--checkpoint-every needs --checkpoint-dir"),
     (dict(simulate_world_size=0), "--simulate-world-size 0: must be an integer >= 1"),
     (dict(model="mlp", tensor_parallel=2), "apply to --model gpt"),
+    (dict(seed=2**32), "--seed 4294967296: too large; allowed are up to 4294967295"),
+    (dict(steps=2**63), "--steps 9223372036854775808: too large; allowed are up to 9223372036854775807"),
+    (dict(timeout=1e300), "--timeout 1e+300: too large; allowed are up to 2147483647"),
 ])
 def test_bad_values_are_refused_when_the_config_is_built(kwargs, message):
     with pytest.raises(ConfigError, match=re.escape(message)):

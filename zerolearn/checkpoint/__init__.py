@@ -62,11 +62,22 @@ and what differs: damaged, truncated, another rank's, another step's). Checkpoin
 saved before checksums were recorded still load, with a note that only sizes were
 checked.
 
+The manifest has one schema (:class:`zerolearn.checkpoint.manifest.Manifest`), checked
+whole before anything uses it: every field's type and range, every piece index, and
+every field that can be checked against another (the step against the folder's name
+and each shard's recorded owner, each shard's file name against its rank, the offsets,
+sizes and pieces against the layout the shapes imply); a problem names the file and
+the field (``manifest.json: groups[0].offsets[0]: 1, but the shapes before it imply
+0``). Each shard file is then checked against it when read (its owner, each piece's
+group, range and tensors).
+
 Loading validates everything first (manifest, every file present with its recorded
-size, names and shapes against the model, the optimizer, every element covered by
-some piece), on every rank, and agrees across ranks before any parameter changes;
-then it reads only the pieces that overlap this rank's new shards (files are
-memory-mapped).
+size and SHA-256, names and shapes against the model, the optimizer), on every rank,
+and agrees across ranks before any parameter changes; then each rank reads the files
+holding pieces that overlap its new shards, hashing the very bytes it loads (read
+once into memory, checked, and ``torch.load`` from them). ``consolidate`` verifies
+every file, then streams them memory-mapped, and refuses an output inside a
+checkpoint directory.
 
 Why not ``torch.distributed.checkpoint`` (DCP)? DCP reshards tensors whose
 placement it knows (DTensor, ShardedTensor). Our shards are ranges of a padded flat
