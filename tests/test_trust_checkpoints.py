@@ -29,8 +29,8 @@ NEW, OLD = "step_00000004", "step_00000002"
 def edit_manifest(d: Path, change) -> None:
     name = d / NEW / "manifest.json"
     man = json.loads(name.read_text())
-    change(man, d / NEW)
-    name.write_text(json.dumps(man))
+    replaced = change(man, d / NEW)  # None: edited in place; a str: the file's new text
+    name.write_text(replaced if isinstance(replaced, str) else json.dumps(man))
 
 
 def clean_copy_named_in_the_manifest(man: dict, ckpt: Path) -> None:
@@ -92,6 +92,9 @@ TAMPER = {
                                  r"groups\[0\]\.pieces: rank 1's piece of group 0 has index 7"),
     "piece_index_wrong_type": (set_("groups/0/pieces/0/3", "0"),
                                r"groups\[0\]\.pieces\[0\]\[3\]: '0', must be an integer"),
+    "not_an_object": (lambda man, ckpt: "[]", r"the manifest: list \[\], must be an object"),
+    "nested_too_deep": (lambda man, ckpt: "[" * 100_000 + "]" * 100_000,
+                        r"cannot be read as JSON \(RecursionError"),
     "piece_rank_out_of_range": (set_("groups/0/pieces/1/0", 2),
                                 r"groups\[0\]\.pieces\[1\]\[0\]: 2, must be an integer from 0 to 1"),
 }

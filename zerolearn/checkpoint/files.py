@@ -359,6 +359,8 @@ def check_out(out: str, sources: tuple[str, ...] = ()) -> None:
         raise CheckpointError(f"OUT {out}: its folder {parent} cannot be reached ({e.strerror})") from None
     if not os.path.isdir(parent):
         raise CheckpointError(f"OUT {out}: {parent} is not a folder")
+    if not os.access(parent, os.W_OK):
+        raise CheckpointError(f"OUT {out}: the folder {parent} is not writable")
     inside = inside_checkpoint(out, sources)
     if inside is not None:
         raise CheckpointError(f"OUT {out}: inside the checkpoint directory {inside}; write it elsewhere (a "

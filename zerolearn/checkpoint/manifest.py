@@ -163,8 +163,8 @@ class Manifest:
         try:
             with open(name, "rb") as f:
                 data = json.loads(f.read())
-        except (OSError, ValueError) as e:
-            raise ManifestError(f"{name}: cannot be read as JSON ({e})") from None
+        except (OSError, ValueError, RecursionError) as e:  # RecursionError: nested too deep
+            raise ManifestError(f"{name}: cannot be read as JSON ({type(e).__name__}: {e})") from None
         return cls.from_json(data, path)
 
     @classmethod
