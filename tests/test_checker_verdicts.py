@@ -52,20 +52,13 @@ def test_the_real_verdict_comes_before_what_a_peers_stop_caused():
     assert died.mistake.rank == 1 and "code -6" in died.mistake.message
 
 
-def test_the_readers_line_skips_the_standard_librarys_frames():
-    @contextlib.contextmanager
-    def scope():
-        yield
-
-    def reader():
-        with scope():
-            raise ValueError("inside")  # the reader's line
-
-    try:
-        reader()
-    except ValueError as e:
-        where = core._reader_frames(traceback.extract_tb(e.__traceback__))
-    assert "the reader's line" in where and "gen.throw" not in where
+def test_the_readers_line_skips_the_standard_librarys_and_torchs_frames():
+    frames = traceback.StackSummary.from_list([
+        traceback.FrameSummary("/home/reader/zero.py", 12, "zero1_step", line="adam.step()"),
+        traceback.FrameSummary(torch.optim.__file__, 40, "step", line="raise ValueError"),
+        traceback.FrameSummary(contextlib.__file__, 158, "__exit__", line="self.gen.throw(value)"),
+    ])
+    assert core._reader_frames(frames) == " (line 12: adam.step())"
 
 
 def test_constant_buffer_accepts_a_scratch_tensor_of_the_buffers_size():
@@ -115,3 +108,19 @@ def test_cli_bad_input_from_the_shell_exits_2():
     run = subprocess.run([sys.executable, "-m", "zerolearn.exercises", "check", "--all", "--solution", "--fast"],
                          capture_output=True, text=True)
     assert run.returncode == 2 and len(run.stderr.strip().splitlines()) == 1 and "--fast" in run.stderr
+
+
+def test_launch_reports_the_cause_before_a_peers_closed_connection():
+    import time
+
+    from zerolearn import dist as zdist
+    from zerolearn.dist import RankError, launch
+
+    def fails():
+        if zdist.context().rank == 1:
+            raise RuntimeError("[gloo] Connection reset by peer")  # what a peer of a stopped rank reads
+        time.sleep(0.5)
+        raise ValueError("the cause")
+
+    with pytest.raises(RankError, match="rank 0 failed: ValueError: the cause"):
+        launch(fails, 2, timeout_s=60)

@@ -82,26 +82,47 @@ def _check(world_size: int, backend: str) -> None:
                           f"this machine has {torch.cuda.device_count()}")
 
 
+GRACE_S = 2.0  # once a rank has failed, how long the others may take to report their own failure
+# What a rank reads when a peer stopped or died: a consequence, reported only if no rank has a cause.
+_PEER_CAUSED = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "CollectiveError",
+                "process exited with code")
+
+
 def _collect(queue, procs: list, timeout_s: float) -> dict[int, Any]:
-    """Every rank's unpickled result, by rank; raises on the first failure or at the deadline."""
+    """Every rank's unpickled result, by rank; raises at the deadline, or once a rank failed.
+
+    After the first failure the other ranks get ``GRACE_S`` seconds to report theirs, and
+    the error raised is the first that a peer's stop or death did not cause (a closed
+    connection, an exit code), so a consequence never hides the cause.
+    """
     world_size = len(procs)
     results: dict[int, Any] = {}
+    failures: list[tuple[int, str]] = []  # (rank, message), in the order they arrived
     deadline = time.monotonic() + timeout_s
-    while len(results) < world_size:
+    while len(results) + len(failures) < world_size and time.monotonic() <= deadline:
         if not queue.empty():
             rank, ok, value = queue.get()
-            if not ok:
-                raise RankError(rank, value)
-            results[rank] = pickle.loads(value)
-            continue
-        # A rank killed outright (by the OS, say) sends nothing: its exit code tells.
-        dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in results]
-        if dead and queue.empty():
-            raise RankError(dead[0], f"process exited with code {procs[dead[0]].exitcode}")
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"launch: ranks {sorted(set(range(world_size)) - set(results))} "
-                               f"gave no result within {timeout_s:.0f} s")
-        time.sleep(0.01)
+            if ok:
+                results[rank] = pickle.loads(value)
+                continue
+            failures.append((rank, value))
+        else:
+            # A rank killed outright (by the OS, say) sends nothing: its exit code tells.
+            reported = set(results) | {r for r, _ in failures}
+            dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in reported]
+            if dead and queue.empty():
+                failures.append((dead[0], f"process exited with code {procs[dead[0]].exitcode}"))
+            else:
+                time.sleep(0.01)
+                continue
+        if len(failures) == 1:  # the others may be waiting for the failed rank in a collective
+            deadline = min(deadline, time.monotonic() + GRACE_S)
+    if failures:
+        causes = [f for f in failures if not any(words in f[1].split("\n", 1)[0] for words in _PEER_CAUSED)]
+        raise RankError(*(causes or failures)[0])
+    if len(results) < world_size:
+        raise TimeoutError(f"launch: ranks {sorted(set(range(world_size)) - set(results))} "
+                           f"gave no result within {timeout_s:.0f} s")
     return results
 
 
@@ -132,8 +153,8 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float
         ConfigError: ``world_size`` < 1, an unknown ``backend``, more NCCL ranks than GPUs.
         TypeError: cloudpickle cannot serialize ``fn``, ``args`` or ``kwargs`` (a lock, an
             open file, a generator); nothing has started.
-        RankError: a rank raised; the first error is re-raised with its rank and
-            traceback, and the other ranks are stopped.
+        RankError: a rank raised; the first error that a peer's stop or death did not
+            cause is re-raised with its rank and traceback, and the other ranks are stopped.
         TimeoutError: no result within ``timeout_s`` seconds (all ranks stopped).
     """
     _check(world_size, backend)
