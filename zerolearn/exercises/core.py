@@ -419,7 +419,7 @@ def _on_ranks(exercise: Exercise, fn: Callable, world_size: int) -> tuple[dict[i
     get :data:`GRACE_S` seconds; a rank still running then is killed (it waits in a
     collective for the rank that stopped), and its pool restarts at the next call.
     """
-    from zerolearn.live import Ranks
+    from zerolearn.live import CellError, Ranks
 
     token = uuid.uuid4().hex[:12]
     if _POOLS is None:
@@ -427,7 +427,10 @@ def _on_ranks(exercise: Exercise, fn: Callable, world_size: int) -> tuple[dict[i
             return pool.call_until(_decides, run_trial, exercise, fn, token, grace_s=GRACE_S)
     if world_size not in _POOLS:
         _POOLS[world_size] = Ranks(world_size, timeout_s=exercise.timeout_s)
-    return _POOLS[world_size].call_until(_decides, run_trial, exercise, fn, token, grace_s=GRACE_S)
+    try:
+        return _POOLS[world_size].call_until(_decides, run_trial, exercise, fn, token, grace_s=GRACE_S)
+    except CellError:  # a rank of the pool died since its last call: the pool restarted, nothing ran
+        return _POOLS[world_size].call_until(_decides, run_trial, exercise, fn, token, grace_s=GRACE_S)
 
 
 def _peer_caused(kind: str, value) -> bool:

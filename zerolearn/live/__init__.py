@@ -12,7 +12,7 @@ namespace between calls, so a notebook can work on real ranks cell by cell::
     comm.reduce_scatter(shard, x)
     print(shard)                        # shown as "[rank 0] tensor([1., 3.])" ...
 
-From Python the same pool is :class:`Ranks` (``run``, ``call``, ``pull``, ``push``).
+From Python the same pool is :class:`Ranks` (``run``, ``call``, ``call_until``, ``pull``, ``push``).
 
 Why not ipyparallel? It keeps engines alive and its ``%%px`` labels output by engine,
 but it brings a controller, ZMQ and per-engine startup, and it knows nothing of
