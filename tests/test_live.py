@@ -196,3 +196,20 @@ def _alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"  # a zombie has ended
     except FileNotFoundError:
         return False
+
+
+def test_call_until_ends_when_one_rank_decides_and_kills_the_rank_still_waiting(pool):
+    def verdict_or_wait():
+        import time
+
+        from zerolearn import dist as zdist
+
+        if zdist.context().rank == 0:
+            return "verdict"
+        time.sleep(600)  # a peer waiting for rank 0 in a collective, say
+
+    start = time.monotonic()
+    results, failed, cut = pool.call_until(lambda r: r == "verdict", verdict_or_wait, grace_s=0.5)
+    assert results == {0: "verdict"} and failed == {} and cut == [1]
+    assert time.monotonic() - start < TIMEOUT_S  # the grace, not the pool's deadline
+    assert pool.call(lambda: 7) == [7, 7]  # fresh ranks answer the next call
