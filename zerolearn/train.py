@@ -277,7 +277,7 @@ def train_here(config: TrainConfig, progress: bool = False) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m zerolearn.train``: see :func:`zerolearn.cli.main` (exit codes 0, 1, 2, 130)."""
+    """``python -m zerolearn.train``: see :func:`zerolearn.cli.main` (exit codes 0, 1, 2, 130, 143)."""
     from zerolearn.cli import main as cli_main
 
     return cli_main(argv)
