@@ -117,6 +117,18 @@ class ReadsChildWeight(nn.Module):
         return self.head(torch.tanh(torch.matmul(h, self.mix.weight.t()) + self.mix.bias))
 
 
+class ReadsChildBias(nn.Module):
+    """The parent adds a child's bias after the child's forward has returned."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.mix, self.head = nn.Embedding(VOCAB, 16), nn.Linear(16, 16), nn.Linear(16, VOCAB)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.mix(self.emb(x)) + self.mix.bias))
+
+
 @dataclasses.dataclass
 class BlockOut:
     hidden: torch.Tensor
@@ -205,7 +217,8 @@ class BatchNormCNN(nn.Module):
 
 HAND_WRITTEN = {"cnn": lambda: BatchNormCNN(), "hand_tied": lambda: HandTied(),
                 "torch_transformer": lambda: TorchTransformer(), "reads_next": lambda: ReadsNextWeight(),
-                "reads_child": lambda: ReadsChildWeight(), "dataclass_units": lambda: DataclassUnits(),
+                "reads_child": lambda: ReadsChildWeight(), "reads_child_bias": lambda: ReadsChildBias(),
+                "dataclass_units": lambda: DataclassUnits(),
                 "encoder_only": lambda: EncoderOnly(), "branchy": lambda: Branchy(),
                 "mixed_dtypes": lambda: MixedDtypes()}
 

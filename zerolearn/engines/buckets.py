@@ -112,9 +112,14 @@ class BucketedBackward:
     def _on_group_ready(self, g: GroupState) -> None:
         if not self._sync:
             return
-        while self._next < len(self.groups) and self.groups[self._next].complete:
+        while self._next < len(self.groups) and self._may_launch(self.groups[self._next]):
             self._launch(self.groups[self._next])
             self._next += 1
+
+    def _may_launch(self, g: GroupState) -> bool:
+        """``g``'s reduction may start during backward (else at its end): all its
+        gradients are in (ZeRO-3 holds its root unit's groups to the end)."""
+        return g.complete
 
     def _launch(self, g: GroupState) -> None:
         # Average before summing, not after: a sum of Nd loss-scaled fp16 gradients can

@@ -129,7 +129,9 @@ class Zero3Engine(Zero2Engine):
         for name, p in trainable:
             per_unit[owner.get(id(p), len(units))].append((name, p))
         self.units, groups = [], []
-        for u in reversed(range(len(modules))):  # backward order, as in the base class
+        # Backward order, as in the base class, but the root unit's groups last: they are
+        # reduced at the end of backward (see _may_launch).
+        for u in [*reversed(range(len(units))), root]:
             if not per_unit[u]:
                 continue
             unit_groups = self._groups_of(per_unit[u][::-1])
@@ -300,6 +302,13 @@ class Zero3Engine(Zero2Engine):
         if all(other.complete for other in unit.groups):
             self._free_unit(unit)
         super()._on_group_ready(g)
+
+    def _may_launch(self, g: GroupState) -> bool:
+        # The root unit stays gathered through backward and may hold a parameter that
+        # some ranks do not use (a branch left out of units=): its gradients are complete
+        # on those ranks only at the end of backward, so every rank reduces them there,
+        # after every backward gather, and collectives are issued in one order everywhere.
+        return g.complete and self._unit_of[id(g)].module is not self.model
 
     def _after_backward(self) -> None:
         for unit in self.units:  # units some of whose parameters got no gradient

@@ -1,0 +1,67 @@
+"""Parameters unused in a step follow torch at every stage.
+
+A parameter no rank used gets no update at all, as torch.optim leaves one whose
+``.grad`` is None: no momentum, no Adam moment or step count, no weight decay (the
+reference is one process on the whole batch). One used by some ranks only gets the
+average with zeros from the others, as torch DDP with ``find_unused_parameters=True``.
+"""
+
+import functools
+
+import pytest
+import torch
+import user_model_jobs
+
+from zerolearn.dist import launch
+
+STAGES = (0, 1, 2, 3)
+OPTIMIZERS = {"sgd": dict(optimizer="sgd", momentum=0.9, lr=0.05),
+              "adam": dict(optimizer="adam", lr=0.05),
+              "adamw": dict(optimizer="adamw", lr=0.05, weight_decay=0.1)}
+# "never": the branch is unused on every rank in every step; "odd_steps": used in steps
+# 1 and 3 only, so its Adam step count falls behind the rest of its flat group.
+ALL_RANKS = [(opt, branch, stage) for opt in OPTIMIZERS for branch in ("never", "odd_steps") for stage in STAGES]
+# Used on rank 0 only; at ZeRO-3 the branch stays out of units= (the root unit holds it).
+RANK0_UNITS = ["emb", "trunk", "head"]
+
+
+def rel_error(params: dict, ref: dict) -> float:
+    diff = torch.cat([(params[n].float() - ref[n]).flatten() for n in ref if n in params])
+    return (diff.norm() / torch.cat([r.flatten() for r in ref.values()]).norm()).item()
+
+
+@functools.cache
+def reference(opt: str, branch: str) -> dict:
+    return user_model_jobs.train("branchy", None, steps=4, branch=branch, **OPTIMIZERS[opt])
+
+
+@functools.cache
+def runs(world_size: int) -> tuple:
+    cases = [dict(kind="branchy", stage=stage, steps=4, branch=branch, **OPTIMIZERS[opt])
+             for opt, branch, stage in ALL_RANKS]
+    cases += [dict(kind="branchy", stage=stage, branch="rank0", units=RANK0_UNITS if stage == 3 else None,
+                   **OPTIMIZERS["sgd"]) for stage in STAGES]
+    cases += [dict(kind="branchy", ddp=True, branch="rank0", **OPTIMIZERS["sgd"])]
+    out = launch(user_model_jobs.many, world_size, cases)[0]
+    return out[:len(ALL_RANKS)], out[len(ALL_RANKS):-1], out[-1]
+
+
+def test_a_parameter_no_rank_used_is_not_updated_as_in_torch_optim():
+    for (opt, branch, stage), run in zip(ALL_RANKS, runs(2)[0]):
+        where = f"{opt}, branch {branch}, stage {stage}"
+        assert not isinstance(run, str), f"{where}: {run}"
+        ref = reference(opt, branch)
+        assert run["losses"] == pytest.approx(ref["losses"], rel=1e-6), where
+        assert rel_error(run["params"], ref["params"]) < 1e-6, where
+        if branch == "never":  # not moved at all, not merely little
+            initial = user_model_jobs.build("branchy").branch.weight
+            assert torch.equal(run["params"]["branch.weight"], initial.detach()), where
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_parameter_used_on_some_ranks_is_averaged_with_zeros_as_ddp_does(world_size):
+    _, rank0, ddp = runs(world_size)
+    for stage, run in zip(STAGES, rank0):
+        assert not isinstance(run, str), f"stage {stage}: {run}"
+        assert run["losses"] == pytest.approx(ddp["losses"], rel=1e-6), f"stage {stage}"
+        assert rel_error(run["params"], ddp["params"]) < 1e-6, f"stage {stage}"
