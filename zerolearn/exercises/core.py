@@ -16,6 +16,16 @@ single-process training and the communication and memory ledgers and raises
 added here. Every exercise also ships the known bugs of its kind (:class:`Bug`), each
 with the words its message must contain, so tests prove the checker catches them.
 
+A mistake may live on one rank only. The ranks then agree on the verdict: at the end of
+each step a trial calls :func:`agree`, which exchanges pass or fail on the process
+group's key-value store (no collective, so nothing there can hang), and a rank that
+failed posts it at once; every rank stops together. Collectives are checked for
+agreement before they run (:func:`zerolearn.comm.set_debug`). A rank left waiting in a
+collective for a peer that stopped cannot be woken: the kernel side reports the first
+real verdict of any rank (its rank, step and words) as soon as it arrives and replaces
+the ranks still waiting (:meth:`zerolearn.live.Ranks.call_until`), so a check answers
+within seconds whichever rank is wrong.
+
 Solutions and reader functions may use, besides their arguments, the names
 ``torch``, ``nn``, ``F``, ``dist`` and ``comm`` (:data:`PRELUDE`), which each chapter
 imports before its exercises.
