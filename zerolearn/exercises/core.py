@@ -291,7 +291,7 @@ class _Agreement:
 _AGREEMENT: _Agreement | None = None  # set on each rank while a trial runs
 
 
-def agree(step: int) -> None:
+def agree(step: int, point: str | None = None) -> None:
     """The end of a trial's ``step`` on this rank: post that this rank passed it and wait until
     every peer has passed it too, at most :data:`AGREE_S` seconds, on the process group's
     key-value store (which no collective can block).
@@ -300,25 +300,31 @@ def agree(step: int) -> None:
     posted a failure instead, this rank stops here (and does not enter the next step's
     collectives, where it would wait for the failed rank forever). A peer that does not
     arrive in time is named in a :class:`Wrong`. Outside a check on ranks it does nothing.
+
+    With ``point`` (a name unique within the step, the same on every rank) the ranks meet
+    there inside ``step`` instead: before a collective whose arguments a trial checks, so
+    that a rank whose call was wrong stops its peers before they enter the collective.
     """
     a = _AGREEMENT
     if a is None or a.world_size == 1:
         return
-    a.store.set(a.key(f"{step}/{a.rank}"), "passed")
-    peers = [a.key(f"{step}/{r}") for r in range(a.world_size) if r != a.rank]
+    at = f"{step}" if point is None else f"{step}/{point}"
+    a.store.set(a.key(f"{at}/{a.rank}"), "passed")
+    peers = [a.key(f"{at}/{r}") for r in range(a.world_size) if r != a.rank]
     deadline = time.monotonic() + AGREE_S
     while not a.store.check(peers):
         if (peer := a.failed()) is not None:
             raise _PeerFailed(peer)
         if time.monotonic() > deadline:
-            late = [r for r in range(a.world_size) if r != a.rank and not a.store.check([a.key(f"{step}/{r}")])]
+            late = [r for r in range(a.world_size) if r != a.rank and not a.store.check([a.key(f"{at}/{r}")])]
             who = f"rank {late[0]}" if len(late) == 1 else f"ranks {', '.join(map(str, late))}"
             raise Wrong(f"{who} did not finish this step within {AGREE_S:g} s of rank {a.rank}, which made "
                         f"{guard_count() - a.first} collectives in the trial so far: {who} waits in a collective "
                         "the other ranks never call (every rank must call the same collectives, in the same order)",
                         step)
         time.sleep(_POLL_S)
-    a.step = step + 1
+    if point is None:
+        a.step = step + 1
 
 
 def guard_count() -> int:

@@ -204,7 +204,16 @@ def _model_parallel_group(world_size: int):
 def _checked_all_gather(original, group, members: list[int], step_of):
     """``comm.all_gather`` that first checks the reader's call: over ``group``, and with this rank's
     piece of the checkpoint being restored (its place in the group, not its global rank)."""
+    calls = {"n": 0}
+
     def all_gather(output, input, group=None, async_op=False, **kwargs):
+        step = step_of()
+        calls["n"] += 1
+        _check_call(group, input)
+        agree(step, point=f"all_gather {calls['n']}")  # every rank's call was right: none waits for a stopped one
+        return original(output, input, group=group, async_op=async_op, **kwargs)
+
+    def _check_call(group, input):
         step = step_of()
         if group is not wanted:
             over = ("the default group, every rank" if group is None or group is dist.group.WORLD else
@@ -221,11 +230,10 @@ def _checked_all_gather(original, group, members: list[int], step_of):
             right = flat[mine * c:(mine + 1) * c]
             if not (input.shape == right.shape and torch.equal(input, right)) and \
                     (input.numel() == theirs.numel() and torch.equal(input.reshape(-1), theirs)):
-                got = f"piece {rank}" if theirs.numel() else f"piece {rank}, which is empty"
-                raise Wrong(f"this rank kept {got} of the checkpoint, for its global rank {rank}; in the "
+                empty = "" if theirs.numel() else f" (an empty one: there are {nm} pieces)"
+                raise Wrong(f"this rank kept piece {rank} of the checkpoint{empty}, for its global rank {rank}; in the "
                             f"model-parallel group (ranks {members}) it is rank {mine} and keeps piece {mine}: "
                             "use dist.get_rank(group), the rank in the group, not dist.get_rank()", step)
-        return original(output, input, group=group, async_op=async_op, **kwargs)
 
     wanted = group
     return all_gather
