@@ -84,7 +84,9 @@ class Exercise:
     function (its ``__name__`` is the function the reader writes); ``trial(fn)`` runs
     on every rank (``world_sizes``; empty for an in-process exercise), raises
     :class:`Wrong` at the first mistake and otherwise returns a one-line summary of
-    what it verified (the same on every rank); ``bugs`` maps a bug's name to :class:`Bug`.
+    what it verified (the same on every rank); ``bugs`` maps a bug's name to :class:`Bug`;
+    ``stepped`` says that the trial trains in steps and calls :func:`agree` after each, so
+    that an exception is reported with the step it was raised in.
     """
 
     name: str
@@ -94,6 +96,7 @@ class Exercise:
     bugs: dict[str, Bug] = field(default_factory=dict)
     world_sizes: tuple[int, ...] = (2, 3)
     timeout_s: float = 120.0
+    stepped: bool = True  # the trial trains in steps and calls agree(step) after each
 
     @property
     def chapter(self) -> str:
@@ -373,7 +376,7 @@ def _run_trial(exercise: Exercise, fn: Callable, token: str | None) -> tuple[str
     except Exception as e:  # noqa: BLE001 - the reader's error is the verdict
         _post_failure()
         where = _reader_frames(traceback.extract_tb(e.__traceback__))
-        step = _AGREEMENT.step or None if _AGREEMENT is not None else None  # the step it was in, once known
+        step = _AGREEMENT.step if _AGREEMENT is not None and exercise.stepped else None  # the step it was in
         return "wrong", (step, f"your function raised {type(e).__name__}: {e}{where}")
     finally:
         if token is not None:

@@ -129,4 +129,5 @@ register(Exercise(
     shard_range, _shard_trial,
     {"drop_remainder": Bug(_drop_remainder, "per-rank size psi // Nd with no padding", "owned by no rank"),
      "last_takes_rest": Bug(_last_takes_rest, "torch.chunk-style splits", "shards must be equal"),
-     "always_pad": Bug(_always_pad, "an off-by-one in padding to a multiple", "the next multiple")}))
+     "always_pad": Bug(_always_pad, "an off-by-one in padding to a multiple", "the next multiple")},
+    stepped=False))

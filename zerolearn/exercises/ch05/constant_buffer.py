@@ -202,4 +202,5 @@ register(Exercise(
                             "tail travels too (right values, more traffic)", "more than it has"),
      "keeps_every_fill": Bug(_keeps_every_fill, "a copy of every fill kept (for a later copy-back, a log): "
                              "one buffer per fill, as many as the model has", "grows with the model"),
-     "big_staging": Bug(_big_staging, "a staging tensor of its own, 16 times the fused buffer", "scratch CB allows")}))
+     "big_staging": Bug(_big_staging, "a staging tensor of its own, 16 times the fused buffer", "scratch CB allows")},
+    stepped=False))
