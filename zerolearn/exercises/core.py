@@ -323,8 +323,8 @@ def agree(step: int, point: str | None = None) -> None:
             who = f"rank {late[0]}" if len(late) == 1 else f"ranks {', '.join(map(str, late))}"
             raise Wrong(f"{who} did not finish this step within {AGREE_S:g} s of rank {a.rank}, which made "
                         f"{guard_count() - a.first} collectives in the trial so far: {who} waits in a collective "
-                        "the other ranks never call (every rank must call the same collectives, in the same order)",
-                        step)
+                        "the other ranks never call (every rank must call the same collectives, in the same order), "
+                        "or computes without end", step)
         time.sleep(_POLL_S)
     if point is None:
         a.step = step + 1
