@@ -135,23 +135,41 @@ def before(op: str, shapes: tuple, dtype: torch.dtype, group) -> None:
                              "(debug mode stopped it before it could hang or mix data):\n" + "\n".join(lines))
 
 
-def agree_on(value: int, group=None, device: torch.device | str = "cpu") -> list[int]:
-    """Every rank's integer ``value``, in group-rank order: one all_gather of an int64.
+class Proposal:
+    """Every rank's integer, gathered asynchronously (:func:`propose`); :meth:`result`
+    waits for it."""
+
+    def __init__(self, values: list[int] | None, work=None, everyone: torch.Tensor | None = None, group=None):
+        self._values, self._work, self._everyone, self._group = values, work, everyone, group
+
+    def result(self) -> list[int]:
+        """Every rank's value, in group-rank order."""
+        if self._values is None:
+            with loud("propose", self._group):
+                self._work.wait()
+            self._values = self._everyone.tolist()
+        return self._values
+
+
+def propose(value: int, group=None, device: torch.device | str = "cpu") -> Proposal:
+    """Start gathering every rank's integer ``value``: one all_gather of an int64.
 
     For ranks that must agree on what they do next *before* they do it (ZeRO-3: which
-    unit to gather), so that a rank on another code path is named at once instead of
-    pairing with a collective of another size. Eight bytes per rank, outside the ledger
-    (bookkeeping, not the algorithm's traffic); counted in the collective numbering.
+    unit to run), so that a rank on another code path is named at once instead of
+    pairing with a collective of another size. The gather has the same size on every
+    rank, so it pairs up whatever the ranks propose; check :meth:`Proposal.result`
+    before issuing anything that depends on agreement. Eight bytes per rank, outside
+    the ledger (bookkeeping, not the algorithm's traffic); counted in the numbering.
     """
     n = dist.get_world_size(group)
     if n == 1 or dist.get_backend(group) == "fake":
-        return [value]
+        return Proposal([value])
     mine = torch.tensor([value], dtype=torch.int64, device=device)
     everyone = torch.empty(n, dtype=torch.int64, device=device)
     count()
-    with loud("agree_on", group):
-        compat.all_gather_into_tensor(everyone, mine, group=group)
-    return everyone.tolist()
+    with loud("propose", group):
+        work = compat.all_gather_into_tensor(everyone, mine, group=group, async_op=True)
+    return Proposal(None, work, everyone, group)
 
 
 def count() -> None:

@@ -209,16 +209,17 @@ class Zero3Engine(Zero2Engine):
         gathered = sum(g.full.untyped_storage().nbytes() for g in self.groups)
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, gathered)
 
-    def _agree_to_run(self, unit: Unit) -> None:
-        """Every rank names the unit whose forward it is about to run; a rank that took
-        another branch (skipped a unit, ran an extra one) is named here, before an
-        all_gather of another size could pair with this one or a prefetch could hide it
-        (8 bytes per rank per unit forward, outside the ledger).
+    def _check_agreement(self, proposal: guard.Proposal) -> None:
+        """Every rank named the unit whose forward it is about to run (``proposal``,
+        launched by :meth:`_pre_forward`); a rank that took another branch (skipped a
+        unit, ran an extra one) is named here, before an all_gather of another size
+        could pair with this one or a prefetch could hide it (8 bytes per rank per unit
+        forward, outside the ledger).
 
         Raises:
-            ConfigError: ranks are about to gather different units.
+            ConfigError: ranks are about to run different units.
         """
-        indices = guard.agree_on(unit.index, self.pg, self.device)
+        indices = proposal.result()
         if len(set(indices)) == 1:
             return
         by_index = {u.index: u for u in self.units}
@@ -259,10 +260,16 @@ class Zero3Engine(Zero2Engine):
         return self.units[i] if 0 <= i < len(self.units) else None
 
     def _pre_forward(self, unit: Unit) -> None:
-        if not self.in_backward:
-            self._agree_to_run(unit)
-            unit.ran = True
+        recompute = self.in_backward
+        # The ranks' agreement on this unit is checked before this hook issues any
+        # gather; while it travels, a prefetched gather of this unit is waited for.
+        proposal = None if recompute else guard.propose(unit.index, self.pg, self.device)
+        unit.ran = unit.ran or not recompute
         with comm.unit(unit.name, "forward: gather"):  # names this unit in debug mode
+            if unit.gathering:
+                self._finish_gather(unit)
+            if proposal is not None:
+                self._check_agreement(proposal)
             self._gather(unit)
             # Prefetch overlaps the next unit's gather with this compute. A forward inside
             # backward is a recomputation (activation checkpointing): backward walks the
