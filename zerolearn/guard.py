@@ -19,6 +19,10 @@ every call through two guards defined here:
   or stuck) and what the others were doing. (NCCL reports failures from its watchdog
   thread, which aborts the process before Python sees them.)
 
+Ranks that must agree on what they do next before doing it (ZeRO-3: which unit
+runs) exchange one integer each with :func:`propose`, a fixed-size gather that pairs
+up whatever they propose.
+
 The "calling unit" is the label set with :func:`unit` around the collective
 (``with comm.unit("blocks.1", "forward: gather"):``). The engines label their own
 collectives: a ZeRO-3 unit's hooks with the unit's name (the unit whose hook is

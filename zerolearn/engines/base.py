@@ -94,11 +94,14 @@ class Engine(BucketedBackward, EngineStateMixin, abc.ABC):
         max_grad_norm: clip the global gradient norm to this (None: no clipping).
         group: process group over the Nd data-parallel ranks (default: all ranks).
         units: ZeRO-3's gather/free units in forward order (default ``model.units()``
-            if it exists, else the model's direct children; parameters shared by two
-            units, such as tied embeddings, go to the root unit). A unit's parameters
-            may be read only inside its own forward: the next unit in the list is
-            prefetched while the current one runs, and a unit is freed when its
-            forward returns.
+            if it exists, else the model's direct children, a ModuleList's items in
+            its place; parameters shared by two units, or by a unit and a module
+            outside every unit, such as tied embeddings, go to the root unit, gathered
+            for the whole forward and backward). A unit's parameters may be read only
+            inside its own forward (elsewhere: ConfigError naming the parameter): the
+            next unit in the list is prefetched while the current one runs, and a unit
+            is freed when its forward returns. Every rank must run the same units in
+            the same order (else ConfigError naming the ranks and their units).
         model_parallel_group: the tensor-parallel group of this rank (Nm > 1), so that
             clipping and the fp16 overflow check see the whole gradient: parameters
             marked ``tensor_parallel = True`` are slices that differ per rank, the

@@ -92,10 +92,16 @@ class Zero3Engine(Zero2Engine):
     Default units are the model's direct children, with an ``nn.ModuleList`` or
     ``nn.ModuleDict`` child replaced by its items (a container has no forward).
 
+    Before each unit's forward the ranks check that they all run that unit (one
+    8-byte all_gather, outside the ledger, that travels while the unit's prefetched
+    gather is waited for), so a branch taken on some ranks only is named at once
+    instead of pairing gathers of different units.
+
     Raises:
         ConfigError: (construction) a unit passed in ``units=`` is a ModuleList or
             ModuleDict; (forward) the model read a parameter whose unit was not
-            gathered: outside that unit's forward.
+            gathered: outside that unit's forward; ranks are about to run different
+            units.
     """
 
     stage = 3
