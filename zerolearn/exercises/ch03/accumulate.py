@@ -125,8 +125,8 @@ def _accumulate_trial(fn) -> str:
             raise Wrong(f"your function moved {comm.LEDGER.volume_elements() / psi:.2f} Psi over the step's "
                         f"{MICRO} micro-batches; one reduce-scatter per micro-batch moves {MICRO * padded / psi:.2f}",
                         step)
+        agree(step)  # before the step's own all-gathers: a rank that failed never joins them
         sgd_on_shards(buckets, layouts, shards, ref)
-        agree(step)
     return (f"{STEPS} SGD steps of {MICRO} micro-batches each: every gradient shard equals single-process "
             f"training on the whole global batch of {batch}")
 

@@ -168,8 +168,8 @@ def _rs_trial(fn) -> str:
                    if reduced["all_reduce"]["calls"] else "")
             raise Wrong(f"your hooks moved {moved / psi:.2f} Psi in backward{how}; ZeRO-2's reduce-scatter of "
                         f"the gradient moves {padded / psi:.2f} Psi, half of its 2 Psi per step (Sec 7.2.1)", step)
+        agree(step)  # before the step's own all-gathers: a rank that failed never joins them
         sgd_on_shards(buckets, layouts, shards, ref)
-        agree(step)
     return (f"{STEPS} SGD steps of a {psi:,}-parameter MLP in {len(BUCKETS)} buckets: every gradient shard equals "
             f"single-process training, only the shards ({kib(shard_bytes)} per rank) outlive backward, and "
             f"backward moved {padded / psi:.2f} Psi")

@@ -173,6 +173,7 @@ def _gather_trial(fn) -> str:
         F.mse_loss(ref(x), y).backward()
         ref_grads = dict(ref.named_parameters())
         for k, (unit, layout, shard) in enumerate(zip(model.layers, layouts, shards)):
+            agree(step, point=f"unit {k}")  # every rank passed the units before: all join this reduce-scatter
             grad = torch.zeros(layout.shard_numel)
             comm.reduce_scatter(grad, layout.flatten([p.grad for p in unit.parameters()], torch.float32, CPU))
             want = layout.flatten([ref_grads[n].grad for n in layout.names], torch.float32, CPU)
