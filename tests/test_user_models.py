@@ -31,9 +31,18 @@ def reference(kind: str) -> dict:
     return user_model_jobs.train(kind, None)
 
 
+HF = ("gpt2", "gpt2_untied", "llama")
+
+
 @functools.cache
+def hf_runs(world_size: int) -> list:
+    # One set of rank processes per world size for every model and stage.
+    return launch(user_model_jobs.many, world_size, [dict(kind=kind, stage=s) for kind in HF for s in STAGES])[0]
+
+
 def runs(kind: str, world_size: int) -> list:
-    return launch(user_model_jobs.many, world_size, [dict(kind=kind, stage=s) for s in STAGES])[0]
+    first = HF.index(kind) * len(STAGES)
+    return hf_runs(world_size)[first:first + len(STAGES)]
 
 
 # Adam divides by sqrt(v): rounding-level differences in near-zero gradients become
@@ -41,7 +50,7 @@ def runs(kind: str, world_size: int) -> list:
 # their norm while losses agree to 1e-5 (tests/test_equivalence.py says the same).
 @needs_hf
 @pytest.mark.parametrize("world_size", [2, 3])
-@pytest.mark.parametrize("kind", ["gpt2", "gpt2_untied", "llama"])
+@pytest.mark.parametrize("kind", HF)
 def test_hugging_face_models_train_as_one_process_at_every_stage(kind, world_size):
     ref = reference(kind)
     for stage, run in zip(STAGES, runs(kind, world_size)):
