@@ -4,7 +4,7 @@ Each model reads parameters the way some users' models do: the parent reads the 
 unit's weight (which ZeRO-3 has only prefetched), uses a child's weight through
 ``torch.matmul`` or adds its bias after the child returned, units return a dataclass,
 ``nn.TransformerEncoder`` is the whole model (its layers are an ``nn.ModuleList``), a
-branch runs on rank 0 only. Every case either trains exactly as one process on the
+branch runs on rank 0 only, a unit's output is used on rank 0 only. Every case either trains exactly as one process on the
 whole batch, or stops with a ConfigError that names the parameter (or the ranks), its
 unit and the fix, and the ranks go on to the next case in the same process group: no
 garbage, no crash, no hang. All cases run inside one set of rank processes.
@@ -25,6 +25,7 @@ CASES = [(kind, stage, {}) for kind in ("reads_next", "reads_child", "reads_chil
                                         "encoder_only") for stage in STAGES]
 CASES += [("reads_next", 3, {"no_grad_first": True}), ("dataclass_units", 3, {}),
           ("branchy", 3, {"branch": "rank0"}), ("dataclass_units", 3, {}),
+          ("branch_discarded", 3, {"branch": "rank0"}), ("dataclass_units", 3, {}),
           ("dataclass_units", 3, {"units": ["blocks"]}), ("dataclass_units", 3, {})]
 CASES += [("mixed_dtypes", stage, {}) for stage in STAGES]
 REFUSED = {"reads_next": "b.weight (unit 2: b, Linear)", "reads_child": "mix.weight (unit 1: mix, Linear)",
@@ -81,6 +82,14 @@ def test_a_branch_taken_on_one_rank_only_is_named_at_once_at_zero_3():
     (_, run), = results("branchy")
     assert isinstance(run, str) and run.startswith("ConfigError"), run
     assert "rank 0 runs unit 2: branch" in run and "rank 1 runs unit 3: head" in run and "units=" in run, run
+
+
+def test_a_unit_whose_output_one_rank_discards_is_named_in_backward_at_zero_3():
+    # Every rank runs the unit, so forward agrees; its gradients exist on rank 0 only.
+    (_, run), = results("branch_discarded")
+    assert isinstance(run, str) and run.startswith("ConfigError"), run
+    assert "rank 0 reduces group[branch.bias..branch.weight] (unit 2: branch, Linear)" in run, run
+    assert "rank 1 " in run and "units=" in run, run
 
 
 def test_a_module_list_passed_as_a_unit_is_refused_before_work():

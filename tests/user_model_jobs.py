@@ -191,6 +191,15 @@ class Branchy(nn.Module):
         return self.head(h)
 
 
+class BranchDiscarded(Branchy):
+    """Runs the branch on every rank but adds its output only when ``use_branch``."""
+
+    def forward(self, x):
+        h = torch.tanh(self.trunk(self.emb(x)))
+        b = torch.tanh(self.branch(h))
+        return self.head(h + b if self.use_branch else h)
+
+
 class MixedDtypes(nn.Module):
     def __init__(self):
         super().__init__()
@@ -220,6 +229,7 @@ HAND_WRITTEN = {"cnn": lambda: BatchNormCNN(), "hand_tied": lambda: HandTied(),
                 "reads_child": lambda: ReadsChildWeight(), "reads_child_bias": lambda: ReadsChildBias(),
                 "dataclass_units": lambda: DataclassUnits(),
                 "encoder_only": lambda: EncoderOnly(), "branchy": lambda: Branchy(),
+                "branch_discarded": lambda: BranchDiscarded(),
                 "mixed_dtypes": lambda: MixedDtypes()}
 
 

@@ -68,6 +68,9 @@ class BucketedBackward:
         self.in_backward = True  # forwards run now are recomputations (activation checkpointing)
         try:
             (loss * self.scaler.scale if self.scaler.enabled else loss).backward()
+        except Exception as e:
+            self._abandon_backward(e)
+            raise
         finally:
             self.in_backward = False
         if sync:
@@ -116,6 +119,20 @@ class BucketedBackward:
             self._launch(self.groups[self._next])
             self._next += 1
 
+    def _abandon_backward(self, error: Exception) -> None:
+        """A backward failed (an error from a hook, or the model's own): finish the
+        reductions in flight, which every rank issued alike, unless the process group
+        itself failed; the next backward starts clean."""
+        from zerolearn import guard
+
+        if not isinstance(error, (guard.CollectiveError, guard.CollectiveMismatch)):
+            while self._pending:
+                self._finish_oldest()
+        self._pending.clear()
+
+    def _before_reduce(self, g: GroupState) -> None:
+        """Hook: ``g``'s reduction is about to be issued (ZeRO-3 checks the ranks agree)."""
+
     def _may_launch(self, g: GroupState) -> bool:
         """``g``'s reduction may start during backward (else at its end): all its
         gradients are in (ZeRO-3 holds its root unit's groups to the end)."""
@@ -126,6 +143,7 @@ class BucketedBackward:
         # overflow where each one does not.
         if self.world_size > 1:
             g.grad_full.div_(self.world_size)
+        self._before_reduce(g)
         with comm.unit(g.layout.label, "backward: reduce"):
             g.reducing = self._reduce(g)
         self._pending.append(g)

@@ -145,6 +145,7 @@ class Zero3Engine(Zero2Engine):
             groups += unit_groups
         self.units.sort(key=lambda unit: unit.index)  # forward order
         self._unit_of = {id(g): unit for unit in self.units for g in unit.groups}
+        self._group_index = {id(g): i for i, g in enumerate(groups)}
         # What the guards look up: a parameter, or a storage autograd saved, -> its unit.
         self._param_unit = {id(p): (name, unit) for unit in self.units for g in unit.groups
                             for name, p in zip(g.layout.names, g.params)}
@@ -208,12 +209,46 @@ class Zero3Engine(Zero2Engine):
     def _start_gather(self, unit: Unit) -> None:
         if unit.gathered or unit.gathering:
             return
+        if self.in_backward:
+            self._check_backward(unit.index)
         for g in unit.groups:
             g.full.untyped_storage().resize_(g.layout.padded_numel * g.full.element_size())
             self._track_buffer(g.full)
             unit.gathering.append(comm.all_gather(g.full, g.shard, group=self.pg, async_op=True))
         gathered = sum(g.full.untyped_storage().nbytes() for g in self.groups)
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, gathered)
+
+    # In backward, which units a rank gathers and when its groups' gradients are complete
+    # follow the gradients it got: a unit whose output only some ranks use, or a branch
+    # inside a unit, would make ranks issue gathers and reductions in different orders.
+    # So before each of them the ranks check they are about to do the same thing.
+    def _before_reduce(self, g: GroupState) -> None:
+        self._check_backward(-1 - self._group_index[id(g)])
+
+    def _check_backward(self, code: int) -> None:
+        """``code``: a unit index (about to gather it) or -1 - a group index (about to
+        reduce it); every rank must propose the same.
+
+        Raises:
+            ConfigError: ranks are about to issue different collectives in backward.
+        """
+        codes = guard.propose(code, self.pg, self.device).result()
+        if len(set(codes)) == 1:
+            return
+        by_index = {u.index: u for u in self.units}
+
+        def what(c: int) -> str:
+            if c >= 0:
+                return f"gathers {by_index[c].describe()}"
+            g = self.groups[-1 - c]
+            return f"reduces {g.layout.label} ({self._unit_of[id(g)].describe()})"
+
+        doing = "; ".join(f"rank {r} {what(c)}" for r, c in zip(guard.group_ranks(self.pg), codes))
+        raise ConfigError(
+            f"ZeRO-3: in backward, ranks are about to issue different collectives ({doing}): some parameters "
+            "got gradients on some ranks only (a unit whose output only some ranks use, or a branch inside a "
+            "unit that depends on the rank or its data). Leave such a module out of units= (its parameters "
+            "then belong to the root unit, reduced at the end of backward on every rank).")
 
     def _check_agreement(self, proposal: guard.Proposal) -> None:
         """Every rank named the unit whose forward it is about to run (``proposal``,
@@ -322,6 +357,11 @@ class Zero3Engine(Zero2Engine):
         # on those ranks only at the end of backward, so every rank reduces them there,
         # after every backward gather, and collectives are issued in one order everywhere.
         return g.complete and self._unit_of[id(g)].module is not self.model
+
+    def _abandon_backward(self, error: Exception) -> None:
+        super()._abandon_backward(error)
+        if not isinstance(error, (guard.CollectiveError, guard.CollectiveMismatch)):
+            self._settle()
 
     def _after_backward(self) -> None:
         for unit in self.units:  # units some of whose parameters got no gradient
