@@ -4,10 +4,10 @@ Each model reads parameters the way some users' models do: the parent reads the 
 unit's weight (which ZeRO-3 has only prefetched), uses a child's weight through
 ``torch.matmul`` or adds its bias after the child returned, units return a dataclass,
 ``nn.TransformerEncoder`` is the whole model (its layers are an ``nn.ModuleList``), a
-branch runs on rank 0 only, a unit's output is used on rank 0 only. Every case either trains exactly as one process on the
-whole batch, or stops with a ConfigError that names the parameter (or the ranks), its
-unit and the fix, and the ranks go on to the next case in the same process group: no
-garbage, no crash, no hang. All cases run inside one set of rank processes.
+branch runs on rank 0 only, a unit's output is used on rank 0 only. Every case either
+trains exactly as one process on the whole batch, or stops with a ConfigError that
+names the parameter (or the ranks), its unit and the fix, and the ranks go on to the
+next case in the same process group: no garbage, no crash, no hang. All cases run inside one set of rank processes.
 """
 
 import functools
