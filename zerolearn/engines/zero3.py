@@ -95,13 +95,15 @@ class Zero3Engine(Zero2Engine):
     Before each unit's forward the ranks check that they all run that unit (one
     8-byte all_gather, outside the ledger, that travels while the unit's prefetched
     gather is waited for), so a branch taken on some ranks only is named at once
-    instead of pairing gathers of different units.
+    instead of pairing gathers of different units. In backward the ranks check the
+    same way before each gather and each reduction, which follow the gradients a rank
+    got (a unit whose output only some ranks use).
 
     Raises:
         ConfigError: (construction) a unit passed in ``units=`` is a ModuleList or
             ModuleDict; (forward) the model read a parameter whose unit was not
             gathered: outside that unit's forward; ranks are about to run different
-            units.
+            units; (backward) ranks are about to gather or reduce different things.
     """
 
     stage = 3
