@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zerolearn import comm, data
+from zerolearn import checkpoint, comm, data
 from zerolearn import dist as zdist
 from zerolearn.engines import make_engine
 
@@ -275,14 +275,16 @@ def torch_optimizer(name: str, params, lr: float, momentum: float, weight_decay:
 
 def train(kind: str, stage: int | None, steps: int = 3, accum: int = 1, accum_style: str = "repeated",
           optimizer: str = "adam", lr: float = 1e-2, momentum: float = 0.0, weight_decay: float = 0.0,
-          branch: str | None = None, no_grad_first: bool = False, units: list[str] | None = None) -> dict:
+          branch: str | None = None, no_grad_first: bool = False, units: list[str] | None = None,
+          resume_at: int | None = None, checkpoint_dir: str | None = None) -> dict:
     """``stage`` None: plain PyTorch on the whole batch in one process (the reference).
     Else the engine on this rank's slice. Returns losses, full fp32 parameters, buffers.
 
     ``branch``: when ``Branchy`` takes its branch (:func:`use_branch`; the reference
     takes it when rank 0 would). ``no_grad_first``: run one forward under
     ``torch.no_grad()`` before training (evaluation first). ``units``: ZeRO-3 units
-    by module name."""
+    by module name. ``resume_at``: after that many steps, save a checkpoint under
+    ``checkpoint_dir``, then go on with a new model and engine loaded from it."""
     model = build(kind)
     if stage is None:
         opt = torch_optimizer(optimizer, [p for p in model.parameters() if p.requires_grad], lr, momentum,
@@ -299,14 +301,23 @@ def train(kind: str, stage: int | None, steps: int = 3, accum: int = 1, accum_st
         return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()},
                 "buffers": {n: b.clone() for n, b in model.named_buffers()}}
     ctx = zdist.context()
-    extra = {"units": [model.get_submodule(name) for name in units]} if units is not None else {}
-    engine = make_engine(stage, model, optimizer=optimizer, lr=lr, momentum=momentum, weight_decay=weight_decay,
-                         bucket_mb=0.01, **extra)
+
+    def new_engine(model):
+        extra = {"units": [model.get_submodule(name) for name in units]} if units is not None else {}
+        return make_engine(stage, model, optimizer=optimizer, lr=lr, momentum=momentum, weight_decay=weight_decay,
+                           bucket_mb=0.01, **extra)
+
+    engine = new_engine(model)
     if no_grad_first:
         with torch.no_grad():
             run_model(kind, engine, data.rank_slice(batch(kind, 0)[0], ctx.rank, ctx.world_size))
     losses = []
     for step in range(steps):
+        if step == resume_at:
+            checkpoint.save(engine, checkpoint_dir, step)
+            model = build(kind)
+            engine = new_engine(model)
+            assert checkpoint.load(engine, checkpoint_dir) == step
         x, y = (data.rank_slice(t, ctx.rank, ctx.world_size) for t in batch(kind, step))
         model.use_branch = use_branch(kind, step, ctx.rank, branch)
         local = 0.0

@@ -22,6 +22,8 @@ Directory format (version 1)::
 completed), ``stage``, ``world_size``, ``dtype``, ``optimizer``, ``torch``;
 ``scaler`` (fp16 loss scale: ``enabled``, ``scale``, ``clean_steps``,
 ``skipped_steps``); ``params``: [name, shape] of every trainable parameter;
+``skipped`` ({name: steps} of parameters that sat out optimizer steps, unused on
+every rank, so that Adam's per-parameter step count survives a resume; optional);
 ``groups``: per flat group ``names``, ``shapes``, ``offsets`` (elements),
 ``numel``, ``padded_numel`` and ``pieces``: [rank, start, stop, index], meaning
 elements [start, stop) of the group's flat buffer are piece ``index`` of that

@@ -167,6 +167,7 @@ def _manifest(engine, step: int, extra: dict | None, metas: list[dict]) -> dict:
         "dtype": _identity(engine, 0, step)["dtype"], "torch": compat.TORCH_VERSION,
         "scaler": {"enabled": engine.scaler.enabled, **engine.scaler.state_dict()},
         "params": [[n, list(s)] for g in engine.groups for n, s in zip(g.layout.names, g.layout.shapes)],
+        "skipped": {n: k for g in engine.groups for n, k in zip(g.layout.names, g.skipped) if k},
         "state_keys": metas[0]["state_keys"], "groups": groups, "aliases": aliases,
         "module_keys": sorted(module),
         "files": [{"file": m["file"], "bytes": m["bytes"], "sha256": m["sha256"],
@@ -270,6 +271,8 @@ def _apply(engine, found: dict, restore_rng: bool) -> None:
     """Set what :func:`zerolearn.checkpoint.reshard.plan` found (a collective: republishes)."""
     engine.load_shards(found["masters"], found["optimizer"])
     man = found["manifest"]
+    for g in engine.groups:  # steps each parameter sat out, unused on every rank (Adam counts them)
+        g.skipped = [man.skipped.get(n, 0) for n in g.layout.names]
     if man.scaler.enabled and engine.scaler.enabled:
         engine.scaler.load_state_dict(man.scaler.state_dict())
     if "module" in found:

@@ -135,6 +135,7 @@ class Manifest:
     torch: str
     scaler: Scaler
     params: tuple[tuple[str, tuple[int, ...]], ...]
+    skipped: dict[str, int]
     state_keys: tuple[str, ...]
     groups: tuple[Group, ...]
     aliases: dict
@@ -191,6 +192,7 @@ class Manifest:
         version = c.text(c.key(top, "torch"), "torch")
         scaler = _scaler(c, c.obj(c.key(top, "scaler"), "scaler"))
         params = _params(c, c.array(c.key(top, "params"), "params"))
+        skipped = _skipped(c, top.get("skipped", {}), dict(params), step)
         state_keys = tuple(c.text(k, f"state_keys[{i}]")
                            for i, k in enumerate(c.array(c.key(top, "state_keys"), "state_keys")))
         c.unique(state_keys, "state_keys")
@@ -204,7 +206,7 @@ class Manifest:
                             for i, k in enumerate(c.array(c.key(top, "module_keys"), "module_keys")))
         c.unique(module_keys, "module_keys")
         extra = c.obj(c.key(top, "extra"), "extra")
-        return cls(path, step, stage, world, optimizer, dtype, version, scaler, params, state_keys, groups,
+        return cls(path, step, stage, world, optimizer, dtype, version, scaler, params, skipped, state_keys, groups,
                    dict(aliases), module_keys, files, dict(extra))
 
 
@@ -285,6 +287,16 @@ def _params(c: _Checker, params: list) -> tuple:
         out.append((c.text(name, f"params[{i}][0]"), _shape(c, shape, f"params[{i}][1]")))
     c.unique([n for n, _ in out], "params (names)")
     return tuple(out)
+
+
+def _skipped(c: _Checker, skipped, params: dict, step: int) -> dict[str, int]:
+    """Optimizer steps each parameter sat out, unused on every rank (absent: none)."""
+    out = {}
+    for name, n in c.obj(skipped, "skipped").items():
+        if name not in params:
+            c.fail(f"skipped[{name!r}]", "not a saved parameter")
+        out[name] = c.count(n, f"skipped[{name!r}]", 0, step)
+    return out
 
 
 def _files(c: _Checker, files: list, step: int, stage: int, world: int, dtype: str) -> tuple[FileEntry, ...]:
