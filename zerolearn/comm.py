@@ -209,7 +209,7 @@ def monitor_mean(value: float, group=None) -> float:
     if dist.get_backend(group) == "nccl":
         t = t.cuda()
     guard.count()
-    with guard.loud("monitor_mean", group):
+    with guard.loud("monitor_mean", group), guard.monitoring("monitor_mean"):
         dist.all_reduce(t, group=group)
     return t.item() / dist.get_world_size(group)
 
@@ -218,7 +218,7 @@ def gather_objects(obj, group=None) -> list:
     """Every rank's picklable ``obj``, in rank order (for reports; not in the ledger)."""
     out = [None] * dist.get_world_size(group)
     guard.count()
-    with guard.loud("gather_objects", group):
+    with guard.loud("gather_objects", group), guard.monitoring("gather_objects", 2):
         dist.all_gather_object(out, obj, group=group)
     return out
 
@@ -227,7 +227,7 @@ def barrier(group=None) -> None:
     """Wait until every rank of ``group`` gets here (not in the ledger)."""
     if dist.get_world_size(group) > 1 and dist.get_backend(group) != "fake":
         guard.count()
-        with guard.loud("barrier", group):
+        with guard.loud("barrier", group), guard.monitoring("barrier"):
             dist.barrier(group=group)
 
 

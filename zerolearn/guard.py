@@ -126,7 +126,7 @@ def before(op: str, shapes: tuple, dtype: torch.dtype, group) -> None:
     mine = {"fingerprint": (op, shapes, str(dtype).removeprefix("torch."), where), "doing": doing}
     everyone = [None] * dist.get_world_size(group)
     checks += 1
-    with loud("fingerprint exchange", group):
+    with loud("fingerprint exchange", group), monitoring("fingerprint exchange", 2):
         dist.all_gather_object(everyone, mine, group=group)
     if all(e["fingerprint"] == mine["fingerprint"] for e in everyone):
         return
@@ -171,7 +171,7 @@ def propose(value: int, group=None, device: torch.device | str = "cpu") -> Propo
     mine = torch.tensor([value], dtype=torch.int64, device=device)
     everyone = torch.empty(n, dtype=torch.int64, device=device)
     count()
-    with loud("propose", group):
+    with loud("propose", group), monitoring("propose"):
         work = compat.all_gather_into_tensor(everyone, mine, group=group, async_op=True)
     return Proposal(None, work, everyone, group)
 
@@ -217,6 +217,21 @@ def _diagnose(op: str, group, seq: int | None, error: BaseException) -> str:
                      f"{REPORT_GRACE_S:g} s: dead or stuck")
     parts += [f"rank {r} failed in {d}" for r, d in sorted(heard.items()) if r != me]
     return "; ".join(parts)
+
+
+# Profiler label around the launch of a monitoring collective (not in the ledger: a
+# unit agreement, the used-parameter flags, a logged loss): "<MONITOR>|op|n", n the
+# backend collectives it issues. The timeline leaves those out of the step's traffic.
+MONITOR = "zerolearn.monitor"
+
+
+def monitoring(op: str, backend_calls: int = 1):
+    """``torch.profiler.record_function(f"{MONITOR}|{op}|{backend_calls}")`` while a
+    profiler records, else nothing. ``backend_calls``: collectives the launch issues
+    in the backend (``all_gather_object``: 2, the sizes and then the data)."""
+    if torch._C._autograd._profiler_enabled():
+        return torch.profiler.record_function(f"{MONITOR}|{op}|{backend_calls}")
+    return contextlib.nullcontext()
 
 
 @contextlib.contextmanager

@@ -51,7 +51,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable
 
-from zerolearn import comm
+from zerolearn import comm, guard
 
 STEP, PHASE = "zerolearn.step", "zerolearn.phase"  # profiler labels set by zerolearn.timeline.runs
 LANES = ("step", "compute", "comm", "launch", "wait")
@@ -154,9 +154,30 @@ def calls(intervals: list[dict], rank: int) -> dict[str, int]:
 def profile_events(prof) -> list[tuple[str, int, float, float]]:
     """The events of a finished ``torch.profiler.profile`` this module reads, as
     ``(name, thread, start_us, end_us)``: zerolearn's labels and the backend's collectives."""
-    wanted = (STEP, PHASE, comm.LAUNCH, comm.WAIT, comm.RELEASE, "gloo:")
+    wanted = (STEP, PHASE, comm.LAUNCH, comm.WAIT, comm.RELEASE, guard.MONITOR, "gloo:")
     return [(e.name, e.thread, e.time_range.start, e.time_range.end) for e in prof.events()
             if e.name.startswith(wanted)]
+
+
+def _algorithm_events(inside: list[tuple[str, int, float, float]]) -> list[tuple[str, int, float, float]]:
+    """The backend's events of the collectives launched through comm's ledger, in issue order.
+
+    gloo's worker threads open an event per collective in the order they were issued.
+    Monitoring collectives (not the algorithm's traffic and not in the ledger: ZeRO-3's
+    unit agreement, the used-parameter flags) are labelled ``MONITOR|op|n`` where they
+    are launched, n their backend collectives: walking launches and monitors in issue
+    order, those n events are skipped.
+    """
+    backend = [e for e in inside if e[0].startswith("gloo:") and e[0] != "gloo:barrier"]
+    issued = sorted((e for e in inside if e[0].startswith((comm.LAUNCH + "|", guard.MONITOR + "|"))),
+                    key=lambda e: e[2])
+    kept, i = [], 0
+    for name, *_ in issued:
+        n = int(name.split("|")[2]) if name.startswith(guard.MONITOR + "|") else 1
+        if not name.startswith(guard.MONITOR + "|"):
+            kept += backend[i:i + n]
+        i += n
+    return kept + backend[i:]  # more events than launches: the caller says so
 
 
 def _containing(spans: list[tuple[float, float, str]], t: float) -> str | None:
@@ -190,7 +211,7 @@ def intervals_from_events(events: Iterable[tuple[str, int, float, float]], rank:
               and thread == main]
     out += [{"rank": rank, "lane": "compute", "label": p, "start": sec(a), "end": sec(b)} for a, b, p in phases]
     launches = [e for e in inside if e[0].startswith(comm.LAUNCH + "|")]
-    backend = [e for e in inside if e[0].startswith("gloo:") and e[0] != "gloo:barrier"]
+    backend = _algorithm_events(inside)
     if len(backend) != len(launches):
         raise ValueError(f"{len(launches)} collectives launched but the profiler recorded {len(backend)} backend "
                          f"events ({sorted(set(e[0] for e in backend))}): the timeline reads gloo's events")
