@@ -2,6 +2,7 @@
 path ending in a separator, a missing folder, a loop of symbolic links, a component that
 is a file, an integer out of range. All in this process: nothing is trained."""
 
+import errno
 import os
 
 import pytest
@@ -67,6 +68,19 @@ def test_timeline_refuses_bad_paths_and_numbers_with_exit_2_before_any_work(argv
     err = refused(timeline_cli.main, [a.format(**paths) for a in argv], capsys)
     assert message.format(**paths) in err, err
     assert not os.path.exists("o")
+
+
+def test_timeline_makes_its_folders_before_recording_and_names_one_it_cannot_make(paths, capsys, monkeypatch):
+    def cannot(path, exist_ok=False):  # a read-only file system, say, that the checks above let through
+        raise OSError(errno.EROFS, "Read-only file system", path)
+
+    def record_all(*args):
+        raise AssertionError("recorded before the output folder was made")
+
+    monkeypatch.setattr(timeline_cli.os, "makedirs", cannot)
+    monkeypatch.setattr(timeline_cli.timeline, "record_all", record_all)
+    err = refused(timeline_cli.main, ["--out", "o"], capsys)
+    assert "--out o: cannot be created (Read-only file system: o)" in err, err
 
 
 @pytest.mark.parametrize("argv, message", [

@@ -56,9 +56,14 @@ def main(argv: list[str] | None = None) -> int:
             check_output_folder("--traces", args.traces)
     except ConfigError as e:
         p.error(str(e))
+    for option, folder in (("--out", args.out), ("--traces", args.traces)):
+        try:  # made before recording, so a folder that cannot be made costs no recording
+            if folder is not None:
+                os.makedirs(folder, exist_ok=True)
+        except OSError as e:
+            p.error(f"{option} {folder}: cannot be created ({e.strerror}: {e.filename})")
     t0 = time.perf_counter()
     results = timeline.record_all(args.world_size, args.traces, args.repeats)
-    os.makedirs(args.out, exist_ok=True)
     for key, name in timeline.FILES.items():
         with open(os.path.join(args.out, name), "w") as f:
             json.dump(results[key], f, separators=(",", ":"))
