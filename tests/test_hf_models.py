@@ -11,7 +11,6 @@ import functools
 import importlib.util
 
 import pytest
-import torch
 import user_model_jobs
 
 from zerolearn.dist import launch
@@ -29,11 +28,6 @@ needs_hf = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
                               reason="transformers is not installed (pip install .[hf])")
 
 
-def rel_error(params: dict, ref: dict) -> float:
-    diff = torch.cat([(params[n].float() - ref[n]).flatten() for n in ref if n in params])
-    return (diff.norm() / torch.cat([r.flatten() for r in ref.values()]).norm()).item()
-
-
 @functools.cache
 def reference(kind: str) -> dict:
     return user_model_jobs.train(kind, None, **SGD)
@@ -49,4 +43,4 @@ def test_models_nobody_here_wrote_train_as_one_process_at_every_stage(world_size
         assert not isinstance(run, str), f"{where}: {run}"
         ref = reference(kind)
         assert run["losses"] == pytest.approx(ref["losses"], rel=1e-6), where
-        assert rel_error(run["params"], ref["params"]) < 1e-6, where
+        assert user_model_jobs.rel_error(run["params"], ref["params"]) < 1e-6, where

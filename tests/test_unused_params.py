@@ -25,11 +25,6 @@ ALL_RANKS = [(opt, branch, stage) for opt in OPTIMIZERS for branch in ("never", 
 RANK0_UNITS = ["emb", "trunk", "head"]
 
 
-def rel_error(params: dict, ref: dict) -> float:
-    diff = torch.cat([(params[n].float() - ref[n]).flatten() for n in ref if n in params])
-    return (diff.norm() / torch.cat([r.flatten() for r in ref.values()]).norm()).item()
-
-
 @functools.cache
 def reference(opt: str, branch: str) -> dict:
     return user_model_jobs.train("branchy", None, steps=4, branch=branch, **OPTIMIZERS[opt])
@@ -61,7 +56,7 @@ def test_a_parameter_no_rank_used_is_not_updated_as_in_torch_optim(checkpoints):
         assert not isinstance(run, str), f"{where}: {run}"
         ref = reference(opt, branch)
         assert run["losses"] == pytest.approx(ref["losses"], rel=1e-6), where
-        assert rel_error(run["params"], ref["params"]) < 1e-6, where
+        assert user_model_jobs.rel_error(run["params"], ref["params"]) < 1e-6, where
         if branch == "never":  # not moved at all, not merely little
             initial = user_model_jobs.build("branchy").branch.weight
             assert torch.equal(run["params"]["branch.weight"], initial.detach()), where
@@ -73,7 +68,7 @@ def test_a_parameter_used_on_some_ranks_is_averaged_with_zeros_as_ddp_does(world
     for stage, run in zip(STAGES, rank0):
         assert not isinstance(run, str), f"stage {stage}: {run}"
         assert run["losses"] == pytest.approx(ddp["losses"], rel=1e-6), f"stage {stage}"
-        assert rel_error(run["params"], ddp["params"]) < 1e-6, f"stage {stage}"
+        assert user_model_jobs.rel_error(run["params"], ddp["params"]) < 1e-6, f"stage {stage}"
 
 
 def test_a_resumed_run_keeps_the_steps_each_parameter_sat_out(checkpoints):
@@ -84,4 +79,4 @@ def test_a_resumed_run_keeps_the_steps_each_parameter_sat_out(checkpoints):
     for stage, run in zip(STAGES, runs(2, checkpoints)[3]):
         assert not isinstance(run, str), f"stage {stage}: {run}"
         assert run["losses"] == pytest.approx(ref["losses"], rel=1e-6), f"stage {stage}"
-        assert rel_error(run["params"], ref["params"]) < 1e-6, f"stage {stage}"
+        assert user_model_jobs.rel_error(run["params"], ref["params"]) < 1e-6, f"stage {stage}"

@@ -21,11 +21,6 @@ needs_hf = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
                               reason="transformers is not installed (pip install .[hf])")
 
 
-def rel_error(params: dict, ref: dict) -> float:
-    diff = torch.cat([(params[n].float() - ref[n]).flatten() for n in ref if n in params])
-    return (diff.norm() / torch.cat([r.flatten() for r in ref.values()]).norm()).item()
-
-
 @functools.cache
 def reference(kind: str) -> dict:
     return user_model_jobs.train(kind, None)
@@ -56,7 +51,7 @@ def test_hugging_face_models_train_as_one_process_at_every_stage(kind, world_siz
     for stage, run in zip(STAGES, runs(kind, world_size)):
         assert not isinstance(run, str), f"stage {stage}: {run}"
         assert run["losses"] == pytest.approx(ref["losses"], rel=1e-5), f"stage {stage}"
-        assert rel_error(run["params"], ref["params"]) < 1e-2, f"stage {stage}"
+        assert user_model_jobs.rel_error(run["params"], ref["params"]) < 1e-2, f"stage {stage}"
 
 
 @needs_hf
@@ -76,7 +71,7 @@ def test_batchnorm_trains_as_torch_ddp_with_rank_0s_buffers_on_every_rank():
     for stage in STAGES:
         r0, r1 = out[0][stage + 1], out[1][stage + 1]
         assert r0["losses"] == pytest.approx(ddp["losses"], rel=1e-5), f"stage {stage}"
-        assert rel_error(r0["params"], ddp["params"]) < 1e-2, f"stage {stage}"
+        assert user_model_jobs.rel_error(r0["params"], ddp["params"]) < 1e-2, f"stage {stage}"
         for name, value in r0["buffers"].items():
             assert torch.equal(value, r1["buffers"][name]), f"stage {stage}: {name} differs between ranks"
             assert torch.allclose(value.float(), ddp["buffers"][name].float(), rtol=1e-4, atol=1e-6), name
@@ -102,7 +97,7 @@ def test_accumulation_written_any_way_equals_one_large_batch(style):
     ref = jobs.reference("sgd")
     for stage, run in zip(STAGES, out):
         assert run["losses"] == pytest.approx(ref["losses"], rel=1e-5), f"stage {stage}"
-        assert rel_error(run["params"], ref["params"]) < 1e-5, f"stage {stage}"
+        assert user_model_jobs.rel_error(run["params"], ref["params"]) < 1e-5, f"stage {stage}"
 
 
 def test_accumulation_trades_traffic_for_memory_at_stage_2():

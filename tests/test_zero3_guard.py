@@ -13,7 +13,6 @@ next case in the same process group: no garbage, no crash, no hang. All cases ru
 import functools
 
 import pytest
-import torch
 import user_model_jobs
 
 from zerolearn.dist import launch
@@ -30,11 +29,6 @@ CASES += [("reads_next", 3, {"no_grad_first": True}), ("dataclass_units", 3, {})
 CASES += [("mixed_dtypes", stage, {}) for stage in STAGES]
 REFUSED = {"reads_next": "b.weight (unit 2: b, Linear)", "reads_child": "mix.weight (unit 1: mix, Linear)",
            "reads_child_bias": "mix.bias (unit 1: mix, Linear)"}
-
-
-def rel_error(params: dict, ref: dict) -> float:
-    diff = torch.cat([(params[n].float() - ref[n]).flatten() for n in ref if n in params])
-    return (diff.norm() / torch.cat([r.flatten() for r in ref.values()]).norm()).item()
 
 
 @functools.cache
@@ -56,7 +50,7 @@ def assert_exact(kind: str, stage: int, run) -> None:
     assert not isinstance(run, str), f"{kind} at stage {stage}: {run}"
     ref = reference(kind)
     assert run["losses"] == pytest.approx(ref["losses"], rel=1e-6), f"{kind} at stage {stage}"
-    assert rel_error(run["params"], ref["params"]) < 1e-6, f"{kind} at stage {stage}"
+    assert user_model_jobs.rel_error(run["params"], ref["params"]) < 1e-6, f"{kind} at stage {stage}"
 
 
 @pytest.mark.parametrize("kind", sorted(REFUSED))

@@ -366,6 +366,12 @@ def train_ddp(kind: str, stage: None = None, steps: int = 3, optimizer: str = "a
             "buffers": {n: b.clone() for n, b in model.named_buffers()}}
 
 
+def rel_error(params: dict, ref: dict) -> float:
+    """Relative L2 error of ``params`` against ``ref`` over the parameters both hold."""
+    diff = torch.cat([(params[n].float() - ref[n]).flatten() for n in ref if n in params])
+    return (diff.norm() / torch.cat([r.flatten() for r in ref.values()]).norm()).item()
+
+
 def many(runs: list[dict]) -> list[dict | str]:
     """Several :func:`train` runs in one process group; an exception becomes its message."""
     out = []
