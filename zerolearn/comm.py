@@ -39,7 +39,7 @@ OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
 LAUNCH, WAIT, RELEASE = "zerolearn.comm", "zerolearn.wait", "zerolearn.release"
 __all__ = ["LAUNCH", "LEDGER", "OPS", "RELEASE", "WAIT", "CollectiveError", "CollectiveMismatch", "CommLedger",
            "Handle", "all_gather", "all_reduce", "barrier", "broadcast", "debug_enabled", "gather_objects",
-           "monitor_mean", "profiler_label", "reduce_scatter", "set_debug", "unit"]
+           "monitor_max", "monitor_mean", "profiler_label", "reduce_scatter", "set_debug", "unit"]
 
 
 @dataclass
@@ -212,6 +212,14 @@ def monitor_mean(value: float, group=None) -> float:
     with guard.loud("monitor_mean", group), guard.monitoring("monitor_mean"):
         dist.all_reduce(t, group=group)
     return t.item() / dist.get_world_size(group)
+
+
+def monitor_max(tensor: torch.Tensor, group=None) -> None:
+    """Elementwise max of ``tensor`` over ranks, in place: bookkeeping (which parameters
+    any rank used), not in the ledger, which counts what the algorithm itself moves."""
+    guard.count()
+    with guard.loud("monitor_max", group), guard.monitoring("monitor_max"):
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
 
 
 def gather_objects(obj, group=None) -> list:

@@ -288,13 +288,14 @@ class Engine(BucketedBackward, EngineStateMixin, abc.ABC):
     def _used_anywhere(self) -> list[list[bool]]:
         """Per group and parameter: did any rank use it since the last ``zero_grad``?
 
-        One exchange of a bit per parameter (``comm.gather_objects``, outside the
-        ledger), the same answer on every rank."""
+        One all_reduce (max) of a byte per parameter, outside the ledger, as DDP's
+        ``find_unused_parameters`` does: the same answer on every rank."""
         mine = [flag for g in self.groups for flag in g.used]
         if self.world_size > 1 and torch.distributed.get_backend(self.pg) != "fake":  # fake: rank 0 alone
+            flags = torch.tensor(mine, dtype=torch.uint8, device=self.device)
             with comm.unit("<model>", "step: which parameters were used"):
-                everyone = comm.gather_objects(bytes(mine), group=self.pg)
-            mine = [any(flags) for flags in zip(*everyone)]
+                comm.monitor_max(flags, group=self.pg)
+            mine = flags.bool().tolist()
         out, k = [], 0
         for g in self.groups:
             out.append(list(mine[k:k + len(g.params)]))
