@@ -14,7 +14,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from zerolearn.dist import ConfigError
-from zerolearn.residual.checkpointing import checkpoint
 
 MODELS = ("mlp", "gpt")
 
@@ -125,7 +124,9 @@ class GPT(nn.Module):
         self.embed = Embedding(cfg)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.head = Head(cfg)
-        self.checkpoint_store = None  # a residual.CheckpointStore turns on activation checkpointing
+        # A residual.checkpointing.CheckpointStore turns on activation checkpointing: forward
+        # then runs each block through its checkpoint() and reserve() (its MD pool).
+        self.checkpoint_store = None
         for name, p in self.named_parameters():
             if p.dim() > 1:  # GPT-2's initialisation; LayerNorm and biases keep torch's
                 nn.init.normal_(p, std=0.02)
@@ -139,7 +140,7 @@ class GPT(nn.Module):
             store.reserve(len(self.blocks), x)
         for block in self.blocks:
             # With a store, each block keeps only its input and recomputes in backward (Sec 3.2).
-            x = checkpoint(block, x, store) if store is not None else block(x)
+            x = store.checkpoint(block, x) if store is not None else block(x)
         return self.head(x)
 
     def units(self) -> list[nn.Module]:

@@ -118,6 +118,11 @@ class CheckpointStore:
             self._pool = torch.empty(need, dtype=example.dtype, device=example.device)
         self._pool_used = 0
 
+    def checkpoint(self, run, x: torch.Tensor) -> torch.Tensor:
+        """``run(x)``, with only ``x`` kept here for backward, which recomputes ``run``
+        (:func:`checkpoint` on this store). A model with a store calls it per block."""
+        return checkpoint(run, x, self)
+
     # ----- backward: bring it back --------------------------------------------------------
     def load(self, handle: int) -> torch.Tensor:
         """The full checkpoint for ``handle``, on its device; the store lets go of it."""
