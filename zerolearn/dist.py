@@ -5,9 +5,12 @@ Three ways to get ranks, one result (a :class:`DistContext`):
 * under ``torchrun`` the environment names this process's RANK, WORLD_SIZE and
   LOCAL_RANK; :func:`init` validates them and joins the job;
 * run plainly (``python -m zerolearn.train``) it is a job of world size 1;
-* :func:`launch` (in :mod:`zerolearn.ranks`, re-exported here) spawns ``world_size``
-  gloo ranks on this machine, runs a function of the package in each and returns each
-  rank's result: that is how notebooks and tests get several real ranks on a laptop.
+* :func:`launch` spawns ``world_size`` gloo ranks on this machine, runs a function in
+  each and returns each rank's result: that is how notebooks and tests get several
+  real ranks on a laptop. Each rank is a fresh process (``spawn``) that joins a process
+  group on 127.0.0.1 through torchrun's environment variables, runs the function and
+  sends the pickled result, or its traceback, back on a queue (the processes, their
+  port and their results: :mod:`zerolearn.ranks`).
 
 Every process group gets a timeout, so a rank that dies or takes a different code
 path makes the others fail with an error instead of hanging forever.
@@ -18,18 +21,23 @@ from __future__ import annotations
 import datetime
 import gc
 import os
+import pickle
+import traceback
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import cloudpickle
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from zerolearn import compat
 from zerolearn.errors import ConfigError
-from zerolearn.ranks import RankError, free_port, launch  # re-exported: callers import them from here
+from zerolearn.ranks import RankError, collect, free_port, stop
 
-__all__ = ["DEFAULT_TIMEOUT_S", "ConfigError", "DistContext", "RankError", "RendezvousError", "context",
-           "free_port", "init", "launch", "resolve_backend_device", "store", "teardown", "torchrun_env"]
+__all__ = ["DEFAULT_TIMEOUT_S", "ConfigError", "DistContext", "RankError", "RendezvousError", "check_world",
+           "context", "free_port", "init", "launch", "resolve_backend_device", "store", "teardown", "torchrun_env"]
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("ZEROLEARN_TIMEOUT", "300"))
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -242,3 +250,84 @@ def teardown(clean: bool = True) -> None:
         gc.collect()
         dist.destroy_process_group()
     _CONTEXT = None
+
+
+def _worker(rank, world_size, port, backend, call: bytes, timeout_s, queue) -> None:
+    """Rank ``rank`` of :func:`launch`: join the group, run the pickled ``call``, put its result
+    (or its traceback) on ``queue``, leave the group."""
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+        WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+    )
+    # Ranks share the machine's cores: one intra-op thread each avoids oversubscription.
+    torch.set_num_threads(1)
+    try:
+        init(backend, "cuda" if backend == "nccl" else "cpu", timeout_s)
+        fn, args, kwargs = pickle.loads(call)  # cloudpickle's output is plain pickle data
+        # (Cloud)pickle copies tensors by value; torch's queue pickler would share them
+        # through file descriptors that vanish when this process exits.
+        result = cloudpickle.dumps(fn(*args, **kwargs))
+        teardown()
+        queue.put((rank, True, result))
+    except BaseException as e:  # noqa: BLE001 - every failure goes back to the caller
+        queue.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
+        teardown(clean=False)
+
+
+def check_world(world_size: int, backend: str) -> None:
+    """Refuse, before anything starts, ``world_size`` ranks on ``backend`` that this machine cannot run.
+
+    Raises:
+        ConfigError: ``world_size`` < 1, an unknown ``backend``, NCCL without CUDA or
+            with more ranks than GPUs.
+    """
+    if not isinstance(world_size, int) or world_size < 1:
+        raise ConfigError(f"world_size={world_size!r}: must be an integer >= 1")
+    resolve_backend_device(backend, "cuda" if backend == "nccl" else "cpu")
+    if backend == "nccl" and world_size > torch.cuda.device_count():
+        raise ConfigError(f"world_size={world_size} NCCL ranks need as many GPUs; "
+                          f"this machine has {torch.cuda.device_count()}")
+
+
+def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 300.0,
+           backend: str = "gloo", **kwargs: Any) -> list[Any]:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` spawned ranks; return results by rank.
+
+    ``backend="gloo"`` (default) puts every rank on the CPU; ``"nccl"`` gives rank r
+    GPU r, so ``world_size`` must not exceed the GPUs present.
+
+    ``fn`` may be any function: defined in a module, in a notebook or ``__main__``, a
+    lambda or a closure. It and ``args``/``kwargs`` are sent to each rank with
+    cloudpickle (by value, except functions and classes importable by name, which the
+    ranks import), and so is each rank's result: tensors arrive as copies. Inside
+    ``fn``, :func:`zerolearn.dist.context` gives the rank.
+
+    Raises:
+        ConfigError: ``world_size`` < 1, an unknown ``backend``, more NCCL ranks than GPUs.
+        TypeError: cloudpickle cannot serialize ``fn``, ``args`` or ``kwargs`` (a lock, an
+            open file, a generator); nothing has started.
+        RankError: a rank raised; the first error that a peer's stop or death did not
+            cause is re-raised with its rank and traceback, and the other ranks are stopped.
+        TimeoutError: no result within ``timeout_s`` seconds (all ranks stopped).
+    """
+    check_world(world_size, backend)
+    try:
+        call = cloudpickle.dumps((fn, args, kwargs))
+    except Exception as e:  # noqa: BLE001 - pickling raises several types; one message for all
+        raise TypeError(f"launch: cannot send {fn!r} and its arguments to the ranks "
+                        f"({type(e).__name__}: {e})") from e
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, backend, call, timeout_s, queue),
+                         daemon=True)
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    finished = False
+    try:
+        results = collect(queue, procs, timeout_s)
+        finished = True
+    finally:
+        stop(procs, kill=not finished)
+    return [results[r] for r in range(world_size)]

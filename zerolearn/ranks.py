@@ -1,36 +1,20 @@
-"""Real ranks on one machine: :func:`launch` spawns them, runs a function in each and
-returns each rank's result. That is how notebooks and tests get several gloo ranks on a
-laptop (or NCCL ranks, one per GPU). :mod:`zerolearn.dist` sets up each rank's process
-group and re-exports :func:`launch`, :func:`free_port` and :class:`RankError`.
+"""Ranks as processes on one machine: a free port to meet on, their results collected by a
+deadline, and their processes stopped.
 
-Each rank is a fresh process (``spawn``): it imports the package, joins a process group
-on 127.0.0.1 through torchrun's environment variables, runs the function and sends the
-pickled result, or its traceback, back on a queue.
-
-The function travels to the ranks with ``cloudpickle``, which copies a function
-defined in a notebook (or any ``__main__``), a lambda or a closure by value, together
-with the variables it uses, and an importable function by name. Results come back the
-same way, so a rank may return an instance of a class defined in the notebook.
-:mod:`zerolearn.live` keeps ranks alive between calls instead.
+:func:`zerolearn.dist.launch` spawns ``world_size`` ranks with these (each rank a fresh
+``spawn`` process that joins a process group on 127.0.0.1 and sends its pickled result,
+or its traceback, back on a queue), and :mod:`zerolearn.live` keeps ranks alive
+between calls with them. Nothing here needs a process group.
 """
 
 from __future__ import annotations
 
-import os
 import pickle
 import socket
 import time
-import traceback
-from collections.abc import Callable
 from typing import Any
 
-import cloudpickle
-import torch
-import torch.multiprocessing as mp
-
-from zerolearn.errors import ConfigError
-
-__all__ = ["RankError", "free_port", "launch"]
+__all__ = ["GRACE_S", "RankError", "collect", "free_port", "stop"]
 
 
 class RankError(RuntimeError):
@@ -48,52 +32,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank, world_size, port, backend, call: bytes, timeout_s, queue) -> None:
-    # Imported here, not at the top: zerolearn.dist imports this module to re-export launch.
-    from zerolearn import dist as zdist
-
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-        WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-    )
-    # Ranks share the machine's cores: one intra-op thread each avoids oversubscription.
-    torch.set_num_threads(1)
-    try:
-        zdist.init(backend, "cuda" if backend == "nccl" else "cpu", timeout_s)
-        fn, args, kwargs = pickle.loads(call)  # cloudpickle's output is plain pickle data
-        # (Cloud)pickle copies tensors by value; torch's queue pickler would share them
-        # through file descriptors that vanish when this process exits.
-        result = cloudpickle.dumps(fn(*args, **kwargs))
-        zdist.teardown()
-        queue.put((rank, True, result))
-    except BaseException as e:  # noqa: BLE001 - every failure goes back to the caller
-        queue.put((rank, False, f"{type(e).__name__}: {e}\n{traceback.format_exc()}"))
-        zdist.teardown(clean=False)
-
-
-def _check(world_size: int, backend: str) -> None:
-    from zerolearn.dist import resolve_backend_device
-
-    if not isinstance(world_size, int) or world_size < 1:
-        raise ConfigError(f"world_size={world_size!r}: must be an integer >= 1")
-    resolve_backend_device(backend, "cuda" if backend == "nccl" else "cpu")
-    if backend == "nccl" and world_size > torch.cuda.device_count():
-        raise ConfigError(f"world_size={world_size} NCCL ranks need as many GPUs; "
-                          f"this machine has {torch.cuda.device_count()}")
-
-
 GRACE_S = 2.0  # once a rank has failed, how long the others may take to report their own failure
 # What a rank reads when a peer stopped or died: a consequence, reported only if no rank has a cause.
 _PEER_CAUSED = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "CollectiveError",
                 "process exited with code")
 
 
-def _collect(queue, procs: list, timeout_s: float) -> dict[int, Any]:
-    """Every rank's unpickled result, by rank; raises at the deadline, or once a rank failed.
+def collect(queue, procs: list, timeout_s: float) -> dict[int, Any]:
+    """Every rank's unpickled result, by rank, from ``queue``, where rank r's process
+    ``procs[r]`` puts ``(rank, True, pickled result)`` or ``(rank, False, message)``.
 
     After the first failure the other ranks get ``GRACE_S`` seconds to report theirs, and
     the error raised is the first that a peer's stop or death did not cause (a closed
     connection, an exit code), so a consequence never hides the cause.
+
+    Raises:
+        RankError: a rank reported a failure, or its process exited without a result.
+        TimeoutError: some ranks gave no result within ``timeout_s`` seconds.
     """
     world_size = len(procs)
     results: dict[int, Any] = {}
@@ -126,7 +81,8 @@ def _collect(queue, procs: list, timeout_s: float) -> dict[int, Any]:
     return results
 
 
-def _stop(procs: list, kill: bool) -> None:
+def stop(procs: list, kill: bool) -> None:
+    """Wait for every process of ``procs`` to end (30 s each, then kill it); ``kill``: kill them first."""
     for p in procs:
         if kill:  # after a failure the others may wait in a collective for a dead peer
             p.kill()
@@ -134,47 +90,3 @@ def _stop(procs: list, kill: bool) -> None:
         if p.is_alive():
             p.kill()
             p.join()
-
-
-def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 300.0,
-           backend: str = "gloo", **kwargs: Any) -> list[Any]:
-    """Run ``fn(*args, **kwargs)`` on ``world_size`` spawned ranks; return results by rank.
-
-    ``backend="gloo"`` (default) puts every rank on the CPU; ``"nccl"`` gives rank r
-    GPU r, so ``world_size`` must not exceed the GPUs present.
-
-    ``fn`` may be any function: defined in a module, in a notebook or ``__main__``, a
-    lambda or a closure. It and ``args``/``kwargs`` are sent to each rank with
-    cloudpickle (by value, except functions and classes importable by name, which the
-    ranks import), and so is each rank's result: tensors arrive as copies. Inside
-    ``fn``, :func:`zerolearn.dist.context` gives the rank.
-
-    Raises:
-        ConfigError: ``world_size`` < 1, an unknown ``backend``, more NCCL ranks than GPUs.
-        TypeError: cloudpickle cannot serialize ``fn``, ``args`` or ``kwargs`` (a lock, an
-            open file, a generator); nothing has started.
-        RankError: a rank raised; the first error that a peer's stop or death did not
-            cause is re-raised with its rank and traceback, and the other ranks are stopped.
-        TimeoutError: no result within ``timeout_s`` seconds (all ranks stopped).
-    """
-    _check(world_size, backend)
-    try:
-        call = cloudpickle.dumps((fn, args, kwargs))
-    except Exception as e:  # noqa: BLE001 - pickling raises several types; one message for all
-        raise TypeError(f"launch: cannot send {fn!r} and its arguments to the ranks "
-                        f"({type(e).__name__}: {e})") from e
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, backend, call, timeout_s, queue),
-                         daemon=True)
-             for r in range(world_size)]
-    for p in procs:
-        p.start()
-    finished = False
-    try:
-        results = _collect(queue, procs, timeout_s)
-        finished = True
-    finally:
-        _stop(procs, kill=not finished)
-    return [results[r] for r in range(world_size)]

@@ -1,6 +1,6 @@
 """Persistent ranks for a notebook: build a model in one cell, reduce-scatter in the next.
 
-:func:`zerolearn.ranks.launch` starts ranks, runs one function and ends them. Here
+:func:`zerolearn.dist.launch` starts ranks, runs one function and ends them. Here
 ``world_size`` spawned processes join one process group once and each keeps a Python
 namespace between calls, so a notebook can work on real ranks cell by cell::
 

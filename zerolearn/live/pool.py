@@ -17,9 +17,9 @@ from multiprocessing.connection import wait
 
 import cloudpickle
 
+from zerolearn.dist import RankError, check_world, free_port
 from zerolearn.errors import require_choice, require_count, require_real
 from zerolearn.live.rank import _call, _exec, _pull, _push, _serve
-from zerolearn.ranks import RankError, _check, free_port
 
 START_TIMEOUT_S = 120.0  # spawning N processes that each import torch: seconds, more on a busy laptop
 GRACE_S = 3.0  # once a rank has failed, how long the others may still take (they may wait for it)
@@ -56,7 +56,7 @@ def _validate(world_size: int, backend: str, timeout_s: float) -> None:
     require_count("world_size", world_size)
     require_choice("backend", backend, ("gloo", "nccl"))
     require_real("timeout_s", timeout_s)
-    _check(world_size, backend)  # NCCL: CUDA present, one GPU per rank
+    check_world(world_size, backend)  # NCCL: CUDA present, one GPU per rank
 
 
 class Ranks:

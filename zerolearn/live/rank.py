@@ -46,7 +46,7 @@ def _serve(rank: int, world_size: int, port: int, backend: str, timeout_s: float
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)  # ranks share the machine's cores, as in zerolearn.ranks
+    torch.set_num_threads(1)  # ranks share the machine's cores, as in zerolearn.dist.launch
     pipe = _Pipe(conn)
     sys.stdout = sys.stderr = pipe
     namespace: dict = {}
