@@ -91,17 +91,21 @@ above records exactly that mapping in a few lines of JSON, readable without torc
 import os
 import sys
 
+import torch
+
 from zerolearn import comm
 from zerolearn.checkpoint.checksums import NO_CHECKSUMS, choose, verify
 from zerolearn.checkpoint.engine_io import load, save
 from zerolearn.checkpoint.files import (
     CheckpointError,
     CheckpointWriteError,
-    consolidate,
+    Reader,
+    check_out,
     latest,
     read_full,
     read_manifest,
     resolve,
+    write_atomic,
 )
 from zerolearn.checkpoint.lock import CheckpointLockedError
 from zerolearn.checkpoint.manifest import Manifest, ManifestError
@@ -116,6 +120,40 @@ def manifest(path: str) -> Manifest:
             (:class:`zerolearn.checkpoint.manifest.Manifest`: the file and field named).
     """
     return read_manifest(resolve(path))
+
+
+def consolidate(path: str, out: str) -> dict[str, torch.Tensor]:
+    """Write the full-precision ``state_dict`` of the model saved in ``path`` to ``out``.
+
+    The result loads with ``model.load_state_dict(torch.load(out), strict=True)`` into
+    the plain ``nn.Module``: trainable parameters in fp32 from the masters, tied
+    names included, plus frozen parameters and buffers as rank 0 held them (floating
+    ones as fp32). Every shard is first verified against the manifest (size and
+    SHA-256 of the file that is then read; see :mod:`zerolearn.checkpoint.checksums`).
+    ``out`` may not lie inside any checkpoint directory (:func:`files.check_out`). Written
+    to ``out.part`` and renamed when complete; on any failure no ``out.part`` is
+    left. Returns it.
+
+    Raises:
+        CheckpointError: ``out`` is refused; a shard does not verify (named, with
+            what differs); see :func:`files.read_full`.
+        OSError: ``out`` cannot be written.
+    """
+    check_out(out, (path,))
+    path = resolve(path)
+    check_out(out, (path,))
+    man = read_manifest(path, check_files=False)
+    verify(path, man)
+    state = read_full(path, "master")
+    for key, name in man.aliases.items():
+        state[key] = state[name]
+    if man.module_keys:
+        module = Reader(man).file(0)["module"]
+        for key in man.module_keys:
+            t = module[key]
+            state[key] = t.float().clone() if t.is_floating_point() else t.clone()
+    write_atomic(out, lambda f: torch.save(state, f))
+    return state
 
 
 def _say(line: str) -> None:

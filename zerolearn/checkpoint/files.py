@@ -1,8 +1,9 @@
-"""The checkpoint directory on disk: names, the manifest, reading pieces, consolidation.
+"""The checkpoint directory on disk: names, the manifest, reading pieces, output paths.
 
-Nothing here needs a process group: :func:`latest`, :func:`read_full` and
-:func:`consolidate` work on a laptop on a checkpoint written by any number of ranks.
-The format is described in :mod:`zerolearn.checkpoint`.
+Nothing here needs a process group: :func:`latest` and :func:`read_full` (and
+:func:`zerolearn.checkpoint.consolidate`, built on them) work on a laptop on a
+checkpoint written by any number of ranks. The format is described in
+:mod:`zerolearn.checkpoint`.
 """
 
 from __future__ import annotations
@@ -365,39 +366,3 @@ def check_out(out: str, sources: tuple[str, ...] = ()) -> None:
     if inside is not None:
         raise CheckpointError(f"OUT {out}: inside the checkpoint directory {inside}; write it elsewhere (a "
                               "checkpoint's files are never overwritten)")
-
-
-def consolidate(path: str, out: str) -> dict[str, torch.Tensor]:
-    """Write the full-precision ``state_dict`` of the model saved in ``path`` to ``out``.
-
-    The result loads with ``model.load_state_dict(torch.load(out), strict=True)`` into
-    the plain ``nn.Module``: trainable parameters in fp32 from the masters, tied
-    names included, plus frozen parameters and buffers as rank 0 held them (floating
-    ones as fp32). Every shard is first verified against the manifest (size and
-    SHA-256 of the file that is then read; see :mod:`zerolearn.checkpoint.checksums`).
-    ``out`` may not lie inside any checkpoint directory (:func:`check_out`). Written
-    to ``out.part`` and renamed when complete; on any failure no ``out.part`` is
-    left. Returns it.
-
-    Raises:
-        CheckpointError: ``out`` is refused; a shard does not verify (named, with
-            what differs); see :func:`read_full`.
-        OSError: ``out`` cannot be written.
-    """
-    from zerolearn.checkpoint.checksums import verify  # verify imports this module
-
-    check_out(out, (path,))
-    path = resolve(path)
-    check_out(out, (path,))
-    man = read_manifest(path, check_files=False)
-    verify(path, man)
-    state = read_full(path, "master")
-    for key, name in man.aliases.items():
-        state[key] = state[name]
-    if man.module_keys:
-        module = Reader(man).file(0)["module"]
-        for key in man.module_keys:
-            t = module[key]
-            state[key] = t.float().clone() if t.is_floating_point() else t.clone()
-    write_atomic(out, lambda f: torch.save(state, f))
-    return state
