@@ -57,7 +57,7 @@ def test_fsdp2_keeps_one_nd_th_of_every_state_and_zero_optim_shards_only_adam(ti
 @pytest.mark.slow
 def test_the_stored_json_prints_the_same_table(tiny, tmp_path):
     path = tmp_path / "bench.json"
-    from zerolearn.bench.__main__ import write_json
+    from zerolearn.bench.results import write_json
 
     write_json(tiny, str(path))
     stored = json.loads(path.read_text())

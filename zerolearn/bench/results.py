@@ -8,6 +8,7 @@ Units: seconds and bytes in data; milliseconds and MiB (2**20 bytes) only in the
 
 from __future__ import annotations
 
+import json
 import platform
 import statistics
 
@@ -204,3 +205,15 @@ def format_table(result: dict) -> str:
     cols = header(result)
     return "\n".join([head, "", text_table(cols, table_rows(result), align=["left"] + ["right"] * (len(cols) - 1)),
                       "", *foot])
+
+
+def write_json(result: dict, path: str | None) -> None:
+    """Write ``result`` to ``path`` as indented JSON (nothing when ``path`` is None).
+
+    Raises:
+        OSError: ``path`` cannot be written.
+    """
+    if path:
+        with open(path, "w") as f:
+            json.dump(result, f, indent=1)
+            f.write("\n")

@@ -24,7 +24,16 @@ import argparse
 import sys
 
 from zerolearn.bench import harness, results
-from zerolearn.bench.spec import STAGE, ZEROLEARN, BenchSpec, parse_systems
+from zerolearn.bench.spec import (
+    PROG,
+    STAGE,
+    ZEROLEARN,
+    BenchSpec,
+    add_spec_options,
+    check_out,
+    parse_systems,
+    spec_from_args,
+)
 from zerolearn.bench.systems import count_params
 from zerolearn.errors import ConfigError, require_count
 from zerolearn.memory import model as analytic
@@ -112,8 +121,6 @@ def _ints(flag: str, text: str) -> tuple[int, ...]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from zerolearn.bench.__main__ import PROG, add_spec_options, check_out, spec_from_args, write_json
-
     p = argparse.ArgumentParser(prog=f"{PROG} scaling", description="zerolearn's stages against world size "
                                 "and model size, beside the paper's bytes (Sec 5) and traffic (Sec 7).")
     add_spec_options(p, BASE)
@@ -131,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         p.exit(2, f"{p.prog}: error: {e}\n")
     print(format_table(result))
-    write_json(result, args.out)
+    results.write_json(result, args.out)
     return 0
 
 

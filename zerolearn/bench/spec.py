@@ -9,13 +9,14 @@ global batches of :meth:`BenchSpec.train_config`, the same ``TrainConfig`` that
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import importlib.util
 from dataclasses import dataclass
 
 import torch
 
-from zerolearn.config import TrainConfig
+from zerolearn.config import TrainConfig, check_output_file
 from zerolearn.dist import DEFAULT_TIMEOUT_S
 from zerolearn.errors import ConfigError, require_choice, require_count, require_real
 
@@ -34,6 +35,7 @@ PEERS = {s: (TORCH[s], DEEPSPEED[s]) for s in range(4)}
 ``ZeroRedundancyOptimizer`` / DeepSpeed-1; FSDP2 keeping parameters gathered from forward
 to backward / DeepSpeed-2; FSDP2 resharding after forward / DeepSpeed-3."""
 
+PROG = "python -m zerolearn.bench"
 DEEPSPEED_HINT = "DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed (or: make bench)"
 
 
@@ -136,3 +138,53 @@ class BenchSpec:
 
 QUICK = {"rounds": 2, "warmup": 1, "steps": 3, "d_model": 64, "n_layer": 2}
 """``--quick``: what changes from :class:`BenchSpec`'s defaults (a few minutes on 2 cores)."""
+
+
+def add_spec_options(p: argparse.ArgumentParser, defaults: BenchSpec) -> None:
+    """The flags of :class:`BenchSpec` (defaults shown in ``--help``)."""
+    d = defaults
+    p.add_argument("--world-size", type=int, default=None,
+                   help=f"ranks (default {d.world_size} on CPU, 1 with --device cuda)")
+    p.add_argument("--rounds", type=int, default=None, help=f"rounds over all systems (default {d.rounds})")
+    p.add_argument("--warmup", type=int, default=None, help=f"untimed steps per round (default {d.warmup})")
+    p.add_argument("--steps", type=int, default=None, help=f"timed steps per round (default {d.steps})")
+    p.add_argument("--width", "--d-model", type=int, default=None, dest="d_model",
+                   help=f"GPT d_model (default {d.d_model})")
+    p.add_argument("--layers", "--n-layer", type=int, default=None, dest="n_layer",
+                   help=f"GPT blocks (default {d.n_layer})")
+    p.add_argument("--heads", "--n-head", type=int, default=None, dest="n_head",
+                   help=f"attention heads (default {d.n_head})")
+    p.add_argument("--seq-len", type=int, default=None, help=f"tokens per sequence (default {d.seq_len})")
+    p.add_argument("--batch", "--global-batch-size", type=int, default=None, dest="global_batch_size",
+                   help=f"global batch, sequences (default {d.global_batch_size})")
+    p.add_argument("--lr", type=float, default=None, help=f"Adam's learning rate (default {d.lr:g})")
+    p.add_argument("--bucket-mb", type=float, default=None,
+                   help=f"gradient bucket, MiB, for zerolearn, DDP and DeepSpeed (default {d.bucket_mb:g})")
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (NCCL, one rank per GPU)")
+    p.add_argument("--timeout", type=float, default=None,
+                   help=f"seconds each system may take per round; also the ranks' collective timeout "
+                        f"(default {d.timeout:g})")
+    p.add_argument("--quick", action="store_true",
+                   help="a short run: " + ", ".join(f"{k} {v}" for k, v in QUICK.items()))
+    p.add_argument("--out", help="write the result here (JSON)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def spec_from_args(args: argparse.Namespace, base: BenchSpec | None = None) -> BenchSpec:
+    """``base`` (default :class:`BenchSpec`), then ``--quick``'s changes, then every flag given."""
+    spec = base or BenchSpec()
+    if args.quick:
+        spec = spec.replace(**QUICK)
+    given = {k: v for k, v in vars(args).items() if k in BenchSpec.__dataclass_fields__ and v is not None}
+    if args.device == "cuda" and args.world_size is None:
+        given["world_size"] = 1
+    return spec.replace(**given)
+
+
+def check_out(path: str | None) -> None:
+    """Refuse an ``--out`` that cannot be written, before the run (ConfigError): a
+    folder, a path ending in a separator, a missing or unreachable folder."""
+    if path is None:
+        return
+    check_output_file("--out", path)
