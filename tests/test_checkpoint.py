@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import jobs
-from zerolearn import checkpoint, train
+from zerolearn import checkpoint, cli
 from zerolearn.checkpoint import __main__ as checkpoint_cli
 from zerolearn.checkpoint.checksums import NO_CHECKSUMS
 from zerolearn.config import TrainConfig
@@ -209,7 +209,7 @@ def test_consolidate_cli_refuses_a_damaged_checkpoint_with_exit_2(chain, tmp_pat
 def test_bad_checkpoint_options_exit_2_before_any_work(args, message, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as info:
-        train.main(args)
+        cli.main(args)
     assert info.value.code == 2 and message in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
 
@@ -450,12 +450,12 @@ def test_stale_partial_saves_are_removed_when_the_lock_is_free_and_it_is_release
 
 
 FULL_DISK = ("import errno, sys, torch\n"
-             "from zerolearn import train\n"
+             "from zerolearn import cli\n"
              "def full(obj, f, *args, **kwargs):\n"
              "    f.write(b'partial')\n"
              "    raise OSError(errno.ENOSPC, 'No space left on device')\n"
              "torch.save = full\n"
-             "sys.exit(train.main(sys.argv[1:]))\n")
+             "sys.exit(cli.main(sys.argv[1:]))\n")
 
 
 def test_a_full_disk_while_saving_is_a_runtime_failure_naming_rank_and_path(tmp_path):

@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from zerolearn import train
+from zerolearn import cli
 from zerolearn.bench import __main__ as bench_cli
 from zerolearn.checkpoint import __main__ as checkpoint_cli
 from zerolearn.memory import __main__ as memory_cli
@@ -51,7 +51,7 @@ TRAIN = [
 @pytest.mark.parametrize("argv, message", TRAIN)
 def test_train_refuses_bad_paths_and_numbers_with_exit_2_before_any_work(argv, message, paths, capsys):
     argv = [a.format(**paths) for a in argv]
-    err = refused(train.main, [*argv, "--steps", "1"] if "--steps" not in argv else argv, capsys)
+    err = refused(cli.main, [*argv, "--steps", "1"] if "--steps" not in argv else argv, capsys)
     assert message.format(**paths) in err, err
     assert sorted(os.listdir(".")) == ["file", "loop"]  # nothing written
 

@@ -16,7 +16,7 @@ with torchrun's machinery (``torch.distributed.run``), and exits with the worker
 code: 0 done, 2 bad input, 130 Ctrl-C (SIGINT), 143 SIGTERM, 1 anything else
 (workers that torchrun stops by a signal after another failed do not count). On
 SIGINT or SIGTERM torchrun passes the signal on to the workers, whose rank 0 prints
-one line naming it and the last checkpoint. See ``zerolearn.train.main`` for what
+one line naming it and the last checkpoint. See ``zerolearn.cli.main`` for what
 each code means.
 """
 

@@ -1,4 +1,4 @@
-"""The training loop and its command line: one job, any stage, any world size.
+"""The training loop: one job, any stage, any world size.
 
     python -m zerolearn.train --stage 2 --steps 20 --report run.json           # 1 rank
     torchrun --nproc-per-node 4 -m zerolearn.train --stage 3 --report run.json  # 4 ranks
@@ -20,7 +20,8 @@ state lives and which collectives run (:class:`zerolearn.engines.Engine`)::
     engine.step(); engine.zero_grad()                                # shard update, all-gather
     global mean loss (one all_reduce, not counted) -> checkpoint when due
 
-The command line, its exit codes, checkpoints and failure handling: :mod:`zerolearn.cli`.
+The command line (``python -m zerolearn.train``, :mod:`zerolearn.train.__main__`), its exit
+codes, checkpoints and failure handling: :mod:`zerolearn.cli`.
 """
 
 from __future__ import annotations
@@ -274,16 +275,3 @@ def train_here(config: TrainConfig, progress: bool = False) -> dict:
         raise
     zdist.teardown()
     return report
-
-
-def main(argv: list[str] | None = None) -> int:
-    """``python -m zerolearn.train``: see :func:`zerolearn.cli.main` (exit codes 0, 1, 2, 130, 143)."""
-    from zerolearn.cli import main as cli_main
-
-    return cli_main(argv)
-
-
-if __name__ == "__main__":
-    import sys
-
-    sys.exit(main())
