@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from zerolearn.exercises.core import Wrong
-from zerolearn.exercises.helpers import compare_shard, kib, located
+from zerolearn.exercises.helpers import compare_shard, located
 from zerolearn.flat import FlatLayout
+from zerolearn.tables import kib
 
 # A weight (3, 4) and a bias (4,): 16 elements, padded to 18 for 3 shards of 6; this is shard 1.
 LAYOUT = FlatLayout.of(["w", "b"], [torch.Size([3, 4]), torch.Size([4])], 3, 1)
@@ -36,4 +37,4 @@ def test_a_shard_off_by_a_known_factor_gets_that_factors_explanation():
 
 
 def test_bytes_read_as_kib():
-    assert kib(65 * 1024) == "65.0 KiB" and kib(1536) == "1.5 KiB"
+    assert kib(65 * 1024, unit=True) == "65.0 KiB" and kib(1536, unit=True) == "1.5 KiB"

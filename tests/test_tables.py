@@ -4,7 +4,7 @@ import pytest
 
 from zerolearn.memory.model import stage_title
 from zerolearn.report import format_rank_table, format_table
-from zerolearn.tables import cell, text_table
+from zerolearn.tables import cell, kib, text_table
 
 
 def test_cells_keep_the_callers_precision_and_ints_get_separators():
@@ -12,6 +12,11 @@ def test_cells_keep_the_callers_precision_and_ints_get_separators():
     assert cell(None) == "-" and cell(True) == "True"
     table = text_table(["Nd", "GB"], [[1024, "1.50"], [2, "120.00"]])
     assert table.splitlines() == ["   Nd      GB", "-----  ------", "1,024    1.50", "    2  120.00"]
+
+
+def test_kib_is_one_decimal_with_separators_in_a_cell_and_with_its_unit_in_a_sentence():
+    assert [kib(n) for n in (None, 0, 1536, 1e9)] == ["-", "0.0", "1.5", "976,562.5"]
+    assert [kib(n, unit=True) for n in (None, 0, 1536, 1e9)] == ["-", "0.0 KiB", "1.5 KiB", "976,562.5 KiB"]
 
 
 def test_trailing_space_keeps_digits_aligned_and_short_rows_are_padded():

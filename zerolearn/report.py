@@ -16,7 +16,7 @@ from zerolearn import comm, compat
 from zerolearn.comm import CommLedger, OpStats
 from zerolearn.memory import model as analytic
 from zerolearn.residual import setup as residual_setup
-from zerolearn.tables import text_table
+from zerolearn.tables import kib, text_table
 
 if TYPE_CHECKING:
     from zerolearn.config import TrainConfig
@@ -75,13 +75,6 @@ def make_report(run: Run, record: Watched) -> dict:
             "analytic": {"model_state_bytes": analytic_bytes(c, run.engine.psi, nd),
                          "residual": residual_setup.analytic_entry(c, nd)},
             "step_seconds_median": statistics.median(record.seconds) if record.seconds else 0.0}
-
-
-
-
-def kib(n: float | None) -> str:
-    """Bytes as KiB for a table cell ("-" for None)."""
-    return "-" if n is None else f"{n / 1024:,.1f}"
 
 
 def volume_per_step(rank_entry: dict, steps: int) -> float:

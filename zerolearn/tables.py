@@ -13,7 +13,7 @@ from collections.abc import Iterable, Sequence
 
 import tabulate as _tabulate
 
-__all__ = ["cell", "text_table"]
+__all__ = ["cell", "kib", "text_table"]
 
 
 def cell(value: object) -> str:
@@ -24,6 +24,15 @@ def cell(value: object) -> str:
     if isinstance(value, int) and not isinstance(value, bool):
         return f"{value:,}"
     return str(value)
+
+
+def kib(nbytes: float | None, *, unit: bool = False) -> str:
+    """Bytes as KiB (2**10 bytes), one decimal and thousands separators: ``"1.5"`` for a
+    table cell whose header names the unit, ``"1.5 KiB"`` with ``unit`` (for a sentence);
+    ``None`` (nothing measured) is ``"-"``. The package's one formatter of KiB."""
+    if nbytes is None:
+        return "-"
+    return f"{nbytes / 2**10:,.1f}" + (" KiB" if unit else "")
 
 
 def text_table(header: Sequence[str], rows: Iterable[Sequence], *, fmt: str = "simple",

@@ -9,8 +9,8 @@ they train, the batches, and the comparisons that word a mistake in the reader's
   SGD, cut into buckets (:func:`mlp_buckets`) or into units whose flat buffers are
   freed between uses (:func:`sharded_units`, :func:`gathered_units`).
 * Chapters 03 to 05 name a flat element by its parameter and position
-  (:func:`located`), explain a shard that is off by a known factor
-  (:func:`compare_shard`) and write bytes as KiB (:func:`kib`).
+  (:func:`located`) and explain a shard that is off by a known factor
+  (:func:`compare_shard`); they write bytes as KiB with :func:`zerolearn.tables.kib`.
 
 Exercise modules import from here and from :mod:`zerolearn.exercises.core`, never from
 one another. Like ``core``, this file is the checker's machinery: an error raised in it
@@ -173,11 +173,6 @@ def gathered_units(flats) -> list[int]:
 
 
 # ----- wording a wrong shard: chapters 03 to 05 --------------------------------------------
-
-def kib(nbytes: float) -> str:
-    """Bytes as KiB for a message: ``"65.0 KiB"``."""
-    return f"{nbytes / 2**10:,.1f} KiB"
-
 
 def located(layout: FlatLayout, index: int) -> str:
     """The parameter and position of element ``index`` of a flat buffer: ``"layers.1.weight[3, 5]"``."""

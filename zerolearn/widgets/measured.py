@@ -7,6 +7,7 @@ import ipywidgets as w
 
 from zerolearn import figures
 from zerolearn.residual import defrag
+from zerolearn.tables import kib
 from zerolearn.widgets.base import (
     MIB,
     STAGES,
@@ -48,9 +49,9 @@ class TimelineViewer(Explorer):
                 "params_max": max(params), "events": len(series["index"])}
 
     def describe(self, r: dict) -> str:
-        rows = [[figures.readable(c), f"{b / 2**10:,.1f} KiB"] for c, b in r["peak_by_category"].items()]
-        return (f"<p>Stage {r['stage']}: peak <b>{r['peak_bytes'] / 2**10:,.1f} KiB</b> over {r['events']} events; "
-                f"parameters between {r['params_min'] / 2**10:,.1f} and {r['params_max'] / 2**10:,.1f} KiB.</p>"
+        rows = [[figures.readable(c), kib(b, unit=True)] for c, b in r["peak_by_category"].items()]
+        return (f"<p>Stage {r['stage']}: peak <b>{kib(r['peak_bytes'], unit=True)}</b> over {r['events']} events; "
+                f"parameters between {kib(r['params_min'])} and {kib(r['params_max'], unit=True)}.</p>"
                 + html_table(["at the peak", "bytes"], rows))
 
     def figure(self):

@@ -21,12 +21,12 @@ from zerolearn.exercises.helpers import (
     compare_grad,
     compare_params,
     gpt_pair,
-    kib,
     loss_of,
     psi_per_step,
     reference_grads,
 )
 from zerolearn.memory.ledger import MemoryLedger
+from zerolearn.tables import kib
 
 STEPS = 3
 BUCKET_BYTES = 48 * 1024  # 5 buckets for the trials' GPT
@@ -139,10 +139,11 @@ def _bucket_trial(fn) -> str:
         compare_params(model, ref, step)
         kept.append(sum(sum(led.live.values()) for led in ledgers))  # gradients are gone: what the hooks keep
         if step > 0 and kept[-1] > kept[0] + GROWTH_SLACK:
-            raise Wrong(f"what your hooks keep grows step after step: {', '.join(kib(k) for k in kept)} after "
-                        f"steps 0 to {step}, allocated during backward and finish() and still referenced: let "
-                        "each step's buffers and handles go in finish() (clear the list of launched "
-                        "all-reduces), or every step waits on and holds all the earlier ones too", step)
+            raise Wrong("what your hooks keep grows step after step: "
+                        f"{', '.join(kib(k, unit=True) for k in kept)} after steps 0 to {step}, allocated during "
+                        "backward and finish() and still referenced: let each step's buffers and handles go in "
+                        "finish() (clear the list of launched all-reduces), or every step waits on and holds all "
+                        "the earlier ones too", step)
         agree(step)
     return (f"every gradient and parameter equals single-process Adam for {STEPS} steps; {n} all_reduce calls "
             f"per step, all launched during backward; 2.0 Psi per step")

@@ -20,12 +20,12 @@ from zerolearn.exercises.helpers import (
     compare_grad,
     compare_params,
     gpt_pair,
-    kib,
     loss_of,
     psi_per_step,
     reference_grads,
 )
 from zerolearn.flat import FlatLayout
+from zerolearn.tables import kib
 
 STEPS = 3
 K = 12  # bytes per shard element a rank may keep: fp32 master 4 + Adam's moments 4 + 4
@@ -186,12 +186,12 @@ def _zero1_trial(fn) -> str:
             raise Wrong("`state` holds no tensor after the step: keep this rank's master shard and its Adam "
                         "in it, so that they persist from step to step", step)
         if kept > limit:
-            raise Wrong(f"you keep {kib(kept)} of optimizer states; ZeRO-1 keeps at most {kib(limit)}: an fp32 "
-                        f"master copy and Adam's two moments for this rank's {layout.shard_numel:,} elements "
-                        f"only, K Psi / Nd bytes with K = {K} (Sec 5.1)", step)
+            raise Wrong(f"you keep {kib(kept, unit=True)} of optimizer states; ZeRO-1 keeps at most "
+                        f"{kib(limit, unit=True)}: an fp32 master copy and Adam's two moments for this rank's "
+                        f"{layout.shard_numel:,} elements only, K Psi / Nd bytes with K = {K} (Sec 5.1)", step)
         agree(step)
     return (f"gradient shards and parameters equal single-process Adam for {STEPS} steps; 2.0 Psi per step; "
-            f"{kib(kept)} of optimizer states on this rank, K Psi / Nd for Psi = {psi:,} "
+            f"{kib(kept, unit=True)} of optimizer states on this rank, K Psi / Nd for Psi = {psi:,} "
             f"(+ {layout.padding} padding) on {ws} ranks")
 
 

@@ -21,13 +21,13 @@ from zerolearn.exercises.helpers import (
     BUCKETS,
     WIDTH,
     compare_shard,
-    kib,
     mlp,
     mlp_buckets,
     mlp_grads,
     sgd_on_shards,
 )
 from zerolearn.memory.ledger import MemoryLedger
+from zerolearn.tables import kib
 
 BATCH, STEPS = 12, 3
 
@@ -154,14 +154,14 @@ def _rs_trial(fn) -> str:
             compare_shard(f"your shard of bucket {k}", shard, layout.shard_of(flat), layout, step,
                           factors={ws: f"reduce_scatter sums over the {ws} ranks; the mean divides by world_size"})
         if held > 4 * min(layout.numel for layout in layouts) / 2:
-            whole = "keeps the whole gradient" if held >= 4 * psi else f"keeps {kib(held)} of full gradients"
+            whole = "keeps the whole gradient" if held >= 4 * psi else f"keeps {kib(held, unit=True)} of full gradients"
             if kept > made:
-                raise Wrong(f"this rank keeps {kib(kept)} allocated when your hooks were registered, alive after "
-                            f"backward: {kib(held + shard_bytes)} in all, ZeRO-2 keeps {kib(shard_bytes)} (its "
-                            "shards); allocate each bucket's flat gradient in the hook and let it go after the "
-                            "reduce-scatter, not once for the whole run", step)
-            raise Wrong(f"this rank {whole}: {kib(held + shard_bytes)} after backward, ZeRO-2 keeps "
-                        f"{kib(shard_bytes)} (its shards); free each full gradient (p.grad = None) once its "
+                raise Wrong(f"this rank keeps {kib(kept, unit=True)} allocated when your hooks were registered, "
+                            f"alive after backward: {kib(held + shard_bytes, unit=True)} in all, ZeRO-2 keeps "
+                            f"{kib(shard_bytes, unit=True)} (its shards); allocate each bucket's flat gradient in "
+                            "the hook and let it go after the reduce-scatter, not once for the whole run", step)
+            raise Wrong(f"this rank {whole}: {kib(held + shard_bytes, unit=True)} after backward, ZeRO-2 keeps "
+                        f"{kib(shard_bytes, unit=True)} (its shards); free each full gradient (p.grad = None) once its "
                         "bucket is reduced", step)
         if moved != padded:
             how = (" (an all-reduce counts twice: it is a reduce-scatter plus an all-gather)"
@@ -171,7 +171,7 @@ def _rs_trial(fn) -> str:
         agree(step)  # before the step's own all-gathers: a rank that failed never joins them
         sgd_on_shards(buckets, layouts, shards, ref)
     return (f"{STEPS} SGD steps of a {psi:,}-parameter MLP in {len(BUCKETS)} buckets: every gradient shard equals "
-            f"single-process training, only the shards ({kib(shard_bytes)} per rank) outlive backward, and "
+            f"single-process training, only the shards ({kib(shard_bytes, unit=True)} per rank) outlive backward, and "
             f"backward moved {padded / psi:.2f} Psi")
 
 

@@ -27,11 +27,11 @@ from zerolearn.exercises.helpers import (
     WIDTH,
     compare_shard,
     gathered_units,
-    kib,
     mlp,
     sharded_units,
 )
 from zerolearn.memory.ledger import MemoryLedger
+from zerolearn.tables import kib
 
 BATCH, STEPS = 12, 3
 
@@ -142,9 +142,10 @@ def _read_while_freed(when: str, flats, step: int):
 def _held_at_most(held: int, when: str, shard_bytes: int, unit_bytes: int, model_bytes: int, step: int) -> None:
     """Parameters held at once may be the shards plus two units (one computing, one prefetched), no more."""
     if held > shard_bytes + 2 * unit_bytes:
-        whole = f"all {kib(model_bytes)}" if held - shard_bytes >= model_bytes else kib(held)
+        whole = f"all {kib(model_bytes, unit=True)}" if held - shard_bytes >= model_bytes else kib(held, unit=True)
         raise Wrong(f"this rank held {whole} of parameters at once {when}; ZeRO-3 holds the shards plus one unit: "
-                    f"{kib(shard_bytes + unit_bytes)} (free each unit after its forward and after its backward)", step)
+                    f"{kib(shard_bytes + unit_bytes, unit=True)} (free each unit after its forward and after its "
+                    "backward)", step)
 
 
 def _gather_trial(fn) -> str:
@@ -183,8 +184,9 @@ def _gather_trial(fn) -> str:
                 p.grad = None
         _held_at_most(peak_forward, "in forward", shard_bytes, unit_bytes, 4 * padded, step)
         if kept:
-            raise Wrong(f"after backward, units {kept} are still gathered ({kib(4 * padded * len(kept) / LAYERS)}): "
-                        "free a unit once all its parameters have their gradient", step)
+            raise Wrong(f"after backward, units {kept} are still gathered "
+                        f"({kib(4 * padded * len(kept) / LAYERS, unit=True)}): free a unit once all its parameters "
+                        "have their gradient", step)
         _held_at_most(peak, "in backward", shard_bytes, unit_bytes, 4 * padded, step)
         gathered = comm.LEDGER.as_dict()["all_gather"]["elements"]
         if gathered != 2 * padded:
@@ -196,7 +198,8 @@ def _gather_trial(fn) -> str:
                 p -= SGD_LR * p.grad
         agree(step)
     return (f"{STEPS} SGD steps, {LAYERS} units: gradients equal single-process training, parameters held at most "
-            f"the shards plus one unit ({kib(peak)}), {3 * padded / psi:.2f} Psi per step with the gradients")
+            f"the shards plus one unit ({kib(peak, unit=True)}), {3 * padded / psi:.2f} Psi per step with the "
+            "gradients")
 
 
 register(Exercise(

@@ -18,8 +18,8 @@ import torch
 from zerolearn import comm
 from zerolearn import dist as zdist
 from zerolearn.exercises.core import Bug, Exercise, Wrong, first_difference, register
-from zerolearn.exercises.helpers import kib
 from zerolearn.memory.ledger import MemoryLedger
+from zerolearn.tables import kib
 
 
 def constant_buffer(tensors, buffer, world_size):
@@ -138,18 +138,19 @@ def _buffer_trial(fn) -> str:
                         f"{elements - n:,} more than it has; reduce only the filled part of the buffer "
                         f"(buffer[:{last}] for the last fill of {last:,}), not the whole {BUFFER:,}")
     grown = peaks["large"] - peaks["small"]
-    figures = (f"your function allocated {kib(peaks['small'])} for the small model ({sizes['small']:,} values) "
-               f"and {kib(peaks['large'])} for the large one ({sizes['large']:,})")
+    figures = (f"your function allocated {kib(peaks['small'], unit=True)} for the small model "
+               f"({sizes['small']:,} values) and {kib(peaks['large'], unit=True)} for the large one "
+               f"({sizes['large']:,})")
     if grown > SLACK:
-        raise Wrong(f"{figures}: {kib(grown)} more for {sizes['large'] - sizes['small']:,} more values, memory "
-                    f"that grows with the model; CB allocates nothing whose size grows with the model: the "
-                    f"fused buffer stays {kib(4 * BUFFER)} whatever its size (Sec 6.2)")
+        raise Wrong(f"{figures}: {kib(grown, unit=True)} more for {sizes['large'] - sizes['small']:,} more "
+                    "values, memory that grows with the model; CB allocates nothing whose size grows with the "
+                    f"model: the fused buffer stays {kib(4 * BUFFER, unit=True)} whatever its size (Sec 6.2)")
     if max(peaks.values()) > SCRATCH + SLACK:
-        raise Wrong(f"{figures}: it does not grow with the model, but it is more than the {kib(SCRATCH)} of "
-                    f"scratch CB allows besides the fused buffer (as much again as the buffer's {kib(4 * BUFFER)}): "
-                    "fill the buffer you were given, not a new one")
+        raise Wrong(f"{figures}: it does not grow with the model, but it is more than the "
+                    f"{kib(SCRATCH, unit=True)} of scratch CB allows besides the fused buffer (as much again as "
+                    f"the buffer's {kib(4 * BUFFER, unit=True)}): fill the buffer you were given, not a new one")
     return (f"two models of {sizes['small']:,} and {sizes['large']:,} values averaged exactly through one "
-            f"{kib(4 * BUFFER)} buffer, nothing else allocated")
+            f"{kib(4 * BUFFER, unit=True)} buffer, nothing else allocated")
 
 
 def _fills(tensors, buffer, whole: bool = False, keep: list | None = None, scratch: int = 0):

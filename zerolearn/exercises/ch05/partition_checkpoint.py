@@ -24,8 +24,8 @@ from torch import nn
 from zerolearn import comm
 from zerolearn import dist as zdist
 from zerolearn.exercises.core import Bug, Exercise, Wrong, agree, first_difference, register
-from zerolearn.exercises.helpers import kib
 from zerolearn.memory.ledger import MemoryLedger, category
+from zerolearn.tables import kib
 
 TOKENS, HIDDEN, BLOCKS, STEPS, LR = 31, 61, 3, 2, 0.1
 
@@ -273,10 +273,10 @@ def _partition_steps(fn, group, nm: int, now: dict) -> str:
             held = ledger.live["activations"] - 4  # the loss itself: one fp32 value
             kept, whole = BLOCKS * 4 * c, BLOCKS * 4 * numel
             if held > 1.5 * kept:
-                what = "keeps the whole checkpoint of every block" if held >= whole else f"keeps {kib(held)}"
-                raise Wrong(f"after forward this rank {what}: {kib(held)} for {BLOCKS} blocks of {numel:,} values; "
-                            f"P_a keeps 1/Nm of each, {kib(kept)} on each of the {nm} ranks (keep a copy of your "
-                            "piece, not a view, and no reference to x)", step)
+                what = "keeps the whole checkpoint of every block" if held >= whole else f"keeps {kib(held, unit=True)}"
+                raise Wrong(f"after forward this rank {what}: {kib(held, unit=True)} for {BLOCKS} blocks of "
+                            f"{numel:,} values; P_a keeps 1/Nm of each, {kib(kept, unit=True)} on each of the {nm} "
+                            "ranks (keep a copy of your piece, not a view, and no reference to x)", step)
             with ledger.phase("backward"):
                 loss.backward()
         moved = comm.LEDGER.volume_elements()
@@ -299,7 +299,8 @@ def _partition_steps(fn, group, nm: int, now: dict) -> str:
                 p.grad = ref_p.grad = None
         agree(step)
     return (f"{STEPS} SGD steps through {BLOCKS} checkpointed blocks: gradients equal plain training, each rank "
-            f"kept {kib(4 * c)} of every {kib(4 * numel)} checkpoint (1/{nm}) and moved one all-gather per block")
+            f"kept {kib(4 * c, unit=True)} of every {kib(4 * numel, unit=True)} checkpoint (1/{nm}) and moved one "
+            "all-gather per block")
 
 
 register(Exercise(
