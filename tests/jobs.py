@@ -57,8 +57,9 @@ def train_engine(stage: int, optimizer: str = "sgd", dtype: str = "fp32", steps:
     """Train with our engine on this rank's slices; return losses, params, ledgers.
 
     ``accum_style`` says how micro-batches are written: ``"sync"`` (``sync=False``
-    until the last), ``"no_sync"`` (the context manager) or ``"repeated"`` (plain
-    ``backward`` each time, as a PyTorch user writes it). ``engine_cls``: an
+    until the last), ``"no_sync"`` (the context manager), ``"repeated"`` (plain
+    ``backward`` each time, as a PyTorch user writes it) or ``"mixed"`` (even
+    micro-batches and the last reduce, odd ones add up locally). ``engine_cls``: an
     ``Engine`` subclass to train instead of ``stage``'s (importable by name).
     """
     ctx = zdist.context()
@@ -81,6 +82,8 @@ def train_engine(stage: int, optimizer: str = "sgd", dtype: str = "fp32", steps:
             if accum_style == "no_sync" and not last:
                 with engine.no_sync():
                     engine.backward(loss / accum)
+            elif accum_style == "mixed":  # reduce, add locally, reduce, ...: DDP allows any mix
+                engine.backward(loss / accum, sync=last or i % 2 == 0)
             else:
                 engine.backward(loss / accum, sync=last or accum_style == "repeated")
             local += loss.item() / accum
@@ -98,8 +101,8 @@ def train_engine(stage: int, optimizer: str = "sgd", dtype: str = "fp32", steps:
             "padding": engine.padding, "psi": engine.psi, "comm_per_step": comm_per_step,
             "ledger": ledger, "peak_grad_bytes": engine.peak_grad_bytes,
             "peak_gathered_bytes": getattr(engine, "peak_gathered_bytes", None),
-            "group_bytes": [g.layout.padded_numel * engine.dtype.itemsize for g in engine.groups],
-            "unit_bytes": [sum(g.layout.padded_numel for g in u.groups) * engine.dtype.itemsize
+            "group_bytes": [g.layout.padded_numel * engine.dtype.itemsize for g in engine.buckets],
+            "unit_bytes": [sum(g.layout.padded_numel for g in u.buckets) * engine.dtype.itemsize
                            for u in engine.units] if stage == 3 else None}
 
 
@@ -285,7 +288,7 @@ def ckpt_resume(stage: int, optimizer: str, directory: str, last: int, save_to: 
 def _snapshot(engine) -> dict:
     return {"params": engine.full_state_dict(),
             "optimizer": [{k: v.clone() for k, v in engine.optimizer.state[g.master].items()}
-                          for g in engine.groups],
+                          for g in engine.buckets],
             "scaler": dict(engine.scaler.state_dict())}
 
 
@@ -489,7 +492,7 @@ def save_broken_parameters() -> str:
 
     engine = make_engine(1, small_gpt(), optimizer="adam", lr=1e-3)
     with torch.no_grad():
-        engine.groups[0].master[0] = float("nan")
+        engine.buckets[0].master[0] = float("nan")
     try:
         check_finite_params(engine, 3)
     except Exception as e:  # noqa: BLE001

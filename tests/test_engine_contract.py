@@ -24,35 +24,35 @@ from zerolearn.engines.base import Engine
 class AllReduceZero1(Engine):
     """ZeRO-1 by all_reduce: full params and grads, sharded optimizer state; 3 Psi per step."""
 
-    def _init_group(self, g, master32):
-        g.full = master32.to(self.dtype)
-        g.layout.bind(g.params, g.full)
-        g.master = torch.nn.Parameter(g.layout.shard_of(master32).clone())
+    def _init_bucket(self, b, master32):
+        b.full = master32.to(self.dtype)
+        b.layout.bind(b.params, b.full)
+        b.master = torch.nn.Parameter(b.layout.shard_of(master32).clone())
 
-    def _reduce(self, g):
-        return comm.all_reduce(g.grad_full, group=self.pg, async_op=True)  # 2 Psi, in place
+    def _reduce(self, b):
+        return comm.all_reduce(b.grad_full, group=self.pg, async_op=True)  # 2 Psi, in place
 
-    def _grad_for_step(self, g):
-        return g.layout.shard_of(g.grad_full)
+    def _grad_for_step(self, b):
+        return b.layout.shard_of(b.grad_full)
 
-    def _publish(self, g):
-        updated = g.master.detach().to(self.dtype, copy=True)
-        self._publishing.append(comm.all_gather(g.full, updated, group=self.pg, async_op=True))  # Psi
+    def _publish(self, b):
+        updated = b.master.detach().to(self.dtype, copy=True)
+        self._publishing.append(comm.all_gather(b.full, updated, group=self.pg, async_op=True))  # Psi
 
 
 class NoPublish(Engine):
     """Forgets :meth:`_publish`: its updates would never reach the model."""
 
-    def _init_group(self, g, master32):
-        g.full = master32.to(self.dtype)
-        g.layout.bind(g.params, g.full)
-        g.master = torch.nn.Parameter(master32)
+    def _init_bucket(self, b, master32):
+        b.full = master32.to(self.dtype)
+        b.layout.bind(b.params, b.full)
+        b.master = torch.nn.Parameter(master32)
 
-    def _reduce(self, g):
-        return comm.all_reduce(g.grad_full, group=self.pg, async_op=True)
+    def _reduce(self, b):
+        return comm.all_reduce(b.grad_full, group=self.pg, async_op=True)
 
-    def _grad_for_step(self, g):
-        return g.grad_full
+    def _grad_for_step(self, b):
+        return b.grad_full
 
 
 RUNS = [dict(stage=-1, engine_cls=AllReduceZero1, optimizer=o) for o in ("sgd", "adam")]
@@ -72,7 +72,7 @@ def reference(optimizer: str, **kw) -> dict:
 
 
 def test_the_contract_is_four_required_methods():
-    assert Engine.__abstractmethods__ == {"_init_group", "_reduce", "_grad_for_step", "_publish"}
+    assert Engine.__abstractmethods__ == {"_init_bucket", "_reduce", "_grad_for_step", "_publish"}
 
 
 def test_an_engine_missing_a_required_method_fails_at_construction_naming_it():
@@ -113,6 +113,6 @@ def test_collectives_are_labelled_explicitly_and_the_outer_label_wins():
     assert guard.calling_unit() == ("-", "-")
     with comm.unit("blocks.1", "forward: gather"):
         assert guard.calling_unit() == ("blocks.1", "forward: gather")
-        with comm.unit("group[a..b]", "backward: reduce"):
+        with comm.unit("bucket[a..b]", "backward: reduce"):
             assert guard.calling_unit() == ("blocks.1", "forward: gather")
     assert guard.calling_unit() == ("-", "-")

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from zerolearn.flat import FlatLayout, make_groups
+from zerolearn.flat import FlatLayout, make_buckets
 
 
 def test_flat_group_pads_to_equal_shards_whatever_the_layer_sizes():
@@ -29,9 +29,9 @@ def test_bound_parameters_are_views_of_the_flat_buffer():
     assert flat[g.numel:].numel() == g.padding
 
 
-def test_make_groups_caps_bucket_size_but_never_splits_a_parameter():
+def test_make_buckets_caps_bucket_size_but_never_splits_a_parameter():
     named = [(f"p{i}", nn.Parameter(torch.zeros(n))) for i, n in enumerate([100, 100, 300, 50])]
-    groups = make_groups(named, bucket_bytes=200 * 4, element_size=4, num_shards=2, shard_index=0)
+    groups = make_buckets(named, bucket_bytes=200 * 4, element_size=4, num_shards=2, shard_index=0)
     assert [g.names for g in groups] == [("p0", "p1"), ("p2",), ("p3",)]
 
 

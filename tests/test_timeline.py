@@ -92,11 +92,11 @@ def test_intervals_from_profiler_events():
     events = [("gloo:barrier", 9, 0.0, 50.0), (STEP, 1, 100.0, 1100.0),
               (f"{PHASE}|forward", 1, 100.0, 300.0), (f"{PHASE}|backward", 1, 300.0, 900.0),
               (f"{PHASE}|step", 1, 900.0, 1100.0),
-              (f"{launch}|reduce_scatter|async|group[a..b]|backward: reduce", 1, 400.0, 410.0),
+              (f"{launch}|reduce_scatter|async|bucket[a..b]|backward: reduce", 1, 400.0, 410.0),
               ("gloo:all_reduce", 7, 405.0, 700.0),
               (f"{wait}|reduce_scatter", 1, 650.0, 720.0),
               (f"{comm.RELEASE}|reduce_scatter", 1, 700.0, 715.0),  # gloo let go 15 us after it finished
-              (f"{launch}|all_gather|sync|group[a..b]|step: publish", 1, 950.0, 1000.0),
+              (f"{launch}|all_gather|sync|bucket[a..b]|step: publish", 1, 950.0, 1000.0),
               ("gloo:all_gather", 8, 955.0, 990.0)]
     out = intervals_from_events(events, rank=3)
     by_lane = {}
@@ -109,7 +109,7 @@ def test_intervals_from_profiler_events():
     rs, ag = by_lane["comm"]
     assert (rs["label"], rs["start"], rs["end"], rs["phase"], rs["sync"], rs["backend"]) == (
         "reduce_scatter", 0.0003, 0.0006, "backward", False, "gloo:all_reduce")
-    assert (rs["unit"], rs["doing"]) == ("group[a..b]", "backward: reduce")
+    assert (rs["unit"], rs["doing"]) == ("bucket[a..b]", "backward: reduce")
     # A synchronous call ends when it returns; its whole call is a wait.
     assert (ag["start"], ag["end"], ag["sync"], ag["phase"]) == (0.00085, 0.0009, True, "step")
     assert [(i["label"], i["start"], i["end"]) for i in by_lane["launch"]] == [("reduce_scatter", 0.0003, 0.00031)]

@@ -100,6 +100,16 @@ def test_accumulation_written_any_way_equals_one_large_batch(style):
         assert user_model_jobs.rel_error(run["params"], ref["params"]) < 1e-5, f"stage {stage}"
 
 
+def test_reducing_and_local_micro_batches_mixed_in_one_step_equal_one_large_batch():
+    # 3 micro-batches: reduce, add locally, reduce. A backward after a local one
+    # must not take that local sum for an earlier reduced gradient (it is not reduced yet).
+    runs_ = [dict(stage=s, optimizer="sgd", accum=3, accum_style="mixed") for s in STAGES]
+    out = launch(jobs.many, 2, runs_)[0]
+    ref = jobs.reference("sgd")
+    for stage, run in zip(STAGES, out):
+        assert user_model_jobs.rel_error(run["params"], ref["params"]) < 1e-5, f"stage {stage}"
+
+
 def test_accumulation_trades_traffic_for_memory_at_stage_2():
     # Repeated backward reduces every micro-batch (2x the reduce-scatter calls) but
     # holds only shards between them; no_sync reduces once but holds the full gradient.

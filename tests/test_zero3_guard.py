@@ -82,7 +82,7 @@ def test_a_unit_whose_output_one_rank_discards_is_named_in_backward_at_zero_3():
     # Every rank runs the unit, so forward agrees; its gradients exist on rank 0 only.
     (_, run), = results("branch_discarded")
     assert isinstance(run, str) and run.startswith("ConfigError"), run
-    assert "rank 0 reduces group[branch.bias..branch.weight] (unit 2: branch, Linear)" in run, run
+    assert "rank 0 reduces bucket[branch.bias..branch.weight] (unit 2: branch, Linear)" in run, run
     assert "rank 1 " in run and "units=" in run, run
 
 

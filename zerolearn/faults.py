@@ -67,7 +67,7 @@ def check_finite_params(engine, step: int) -> None:
     Called before a checkpoint of the state after ``step`` is saved (one collective):
     an update can break the parameters while the loss before it was finite.
     """
-    broken = any(not torch.isfinite(g.master).all().item() for g in engine.groups)
+    broken = any(not torch.isfinite(g.master).all().item() for g in engine.buckets)
     if comm.monitor_mean(float(broken)) > 0:
         raise NonFiniteError(f"step {step}: its update made parameters NaN or inf; stopping without saving "
                              "a checkpoint of this state (is --lr too high?)")

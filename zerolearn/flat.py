@@ -8,11 +8,11 @@ a whole group. (Giving each rank whole tensors instead leaves shards unequal: th
 rank that owns the largest layer sets everyone's memory.)
 
 A :class:`FlatLayout` is only that arithmetic: names, shapes, offsets and the shard
-this rank owns, fixed once built. What an engine keeps for a group from step to step
+this rank owns, fixed once built. What an engine keeps for a bucket from step to step
 (the buffers, the optimizer's master shard, gradients) lives in
-:class:`zerolearn.engines.group.GroupState`. A group is also the engines' bucket:
-gradients are reduced, and under ZeRO-3 parameters gathered, one group at a time, so
-a group's size is the fused buffer size of Sec 6.2.
+:class:`zerolearn.engines.base.Bucket`. Gradients are reduced, and under ZeRO-3
+parameters gathered, one bucket at a time, so a bucket's size is the fused buffer
+size of Sec 6.2.
 """
 
 from __future__ import annotations
@@ -74,8 +74,8 @@ class FlatLayout:
 
     @property
     def label(self) -> str:
-        """A short name for messages: ``group[first..last]`` parameter names."""
-        return f"group[{self.names[0]}..{self.names[-1]}]"
+        """A short name for messages: ``bucket[first..last]`` parameter names."""
+        return f"bucket[{self.names[0]}..{self.names[-1]}]"
 
     def flatten(self, tensors: list[torch.Tensor], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """A new buffer (``padded_numel``,) of ``dtype`` holding ``tensors``' values (padding 0)."""
@@ -124,8 +124,15 @@ def buckets(named_params: list[tuple[str, nn.Parameter]], bucket_bytes: int,
     return out
 
 
-def make_groups(named_params: list[tuple[str, nn.Parameter]], bucket_bytes: int, element_size: int,
-                num_shards: int, shard_index: int) -> list[FlatLayout]:
-    """The layouts of :func:`buckets`' groups, each padded to ``num_shards`` shards."""
+def make_buckets(named_params: list[tuple[str, nn.Parameter]], bucket_bytes: int, element_size: int,
+                 num_shards: int, shard_index: int) -> list[FlatLayout]:
+    """The layouts of :func:`buckets`' runs, each padded to ``num_shards`` equal shards.
+
+    Args:
+        named_params: ``(name, parameter)`` in the order buffers are laid out.
+        bucket_bytes: the cap on a bucket, bytes (a larger parameter is a bucket alone).
+        element_size: bytes per element of the working dtype.
+        num_shards: Nd (1 when nothing is sharded); shard_index: this rank's shard.
+    """
     return [FlatLayout.of([n for n, _ in b], [p.shape for _, p in b], num_shards, shard_index)
             for b in buckets(named_params, bucket_bytes, element_size)]

@@ -27,7 +27,7 @@ The "calling unit" is the label set with :func:`unit` around the collective
 (``with comm.unit("blocks.1", "forward: gather"):``). The engines label their own
 collectives: a ZeRO-3 unit's hooks with the unit's name (the unit whose hook is
 running, which for a prefetch is not the unit being gathered), a bucket's reduction
-and publication with its flat group (``group[first..last]``). Nothing is read off the
+and publication with its bucket (``bucket[first..last]``). Nothing is read off the
 call stack: the label is passed explicitly, so it means the same in every Python.
 
 This module and :mod:`zerolearn.comm` are the only ones that call torch.distributed.
@@ -78,7 +78,7 @@ def unit(name: str, doing: str = "-"):
     """Collectives issued inside this block are attributed to unit ``name`` in debug mode.
 
     Args:
-        name: the unit or buffer the collectives serve (``"blocks.1"``, ``"group[a..b]"``).
+        name: the unit or buffer the collectives serve (``"blocks.1"``, ``"bucket[a..b]"``).
         doing: what the caller is doing (``"forward: gather"``), shown in messages.
 
     An enclosing block's label wins over the ones inside it, so wrapping a call

@@ -227,13 +227,13 @@ print("\n".join(source[at - 2:at + 1]))
 # Autograd calls `_on_grad` once a parameter's gradient for this backward is complete (the hook
 # receives the *parameter*; its `.grad` holds the gradient). The gradient is copied into its
 # bucket's flat buffer and autograd's copy is dropped. When a bucket has all its gradients,
-# `_on_group_ready` launches it, and every earlier bucket that is also complete, in one fixed
+# `_on_bucket_ready` launches it, and every earlier bucket that is also complete, in one fixed
 # order: collectives must be issued in the same order on every rank, or they pair up wrongly.
 
 # %%
-for method in (Engine._on_grad, Engine._on_group_ready, Engine._launch, Engine._finish_oldest,
-               DDPEngine._reduce):
+for method in (Engine._on_grad, Engine._on_bucket_ready, Engine._launch, Engine._finish_oldest):
     print(inspect.getsource(method))
+print(inspect.getsource(DDPEngine))
 
 # %% [markdown]
 # `_launch` divides by N<sub>d</sub> before the sum (so fp16 gradients cannot overflow in the sum)

@@ -155,8 +155,8 @@ exercises.check("02.shard_range", shard_range)
 
 # %% [markdown]
 # `zerolearn.flat` does this arithmetic for the engines. A `FlatLayout` is only that
-# arithmetic, fixed once built (what an engine keeps per group from step to step lives in
-# `zerolearn.engines.group.GroupState`):
+# arithmetic, fixed once built (what an engine keeps per bucket from step to step lives in
+# `zerolearn.engines.base.Bucket`):
 
 # %%
 print(inspect.getsource(flat.FlatLayout.of))
@@ -166,7 +166,7 @@ print(inspect.getsource(flat.FlatLayout.views))
 # %% [markdown]
 # Parameters keep their shapes as *views* into the buffer, so the model computes as
 # before while the optimizer sees one flat tensor. Groups are capped at a bucket size
-# (`make_groups`), which later chapters use to overlap communication with backward
+# (`make_buckets`), which later chapters use to overlap communication with backward
 # (Sec 5.2) and to bound temporary buffers (Sec 6.2). Here is a toy group of three
 # tensors of 10, 7 and 5 elements on $N_d = 3$ ranks: 22 elements padded to 24, so each
 # rank's shard has 8 elements, and shards cut straight through tensors.
@@ -174,7 +174,7 @@ print(inspect.getsource(flat.FlatLayout.views))
 # %%
 toy = [(name, nn.Parameter(torch.zeros(n))) for name, n in (("a", 10), ("b", 7), ("c", 5))]
 for rank in range(3):
-    g = flat.make_groups(toy, bucket_bytes=1 << 20, element_size=4, num_shards=3, shard_index=rank)[0]
+    g = flat.make_buckets(toy, bucket_bytes=1 << 20, element_size=4, num_shards=3, shard_index=rank)[0]
     print(f"rank {rank}: shard = elements [{g.shard_range[0]:>2}, {g.shard_range[1]:>2}) "
           f"of {g.padded_numel} ({g.numel} real + {g.padding} padding); tensor offsets {g.offsets}")
 
@@ -223,9 +223,10 @@ for rank in range(3):
 exercises.check("02.zero1_step", zero1_step)
 
 # %% [markdown]
-# The package's engine does the same for each flat group. It is short because the shared
-# base class (`engines/base.py`) launches a group's reduction from autograd hooks as soon
-# as its gradients are complete:
+# The package's engine does the same for each flat group (a bucket). It is short because the
+# shared base class (`engines/base.py`) launches a bucket's reduction from autograd hooks as
+# soon as its gradients are complete; the stage says only what it keeps, how it reduces and
+# how it publishes:
 
 # %%
 print(inspect.getsource(zero1.Zero1Engine))

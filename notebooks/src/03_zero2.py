@@ -51,7 +51,7 @@ from zerolearn.config import TrainConfig
 from zerolearn.dist import launch
 from zerolearn.engines import base, zero2
 from zerolearn.experiments import seed_experiment
-from zerolearn.flat import make_groups
+from zerolearn.flat import make_buckets
 from zerolearn.lessons import ch02, ch03
 from zerolearn.memory import model as analytic
 from zerolearn.models import GPTConfig, build_model
@@ -141,12 +141,12 @@ print(inspect.getsource(base.Engine._finish_oldest))
 print(f"MAX_IN_FLIGHT = {base.MAX_IN_FLIGHT}  # reductions launched but not finished")
 
 # %% [markdown]
-# A group is a flat buffer of at most `--bucket-mb` MiB (chapter 2). Groups are
+# A bucket is a flat buffer of at most `--bucket-mb` MiB (chapter 2). Buckets are
 # launched in one fixed order on every rank, because collectives pair up by order.
 # `MAX_IN_FLIGHT` bounds the reductions in progress: when one more is launched, the
-# oldest is waited for and finished. ZeRO-2 differs from ZeRO-1 in three short
-# methods: it reduce-scatters into a shard that it keeps, and frees the full bucket
-# the moment the reduction is done.
+# oldest is waited for and finished. The whole ZeRO-2 engine reads alone: it keeps
+# what ZeRO-1 keeps but the gradient, reduce-scatters into a shard that it keeps, and
+# frees the full bucket the moment the reduction is done (`_after_reduce`).
 
 # %%
 print(inspect.getsource(zero2.Zero2Engine))
@@ -206,7 +206,7 @@ for nd, rep in runs:
     cells = " | ".join(f"{kib(entry['model_state_bytes'][c]):>8} {kib(formula[c]):>8}"
                        for c in ("params", "grads", "optimizer_states"))
     width = analytic.dtype_bytes(rep["config"]["dtype"])
-    groups = make_groups(named, int(rep["config"]["bucket_mb"] * 2**20), width, nd, 0)
+    groups = make_buckets(named, int(rep["config"]["bucket_mb"] * 2**20), width, nd, 0)
     largest = max(g.padded_numel for g in groups) * width
     alive = (entry["peak_grad_bytes"] - entry["model_state_bytes"]["grads"]) / largest
     print(f"{nd:>2} {rep['config']['dtype']:>5} | {cells} | {entry['padding_elements']:>3} | "
@@ -392,7 +392,7 @@ plt.show()
 print(f"{'bucket MiB':>10} | {'groups':>6} {'largest group KiB':>17} | {'ZeRO-2 peak grads KiB':>21} "
       f"{'ZeRO-2 RS calls/step':>20}")
 for b in BUCKETS:
-    groups = make_groups(named, int(b * 2**20), 4, 4, 0)
+    groups = make_buckets(named, int(b * 2**20), 4, 4, 0)
     two = sweep[(2, b)]["ranks"][0]
     print(f"{b:>10} | {len(groups):>6} {kib(max(g.padded_numel for g in groups) * 4):>17} | "
           f"{kib(two['peak_grad_bytes']):>21} {two['comm']['reduce_scatter']['calls'] // 2:>20}")

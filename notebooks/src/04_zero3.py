@@ -29,7 +29,7 @@ import inspect
 from zerolearn import figures
 from zerolearn.config import TrainConfig
 from zerolearn.dist import launch
-from zerolearn.engines.zero3 import Zero3Engine, _free
+from zerolearn.engines.zero3 import Zero3Engine
 from zerolearn.lessons import ch04
 from zerolearn.memory.model import STAGE_NAMES, TABLE1_GB, comm_volume_elements, model_state_bytes
 from zerolearn.models import GPTConfig, build_model
@@ -59,12 +59,11 @@ print(f'Psi = {psi:,} parameters; a block has 12 h^2 + 13 h = {12 * 64**2 + 13 *
 
 # %% [markdown]
 # Between uses, a rank of an Nd-rank job keeps only its 1/Nd shard of every unit. The
-# engine's `_init_group` keeps the shard, builds the full buffer once so that each
+# engine's `_init_bucket` keeps the shard, builds the full buffer once so that each
 # parameter becomes a *view* of it, and then frees that buffer's memory at once:
 
 # %%
-print(inspect.getsource(Zero3Engine._init_group))
-print(inspect.getsource(_free))
+print(inspect.getsource(Zero3Engine._init_bucket))
 
 # %% [markdown]
 # For ZeRO-3 every row of the table is divided by $N_d$. The right panel shows the price:
@@ -200,7 +199,8 @@ exercises.check("04.prefetch", prefetch)
 # moves of Section 2 around a collective, launched asynchronously:
 
 # %%
-for method in (Zero3Engine._start_gather, Zero3Engine._gather, Zero3Engine._free_unit):
+for method in (Zero3Engine._start_gather, Zero3Engine._finish_gather, Zero3Engine._free_bucket,
+               Zero3Engine._free_unit):
     print(inspect.getsource(method))
 
 # %% [markdown]
@@ -209,7 +209,7 @@ for method in (Zero3Engine._start_gather, Zero3Engine._gather, Zero3Engine._free
 
 # %%
 for method in (Zero3Engine._pre_forward, Zero3Engine._post_forward, Zero3Engine._pre_backward,
-               Zero3Engine._on_group_ready):
+               Zero3Engine._on_bucket_ready):
     print(inspect.getsource(method))
 
 # %% [markdown]

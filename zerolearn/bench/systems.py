@@ -38,7 +38,7 @@ from torch import nn
 from zerolearn import compat
 from zerolearn import dist as zdist
 from zerolearn.config import TrainConfig
-from zerolearn.engines.optim import unique_storage_bytes
+from zerolearn.memory.ledger import storage_bytes
 from zerolearn.lessons.ch07 import DEEPSPEED_CONFIG
 from zerolearn.train import build, loss_fn, setup
 
@@ -47,7 +47,7 @@ def held_bytes(tensors, seen: set[int]) -> int:
     """Bytes of the storages behind ``tensors`` (DTensors: their local shard; None and
     0-d tensors skipped), each storage counted once across calls sharing ``seen``."""
     local = (t.to_local() if hasattr(t, "to_local") else t for t in tensors if t is not None)
-    return unique_storage_bytes([t for t in local if t.dim() > 0], seen)
+    return storage_bytes([t for t in local if t.dim() > 0], seen)
 
 
 def _state_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

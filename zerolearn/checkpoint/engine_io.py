@@ -61,7 +61,7 @@ def _identity(engine, rank: int, step: int) -> dict:
 def _payload(engine, step: int) -> dict:
     pieces = []
     # Stage 0 replicates everything (one shard): rank 0 alone writes it.
-    for gi, g in enumerate(engine.groups):
+    for gi, g in enumerate(engine.buckets):
         if engine.rank >= g.layout.num_shards:
             continue
         per, scalars = _split_state(engine, g)
@@ -156,7 +156,7 @@ def _manifest(engine, step: int, extra: dict | None, metas: list[dict]) -> dict:
     """The manifest (format in :mod:`zerolearn.checkpoint`) of a save whose ranks wrote ``metas``."""
     groups = [{"names": list(g.layout.names), "shapes": [list(s) for s in g.layout.shapes],
                "offsets": list(g.layout.offsets), "numel": g.layout.numel,
-               "padded_numel": g.layout.padded_numel, "pieces": []} for g in engine.groups]
+               "padded_numel": g.layout.padded_numel, "pieces": []} for g in engine.buckets]
     for m in metas:
         for index, (gi, start, stop) in enumerate(m["pieces"]):
             groups[gi]["pieces"].append([m["rank"], start, stop, index])
@@ -166,8 +166,8 @@ def _manifest(engine, step: int, extra: dict | None, metas: list[dict]) -> dict:
         "world_size": engine.world_size, "optimizer": engine.optimizer_name,
         "dtype": _identity(engine, 0, step)["dtype"], "torch": compat.TORCH_VERSION,
         "scaler": {"enabled": engine.scaler.enabled, **engine.scaler.state_dict()},
-        "params": [[n, list(s)] for g in engine.groups for n, s in zip(g.layout.names, g.layout.shapes)],
-        "skipped": {n: k for g in engine.groups for n, k in zip(g.layout.names, g.skipped) if k},
+        "params": [[n, list(s)] for g in engine.buckets for n, s in zip(g.layout.names, g.layout.shapes)],
+        "skipped": {n: k for g in engine.buckets for n, k in zip(g.layout.names, g.skipped) if k},
         "state_keys": metas[0]["state_keys"], "groups": groups, "aliases": aliases,
         "module_keys": sorted(module),
         "files": [{"file": m["file"], "bytes": m["bytes"], "sha256": m["sha256"],
@@ -271,7 +271,7 @@ def _apply(engine, found: dict, restore_rng: bool) -> None:
     """Set what :func:`zerolearn.checkpoint.reshard.plan` found (a collective: republishes)."""
     engine.load_shards(found["masters"], found["optimizer"])
     man = found["manifest"]
-    for g in engine.groups:  # steps each parameter sat out, unused on every rank (Adam counts them)
+    for g in engine.buckets:  # steps each parameter sat out, unused on every rank (Adam counts them)
         g.skipped = [man.skipped.get(n, 0) for n in g.layout.names]
     if man.scaler.enabled and engine.scaler.enabled:
         engine.scaler.load_state_dict(man.scaler.state_dict())

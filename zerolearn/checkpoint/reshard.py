@@ -21,7 +21,7 @@ def module_state(engine, copy: bool = True) -> tuple[dict[str, str], dict[str, t
 
     ``copy``: the frozen tensors as CPU copies (to save), or the model's own (to compare).
     """
-    trainable = {id(p): n for g in engine.groups for n, p in zip(g.layout.names, g.params)}
+    trainable = {id(p): n for g in engine.buckets for n, p in zip(g.layout.names, g.params)}
     aliases, module = {}, {}
     for key, t in engine.model.state_dict(keep_vars=True).items():
         if id(t) in trainable:
@@ -50,7 +50,7 @@ def check_model(engine, man, path: str) -> None:
     Raises:
         CheckpointError: naming what differs (first five names of each kind).
     """
-    mine = {n: list(s) for g in engine.groups for n, s in zip(g.layout.names, g.layout.shapes)}
+    mine = {n: list(s) for g in engine.buckets for n, s in zip(g.layout.names, g.layout.shapes)}
     theirs = {n: list(s) for n, s in man.params}
     problems = [f"{n}: checkpoint {theirs[n]}, this model {s}" for n, s in mine.items()
                 if n in theirs and theirs[n] != s]
@@ -113,7 +113,7 @@ def plan(engine, path: str) -> dict:
     check_model(engine, man, path)
     reader = Reader(man, hashed=True)  # the bytes loaded are the bytes hashed
     masters, state = [], {}
-    for j, g in enumerate(engine.groups):
+    for j, g in enumerate(engine.buckets):
         master, group_state = _read_group(reader, g, man.state_keys, path)
         masters.append(master)
         if group_state:

@@ -1,11 +1,12 @@
-"""One engine per ZeRO-DP stage, one interface (DESIGN section 3).
+"""One engine per ZeRO-DP stage, one interface (docs/ARCHITECTURE.md, "The engines").
 
 Stage numbers follow DeepSpeed: 0 = DP baseline, 1 = P_os, 2 = P_os+g, 3 = P_os+g+p.
 """
 
 from zerolearn.dist import ConfigError
-from zerolearn.engines.base import OPTIMIZERS, Engine
+from zerolearn.engines.base import Bucket, Engine
 from zerolearn.engines.ddp import DDPEngine
+from zerolearn.engines.optim import OPTIMIZERS
 from zerolearn.engines.zero1 import Zero1Engine
 from zerolearn.engines.zero2 import Zero2Engine
 from zerolearn.engines.zero3 import Zero3Engine
@@ -25,5 +26,5 @@ def make_engine(stage: int, model, **kwargs) -> Engine:
     return ENGINES[stage](model, **kwargs)
 
 
-__all__ = ["ENGINES", "OPTIMIZERS", "STAGE_NAMES", "DDPEngine", "Engine", "Zero1Engine",
+__all__ = ["ENGINES", "OPTIMIZERS", "STAGE_NAMES", "Bucket", "DDPEngine", "Engine", "Zero1Engine",
            "Zero2Engine", "Zero3Engine", "make_engine"]

@@ -1,88 +1,128 @@
-"""The engine every stage is: its contract, construction, forward and the step.
+"""What every stage shares: the contract, the buckets, and the loop skeleton.
 
-An engine wraps a model and owns its training state. Stages differ only in what a
-rank keeps of each flat group (Sec 5): the working parameters (full or a shard),
-the gradients (full or a shard) and the optimizer's fp32 master and moments (full or
-a shard). :class:`Engine` runs the step; a stage says what to keep by implementing
-four methods (the contract, in :class:`Engine`'s docstring).
+An engine wraps a model and owns its training state. The stages differ only in what
+a rank keeps of each bucket (Sec 5, Fig 1): the working parameters (all or a shard),
+the gradients (all or a shard) and the optimizer's fp32 master and moments (all or a
+shard). This file holds what does not differ: a :class:`Bucket`'s fields, the
+skeleton of backward (gradients copied into buckets from autograd hooks, each bucket
+reduced as soon as it is complete, Sec 5.2) and of the step (global norm, torch's
+optimizer on the master, publish). Each stage file (``ddp.py``, ``zero1.py``,
+``zero2.py``, ``zero3.py``) fills in the four methods of the contract and reads alone.
 
-``Engine`` is put together from three files, one idea each: this one (the contract,
-forward, the optimizer step), :mod:`~zerolearn.engines.buckets` (backward: gradient
-buckets reduced from autograd hooks, Sec 5.2) and :mod:`~zerolearn.engines.state`
-(what a rank holds: bytes, full parameters, loading shards). Frozen parameters
-(``requires_grad=False``) are not flattened or sharded at all.
+Instrumentation stays out of the stage files: the skeleton names each collective for
+debug mode and the profiler (``comm.unit``), counts gradient bytes and fused buffer
+sizes, and tags allocations for the memory ledger around the stage's calls.
 """
 
 from __future__ import annotations
 
 import abc
+import contextlib
 import functools
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from zerolearn import comm
-from zerolearn.dist import ConfigError
+from zerolearn import comm, guard
 from zerolearn.engines import optim
-from zerolearn.engines.buckets import MAX_IN_FLIGHT, BucketedBackward
-from zerolearn.engines.group import GradTally, GroupState
 from zerolearn.engines.state import EngineStateMixin
-from zerolearn.flat import FlatLayout, buckets
-from zerolearn.memory.ledger import retag
+from zerolearn.errors import ConfigError
+from zerolearn.flat import FlatLayout, make_buckets
+from zerolearn.memory.ledger import category, retag, storage_bytes
 from zerolearn.precision import LossScaler, check_param_dtypes, needs_master, parse_dtype
 
-OPTIMIZERS = optim.OPTIMIZERS
-__all__ = ["MAX_IN_FLIGHT", "OPTIMIZERS", "Engine"]
+MAX_IN_FLIGHT = 2  # reductions launched but not finished; bounds the gradient buckets alive
 
 
-class Engine(BucketedBackward, EngineStateMixin, abc.ABC):
-    """Shared interface of the four stages: forward, backward, step, zero_grad, ledgers.
+@dataclass(eq=False)
+class Bucket:
+    """One bucket's tensors on this rank (``None``: not held now); the stage fills them.
 
-    **The contract.** A stage subclasses ``Engine`` and implements four methods; a
-    class that lacks one cannot be constructed (``TypeError`` naming the class and
-    the missing methods, raised before anything is allocated):
+    =========  ===============  ===============  ================  ===============
+    stage      ``full``         ``shard``        ``grad_full``     ``grad_shard``
+    =========  ===============  ===============  ================  ===============
+    0 (DP)     kept             -                kept              -
+    1 (P_os)   kept             -                kept              while accumulating
+    2 (+g)     kept             -                until reduced     kept
+    3 (+p)     gathered in use  kept             until reduced     kept
+    =========  ===============  ===============  ================  ===============
 
-    * ``_init_group(g, master32)``: lay out group ``g``'s working parameters
-      (``g.full``, ``g.shard``; bind the model's parameters to them) and its fp32
-      master ``g.master``, from ``master32``, the group's fp32 values (``padded_numel``,).
-    * ``_reduce(g) -> comm.Handle``: launch the reduction (a sum; the gradient was
-      already divided by Nd) of ``g.grad_full``, asynchronously: all_reduce,
-      reduce_scatter, ...
-    * ``_grad_for_step(g) -> Tensor``: the reduced gradient matching ``g.master``
-      element for element, in the working dtype.
-    * ``_publish(g)``: after the update, make ``g.master``'s new values the working
-      parameters (a cast, or an all_gather of the updated shards into ``_publishing``).
+    Attributes:
+        layout: names, offsets and this rank's shard range (:class:`FlatLayout`).
+        params: the model's parameters in buffer order, views of ``full``.
+        full: working parameters, (``padded_numel``,) in the working dtype.
+        shard: working-parameter shard, (``shard_numel``,), ZeRO-3 only.
+        master: what the optimizer steps, fp32: (``padded_numel``,) at stage 0,
+            (``shard_numel``,) at stages 1-3; in fp32 it may share ``full``'s storage.
+        grad_full: this backward's gradient of the whole bucket, before reduction.
+        grad_shard: the reduced (averaged) gradient of this rank's shard.
+        reduced: a reduction's output that is added to the kept gradient afterwards.
+        reducing: the reduction in flight, or None.
+        ready: parameters whose gradient arrived in this backward.
+        used: per parameter, whether it got a gradient on this rank since ``zero_grad``.
+        skipped: per parameter, steps it sat out because no rank used it.
+    """
 
-    Hooks with defaults, for what some stages need: ``num_shards`` (Nd: the groups
-    are padded to this many equal shards), ``_build_groups`` (bucket the parameters;
-    ZeRO-3 keeps groups inside units), ``_after_reduce(g)`` (finish a reduction:
-    keep what this rank needs, free the rest; default nothing), ``_keep_reduced(g)``
-    (a backward starts while ``g`` holds an earlier one's reduced gradient),
-    ``_on_group_ready(g)`` (overrides must call ``super()``), ``_after_backward()``.
+    layout: FlatLayout
+    params: list[nn.Parameter]
+    full: torch.Tensor | None = None
+    shard: torch.Tensor | None = None
+    master: nn.Parameter | None = None
+    grad_full: torch.Tensor | None = None
+    grad_shard: torch.Tensor | None = None
+    reduced: torch.Tensor | None = None
+    reducing: comm.Handle | None = field(default=None, repr=False)
+    ready: int = 0
+    used: list[bool] = field(default_factory=list)
+    skipped: list[int] = field(default_factory=list)
+    tally: list[int] | None = field(default=None, repr=False)  # [gradient bytes held by all buckets]
 
-    One step, in call order ([R] required, [h] hook with a default)::
+    def __post_init__(self) -> None:
+        self.used = [False] * len(self.params)
+        self.skipped = [0] * len(self.params)
 
-      build     num_shards [h] -> _build_groups [h] -> per group g: _init_group(g, master32) [R]
-      ----------------------------------------------------------------------------------
-      forward   engine(x): broadcast buffers from rank 0 -> model(x)
-                (ZeRO-3: a unit's hooks all_gather it before its forward, free it after)
-      backward  [g holds the last backward's reduced gradient: _keep_reduced(g) [h]]
-                autograd hook per parameter: add p.grad into g.grad_full (g's bucket)
-                  |
-                  |  bucket ready: every parameter of g has its gradient
-                  v
-                _on_group_ready(g) [h] -> launch the ready groups, in fixed order:
-                  _launch(g): g.grad_full /= Nd -> _reduce(g) [R]
-                  |             (async all_reduce or reduce_scatter: a sum over ranks)
-                  v  more than MAX_IN_FLIGHT in flight: wait for the oldest, then
-                _after_reduce(g) [h]
-                end: launch groups no gradient reached, wait for all, _after_backward() [h]
-      step      _grad_for_step(g) [R] for every g
-                -> global norm (one all_reduce of partial sums): clip; fp16 overflow skips
-                -> per g: optimizer.step() on g.master (the shard of the update),
-                   then _publish(g) [R] (all_gather of the updated shard, async)
-                -> wait for the publishes
-      zero_grad drop g.grad_full, g.grad_shard
+    def __setattr__(self, name: str, value) -> None:
+        # Keeps the engine's count of gradient bytes held (peak_grad_bytes) in O(1).
+        tally = self.__dict__.get("tally")
+        if tally is None or name not in ("grad_full", "grad_shard"):
+            return object.__setattr__(self, name, value)
+        before = storage_bytes([self.grad_full, self.grad_shard])
+        object.__setattr__(self, name, value)
+        tally[0] += storage_bytes([self.grad_full, self.grad_shard]) - before
+
+    @property
+    def complete(self) -> bool:
+        """Every parameter's gradient of this backward is in ``grad_full``."""
+        return self.ready == len(self.params)
+
+
+class Engine(EngineStateMixin, abc.ABC):
+    """Forward, backward, step and zero_grad over buckets; a stage implements four methods.
+
+    **The contract** (a class lacking one fails at construction, naming it):
+
+    * ``_init_bucket(b, master32)``: keep what the stage keeps of bucket ``b``
+      (``b.full``, ``b.shard``, ``b.master``) from ``master32``, its fp32 values
+      (``padded_numel``,), and bind the model's parameters (``b.layout.bind``).
+    * ``_reduce(b) -> comm.Handle``: launch the sum over ranks of ``b.grad_full``
+      (already divided by Nd), asynchronously.
+    * ``_grad_for_step(b) -> Tensor``: the reduced gradient, shaped like ``b.master``.
+    * ``_publish(b)``: make ``b.master``'s updated values the working parameters.
+
+    Hooks with defaults: ``num_shards`` (Nd), ``_build_buckets``, ``_after_reduce(b)``,
+    ``_keep_reduced(b)``, ``_on_bucket_ready(b)``, ``_may_launch(b)``,
+    ``_before_reduce(b)``, ``_after_backward()``, ``_abandon_backward(error)``.
+
+    One step, in call order::
+
+      backward  autograd hook per parameter: add p.grad into b.grad_full
+                bucket complete -> _on_bucket_ready(b) -> launch ready buckets in one order:
+                  grad_full /= Nd -> _reduce(b) (async); > MAX_IN_FLIGHT: wait the oldest
+                  -> _after_reduce(b)
+                end: launch buckets no gradient reached, wait for all -> _after_backward()
+      step      _grad_for_step(b) for every b -> global norm: clip, fp16 overflow
+                per b: torch's optimizer steps b.master, then _publish(b)
 
     Args:
         model: an ``nn.Module`` on one device, in fp32 (it is cast to ``dtype``).
@@ -90,51 +130,34 @@ class Engine(BucketedBackward, EngineStateMixin, abc.ABC):
             ``momentum`` (SGD) and ``betas`` (Adam) as in torch.optim.
         dtype: working precision ``"fp32" | "bf16" | "fp16"`` (fp32 master for the
             2-byte ones, dynamic loss scale for fp16).
-        bucket_mb: largest gradient bucket / flat group, MiB of working dtype.
+        bucket_mb: largest bucket, MiB of the working dtype (CB of Sec 6.2).
         max_grad_norm: clip the global gradient norm to this (None: no clipping).
         group: process group over the Nd data-parallel ranks (default: all ranks).
-        units: ZeRO-3's gather/free units in forward order (default ``model.units()``
-            if it exists, else the model's direct children, a ModuleList's items in
-            its place; parameters shared by two units, or by a unit and a module
-            outside every unit, such as tied embeddings, go to the root unit, gathered
-            for the whole forward and backward). A unit's parameters may be read only
-            inside its own forward (elsewhere: ConfigError naming the parameter): the
-            next unit in the list is prefetched while the current one runs, and a unit
-            is freed when its forward returns. Every rank must run the same units in
-            the same order (else ConfigError naming the ranks and their units).
+        units: ZeRO-3's gather/free units in forward order (see ``Zero3Engine``).
         model_parallel_group: the tensor-parallel group of this rank (Nm > 1), so that
-            clipping and the fp16 overflow check see the whole gradient: parameters
-            marked ``tensor_parallel = True`` are slices that differ per rank, the
-            others are replicas counted once.
-        broadcast_buffers: copy every buffer (BatchNorm's running statistics) from
-            data-parallel rank 0 at the start of each forward, as torch DDP does, so
-            ranks never drift apart; False leaves them per rank (SyncBatchNorm is
-            the way to make the statistics themselves global).
+            clipping and the fp16 overflow check see the whole gradient (parameters
+            marked ``tensor_parallel = True`` differ per rank, the others are replicas).
+        broadcast_buffers: copy every buffer from data-parallel rank 0 at the start of
+            each forward, as torch DDP does.
 
-    Parameters unused in a step follow torch: one that no rank used since the last
-    ``zero_grad`` is not updated at all (no momentum, no Adam moment or step count, no
-    weight decay), as torch.optim skips a parameter whose ``.grad`` is None; one that
-    some ranks used gets the average over all ranks with zeros from the others, as DDP
-    with ``find_unused_parameters=True``. Ranks learn which parameters were used
-    anywhere from one small exchange of flags per step (outside the ledger, like
-    monitoring).
+    Parameters unused in a step follow torch: one no rank used since ``zero_grad`` is
+    not updated (no momentum, Adam moment or step count, weight decay); one some ranks
+    used gets the average with zeros from the others (DDP, ``find_unused_parameters``).
 
     Raises:
         ConfigError: bad optimizer, dtype, lr or bucket size; parameters on several
-            devices; parameters of a floating dtype other than fp32 and ``dtype``
-            (float64, or bf16 under fp32: they would be cast silently), named with
-            their dtypes. All raised before anything is allocated or communicated.
-        TypeError: the class does not implement the four required methods.
+            devices or of a floating dtype other than fp32 and ``dtype``; no trainable
+            parameter. All before anything is allocated or communicated.
+        TypeError: the class does not implement the four methods of the contract.
     """
 
     stage: int = -1  # DeepSpeed's numbering (0-3), recorded in checkpoints; -1: none of them
 
     def __new__(cls, *args, **kwargs):
-        # abc would refuse too; this says which contract the class broke.
         missing = sorted(getattr(cls, "__abstractmethods__", ()))
         if missing:
             raise TypeError(f"{cls.__name__} does not implement {', '.join(missing)}: an engine must implement "
-                            "_init_group, _reduce, _grad_for_step and _publish (zerolearn.engines.base.Engine)")
+                            "_init_bucket, _reduce, _grad_for_step and _publish (zerolearn.engines.base.Engine)")
         return super().__new__(cls)
 
     def __init__(self, model: nn.Module, *, optimizer: str = "adam", lr: float = 1e-3,
@@ -155,93 +178,95 @@ class Engine(BucketedBackward, EngineStateMixin, abc.ABC):
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.scaler = LossScaler(enabled=self.dtype == torch.float16)
         self.mixed = needs_master(self.dtype)
-
         check_param_dtypes(model, self.dtype)
         trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if not trainable:
             raise ConfigError("the model has no trainable parameters (all requires_grad=False)")
         self.psi = sum(p.numel() for _, p in trainable)
-        self.groups: list[GroupState] = self._build_groups(trainable, units)
-        self._grad_tally = GradTally()  # gradient bytes held now, kept by the groups (for peak_grad_bytes)
-        for g in self.groups:
-            g.tally = self._grad_tally
-        self._norm_weights = (optim.replica_weights(self.groups, torch.distributed.get_world_size(
-            model_parallel_group)) if model_parallel_group is not None else None)
-        self._publishing: list[comm.Handle] = []  # all_gathers of updated shards in flight
-        masters32 = [g.layout.flatten(g.params, torch.float32, self.device) for g in self.groups]
-        model.to(self.dtype)  # working precision for everything, frozen params included
-        for g, m in zip(self.groups, masters32):
-            self._init_group(g, m)
+
+        self.buckets: list[Bucket] = self._build_buckets(trainable, units)
+        self._grad_bytes = [0]  # gradient bytes all buckets hold now, kept by Bucket.__setattr__
+        masters32 = [b.layout.flatten(b.params, torch.float32, self.device) for b in self.buckets]
+        model.to(self.dtype)  # working precision for everything, frozen parameters included
+        for b, m in zip(self.buckets, masters32):
+            b.tally = self._grad_bytes
+            self._init_bucket(b, m)
         del masters32
-        # One torch optimizer per group's master, used as one (optim.GroupedOptimizer).
-        self.optimizer = optim.make_grouped(optimizer, [g.master for g in self.groups], lr, weight_decay,
+        self.optimizer = optim.make_grouped(optimizer, [b.master for b in self.buckets], lr, weight_decay,
                                             momentum, betas)
-        # The gradient matches the master element for element, so ranks hold different
-        # parts of it exactly when masters are shards: then the norm sums over ranks.
-        self.shards_grads_for_norm = any(g.master.numel() != g.layout.padded_numel for g in self.groups)
-        for g in self.groups:
-            for i, p in enumerate(g.params):
-                p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, g, i))
-        self._next, self._sync = 0, True  # next group to launch; this backward reduces
-        self._pending: list[GroupState] = []  # groups whose reduction is in flight, oldest first
-        self._no_sync_depth = 0  # > 0 inside no_sync()
-        self.holds_reduced = False  # a sync backward ran since the last zero_grad()
+        # Ranks hold different parts of the gradient exactly when masters are shards.
+        self.shards_grads_for_norm = any(b.master.numel() != b.layout.padded_numel for b in self.buckets)
+        self._norm_weights = (optim.replica_weights(self.buckets, torch.distributed.get_world_size(
+            model_parallel_group)) if model_parallel_group is not None else None)
+        for b in self.buckets:
+            for i, p in enumerate(b.params):
+                p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, b, i))
+        self._publishing: list[comm.Handle] = []  # all_gathers of updated shards in flight
+        self._next, self._sync = 0, True  # next bucket to launch; this backward reduces
+        self._pending: list[Bucket] = []  # buckets whose reduction is in flight, oldest first
+        self._no_sync_depth = 0
+        self.holds_reduced = False  # a reducing backward ran since the last zero_grad()
+        self.in_backward = False  # forwards run now are recomputations (activation checkpointing)
         self.peak_grad_bytes = 0  # most gradient bytes held at once, measured
         self.temp_buffer_peak_bytes = 0  # largest fused communication buffer, bytes (Sec 6.2)
-        self.in_backward = False
 
-    # ----- the contract: what a stage must say ------------------------------------
+    # ----- the contract -------------------------------------------------------------
     @abc.abstractmethod
-    def _init_group(self, g: GroupState, master32: torch.Tensor) -> None:
-        """Set ``g.full`` / ``g.shard`` / ``g.master`` from ``master32`` (fp32, (padded_numel,))."""
-
-    @abc.abstractmethod
-    def _reduce(self, g: GroupState) -> comm.Handle:
-        """Launch the (async) sum over ranks of ``g.grad_full``; return its handle."""
+    def _init_bucket(self, b: Bucket, master32: torch.Tensor) -> None:
+        """Set ``b.full`` / ``b.shard`` / ``b.master`` from ``master32`` (fp32, (padded_numel,))."""
 
     @abc.abstractmethod
-    def _grad_for_step(self, g: GroupState) -> torch.Tensor:
-        """The reduced gradient, shaped and placed like ``g.master``."""
+    def _reduce(self, b: Bucket) -> comm.Handle:
+        """Launch the (async) sum over ranks of ``b.grad_full``; return its handle."""
 
     @abc.abstractmethod
-    def _publish(self, g: GroupState) -> None:
-        """Copy or all_gather ``g.master``'s updated values into the working parameters."""
+    def _grad_for_step(self, b: Bucket) -> torch.Tensor:
+        """The reduced gradient, shaped and placed like ``b.master``."""
 
-    # ----- hooks with defaults ------------------------------------------------------
+    @abc.abstractmethod
+    def _publish(self, b: Bucket) -> None:
+        """Copy or all_gather ``b.master``'s updated values into the working parameters."""
+
+    # ----- hooks with defaults --------------------------------------------------------
     @property
     def num_shards(self) -> int:
-        """Equal shards each group is padded to: Nd (1 for a stage that shards nothing)."""
+        """Equal shards each bucket is padded to: Nd (1 for a stage that shards nothing)."""
         return self.world_size
 
-    def _build_groups(self, trainable: list[tuple[str, nn.Parameter]], units) -> list[GroupState]:
+    def _build_buckets(self, trainable: list[tuple[str, nn.Parameter]], units) -> list[Bucket]:
         # Reverse registration order approximates the order gradients arrive in.
-        return self._groups_of(trainable[::-1])
+        return self._buckets_of(trainable[::-1])
 
-    def _groups_of(self, named: list[tuple[str, nn.Parameter]]) -> list[GroupState]:
-        """``named`` cut into buckets of at most ``bucket_mb``, each laid out flat."""
-        n = self.num_shards
-        return [GroupState(FlatLayout.of([name for name, _ in b], [p.shape for _, p in b], n, self.rank % n),
-                           [p for _, p in b]) for b in buckets(named, self.bucket_bytes, self.dtype.itemsize)]
+    def _buckets_of(self, named: list[tuple[str, nn.Parameter]]) -> list[Bucket]:
+        """``named`` cut into buckets of at most ``bucket_mb`` (:func:`flat.make_buckets`)."""
+        by_name = dict(named)
+        return [Bucket(layout, [by_name[n] for n in layout.names]) for layout in
+                make_buckets(named, self.bucket_bytes, self.dtype.itemsize, self.num_shards,
+                             self.rank % self.num_shards)]
 
-    def _after_reduce(self, g: GroupState) -> None:
-        """Hook: ``g``'s reduction finished; keep what this rank needs (default: the
-        reduction wrote its result in place, nothing to do)."""
+    def _after_reduce(self, b: Bucket) -> None:
+        """``b``'s reduction finished (default: it wrote its result in place)."""
 
-    def _keep_reduced(self, g: GroupState) -> None:
-        """Hook: a backward starts while ``g`` holds an earlier backward's reduced
-        gradient; set it aside so this backward's reduction adds to it (stage 1)."""
+    def _keep_reduced(self, b: Bucket) -> None:
+        """A backward starts while ``b`` holds an earlier one's reduced gradient."""
+
+    def _may_launch(self, b: Bucket) -> bool:
+        """``b``'s reduction may start during backward (else at its end)."""
+        return b.complete
+
+    def _before_reduce(self, b: Bucket) -> None:
+        """``b``'s reduction is about to be issued."""
 
     def _after_backward(self) -> None:
-        """Hook for ZeRO-3 (free what backward left gathered)."""
+        """Backward is over and every reduction finished."""
 
-    # ----- forward / backward ------------------------------------------------------
+    # ----- forward ------------------------------------------------------------------------
     def forward(self, *args, **kwargs):
         """Run the model on this rank's slice of the batch.
 
-        Floating-point tensor arguments are cast to the working dtype (the model runs
-        in it); integer ones (token ids) pass unchanged. Buffers are first broadcast
-        from data-parallel rank 0 (``broadcast_buffers``), except in forwards run
-        inside backward (activation-checkpoint recomputation).
+        Floating-point tensor arguments are cast to the working dtype; integer ones (token
+        ids) pass unchanged. Buffers are first broadcast from data-parallel rank 0
+        (``broadcast_buffers``), except in recomputations inside backward.
         """
         if self.broadcast_buffers and not self.in_backward:
             with comm.unit("<model>", "forward: broadcast buffers"):
@@ -253,73 +278,150 @@ class Engine(BucketedBackward, EngineStateMixin, abc.ABC):
     def __call__(self, *args, **kwargs):
         return self.forward(*args, **kwargs)
 
-    # ----- step ---------------------------------------------------------------------
+    # ----- backward: buckets filled by autograd hooks ----------------------------------
+    def backward(self, loss: torch.Tensor, sync: bool = True) -> None:
+        """Backpropagate ``loss`` (a scalar, this rank's mean) into the buckets and reduce them.
+
+        Gradient accumulation: scale each micro-batch's loss by 1 / micro-batches. Several
+        ``backward`` calls before ``step`` each reduce at once and add to the earlier
+        reduced gradient (stages 2-3 keep only their shard meanwhile); ``sync=False`` or
+        :meth:`no_sync` adds gradients locally and the next reducing backward reduces the
+        sum once, like DDP's ``no_sync``, holding the full gradient (2 Psi bytes) until then.
+        """
+        sync = sync and self._no_sync_depth == 0
+        if self.holds_reduced:  # once: a later backward must not set aside this one's local sums
+            for b in self.buckets:
+                self._keep_reduced(b)
+            self.holds_reduced = False
+        for b in self.buckets:
+            b.ready = 0
+        self._next, self._sync = 0, sync
+        self.in_backward = True
+        try:
+            (loss * self.scaler.scale if self.scaler.enabled else loss).backward()
+        except Exception as e:
+            self._abandon_backward(e)
+            raise
+        finally:
+            self.in_backward = False
+        if sync:
+            for b in self.buckets[self._next:]:  # buckets some parameter of which got no gradient
+                self._ensure_grad_full(b)
+                self._launch(b)
+            self._next = len(self.buckets)
+            while self._pending:
+                self._finish_oldest()
+            self.holds_reduced = True
+        self._after_backward()
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backwards inside this block accumulate locally; the next one reduces the sum."""
+        self._no_sync_depth += 1
+        try:
+            yield
+        finally:
+            self._no_sync_depth -= 1
+
+    def _on_grad(self, b: Bucket, i: int, p: nn.Parameter) -> None:
+        # Autograd calls this once p.grad holds this backward's whole gradient of p.
+        self._ensure_grad_full(b)
+        start = b.layout.offsets[i]
+        b.grad_full[start:start + p.numel()].view_as(p).add_(p.grad)
+        p.grad = None  # autograd's copy is in the bucket now
+        b.used[i] = True
+        b.ready += 1
+        if b.complete:
+            self._on_bucket_ready(b)
+
+    def _on_bucket_ready(self, b: Bucket) -> None:
+        # Collectives pair up by order: launch buckets in one fixed order on every rank.
+        if not self._sync:
+            return
+        while self._next < len(self.buckets) and self._may_launch(self.buckets[self._next]):
+            self._launch(self.buckets[self._next])
+            self._next += 1
+
+    def _launch(self, b: Bucket) -> None:
+        if self.world_size > 1:
+            b.grad_full.div_(self.world_size)  # before the sum: Nd fp16 gradients could overflow it
+        self._before_reduce(b)
+        with comm.unit(b.layout.label, "backward: reduce"):
+            b.reducing = self._reduce(b)
+        self.peak_grad_bytes = max(self.peak_grad_bytes, self._grad_bytes[0])
+        self._pending.append(b)
+        while len(self._pending) > MAX_IN_FLIGHT:
+            self._finish_oldest()
+
+    def _finish_oldest(self) -> None:
+        b = self._pending.pop(0)
+        b.reducing.wait()
+        b.reducing = None
+        self._after_reduce(b)
+
+    def _ensure_grad_full(self, b: Bucket) -> None:
+        if b.grad_full is None:
+            with category("grads"):
+                b.grad_full = torch.zeros(b.layout.padded_numel, dtype=self.dtype, device=self.device)
+            self.peak_grad_bytes = max(self.peak_grad_bytes, self._grad_bytes[0])
+            self.temp_buffer_peak_bytes = max(self.temp_buffer_peak_bytes, b.grad_full.nbytes)
+
+    def _new_grad(self, numel: int) -> torch.Tensor:
+        """An uninitialised gradient buffer of ``numel`` elements, counted as gradients."""
+        with category("grads"):
+            return torch.empty(numel, dtype=self.dtype, device=self.device)
+
+    def _abandon_backward(self, error: Exception) -> None:
+        """A backward failed: finish the reductions in flight (every rank issued them)
+        unless the process group itself failed; the next backward starts clean."""
+        if not isinstance(error, (guard.CollectiveError, guard.CollectiveMismatch)):
+            while self._pending:
+                self._finish_oldest()
+        self._pending.clear()
+
+    # ----- step ------------------------------------------------------------------------
     @torch.no_grad()
     def step(self) -> bool:
         """Update parameters from the reduced gradients; False if fp16 overflow skipped it.
 
-        Global-norm clipping and the overflow check share one number: the sum of
-        squares of this rank's gradient elements, all-reduced over ranks when ranks
-        hold different parts (stages 1-3, and the tensor-parallel group), the same
-        formula as ``torch.nn.utils.clip_grad_norm_``. Then each group in turn: its
-        master steps and its update is published, so in mixed precision one group's
-        fp32 gradient exists at a time (not 4 Psi / Nd bytes at once).
+        Clipping and the overflow check share one number, the global gradient norm
+        (``clip_grad_norm_``'s formula, summed over ranks when they hold different
+        parts). Then bucket by bucket: torch's optimizer steps the master, and the update
+        is published while the next bucket steps, so in mixed precision one bucket's fp32
+        gradient exists at a time (the paper's (2 + 2 + K) Psi holds none).
         """
-        grads = [self._grad_for_step(g) for g in self.groups]
+        grads = [self._grad_for_step(b) for b in self.buckets]
         used = self._used_anywhere()
         coef, found_inf = self._unscale_and_clip(grads)
         self.scaler.update(found_inf)
         if found_inf:
             return False
-        for i, (g, gr) in enumerate(zip(self.groups, grads)):
-            # One group at a time, so at most one group's fp32 gradient exists at once (the
-            # paper's (2 + 2 + K) Psi has no fp32 gradient); each master has an optimizer of
-            # its own, so stepping it costs the same however many groups there are.
-            g.master.grad = gr.float() if gr.dtype != torch.float32 else gr
+        for i, (b, grad) in enumerate(zip(self.buckets, grads)):
+            b.master.grad = grad.float() if grad.dtype != torch.float32 else grad
             if coef != 1.0:
-                g.master.grad.mul_(coef)
-            self.optimizer.step_group(i, self._parts_to_step(i, g, used[i]))
-            g.master.grad = None
-            retag(optim.optimizer_state(self.optimizer, g.master), "optimizer_states")
-            self._publish_labelled(g)  # its all_gather runs while the next group steps
+                b.master.grad.mul_(coef)
+            self.optimizer.step_bucket(i, optim.parts_to_step(self.optimizer, i, b, used[i]))
+            b.master.grad = None
+            retag(optim.optimizer_state(self.optimizer, b.master), "optimizer_states")
+            with comm.unit(b.layout.label, "step: publish"):
+                self._publish(b)
         self._finish_publish()
         return True
 
     def _used_anywhere(self) -> list[list[bool]]:
-        """Per group and parameter: did any rank use it since the last ``zero_grad``?
-
-        One all_reduce (max) of a byte per parameter, outside the ledger, as DDP's
-        ``find_unused_parameters`` does: the same answer on every rank."""
-        mine = [flag for g in self.groups for flag in g.used]
+        """Per bucket and parameter: did any rank use it since ``zero_grad``? One
+        all_reduce (max) of a byte per parameter, outside the ledger, as DDP does."""
+        mine = [flag for b in self.buckets for flag in b.used]
         if self.world_size > 1 and torch.distributed.get_backend(self.pg) != "fake":  # fake: rank 0 alone
             flags = torch.tensor(mine, dtype=torch.uint8, device=self.device)
             with comm.unit("<model>", "step: which parameters were used"):
                 comm.monitor_max(flags, group=self.pg)
             mine = flags.bool().tolist()
         out, k = [], 0
-        for g in self.groups:
-            out.append(list(mine[k:k + len(g.params)]))
-            k += len(g.params)
+        for b in self.buckets:
+            out.append(mine[k:k + len(b.params)])
+            k += len(b.params)
         return out
-
-    def _parts_to_step(self, i: int, g: GroupState, used: list[bool]) -> list[tuple[int, int, int]] | None:
-        """Ranges of group ``i``'s master to update, for parameters unused by every rank.
-
-        None (update all of it, the common case) when every parameter of this rank's
-        part was used and, for Adam, none has ever sat out a step. Else, per used
-        parameter, ``(start, end, steps taken)`` in master coordinates
-        (:meth:`GroupedOptimizer.step_group`); unused ones count a skipped step."""
-        lo, hi = (0, g.layout.padded_numel) if g.master.numel() == g.layout.padded_numel else g.layout.shard_range
-        mine = [j for j, (p, off) in enumerate(zip(g.params, g.layout.offsets)) if off < hi and off + p.numel() > lo]
-        counts_steps = self.optimizer_name != "sgd"
-        for j, flag in enumerate(used):
-            g.skipped[j] += not flag
-        if all(used[j] for j in mine) and not (counts_steps and any(g.skipped[j] for j in mine)):
-            return None
-        state = self.optimizer.optimizers[i].state.get(g.master, {})
-        taken = int(state["step"]) if "step" in state else 0  # steps the whole group has taken
-        return [(max(off, lo) - lo, min(off + g.params[j].numel(), hi) - lo, taken - g.skipped[j])
-                for j in mine for off in [g.layout.offsets[j]] if used[j]]
 
     def _unscale_and_clip(self, grads: list[torch.Tensor]) -> tuple[float, bool]:
         """(factor to multiply the gradients by, whether fp16 overflowed on any rank)."""
@@ -339,25 +441,20 @@ class Engine(BucketedBackward, EngineStateMixin, abc.ABC):
         return coef, found_inf
 
     def _publish_all(self) -> None:
-        """:meth:`_publish` every group, then wait for the all_gathers it launched."""
-        for g in self.groups:
-            self._publish_labelled(g)
+        """:meth:`_publish` every bucket, then wait for the all_gathers it launched."""
+        for b in self.buckets:
+            with comm.unit(b.layout.label, "step: publish"):
+                self._publish(b)
         self._finish_publish()
 
-    def _publish_labelled(self, g: GroupState) -> None:
-        """:meth:`_publish` ``g``, its collectives attributed to the group in debug mode."""
-        with comm.unit(g.layout.label, "step: publish"):
-            self._publish(g)
-
     def _finish_publish(self) -> None:
-        """Wait for the all_gathers :meth:`_publish` launched."""
         for handle in self._publishing:
             handle.wait()
         self._publishing.clear()
 
     def zero_grad(self) -> None:
         """Drop all gradients (buffers are allocated again in the next backward)."""
-        for g in self.groups:
-            g.grad_full = g.grad_shard = None
-            g.used = [False] * len(g.params)
+        for b in self.buckets:
+            b.grad_full = b.grad_shard = None
+            b.used = [False] * len(b.params)
         self.holds_reduced = False

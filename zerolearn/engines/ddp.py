@@ -1,11 +1,14 @@
 """Stage 0: data parallelism, the baseline ZeRO improves on (paper Sec 2.1, Sec 7.1).
 
-Every rank holds everything: working parameters, gradients and the optimizer's
-state for all Psi parameters, (2 + 2 + K) Psi bytes in mixed precision. After
-backward the gradients are averaged with all_reduce, bucket by bucket as they
-become ready; a ring all_reduce moves 2 Psi elements per rank (a reduce-scatter
-then an all-gather). Every rank then runs the same optimizer step on the same
-numbers, redundantly: that redundancy is what ZeRO removes.
+Every rank holds everything: working parameters, gradients and the optimizer's state
+for all Psi parameters, (2 + 2 + K) Psi bytes in mixed precision. After backward the
+gradients are averaged with all_reduce, bucket by bucket as they become ready; a ring
+all_reduce moves 2 Psi elements per rank (a reduce-scatter then an all-gather). Every
+rank then runs the same optimizer step on the same numbers, redundantly: that
+redundancy is what ZeRO removes.
+
+The four stage files repeat each other where that lets each one read alone: none
+inherits from another, all fill in the contract of :mod:`zerolearn.engines.base`.
 """
 
 from __future__ import annotations
@@ -14,8 +17,7 @@ import torch
 from torch import nn
 
 from zerolearn import comm
-from zerolearn.engines.base import Engine
-from zerolearn.engines.group import GroupState
+from zerolearn.engines.base import Bucket, Engine
 
 
 class DDPEngine(Engine):
@@ -31,20 +33,22 @@ class DDPEngine(Engine):
     def num_shards(self) -> int:
         return 1  # nothing is sharded, so nothing needs padding
 
-    def _init_group(self, g: GroupState, master32: torch.Tensor) -> None:
-        g.full = master32.to(self.dtype)
-        g.layout.bind(g.params, g.full)
+    # ----- what a rank keeps: everything ---------------------------------------------
+    def _init_bucket(self, b: Bucket, master32: torch.Tensor) -> None:
+        b.full = master32.to(self.dtype)
+        b.layout.bind(b.params, b.full)
         # fp32: the working copy is the master (one tensor, K = 8 for Adam).
-        g.master = nn.Parameter(g.full if not self.mixed else master32)
+        b.master = nn.Parameter(b.full if not self.mixed else master32)
 
-    def _reduce(self, g: GroupState) -> comm.Handle:
-        # In place: when it finishes, every rank holds the global-batch mean (the
-        # default _after_reduce, nothing to do).
-        return comm.all_reduce(g.grad_full, group=self.pg, async_op=True)
+    # ----- backward: each complete bucket is all-reduced ----------------------------
+    def _reduce(self, b: Bucket) -> comm.Handle:
+        # In place: when it finishes, every rank holds the global-batch mean.
+        return comm.all_reduce(b.grad_full, group=self.pg, async_op=True)
 
-    def _grad_for_step(self, g: GroupState) -> torch.Tensor:
-        return g.grad_full
+    # ----- step: every rank updates everything ----------------------------------------
+    def _grad_for_step(self, b: Bucket) -> torch.Tensor:
+        return b.grad_full
 
-    def _publish(self, g: GroupState) -> None:
+    def _publish(self, b: Bucket) -> None:
         if self.mixed:
-            g.full.copy_(g.master)
+            b.full.copy_(b.master)

@@ -1,6 +1,6 @@
 """What an engine's step needs besides collectives: the optimizer, clipping, bytes held.
 
-The optimizer is torch's own, over the flat fp32 masters (one tensor per group:
+The optimizer is torch's own, over the flat fp32 masters (one tensor per bucket:
 the whole buffer at stage 0, this rank's shard at stages 1-3), one torch optimizer
 per master (:class:`GroupedOptimizer`). Adam and SGD are element-wise, so stepping
 flat shards gives the same numbers as stepping the original tensors; that is what
@@ -75,28 +75,28 @@ class _StateView(Mapping):
 class GroupedOptimizer:
     """One torch optimizer per flat master, seen from outside as one optimizer over them.
 
-    The engine steps one group at a time: in mixed precision only one group's fp32
+    The engine steps one bucket at a time: in mixed precision only one bucket's fp32
     gradient may exist at once (the paper's (2 + 2 + K) Psi holds none). A single torch
     optimizer over all G masters walks all of them on every ``step()`` to find the one
     with a gradient, O(G^2) Python work per engine step; with one optimizer per master,
-    :meth:`step_group` touches its master alone, O(G). Each master's update is computed
+    :meth:`step_bucket` touches its master alone, O(G). Each master's update is computed
     on its own either way (see :func:`make_optimizer`), so the numbers are bit-identical.
 
-    Outside, it reads as one optimizer over the masters in group order: ``state``
+    Outside, it reads as one optimizer over the masters in bucket order: ``state``
     maps each master to its state, and :meth:`state_dict` / :meth:`load_state_dict`
     use the layout of a single torch optimizer over them (one param group, params
     0..G-1), which checkpoints are built from.
 
     Args:
         optimizers: one torch optimizer per master, each over that master alone.
-        masters: the flat fp32 masters, in group order.
+        masters: the flat fp32 masters, in bucket order.
     """
 
     def __init__(self, optimizers: list[torch.optim.Optimizer], masters: list[torch.Tensor]):
         self.optimizers, self.masters = optimizers, masters
         self.index = {id(m): i for i, m in enumerate(masters)}
 
-    def step_group(self, i: int, parts: list[tuple[int, int, int]] | None = None) -> None:
+    def step_bucket(self, i: int, parts: list[tuple[int, int, int]] | None = None) -> None:
         """Update master ``i`` from its ``.grad``; with ``parts``, only those elements.
 
         Args:
@@ -216,34 +216,41 @@ def model_device(model: nn.Module) -> torch.device:
     return devices.pop()
 
 
-def unique_storage_bytes(tensors, seen: set[int]) -> int:
-    """Bytes of the storages behind ``tensors`` (None skipped), each storage counted
-    once across calls that share ``seen`` (storage addresses already counted)."""
-    total = 0
-    for t in tensors:
-        if t is None:
-            continue
-        storage = t.untyped_storage()
-        if storage.nbytes() == 0 or storage.data_ptr() in seen:
-            continue
-        seen.add(storage.data_ptr())
-        total += storage.nbytes()
-    return total
+def parts_to_step(optimizer: GroupedOptimizer, i: int, b, used: list[bool]) -> list[tuple[int, int, int]] | None:
+    """Which elements of bucket ``b``'s master (the ``i``-th) to update this step.
+
+    None (update all of it, the common case) when every parameter in this rank's part
+    was used by some rank (``used``, per parameter) and, for Adam, none ever sat out a
+    step. Else, per used parameter, ``(start, end, steps taken)`` in master coordinates
+    (:meth:`GroupedOptimizer.step_bucket`). Counts a skipped step for each unused one
+    in ``b.skipped``.
+    """
+    lo, hi = (0, b.layout.padded_numel) if b.master.numel() == b.layout.padded_numel else b.layout.shard_range
+    mine = [j for j, (p, off) in enumerate(zip(b.params, b.layout.offsets)) if off < hi and off + p.numel() > lo]
+    counts_steps = not isinstance(optimizer.optimizers[i], torch.optim.SGD)
+    for j, flag in enumerate(used):
+        b.skipped[j] += not flag
+    if all(used[j] for j in mine) and not (counts_steps and any(b.skipped[j] for j in mine)):
+        return None
+    state = optimizer.optimizers[i].state.get(b.master, {})
+    taken = int(state["step"]) if "step" in state else 0  # steps the whole bucket has taken
+    return [(max(off, lo) - lo, min(off + b.params[j].numel(), hi) - lo, taken - b.skipped[j])
+            for j in mine for off in [b.layout.offsets[j]] if used[j]]
 
 
-def replica_weights(groups, nm: int) -> list[list[tuple[int, int, float]]]:
-    """Per group, ``(start, end, weight)`` element ranges of the gradient a rank steps with.
+def replica_weights(buckets, nm: int) -> list[list[tuple[int, int, float]]]:
+    """Per bucket, ``(start, end, weight)`` element ranges of the gradient a rank steps with.
 
     For tensor parallelism over ``nm`` ranks (Nm): weight 1 for a parameter marked
     ``tensor_parallel = True`` (a slice that differs per rank), 1/Nm for a replica, so
     the sum of squares over the Nm ranks counts each element once. Ranges are
-    relative to the group's master (its shard range; the whole buffer at stage 0).
+    relative to the bucket's master (its shard range; the whole buffer at stage 0).
     """
     out = []
-    for g in groups:
-        lo, hi = g.layout.shard_range
+    for b in buckets:
+        lo, hi = b.layout.shard_range
         ranges = []
-        for p, off in zip(g.params, g.layout.offsets):
+        for p, off in zip(b.params, b.layout.offsets):
             a, b = max(off, lo), min(off + p.numel(), hi)
             if a < b:
                 ranges.append((a - lo, b - lo, 1.0 if getattr(p, "tensor_parallel", False) else 1.0 / nm))

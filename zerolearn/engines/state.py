@@ -1,7 +1,7 @@
 """What an engine's rank holds, measured, gathered and set: the engine's state API.
 
 :class:`EngineStateMixin` is part of :class:`zerolearn.engines.base.Engine`; it only
-reads and writes the groups (``self.groups``, :class:`~zerolearn.engines.group.GroupState`)
+reads and writes the buckets (``self.buckets``, :class:`~zerolearn.engines.base.Bucket`)
 and the optimizer, so it is the same for every stage. Checkpoints
 (:mod:`zerolearn.checkpoint`) save and load through these methods.
 """
@@ -11,20 +11,21 @@ from __future__ import annotations
 import torch
 
 from zerolearn import comm
-from zerolearn.engines.optim import optimizer_state, unique_storage_bytes
+from zerolearn.engines.optim import optimizer_state
+from zerolearn.memory.ledger import storage_bytes
 
 
 class EngineStateMixin:
     """Model states per category, bytes held, full fp32 parameters, loading shards.
 
     Expects the attributes an :class:`~zerolearn.engines.base.Engine` sets up:
-    ``groups``, ``optimizer``, ``device``, ``pg`` and ``_publish_all``.
+    ``buckets``, ``optimizer``, ``device``, ``pg`` and ``_publish_all``.
     """
 
     @property
     def padding(self) -> int:
-        """Zero elements added to make groups divide into Nd equal shards (all groups)."""
-        return sum(g.layout.padding for g in self.groups)
+        """Zero elements added to make buckets divide into Nd equal shards (all buckets)."""
+        return sum(b.layout.padding for b in self.buckets)
 
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
         """The tensors this rank holds as model states, by category (None: not held).
@@ -35,50 +36,50 @@ class EngineStateMixin:
         per-element state (Adam's moments, SGD's momentum). Frozen parameters are not
         model states (Psi counts trainable ones).
         """
-        return {"params": [t for g in self.groups for t in (g.full, g.shard)],
-                "grads": [t for g in self.groups for t in (g.grad_full, g.grad_shard)],
-                "optimizer_states": [t for g in self.groups
-                                     for t in [g.master, *optimizer_state(self.optimizer, g.master)]]}
+        return {"params": [t for b in self.buckets for t in (b.full, b.shard)],
+                "grads": [t for b in self.buckets for t in (b.grad_full, b.grad_shard)],
+                "optimizer_states": [t for b in self.buckets
+                                     for t in [b.master, *optimizer_state(self.optimizer, b.master)]]}
 
     def model_state_bytes(self) -> dict[str, int]:
         """Bytes this rank holds now per category of :meth:`state_tensors`, measured
         from the tensors (each storage counted once, in the first category holding it)."""
         seen: set[int] = set()
-        return {name: unique_storage_bytes(tensors, seen) for name, tensors in self.state_tensors().items()}
+        return {name: storage_bytes(tensors, seen) for name, tensors in self.state_tensors().items()}
 
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every trainable parameter, full and fp32, from the masters (a collective).
 
-        Shapes as in the model; gathered with one all_gather per group when the master
+        Shapes as in the model; gathered with one all_gather per bucket when the master
         is sharded. Call on every rank.
         """
         out = {}
-        for g in self.groups:
-            master = g.master.detach().float()
-            if g.master.numel() != g.layout.padded_numel:
-                full = torch.empty(g.layout.padded_numel, device=self.device)
-                with comm.unit(g.layout.label, "full_state_dict: gather"):
+        for b in self.buckets:
+            master = b.master.detach().float()
+            if b.master.numel() != b.layout.padded_numel:
+                full = torch.empty(b.layout.padded_numel, device=self.device)
+                with comm.unit(b.layout.label, "full_state_dict: gather"):
                     comm.all_gather(full, master.contiguous(), group=self.pg)
                 master = full
-            for name, view in zip(g.layout.names, g.layout.views(master)):
+            for name, view in zip(b.layout.names, b.layout.views(master)):
                 out[name] = view.clone()
         return out
 
     @torch.no_grad()
     def load_shards(self, masters: list[torch.Tensor], optimizer_state: dict) -> None:
-        """Set every group's fp32 master and the optimizer's state, then republish.
+        """Set every bucket's fp32 master and the optimizer's state, then republish.
 
         Args:
-            masters: one fp32 tensor per group, shaped as ``g.master`` (this rank's
-                shard, ``g.layout.shard_range`` of the group's flat buffer; the whole
+            masters: one fp32 tensor per bucket, shaped as ``b.master`` (this rank's
+                shard, ``b.layout.shard_range`` of the bucket's flat buffer; the whole
                 buffer at stage 0).
             optimizer_state: a ``torch.optim`` state dict for ``self.optimizer``.
 
         Republishing rebuilds the working parameters from the new masters (an
-        all_gather per group at stages 1-2): a collective, call on every rank.
+        all_gather per bucket at stages 1-2): a collective, call on every rank.
         """
-        for g, m in zip(self.groups, masters, strict=True):
-            g.master.copy_(m)
+        for b, m in zip(self.buckets, masters, strict=True):
+            b.master.copy_(m)
         self._publish_all()
         self.optimizer.load_state_dict(optimizer_state)

@@ -133,7 +133,7 @@ def compare_dp(steps: int = 5, bucket_mb: float = 0.25) -> dict:
             losses.append(comm.monitor_mean(loss))
         out[kind] = {"losses": losses, "ledger": comm.LEDGER.as_dict(),
                      "step_seconds_median": statistics.median(seconds[1:] or seconds),
-                     "buckets": len(engine.groups) if kind == "engine" else None}
+                     "buckets": len(engine.buckets) if kind == "engine" else None}
     return out
 
 

@@ -25,7 +25,7 @@ from torch import nn
 from zerolearn import comm, data
 from zerolearn import dist as zdist
 from zerolearn.config import TrainConfig
-from zerolearn.flat import make_groups
+from zerolearn.flat import make_buckets
 from zerolearn.memory.ledger import MemoryLedger, retag
 from zerolearn.models import GPTConfig, build_model
 from zerolearn.train import batch, build, loss_fn, train
@@ -79,7 +79,7 @@ def flat_shard_elements(sizes: list[int], world_size: int, bucket_bytes: int, el
     names = [str(i) for i in range(len(params))]
     per_rank = [0] * world_size
     for r in range(world_size):
-        groups = make_groups(list(zip(names, params)), bucket_bytes, element_size, world_size, r)
+        groups = make_buckets(list(zip(names, params)), bucket_bytes, element_size, world_size, r)
         per_rank[r] = sum(g.shard_numel for g in groups)
     return per_rank
 

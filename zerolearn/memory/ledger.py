@@ -66,6 +66,30 @@ def retag(tensors, name: str) -> None:
             ledger._retag(t.untyped_storage(), name)
 
 
+def storage_bytes(tensors, seen: set[int] | None = None) -> int:
+    """Bytes of the distinct storages behind ``tensors`` (None and empty storages skipped).
+
+    Args:
+        tensors: an iterable of tensors or None; views of one storage count it once.
+        seen: storage addresses already counted, shared across calls so that a storage
+            is counted once over several calls (updated in place); None: a fresh set.
+
+    Returns:
+        bytes, the sum of ``untyped_storage().nbytes()`` over storages not yet seen.
+    """
+    seen = set() if seen is None else seen
+    total = 0
+    for t in tensors:
+        if t is None:
+            continue
+        storage = t.untyped_storage()
+        if storage.nbytes() == 0 or storage.data_ptr() in seen:
+            continue
+        seen.add(storage.data_ptr())
+        total += storage.nbytes()
+    return total
+
+
 @dataclass
 class Event:
     """One point of the timeline: after an allocation, free or resize."""

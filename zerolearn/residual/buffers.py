@@ -4,7 +4,7 @@ Collectives run faster on one large buffer than on many small tensors, so gradie
 are fused before they are reduced and parameters before they are gathered. Fusing
 *everything* makes a buffer as large as the model: Sec 6.2's example is 12 GB of fp32
 for 3B parameters. ZeRO caps the fused buffer at a constant size instead. Here the cap
-is the engines' ``bucket_mb``: :func:`zerolearn.flat.make_groups` cuts the flat
+is the engines' ``bucket_mb``: :func:`zerolearn.flat.make_buckets` cuts the flat
 parameters into groups of at most that many bytes, and every fused buffer a
 collective reads or writes is one group, so the largest one stays under the cap
 however large the model grows (a single parameter larger than the cap is a group of

@@ -11,7 +11,7 @@ The lanes:
 * ``comm``: one collective, from the moment the main thread launched it to the moment
   it completed, label its op (``all_reduce``, ``reduce_scatter``, ``all_gather``,
   ``broadcast``). Extra keys: ``unit`` and ``doing`` (the :func:`zerolearn.comm.unit`
-  label, e.g. ``group[...]`` / ``backward: reduce``), ``phase`` (the phase it was
+  label, e.g. ``bucket[...]`` / ``backward: reduce``), ``phase`` (the phase it was
   launched in), ``sync`` (a blocking call) and ``backend`` (the backend's own event).
   For a reduce_scatter that is ``gloo:all_reduce``: gloo clones the whole input while
   launching, all-reduces the clone and copies this rank's chunk out when waited for

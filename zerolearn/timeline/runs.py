@@ -123,7 +123,7 @@ def record_on_rank(specs: list[Spec], trace_dir: str | None = None) -> list[dict
             last = k == spec.repeats - 1
             path = os.path.join(trace_dir, f"{spec.name}_rank{dist.get_rank()}.json") if trace_dir and last else None
             steps.append(record_step(run, spec.warmup + k, path))
-        out.append({"buckets": len(run.engine.groups), "steps": steps})
+        out.append({"buckets": len(run.engine.buckets), "steps": steps})
         del run
     return out
 

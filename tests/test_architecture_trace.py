@@ -1,0 +1,59 @@
+"""docs/ARCHITECTURE.md's trace of a ZeRO-2 step names real code, in at most four files.
+
+Each row of the trace gives a file, a line range and a function; the range must be
+exactly that function's lines (decorators included), so the document cannot drift from
+the code it walks a reader through.
+"""
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+ROW = re.compile(r"^\| (\d+) \| `([^`]+)` \| (\d+)-(\d+) \| `([^`]+)` \|")
+
+
+def trace_rows() -> list[tuple[str, int, int, str]]:
+    text = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
+    section = text.split("## One ZeRO-2 step, traced", 1)[1].split("\n## ", 1)[0]
+    return [(m[2], int(m[3]), int(m[4]), m[5]) for m in map(ROW.match, section.splitlines()) if m]
+
+
+def span(path: str, qualname: str) -> tuple[int, int] | None:
+    node = ast.parse((ROOT / path).read_text())
+    for part in qualname.split("."):
+        node = next((n for n in ast.iter_child_nodes(node) if isinstance(n, (ast.FunctionDef, ast.ClassDef))
+                     and n.name == part), None)
+        if node is None:
+            return None
+    return min([node.lineno] + [d.lineno for d in node.decorator_list]), node.end_lineno
+
+
+def test_the_zero_2_step_is_traced_through_at_most_four_files():
+    rows = trace_rows()
+    assert len(rows) >= 10, rows
+    files = {path for path, *_ in rows}
+    assert "zerolearn/engines/zero2.py" in files and len(files) <= 4, sorted(files)
+
+
+def test_every_row_of_the_trace_is_the_function_it_names():
+    wrong = []
+    for path, start, end, qualname in trace_rows():
+        actual = span(path, qualname)
+        if actual != (start, end):
+            wrong.append(f"{path} {qualname}: the document says {start}-{end}, the code has {actual}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_every_stage_file_reads_alone_in_at_most_250_lines():
+    engines = ROOT / "zerolearn" / "engines"
+    for name in ("ddp.py", "zero1.py", "zero2.py", "zero3.py"):
+        tree = ast.parse((engines / name).read_text())
+        lines = len((engines / name).read_text().splitlines())
+        assert lines <= 250, f"{name}: {lines} lines"
+        stage_bases = [b.id for node in ast.walk(tree) if isinstance(node, ast.ClassDef) for b in node.bases
+                       if isinstance(b, ast.Name)]
+        assert stage_bases == ["Engine"], f"{name}: classes derive from {stage_bases}; a stage derives from Engine only"
+        imported = {a.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) for a in node.names
+                    if node.module and node.module.startswith("zerolearn.engines.")}
+        assert not imported & {"DDPEngine", "Zero1Engine", "Zero2Engine", "Zero3Engine"}, f"{name}: {imported}"
