@@ -5,9 +5,20 @@ signature; :func:`check` runs it on 2 and 3 real ranks against single-process
 training and the communication and memory ledgers and names the first wrong thing.
 ``python -m zerolearn.exercises list`` names every exercise; ``check NAME|--all
 [--solution | --bug NAME]`` runs them. See :mod:`zerolearn.exercises.core`.
+
+Each exercise lives with its chapter, in :mod:`zerolearn.chapters`: the reader's
+function ``chNN/<name>.py`` beside its check ``chNN/<name>_check.py``, which registers
+it when imported here.
 """
 
-from zerolearn.exercises import ch00, ch01, ch02, ch03, ch04, ch05, ch06, ch07  # noqa: F401 - they register
+from zerolearn.chapters.ch00 import max_batch_check, model_state_bytes_check  # noqa: F401 - they register
+from zerolearn.chapters.ch01 import average_gradients_check, bucket_hook_check  # noqa: F401
+from zerolearn.chapters.ch02 import shard_range_check, zero1_step_check  # noqa: F401
+from zerolearn.chapters.ch03 import accumulate_check, reduce_scatter_hook_check  # noqa: F401
+from zerolearn.chapters.ch04 import gather_hooks_check, prefetch_check  # noqa: F401
+from zerolearn.chapters.ch05 import constant_buffer_check, partition_checkpoint_check  # noqa: F401
+from zerolearn.chapters.ch06 import fewest_gpus_check, max_psi_check  # noqa: F401
+from zerolearn.chapters.ch07 import choose_stage_check, stage_from_bytes_check  # noqa: F401
 from zerolearn.exercises.core import (
     EXERCISES,
     PRELUDE,

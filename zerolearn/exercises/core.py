@@ -2,11 +2,11 @@
 helpers a check uses to report the first wrong thing in the reader's terms.
 
 An :class:`Exercise` is a function the reader writes with a stated signature. Its
-reference solution lives in the package (``zerolearn/exercises/chNN.py`` or
-``chNN/<function>.py``) and is the one source of the book's solution cell and of the
-reader's skeleton: the lines between ``# BEGIN SOLUTION`` and ``# END SOLUTION`` in the
-solution's body are what the reader writes (:func:`skeleton` replaces them with
-``raise NotImplementedError``).
+reference solution lives with its chapter (``zerolearn/chapters/chNN/<function>.py``,
+its trial and known bugs beside it in ``<function>_check.py``) and is the one source of
+the book's solution cell and of the reader's skeleton: the lines between ``# BEGIN
+SOLUTION`` and ``# END SOLUTION`` in the solution's body are what the reader writes
+(:func:`skeleton` replaces them with ``raise NotImplementedError``).
 
 A check runs the exercise's ``trial`` with the reader's function, on 2 and then 3
 real gloo ranks (uneven shards included) for rank exercises, or once in this process
@@ -222,7 +222,7 @@ class Result:
 
 
 _PACKAGE = Path(__file__).resolve().parent.parent  # zerolearn/
-_SOLUTIONS = Path(__file__).resolve().parent  # zerolearn/exercises/: reference solutions and bugs
+_SOLUTIONS = (Path(__file__).resolve().parent, _PACKAGE / "chapters")  # the checker; solutions, trials, bugs
 _MACHINERY = ("core.py", "__main__.py", "__init__.py", "helpers.py")  # in _SOLUTIONS, at any depth
 
 
@@ -233,14 +233,14 @@ def _reader_frames(tb: traceback.StackSummary) -> str:
     """The last frame of the reader's (or a solution's) code in a traceback, as ' (line N: code)':
     frames in torch and other installed packages, in Python's standard library (contextlib's
     ``self.gen.throw``, say) and in the package's machinery (here: the checker and the trials'
-    shared helpers, :data:`_MACHINERY`) are skipped; exercise modules count, so a raising
-    solution or bug is named at its own line, and an error in a helper at the trial's line
-    that called it."""
+    shared helpers, :data:`_MACHINERY`) are skipped; the chapters' exercise modules
+    count, so a raising solution or bug is named at its own line, and an
+    error in a helper at the trial's line that called it."""
     def theirs(frame) -> bool:
         if frame.filename.startswith("<") and not frame.filename.startswith("<cell"):
             return False  # <frozen ...>, <string>: Python's own
         path = Path(frame.filename).resolve()
-        if path.is_relative_to(_SOLUTIONS):
+        if any(path.is_relative_to(folder) for folder in _SOLUTIONS):
             return path.name not in _MACHINERY
         return not (path.is_relative_to(_PACKAGE) or path.is_relative_to(_STDLIB) or "site-packages" in path.parts
                     or "dist-packages" in path.parts)

@@ -1,4 +1,4 @@
-"""What the rank trials share, so that each exercise module holds one exercise: the models
+"""What the trials share, so that each check module holds one exercise's check: the models
 they train, the batches, and the comparisons that word a mistake in the reader's terms.
 
 * Chapters 01 and 02 train a small GPT with Adam on this rank's slice of each global
@@ -11,10 +11,12 @@ they train, the batches, and the comparisons that word a mistake in the reader's
 * Chapters 03 to 05 name a flat element by its parameter and position
   (:func:`located`) and explain a shard that is off by a known factor
   (:func:`compare_shard`); they write bytes as KiB with :func:`zerolearn.tables.kib`.
+* Chapter 06 writes counts and bytes as the paper's code does (:func:`e9`).
 
-Exercise modules import from here and from :mod:`zerolearn.exercises.core`, never from
-one another. Like ``core``, this file is the checker's machinery: an error raised in it
-is reported at the trial's line that called it, not here.
+The check modules (``zerolearn/chapters/chNN/<exercise>_check.py``) import from here
+and from :mod:`zerolearn.exercises.core`, never from one another. Like ``core``, this
+file is the checker's machinery: an error raised in it is reported at the trial's line
+that called it, not here.
 """
 
 from __future__ import annotations
@@ -206,3 +208,10 @@ def compare_shard(what: str, got, want: torch.Tensor, layout: FlatLayout | None,
             where = located(layout, layout.shard_range[0] + int(bad.nonzero()[0]))
             what = f"{what} (first difference at {where})"
     first_difference(what, got, want, step=step, reference=reference)
+
+
+# ----- numbers as the paper writes them: chapter 06 ----------------------------------------
+
+def e9(x: float) -> str:
+    """A count or a byte size as the paper writes it in code: ``"32e9"``, ``"1.5e9"``, ``"10000e9"``."""
+    return f"{x / 1e9:g}e9"

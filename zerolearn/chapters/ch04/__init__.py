@@ -1,0 +1,17 @@
+"""Chapter 4, ZeRO-3 (P_os+g+p): partition the parameters too (paper Sec 5.3, Sec 7.2.2).
+
+The chapter's exercises, each the reader's function (``<name>.py``) beside its check
+(``<name>_check.py``):
+
+* ``04.gather_hooks``: module and gradient hooks that all-gather a unit's parameters
+  before its forward and again before its backward, and free them after each;
+* ``04.prefetch``: while one unit computes, the next unit's all-gather is in flight.
+
+The trials cut the book's MLP (4 Linear layers of width 64, 4,160 parameters each,
+fp32) into one unit per layer, laid out as the engine lays them
+(:func:`zerolearn.exercises.helpers.sharded_units`): each unit's parameters are views
+of a flat buffer whose storage is resized to 0 bytes between uses, and each rank keeps
+its shard. ``04.gather_hooks`` trains three SGD steps against one process under the
+memory ledger; ``04.prefetch`` runs evaluation forwards and logs the order of
+launches, waits and computes.
+"""

@@ -1,0 +1,169 @@
+"""Exercise ``04.gather_hooks``'s check: ZeRO-3's gather and free around each unit (paper Sec 5.3, 7.2.2).
+
+Module and gradient hooks all-gather a unit's parameters before its forward and again
+before its backward, and free them after each. The trial cuts the book's MLP into one
+unit per Linear layer, laid out as the engine lays them (each unit's parameters are
+views of a flat buffer whose storage is resized to 0 bytes between uses; each rank
+keeps its shard), trains three SGD steps against one process under the memory ledger,
+and checks every gradient shard, that no more than the shards and one unit (plus one
+prefetched) are held at once, that nothing stays gathered after backward, and that
+every unit is all-gathered twice per step.
+
+This module holds the trial, the known bugs and the registration; the reader's function
+(with its reference solution) is in :mod:`zerolearn.chapters.ch04.gather_hooks`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+
+from zerolearn import comm, data
+from zerolearn import dist as zdist
+from zerolearn.chapters.ch04.gather_hooks import gather_hooks
+from zerolearn.exercises.core import Bug, Exercise, Wrong, agree, register
+from zerolearn.exercises.helpers import (
+    CPU,
+    LAYERS,
+    SGD_LR,
+    WIDTH,
+    compare_shard,
+    gathered_units,
+    mlp,
+    sharded_units,
+)
+from zerolearn.memory.ledger import MemoryLedger
+from zerolearn.tables import kib
+
+BATCH, STEPS = 12, 3
+
+
+def _hooks(unit, flat, shard, world_size, free_after_forward=True, gather_for_backward=True,
+           free_after_backward=True):
+    params, arrived = list(unit.parameters()), []
+
+    def gather(*_):
+        flat.untyped_storage().resize_(flat.numel() * flat.element_size())
+        comm.all_gather(flat, shard)
+
+    def after_forward(module, inputs, output):
+        if free_after_forward:
+            flat.untyped_storage().resize_(0)
+        if gather_for_backward and output.requires_grad:
+            output.register_hook(gather)
+
+    def after_grad(p):
+        arrived.append(p)
+        if len(arrived) == len(params):
+            arrived.clear()
+            if free_after_backward:
+                flat.untyped_storage().resize_(0)
+
+    unit.register_forward_pre_hook(gather)
+    unit.register_forward_hook(after_forward)
+    for p in params:
+        p.register_post_accumulate_grad_hook(after_grad)
+
+
+def _frees_before_backward(unit, flat, shard, world_size):
+    _hooks(unit, flat, shard, world_size, gather_for_backward=False)
+
+
+def _never_frees(unit, flat, shard, world_size):
+    _hooks(unit, flat, shard, world_size, free_after_forward=False, free_after_backward=False)
+
+
+def _keeps_after_backward(unit, flat, shard, world_size):
+    _hooks(unit, flat, shard, world_size, free_after_backward=False)
+
+
+@contextlib.contextmanager
+def _read_while_freed(when: str, flats, step: int):
+    """Turn torch's error for a view of a 0-byte storage into what the reader's hooks missed."""
+    try:
+        yield
+    except RuntimeError as e:
+        if "storage of size 0" not in str(e):
+            raise
+        freed = sorted(set(range(len(flats))) - set(gathered_units(flats)))
+        fix = ("in a forward pre-hook" if when == "forward" else "again before its backward, from a hook on its "
+               "output")
+        raise Wrong(f"{when} read the parameters of a unit your hooks had freed (units freed then: {freed}): gather "
+                    f"each unit {fix}", step) from None
+
+
+def _held_at_most(held: int, when: str, shard_bytes: int, unit_bytes: int, model_bytes: int, step: int) -> None:
+    """Parameters held at once may be the shards plus two units (one computing, one prefetched), no more."""
+    if held > shard_bytes + 2 * unit_bytes:
+        whole = f"all {kib(model_bytes, unit=True)}" if held - shard_bytes >= model_bytes else kib(held, unit=True)
+        raise Wrong(f"this rank held {whole} of parameters at once {when}; ZeRO-3 holds the shards plus one unit: "
+                    f"{kib(shard_bytes + unit_bytes, unit=True)} (free each unit after its forward and after its "
+                    "backward)", step)
+
+
+def _gather_trial(fn) -> str:
+    """Three SGD steps of the MLP, one unit per layer, the reader's hooks on every unit."""
+    ctx = zdist.context()
+    ws, rank = ctx.world_size, ctx.rank
+    model, layouts, flats, shards = sharded_units(ws, rank)
+    ref = mlp()
+    for unit, flat, shard in zip(model.layers, flats, shards):
+        fn(unit, flat, shard, ws)
+    psi, padded = sum(lay.numel for lay in layouts), sum(lay.padded_numel for lay in layouts)
+    shard_bytes, unit_bytes = 4 * sum(s.numel() for s in shards), 4 * max(lay.padded_numel for lay in layouts)
+    for step in range(STEPS):
+        x, y = data.mlp_batch(step, BATCH, WIDTH)
+        comm.LEDGER.reset()
+        with MemoryLedger() as ledger:
+            ledger.track(flats + shards, "params")
+            with ledger.phase("forward"), _read_while_freed("forward", flats, step):
+                loss = F.mse_loss(model(data.rank_slice(x, rank, ws)), data.rank_slice(y, rank, ws))
+            with ledger.phase("backward"), _read_while_freed("backward", flats, step):
+                loss.backward()
+        peak_forward = max(e.by_category["params"] for e in ledger.timeline if e.phase != "backward")
+        peak = max(e.by_category["params"] for e in ledger.timeline)
+        kept = gathered_units(flats)
+        ref.zero_grad()
+        F.mse_loss(ref(x), y).backward()
+        ref_grads = dict(ref.named_parameters())
+        for k, (unit, layout, shard) in enumerate(zip(model.layers, layouts, shards)):
+            agree(step, point=f"unit {k}")  # every rank passed the units before: all join this reduce-scatter
+            grad = torch.zeros(layout.shard_numel)
+            comm.reduce_scatter(grad, layout.flatten([p.grad for p in unit.parameters()], torch.float32, CPU))
+            want = layout.flatten([ref_grads[n].grad for n in layout.names], torch.float32, CPU)
+            compare_shard(f"the gradient shard of unit {k}", grad / ws, layout.shard_of(want), layout, step)
+            shard -= SGD_LR * grad / ws
+            for p in unit.parameters():
+                p.grad = None
+        _held_at_most(peak_forward, "in forward", shard_bytes, unit_bytes, 4 * padded, step)
+        if kept:
+            raise Wrong(f"after backward, units {kept} are still gathered "
+                        f"({kib(4 * padded * len(kept) / LAYERS, unit=True)}): free a unit once all its parameters "
+                        "have their gradient", step)
+        _held_at_most(peak, "in backward", shard_bytes, unit_bytes, 4 * padded, step)
+        gathered = comm.LEDGER.as_dict()["all_gather"]["elements"]
+        if gathered != 2 * padded:
+            raise Wrong(f"your hooks all-gathered {gathered / psi:.2f} Psi in this step; ZeRO-3 gathers every unit "
+                        f"before its forward and again before its backward: {2 * padded / psi:.2f} Psi, 3 Psi per "
+                        "step with the gradients' reduce-scatter (Sec 7.2.2)", step)
+        with torch.no_grad():
+            for p in ref.parameters():
+                p -= SGD_LR * p.grad
+        agree(step)
+    return (f"{STEPS} SGD steps, {LAYERS} units: gradients equal single-process training, parameters held at most "
+            f"the shards plus one unit ({kib(peak, unit=True)}), {3 * padded / psi:.2f} Psi per step with the "
+            "gradients")
+
+
+register(Exercise(
+    "04.gather_hooks", "ZeRO-3's hooks: gather a unit before forward and backward, free it after each",
+    gather_hooks, _gather_trial,
+    {"frees_before_backward": Bug(_frees_before_backward, "freeing after forward with no gather before backward: "
+                                  "autograd's saved views of the weight then read a 0-byte storage",
+                                  "backward read the parameters of a unit your hooks had freed"),
+     "never_frees": Bug(_never_frees, "a ZeRO-3 that gathers but never frees: its peak holds the whole model, "
+                        "as ZeRO-2 does", "held all"),
+     "keeps_after_backward": Bug(_keeps_after_backward, "freeing after forward only: backward's gathers pile up "
+                                 "until the step", "still gathered")}))

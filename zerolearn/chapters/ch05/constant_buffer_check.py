@@ -1,0 +1,175 @@
+"""Exercise ``05.constant_buffer``'s check: ZeRO-R's constant-size fused buffer, CB (paper Sec 6.2).
+
+Average many gradients over the ranks through one fused buffer of a fixed size, fill
+after fill, so that no buffer grows with the model. The trial reduces each rank's own
+gradients of two MLPs of different sizes (3,095 and 17,201 values) through the same
+1,024-element buffer and checks every value against the average over ranks, that the
+last, partly filled buffer is reduced too, one all-reduce per fill of only the elements
+it holds, and the memory rule (memory ledger): nothing allocated grows with the model,
+and scratch stays within as much again as the buffer.
+
+This module holds the trial, the known bugs and the registration; the reader's function
+(with its reference solution) is in :mod:`zerolearn.chapters.ch05.constant_buffer`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from zerolearn import comm
+from zerolearn import dist as zdist
+from zerolearn.chapters.ch05.constant_buffer import constant_buffer
+from zerolearn.exercises.core import Bug, Exercise, Wrong, first_difference, register
+from zerolearn.memory.ledger import MemoryLedger
+from zerolearn.tables import kib
+
+
+def _grows_with_model(tensors, buffer, world_size):
+    fused = torch.cat([t.view(-1) for t in tensors])  # one buffer as large as the model
+    comm.all_reduce(fused)
+    fused /= world_size
+    offset = 0
+    for t in tensors:
+        t.view(-1).copy_(fused[offset:offset + t.numel()])
+        offset += t.numel()
+
+
+def _drops_tail(tensors, buffer, world_size):
+    flats = [t.view(-1) for t in tensors]
+    n, size = sum(f.numel() for f in flats), buffer.numel()
+    for lo in range(0, n - size + 1, size):  # only full fills: the last, shorter one is never reduced
+        pieces, offset = [], 0
+        for f in flats:
+            a, b = max(lo, offset), min(lo + size, offset + f.numel())
+            if a < b:
+                pieces.append((f[a - offset:b - offset], buffer[a - lo:b - lo]))
+            offset += f.numel()
+        for part, fused in pieces:
+            fused.copy_(part)
+        comm.all_reduce(buffer)
+        buffer.div_(world_size)
+        for part, fused in pieces:
+            part.copy_(fused)
+
+
+BUFFER = 1024  # elements: 4 KiB of fp32
+# The memory rule: what the function allocates must not grow with the model (it may differ between the two
+# models by SLACK bytes, a few small tensors), and stays within SCRATCH bytes: as much again as the buffer.
+SLACK, SCRATCH = 512, 4 * BUFFER
+MODELS = {"small": (17, 33, 64, 5), "large": (17, 97, 150, 5)}  # MLP widths: n = 3,095 and 17,201
+
+
+def _gradients(widths, seed: int) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for fan_in, fan_out in zip(widths, widths[1:]):
+        out += [torch.randn(fan_out, fan_in, generator=g), torch.randn(fan_out, generator=g)]
+    return out
+
+
+def _buffer_trial(fn) -> str:
+    """Each rank's own gradients of two MLPs averaged through one 1,024-element buffer."""
+    ctx = zdist.context()
+    ws, rank = ctx.world_size, ctx.rank
+    buffer = torch.zeros(BUFFER)
+    peaks, sizes = {}, {}
+    for model, widths in MODELS.items():
+        grads, before = _gradients(widths, rank), _gradients(widths, rank)
+        want = [sum(ts) / ws for ts in zip(*(_gradients(widths, r) for r in range(ws)))]
+        n = sizes[model] = sum(t.numel() for t in grads)
+        comm.LEDGER.reset()
+        with MemoryLedger(record_timeline=False) as ledger:
+            fn(grads, buffer, ws)
+        peaks[model] = ledger.peak
+        offset = 0
+        for k, (got, w, old) in enumerate(zip(grads, want, before)):
+            untouched = torch.isclose(got, old) & ~torch.isclose(got, w)
+            if untouched.any():
+                first = offset + int(untouched.flatten().nonzero()[0])
+                raise Wrong(f"the {model} model's values from element {first:,} of {n:,} on were not averaged "
+                            f"(tensor {k}, shape {tuple(got.shape)}): the last, partly filled buffer must be "
+                            "reduced too")
+            first_difference(f"the {model} model's tensor {k} (shape {tuple(got.shape)})", got, w,
+                             reference="the average over ranks")
+            offset += got.numel()
+        reduced = comm.LEDGER.as_dict()["all_reduce"]
+        calls, elements = reduced["calls"], reduced["elements"]
+        fills = math.ceil(n / BUFFER)
+        if peaks[model] <= SCRATCH and calls != fills:
+            raise Wrong(f"your function made {calls} all-reduce calls for the {model} model's {n:,} values; "
+                        f"{BUFFER:,} at a time takes {fills}")
+        if peaks[model] <= SCRATCH and elements != n:
+            last = n - (fills - 1) * BUFFER
+            raise Wrong(f"your all-reduces moved {elements:,} elements for the {model} model's {n:,} values: "
+                        f"{elements - n:,} more than it has; reduce only the filled part of the buffer "
+                        f"(buffer[:{last}] for the last fill of {last:,}), not the whole {BUFFER:,}")
+    grown = peaks["large"] - peaks["small"]
+    figures = (f"your function allocated {kib(peaks['small'], unit=True)} for the small model "
+               f"({sizes['small']:,} values) and {kib(peaks['large'], unit=True)} for the large one "
+               f"({sizes['large']:,})")
+    if grown > SLACK:
+        raise Wrong(f"{figures}: {kib(grown, unit=True)} more for {sizes['large'] - sizes['small']:,} more "
+                    "values, memory that grows with the model; CB allocates nothing whose size grows with the "
+                    f"model: the fused buffer stays {kib(4 * BUFFER, unit=True)} whatever its size (Sec 6.2)")
+    if max(peaks.values()) > SCRATCH + SLACK:
+        raise Wrong(f"{figures}: it does not grow with the model, but it is more than the "
+                    f"{kib(SCRATCH, unit=True)} of scratch CB allows besides the fused buffer (as much again as "
+                    f"the buffer's {kib(4 * BUFFER, unit=True)}): fill the buffer you were given, not a new one")
+    return (f"two models of {sizes['small']:,} and {sizes['large']:,} values averaged exactly through one "
+            f"{kib(4 * BUFFER, unit=True)} buffer, nothing else allocated")
+
+
+def _fills(tensors, buffer, whole: bool = False, keep: list | None = None, scratch: int = 0):
+    """The reference fill loop; ``whole`` reduces the whole buffer at every fill (its stale tail
+    included), ``keep`` collects a copy of every fill, ``scratch`` allocates that many elements."""
+    flats = [t.view(-1) for t in tensors]
+    n, size = sum(f.numel() for f in flats), buffer.numel()
+    extra = torch.empty(scratch) if scratch else None  # noqa: F841 - held for the whole call
+    world_size = zdist.context().world_size
+    for lo in range(0, n, size):
+        hi = min(lo + size, n)
+        pieces, offset = [], 0
+        for f in flats:
+            a, b = max(lo, offset), min(hi, offset + f.numel())
+            if a < b:
+                pieces.append((f[a - offset:b - offset], buffer[a - lo:b - lo]))
+            offset += f.numel()
+        for part, fused in pieces:
+            fused.copy_(part)
+        filled = buffer if whole else buffer[:hi - lo]
+        comm.all_reduce(filled)
+        filled.div_(world_size)
+        if keep is not None:
+            keep.append(buffer.clone())
+        for part, fused in pieces:
+            part.copy_(fused)
+
+
+def _whole_last_fill(tensors, buffer, world_size):
+    _fills(tensors, buffer, whole=True)
+
+
+def _keeps_every_fill(tensors, buffer, world_size):
+    _fills(tensors, buffer, keep=[])
+
+
+def _big_staging(tensors, buffer, world_size):
+    _fills(tensors, buffer, scratch=16 * BUFFER)
+
+
+register(Exercise(
+    "05.constant_buffer", "CB: average gradients through one fused buffer of constant size",
+    constant_buffer, _buffer_trial,
+    {"grows_with_model": Bug(_grows_with_model, "fusing every gradient into one buffer before the all-reduce, as "
+                             "Sec 6.2 says Megatron-LM and DP implementations did (12 GB for 3B parameters)",
+                             "grows with the model"),
+     "drops_tail": Bug(_drops_tail, "a fill loop over whole buffers only (range(0, n - B + 1, B)): the "
+                       "shorter last fill is never reduced", "were not averaged"),
+     "whole_last_fill": Bug(_whole_last_fill, "all_reduce(buffer) at every fill: the short last fill's stale "
+                            "tail travels too (right values, more traffic)", "more than it has"),
+     "keeps_every_fill": Bug(_keeps_every_fill, "a copy of every fill kept (for a later copy-back, a log): "
+                             "one buffer per fill, as many as the model has", "grows with the model"),
+     "big_staging": Bug(_big_staging, "a staging tensor of its own, 16 times the fused buffer", "scratch CB allows")},
+    stepped=False))

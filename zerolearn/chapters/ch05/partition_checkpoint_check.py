@@ -1,0 +1,291 @@
+"""Exercise ``05.partition_checkpoint``'s check: ZeRO-R's partitioned checkpoints, P_a (paper Sec 6.1).
+
+Each of the Nm model-parallel ranks keeps 1/Nm of a block's checkpoint and hands back
+a function that all-gathers the whole of it before the block is recomputed. The trial
+checkpoints a stack of three blocks (Linear(61, 61) and tanh) whose input, 31 tokens x
+61 features = 1,891 values, splits unevenly over 2 and over 3 ranks; on 2 and 3 ranks all
+ranks form one model-parallel group, on 4 ranks two groups of 2 that are neither the world
+nor in rank order ([2, 0] and [3, 1]), so a rank's place in its group is not its global
+rank. It trains two SGD steps and checks every restored checkpoint against the block's
+input, the gradients against plain training in one process, the bytes kept after forward
+(memory ledger), and one all-gather per block, over the group, of this rank's own piece.
+
+This module holds the trial, the known bugs and the registration; the reader's function
+(with its reference solution) is in :mod:`zerolearn.chapters.ch05.partition_checkpoint`.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from zerolearn import comm
+from zerolearn import dist as zdist
+from zerolearn.chapters.ch05.partition_checkpoint import partition_checkpoint
+from zerolearn.exercises.core import Bug, Exercise, Wrong, agree, first_difference, register
+from zerolearn.memory.ledger import MemoryLedger, category
+from zerolearn.tables import kib
+
+TOKENS, HIDDEN, BLOCKS, STEPS, LR = 31, 61, 3, 2, 0.1
+
+
+def _keeps_a_view(x, group):
+    nm, rank = dist.get_world_size(group), dist.get_rank(group)
+    shape, numel, c = x.shape, x.numel(), math.ceil(x.numel() / nm)
+    piece = F.pad(x.detach().reshape(-1), (0, c * nm - numel))[rank * c:(rank + 1) * c]  # pins the whole
+
+    def restore():
+        full = torch.empty(c * nm)
+        comm.all_gather(full, piece, group=group)
+        return full[:numel].view(shape)
+
+    return restore
+
+
+def _closure_keeps_x(x, group):
+    nm, rank = dist.get_world_size(group), dist.get_rank(group)
+    c = math.ceil(x.numel() / nm)
+    piece = F.pad(x.detach().reshape(-1), (0, c * nm - x.numel()))[rank * c:(rank + 1) * c].clone()
+
+    def restore():  # reads x.numel() and x.shape: the closure holds x itself
+        full = torch.empty(c * nm)
+        comm.all_gather(full, piece, group=group)
+        return full[:x.numel()].view(x.shape)
+
+    return restore
+
+
+def _tensor_split(x, group):
+    nm, rank = dist.get_world_size(group), dist.get_rank(group)
+    shape, numel, c = x.shape, x.numel(), math.ceil(x.numel() / nm)
+    mine = torch.tensor_split(x.detach().reshape(-1), nm)[rank]  # uneven: the first numel % nm pieces are longer
+    piece = F.pad(mine, (0, c - mine.numel())).clone()
+
+    def restore():
+        full = torch.empty(c * nm)
+        comm.all_gather(full, piece, group=group)
+        return full[:numel].view(shape)
+
+    return restore
+
+
+def _all_reduce(x, group):
+    nm, rank = dist.get_world_size(group), dist.get_rank(group)
+    shape, numel, c = x.shape, x.numel(), math.ceil(x.numel() / nm)
+    piece = F.pad(x.detach().reshape(-1), (0, c * nm - numel))[rank * c:(rank + 1) * c].clone()
+
+    def restore():
+        full = torch.zeros(c * nm)
+        full[rank * c:(rank + 1) * c] = piece
+        comm.all_reduce(full, group=group)  # the others' zeros add nothing: right values, twice the traffic
+        return full[:numel].view(shape)
+
+    return restore
+
+
+def _global_rank(x, group):
+    nm, rank = dist.get_world_size(group), dist.get_rank()  # the global rank, not the rank in the group
+    shape, numel, c = x.shape, x.numel(), math.ceil(x.numel() / nm)
+    piece = F.pad(x.detach().reshape(-1), (0, c * nm - numel))[rank * c:(rank + 1) * c].clone()
+
+    def restore():
+        full = torch.empty(c * nm)
+        comm.all_gather(full, piece, group=group)
+        return full[:numel].view(shape)
+
+    return restore
+
+
+def _world_gather(x, group):
+    nm, rank = dist.get_world_size(group), dist.get_rank(group)
+    shape, numel, c = x.shape, x.numel(), math.ceil(x.numel() / nm)
+    piece = F.pad(x.detach().reshape(-1), (0, c * nm - numel))[rank * c:(rank + 1) * c].clone()
+
+    def restore():
+        full = torch.empty(c * nm)
+        comm.all_gather(full, piece)  # no group=: every rank of the world
+        return full[:numel].view(shape)
+
+    return restore
+
+
+class _Checkpointed(torch.autograd.Function):
+    """``block(x)`` keeping only what the reader's function keeps; backward restores, checks, recomputes."""
+
+    @staticmethod
+    def forward(ctx, block, fn, group, check, x):
+        ctx.block, ctx.check = block, check
+        with category("params"):  # the trial's own copy, to check restore(); kept out of the reader's bytes
+            ctx.original = x.clone()
+        ctx.restore = fn(x, group)
+        with torch.no_grad():
+            return block(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        _RESTORING["x"] = ctx.original  # what the all-gather's piece is checked against
+        x = ctx.restore()
+        ctx.check(x, ctx.original)
+        x = x.detach().requires_grad_()
+        with torch.enable_grad():
+            y = ctx.block(x)
+        torch.autograd.backward(y, grad)
+        return None, None, None, None, x.grad
+
+
+def _check_restored(k: int, step: int, c: int, got, want: torch.Tensor) -> None:
+    """Block ``k``'s restored checkpoint must equal its input in forward; the message names the rank's piece."""
+    what = f"block {k}'s checkpoint as your restore() returns it"
+    if isinstance(got, torch.Tensor) and got.shape == want.shape and not torch.equal(got, want):
+        i = int((got != want).flatten().nonzero()[0])
+        what += f" (token {i // HIDDEN}, feature {i % HIDDEN}: in rank {i // c}'s piece)"
+    first_difference(what, got, want, step=step, rtol=0, atol=0, reference="the block's input in forward")
+
+
+def _stack() -> tuple[nn.Module, nn.ModuleList]:
+    torch.manual_seed(0)
+    stem = nn.Linear(HIDDEN, HIDDEN)
+    blocks = nn.ModuleList(nn.Sequential(nn.Linear(HIDDEN, HIDDEN), nn.Tanh()) for _ in range(BLOCKS))
+    return stem, blocks
+
+
+_RESTORING: dict = {}  # the checkpoint being restored now, on this rank
+
+
+def _model_parallel_group(world_size: int):
+    """The trial's model-parallel group and its members: the world in rank order on 2 and 3 ranks;
+    on 4, two groups of 2 (data parallelism x model parallelism = 2 x 2), strided and in reverse
+    rank order, [2, 0] and [3, 1], so that a rank's place in its group is not its global rank."""
+    if world_size != 4:
+        members = [list(range(world_size))]
+    else:
+        members = [[2, 0], [3, 1]]
+    rank = dist.get_rank()
+    groups = [dist.new_group(m, sort_ranks=False) for m in members]  # every rank creates every group
+    mine = next(i for i, m in enumerate(members) if rank in m)
+    return groups[mine], members[mine]
+
+
+def _checked_all_gather(original, group, members: list[int], step_of):
+    """``comm.all_gather`` that first checks the reader's call: over ``group``, and with this rank's
+    piece of the checkpoint being restored (its place in the group, not its global rank)."""
+    calls = {"n": 0}
+
+    def all_gather(output, input, group=None, async_op=False, **kwargs):
+        step = step_of()
+        calls["n"] += 1
+        _check_call(group, input)
+        agree(step, point=f"all_gather {calls['n']}")  # every rank's call was right: none waits for a stopped one
+        return original(output, input, group=group, async_op=async_op, **kwargs)
+
+    def _check_call(group, input):
+        step = step_of()
+        if group is not wanted:
+            over = ("the default group, every rank" if group is None or group is dist.group.WORLD else
+                    f"a group of ranks {dist.get_process_group_ranks(group)}")
+            raise Wrong(f"your restore() all-gathered over {over}, not the model-parallel group it was given "
+                        f"(ranks {members}): pass group=group", step)
+        x = _RESTORING.get("x")
+        rank, mine = dist.get_rank(), members.index(dist.get_rank())
+        if x is not None and rank != mine and isinstance(input, torch.Tensor):
+            nm, numel = len(members), x.numel()
+            c = math.ceil(numel / nm)
+            flat = F.pad(x.reshape(-1), (0, c * nm - numel))
+            theirs = flat[rank * c:(rank + 1) * c]
+            right = flat[mine * c:(mine + 1) * c]
+            if not (input.shape == right.shape and torch.equal(input, right)) and \
+                    (input.numel() == theirs.numel() and torch.equal(input.reshape(-1), theirs)):
+                empty = "" if theirs.numel() else f" (an empty one: there are {nm} pieces)"
+                raise Wrong(f"this rank kept piece {rank} of the checkpoint{empty}, for its global rank {rank}; in the "
+                            f"model-parallel group (ranks {members}) it is rank {mine} and keeps piece {mine}: "
+                            "use dist.get_rank(group), the rank in the group, not dist.get_rank()", step)
+
+    wanted = group
+    return all_gather
+
+
+def _partition_trial(fn) -> str:
+    """Two SGD steps of a stem and three checkpointed blocks, P_a over a model-parallel group
+    (the world on 2 and 3 ranks, 2 x 2 on 4), against plain training."""
+    ctx = zdist.context()
+    group, members = _model_parallel_group(ctx.world_size)
+    nm = len(members)
+    original, now = comm.all_gather, {"step": 0}
+    comm.all_gather = _checked_all_gather(original, group, members, lambda: now["step"])
+    try:
+        return _partition_steps(fn, group, nm, now)
+    finally:
+        comm.all_gather = original
+        _RESTORING.clear()
+
+
+def _partition_steps(fn, group, nm: int, now: dict) -> str:
+    (stem, blocks), (ref_stem, ref_blocks) = _stack(), _stack()
+    numel = TOKENS * HIDDEN
+    c = math.ceil(numel / nm)
+    for step in range(STEPS):
+        now["step"] = step
+        g = torch.Generator().manual_seed(step)
+        x, target = torch.randn(TOKENS, HIDDEN, generator=g), torch.randn(TOKENS, HIDDEN, generator=g)
+        comm.LEDGER.reset()
+        with MemoryLedger(record_timeline=False) as ledger:
+            with ledger.phase("forward"):
+                h = stem(x)
+                for k, block in enumerate(blocks):
+                    h = _Checkpointed.apply(block, fn, group, functools.partial(_check_restored, k, step, c), h)
+                loss = (h * target).sum()  # saves target only, not h
+                del h
+            held = ledger.live["activations"] - 4  # the loss itself: one fp32 value
+            kept, whole = BLOCKS * 4 * c, BLOCKS * 4 * numel
+            if held > 1.5 * kept:
+                what = "keeps the whole checkpoint of every block" if held >= whole else f"keeps {kib(held, unit=True)}"
+                raise Wrong(f"after forward this rank {what}: {kib(held, unit=True)} for {BLOCKS} blocks of "
+                            f"{numel:,} values; P_a keeps 1/Nm of each, {kib(kept, unit=True)} on each of the {nm} "
+                            "ranks (keep a copy of your piece, not a view, and no reference to x)", step)
+            with ledger.phase("backward"):
+                loss.backward()
+        moved = comm.LEDGER.volume_elements()
+        ref_loss = (nn.Sequential(ref_stem, *ref_blocks)(x) * target).sum()
+        ref_loss.backward()
+        for (name, p), ref_p in zip([*stem.named_parameters("stem"), *blocks.named_parameters("blocks")],
+                                    [*ref_stem.parameters(), *ref_blocks.parameters()]):
+            first_difference(f"the gradient of {name}", p.grad, ref_p.grad, step=step,
+                             reference="plain training without checkpoints")
+        if moved != BLOCKS * c * nm:
+            twice = " (an all-reduce counts twice)" if comm.LEDGER.as_dict()["all_reduce"]["calls"] else ""
+            raise Wrong(f"your restore() calls moved {moved:,} elements in this step{twice}; P_a's all-gather of the "
+                        f"padded checkpoint moves {c * nm:,} per block, {BLOCKS * c * nm:,} for {BLOCKS} blocks "
+                        "(Sec 8)", step)
+        with torch.no_grad():
+            for p, ref_p in zip([*stem.parameters(), *blocks.parameters()],
+                                [*ref_stem.parameters(), *ref_blocks.parameters()]):
+                p -= LR * p.grad
+                ref_p -= LR * ref_p.grad
+                p.grad = ref_p.grad = None
+        agree(step)
+    return (f"{STEPS} SGD steps through {BLOCKS} checkpointed blocks: gradients equal plain training, each rank "
+            f"kept {kib(4 * c, unit=True)} of every {kib(4 * numel, unit=True)} checkpoint (1/{nm}) and moved one "
+            "all-gather per block")
+
+
+register(Exercise(
+    "05.partition_checkpoint", "P_a: keep 1/Nm of each checkpoint, all-gather it before recomputation",
+    partition_checkpoint, _partition_trial,
+    {"keeps_a_view": Bug(_keeps_a_view, "slicing the piece without a copy: a view holds its base's whole "
+                         "storage (the 'free' that frees nothing of STYLE.md)", "keeps the whole checkpoint"),
+     "closure_keeps_x": Bug(_closure_keeps_x, "restore() reading x.shape and x.numel(): the closure holds x "
+                            "itself", "keeps the whole checkpoint"),
+     "tensor_split": Bug(_tensor_split, "torch.tensor_split's uneven pieces (the first numel % Nm are longer) "
+                         "gathered at offsets of equal padded pieces", "in rank 1's piece"),
+     "all_reduce": Bug(_all_reduce, "an all-reduce of zeros plus one's own piece instead of an all-gather: right "
+                       "values, twice the traffic", "moved"),
+     "global_rank": Bug(_global_rank, "dist.get_rank() for the piece: right while the model-parallel group is "
+                        "the world in rank order, wrong in a 2 x 2 layout", "use dist.get_rank(group)"),
+     "world_gather": Bug(_world_gather, "comm.all_gather without group=: the default group, every rank",
+                         "pass group=group")},
+    world_sizes=(2, 4, 3)))
