@@ -4,7 +4,7 @@
 # make notebooks  re-execute every chapter from notebooks/src/ and store its outputs
 # make book   build the book from the stored notebooks (book/_build/html)
 # make timeline  record one step per stage on every rank (torch.profiler) for chapters 01-04
-# make bench  our stages against DDP, ZeroRedundancyOptimizer, FSDP2, DeepSpeed, then the scaling sweeps (QUICK=1: the comparison only, about 2 min)
+# make bench  our stages against DDP, ZeroRedundancyOptimizer, FSDP2, DeepSpeed at d_model 128 and 384, the overhead against DDP at world size 1, then the scaling sweeps (QUICK=1: the comparison only, about 2 min)
 # The first use creates .venv with a pinned torch (override: make TORCH=torch==2.11.0 ...).
 PYTHON ?= python3
 TORCH ?= torch==2.13.0
@@ -59,7 +59,7 @@ deepspeed: $(VENV)/.installed
 bench: $(VENV)/.installed
 	DS_BUILD_OPS=0 $(PY) -m pip install --quiet --no-build-isolation deepspeed || echo "deepspeed could not be installed: benchmarking without it"
 	mkdir -p notebooks/data/bench
-	$(PY) -m zerolearn.bench $(if $(QUICK),--quick) --out notebooks/data/bench/$(if $(QUICK),quick,bench).json
+	$(PY) -m zerolearn.bench $(if $(QUICK),--quick,--widths 128,384 --overhead) --out notebooks/data/bench/$(if $(QUICK),quick,bench).json
 	$(if $(QUICK),,$(PY) -m zerolearn.bench scaling --out notebooks/data/bench/scaling.json)
 
 # notebooks/data/timeline/: what chapters 01-04 draw (about 1 min; TRACES=DIR also writes Chrome traces).

@@ -1,4 +1,4 @@
-"""The train CLI: the report contract of DESIGN section 4, and bad input refused (exit 2)."""
+"""The train CLI: the report contract of docs/ARCHITECTURE.md ("The training run"), and bad input refused (exit 2)."""
 
 import functools
 import json

@@ -1,4 +1,4 @@
-"""Every stage trains exactly like one process on the same global batches (DESIGN section 3)."""
+"""Every stage trains exactly like one process on the same global batches (docs/ARCHITECTURE.md, "The engines")."""
 
 import functools
 

@@ -1,6 +1,6 @@
 """``python -m zerolearn.train``: parse, train, write the report, and exit with a code that says how it went.
 
-Exit codes (DESIGN section 4): 0 done; 2 bad arguments, or a ``--checkpoint-dir``
+Exit codes (docs/ARCHITECTURE.md, "The training run"): 0 done; 2 bad arguments, or a ``--checkpoint-dir``
 another job holds (before training; every rank alike); 1 a runtime failure, its
 message naming the rank (an OSError writing a checkpoint or the report, a full disk
 included); 130 interrupted by Ctrl-C (SIGINT) and 143 stopped by SIGTERM (a job
@@ -9,7 +9,7 @@ last complete checkpoint (``interrupted (Ctrl-C) at step N; last checkpoint:
 D/step_00000040``, ``terminated (SIGTERM) at step N; ...``), and every rank exits
 without a traceback. The checkpoint directory's lock is released however the run ends.
 
-``--report PATH`` makes rank 0 write the JSON report of DESIGN section 4: the global
+``--report PATH`` makes rank 0 write the JSON report of docs/ARCHITECTURE.md ("The training run"): the global
 mean loss per step, and per rank the model-state bytes measured from the tensors it
 holds and the traffic its collectives moved, beside the paper's formulas for the
 same run.
@@ -154,7 +154,7 @@ def _train(config: TrainConfig, ctx: zdist.DistContext) -> dict:
     except ConfigError as e:
         zdist.teardown(clean=False)
         raise _refuse(str(e)) from e
-    except Exception as e:  # noqa: BLE001 - exit 1 with the rank named, as DESIGN section 4 says
+    except Exception as e:  # noqa: BLE001 - exit 1 with the rank named, as docs/ARCHITECTURE.md says
         if _CTRL_C["interrupted"]:  # a peer left on Ctrl-C, failing this rank's collective
             raise KeyboardInterrupt from e
         say(f"rank {ctx.rank}: {type(e).__name__}: {e}")

@@ -2,7 +2,7 @@
 
 Every engine moves data through these four functions, so one ledger sees all
 traffic: calls, elements, bytes and seconds per collective. The ``elements`` of a
-call is its full logical tensor (DESIGN section 4): the input of a reduce_scatter,
+call is its full logical tensor (docs/ARCHITECTURE.md, "The training run"): the input of a reduce_scatter,
 the output of an all_gather, the tensor of an all_reduce or broadcast. With that
 convention the paper's per-rank volume (Sec 7.1) is
 
@@ -214,12 +214,30 @@ def monitor_mean(value: float, group=None) -> float:
     return t.item() / dist.get_world_size(group)
 
 
-def monitor_max(tensor: torch.Tensor, group=None) -> None:
+class Monitor:
+    """A bookkeeping collective in flight (:func:`monitor_max`); :meth:`wait` finishes it."""
+
+    def __init__(self, work, op: str, group=None):
+        self._work, self._op, self._group, self._seq = work, op, group, guard.current()
+
+    def wait(self) -> None:
+        if self._work is not None:
+            with guard.loud(self._op, self._group, self._seq):
+                self._work.wait()
+            self._work = None
+
+
+def monitor_max(tensor: torch.Tensor, group=None, async_op: bool = False) -> Monitor | None:
     """Elementwise max of ``tensor`` over ranks, in place: bookkeeping (which parameters
-    any rank used), not in the ledger, which counts what the algorithm itself moves."""
+    any rank used), not in the ledger, which counts what the algorithm itself moves.
+
+    Returns:
+        with ``async_op``, a :class:`Monitor` to wait on before reading ``tensor``; else None.
+    """
     guard.count()
     with guard.loud("monitor_max", group), guard.monitoring("monitor_max"):
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group)
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group, async_op=async_op)
+    return Monitor(work, "monitor_max", group) if async_op else None
 
 
 def gather_objects(obj, group=None) -> list:

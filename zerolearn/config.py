@@ -67,7 +67,8 @@ class TrainConfig:
     weight_decay: float = _opt(0.0, "weight decay")
     max_grad_norm: float | None = _opt(None, "clip the global gradient norm")
     seed: int = _opt(0, "model initialisation and data order")
-    bucket_mb: float = _opt(0.25, "gradient bucket size, MiB")
+    bucket_mb: float | None = _opt(None, "gradient bucket size, MiB (default: torch DDP's policy, a 1 MiB first "
+                                         "bucket, then 25 MiB ones)")
     grad_accum_steps: int = _opt(1, "micro-batches per step")
     n_layer: int = _opt(2, "GPT transformer blocks")
     d_model: int = _opt(64, "GPT width")
@@ -95,7 +96,7 @@ class TrainConfig:
                                     metavar="K")
     fail_rank: int = _opt(0, "testing: the rank that fails")
     fail_mode: str = _opt("kill", "testing: SIGKILL itself, or stop responding", choices=("kill", "hang"))
-    # ZeRO-R (paper Sec 6), DESIGN section 4.
+    # ZeRO-R (paper Sec 6); the report: docs/ARCHITECTURE.md.
     checkpoint_activations: bool = _opt(False, "keep one checkpoint per transformer block, recompute in backward "
                                                "(Sec 3.2)")
     partition_activations: bool = _opt(False, "P_a: split each checkpoint across the tensor-parallel ranks "

@@ -23,6 +23,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+# The default bucket policy is torch DDP's: a small first bucket, so that the first
+# reduction starts early in backward, then large ones, so that there are few collectives
+# (``DistributedDataParallel(bucket_cap_mb=25)`` and its 1 MiB first bucket).
+DEFAULT_BUCKET_MB = 25.0
+FIRST_BUCKET_MB = 1.0
+
 
 @dataclass(frozen=True)
 class FlatLayout:
@@ -104,17 +110,30 @@ class FlatLayout:
             p.data = view
 
 
-def buckets(named_params: list[tuple[str, nn.Parameter]], bucket_bytes: int,
-            element_size: int) -> list[list[tuple[str, nn.Parameter]]]:
-    """Split parameters, in the given order, into runs of at most ``bucket_bytes``.
+def bucket_caps(bucket_mb: float | None) -> tuple[int, int]:
+    """``(first bucket, other buckets)`` caps in bytes for the option ``bucket_mb`` (MiB).
 
-    A parameter is never split, so a single parameter larger than ``bucket_bytes``
-    forms a bucket of its own (the only way a bucket exceeds the cap).
+    None is the default policy, torch DDP's: :data:`FIRST_BUCKET_MB` for the first bucket,
+    :data:`DEFAULT_BUCKET_MB` for the others. A number caps every bucket at that size.
+    """
+    if bucket_mb is None:
+        return int(FIRST_BUCKET_MB * 2**20), int(DEFAULT_BUCKET_MB * 2**20)
+    return int(bucket_mb * 2**20), int(bucket_mb * 2**20)
+
+
+def buckets(named_params: list[tuple[str, nn.Parameter]], bucket_bytes: int,
+            element_size: int, first_bucket_bytes: int | None = None) -> list[list[tuple[str, nn.Parameter]]]:
+    """Split parameters, in the given order, into runs of at most ``bucket_bytes``
+    (the first run: at most ``first_bucket_bytes``, if given).
+
+    A parameter is never split, so a single parameter larger than the cap forms a
+    bucket of its own (the only way a bucket exceeds the cap).
     """
     out, current, size = [], [], 0
     for name, p in named_params:
         nbytes = p.numel() * element_size
-        if current and size + nbytes > bucket_bytes:
+        cap = first_bucket_bytes if not out and first_bucket_bytes is not None else bucket_bytes
+        if current and size + nbytes > cap:
             out.append(current)
             current, size = [], 0
         current.append((name, p))
@@ -125,7 +144,7 @@ def buckets(named_params: list[tuple[str, nn.Parameter]], bucket_bytes: int,
 
 
 def make_buckets(named_params: list[tuple[str, nn.Parameter]], bucket_bytes: int, element_size: int,
-                 num_shards: int, shard_index: int) -> list[FlatLayout]:
+                 num_shards: int, shard_index: int, first_bucket_bytes: int | None = None) -> list[FlatLayout]:
     """The layouts of :func:`buckets`' runs, each padded to ``num_shards`` equal shards.
 
     Args:
@@ -133,6 +152,7 @@ def make_buckets(named_params: list[tuple[str, nn.Parameter]], bucket_bytes: int
         bucket_bytes: the cap on a bucket, bytes (a larger parameter is a bucket alone).
         element_size: bytes per element of the working dtype.
         num_shards: Nd (1 when nothing is sharded); shard_index: this rank's shard.
+        first_bucket_bytes: the cap on the first bucket, bytes (None: ``bucket_bytes``).
     """
     return [FlatLayout.of([n for n, _ in b], [p.shape for _, p in b], num_shards, shard_index)
-            for b in buckets(named_params, bucket_bytes, element_size)]
+            for b in buckets(named_params, bucket_bytes, element_size, first_bucket_bytes)]

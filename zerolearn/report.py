@@ -1,4 +1,4 @@
-"""The training report (DESIGN section 4): built at the end of a run, and turned into tables.
+"""The training report (docs/ARCHITECTURE.md, "The training run"): built at the end of a run, and turned into tables.
 
 :func:`make_report` gathers every rank's measurements (bytes held per category,
 peak memory, traffic, residual states) beside the paper's formulas for the same
@@ -61,7 +61,8 @@ def rank_entry(run: Run, record: Watched) -> dict:
 
 
 def make_report(run: Run, record: Watched) -> dict:
-    """The run's report (DESIGN section 4), the same on every rank (gathers every rank's entry)."""
+    """The run's report (docs/ARCHITECTURE.md, "The training run"), the same on every rank
+    (gathers every rank's entry)."""
     c, ctx, nd = run.config, run.ctx, run.zero_r.groups.nd
     mine = rank_entry(run, record)
     simulated = ctx.backend == "fake"

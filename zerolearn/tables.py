@@ -2,7 +2,7 @@
 
 Built on `tabulate <https://github.com/astanin/python-tabulate>`_. Numbers are shown
 exactly as the caller formatted them: tabulate's own number parsing is switched off,
-so a cell keeps the precision DESIGN section 5 asks for (bytes and counts exact, bf16
+so a cell keeps the precision docs/ARCHITECTURE.md asks for ("Measurement conventions") (bytes and counts exact, bf16
 to 3 significant digits), and a stored notebook output does not depend on tabulate's
 rounding. Importing this module does not import torch (the memory CLI uses it).
 """

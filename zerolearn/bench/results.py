@@ -207,6 +207,35 @@ def format_table(result: dict) -> str:
                       "", *foot])
 
 
+OVERHEAD_GOALS = {0: None, 1: 0.10, 2: 0.10, 3: 0.25}  # most overhead over DDP at world size 1, per stage
+
+
+def overhead_at_world_size_1(result: dict) -> dict[str, dict]:
+    """Per zerolearn stage that ran, at world size 1: ``{"median_s", "ddp_median_s",
+    "overhead"}``, where overhead is the stage's median step time over DDP's, minus 1
+    (0.05: 5% slower), and ``goal`` its bound (:data:`OVERHEAD_GOALS`, None for stage 0).
+
+    Raises:
+        ValueError: ``result`` did not run at world size 1 or DDP did not run.
+    """
+    if result["world_size"] != 1 or "median_s" not in result["systems"].get("ddp", {}):
+        raise ValueError("the overhead needs a world-size-1 result with DDP in it")
+    ddp = result["systems"]["ddp"]["median_s"]
+    return {name: {"median_s": entry["median_s"], "ddp_median_s": ddp, "overhead": entry["median_s"] / ddp - 1,
+                   "goal": OVERHEAD_GOALS[entry["stage"]]}
+            for name, entry in result["systems"].items() if name.startswith("zerolearn") and "median_s" in entry}
+
+
+def format_overhead(overhead: dict[str, dict]) -> str:
+    """One line per stage: step ms at world size 1 against DDP's, the overhead and its goal."""
+    lines = ["overhead against torch DDP at world size 1 (the engine's own cost, no communication to hide it):"]
+    for name, o in overhead.items():
+        goal = "" if o["goal"] is None else f" (goal < {o['goal']:.0%})"
+        lines.append(f"  {name}: {o['median_s'] * 1e3:.1f} ms vs DDP {o['ddp_median_s'] * 1e3:.1f} ms: "
+                     f"{o['overhead']:+.0%}{goal}")
+    return "\n".join(lines)
+
+
 def write_json(result: dict, path: str | None) -> None:
     """Write ``result`` to ``path`` as indented JSON (nothing when ``path`` is None).
 

@@ -69,7 +69,8 @@ class BenchSpec:
 
     Units: ``seq_len`` in tokens (bytes), ``global_batch_size`` in sequences over all
     ranks, ``bucket_mb`` in MiB (zerolearn's flat groups, DDP's ``bucket_cap_mb`` and
-    DeepSpeed's reduce and all-gather buckets alike), ``timeout`` in seconds (what each
+    DeepSpeed's reduce and all-gather buckets alike; None: each system's own default,
+    zerolearn's and DDP's a 1 MiB first bucket then 25 MiB ones), ``timeout`` in seconds (what each
     system may take per round; a round's deadline is that times its systems).
     """
 
@@ -83,7 +84,7 @@ class BenchSpec:
     seq_len: int = 64
     global_batch_size: int = 16
     lr: float = 1e-3
-    bucket_mb: float = 0.25
+    bucket_mb: float | None = None
     seed: int = 0
     device: str = "cpu"
     timeout: float = DEFAULT_TIMEOUT_S
@@ -159,7 +160,8 @@ def add_spec_options(p: argparse.ArgumentParser, defaults: BenchSpec) -> None:
                    help=f"global batch, sequences (default {d.global_batch_size})")
     p.add_argument("--lr", type=float, default=None, help=f"Adam's learning rate (default {d.lr:g})")
     p.add_argument("--bucket-mb", type=float, default=None,
-                   help=f"gradient bucket, MiB, for zerolearn, DDP and DeepSpeed (default {d.bucket_mb:g})")
+                   help="gradient bucket, MiB, for zerolearn, DDP and DeepSpeed (default: each system's own; "
+                        "zerolearn's and DDP's are a 1 MiB first bucket, then 25 MiB)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (NCCL, one rank per GPU)")
     p.add_argument("--timeout", type=float, default=None,

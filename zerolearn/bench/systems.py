@@ -210,12 +210,13 @@ def deepspeed_config(config: TrainConfig, stage: int, world_size: int) -> dict:
     """DeepSpeed's config for ``stage`` (chapter 7's ``DEEPSPEED_CONFIG``): fp32, torch's
     Adam with ``config.lr``, no clipping (DeepSpeed's default clips at 1.0), reduce and
     all-gather buckets (stages 1-3; stage 3's prefetch too) of ``config.bucket_mb`` MiB
-    of fp32 elements. Stage 0 takes no bucket size from the config."""
-    bucket = int(config.bucket_mb * 2**20 / 4)
+    of fp32 elements (None: DeepSpeed's own defaults). Stage 0 takes no bucket size from
+    the config."""
     zero = dict(DEEPSPEED_CONFIG[stage]["zero_optimization"])
-    if stage > 0:
+    bucket = None if config.bucket_mb is None else int(config.bucket_mb * 2**20 / 4)
+    if stage > 0 and bucket is not None:
         zero.update(reduce_bucket_size=bucket, allgather_bucket_size=bucket)
-    if stage == 3:
+    if stage == 3 and bucket is not None:
         zero.update(stage3_prefetch_bucket_size=bucket)
     return {"train_micro_batch_size_per_gpu": config.global_batch_size // world_size,
             "gradient_accumulation_steps": 1,

@@ -28,7 +28,7 @@ from zerolearn import comm, guard
 from zerolearn.engines import optim
 from zerolearn.engines.state import EngineStateMixin
 from zerolearn.errors import ConfigError
-from zerolearn.flat import FlatLayout, make_buckets
+from zerolearn.flat import FlatLayout, bucket_caps, make_buckets
 from zerolearn.memory.ledger import category, retag, storage_bytes
 from zerolearn.precision import LossScaler, check_param_dtypes, needs_master, parse_dtype
 
@@ -112,7 +112,7 @@ class Engine(EngineStateMixin, abc.ABC):
 
     Hooks with defaults: ``num_shards`` (Nd), ``_build_buckets``, ``_after_reduce(b)``,
     ``_keep_reduced(b)``, ``_on_bucket_ready(b)``, ``_may_launch(b)``,
-    ``_before_reduce(b)``, ``_after_backward()``, ``_abandon_backward(error)``.
+    ``_before_backward(loss)``, ``_after_backward()``, ``_abandon_backward(error)``.
 
     One step, in call order::
 
@@ -130,7 +130,9 @@ class Engine(EngineStateMixin, abc.ABC):
             ``momentum`` (SGD) and ``betas`` (Adam) as in torch.optim.
         dtype: working precision ``"fp32" | "bf16" | "fp16"`` (fp32 master for the
             2-byte ones, dynamic loss scale for fp16).
-        bucket_mb: largest bucket, MiB of the working dtype (CB of Sec 6.2).
+        bucket_mb: largest bucket, MiB of the working dtype (CB of Sec 6.2); None (the
+            default): torch DDP's policy, a 1 MiB first bucket, then 25 MiB ones
+            (:func:`zerolearn.flat.bucket_caps`).
         max_grad_norm: clip the global gradient norm to this (None: no clipping).
         group: process group over the Nd data-parallel ranks (default: all ranks).
         units: ZeRO-3's gather/free units in forward order (see ``Zero3Engine``).
@@ -163,7 +165,7 @@ class Engine(EngineStateMixin, abc.ABC):
     def __init__(self, model: nn.Module, *, optimizer: str = "adam", lr: float = 1e-3,
                  weight_decay: float = 0.0, momentum: float = 0.0,
                  betas: tuple[float, float] = (0.9, 0.999), dtype: str = "fp32",
-                 bucket_mb: float = 4.0, max_grad_norm: float | None = None,
+                 bucket_mb: float | None = None, max_grad_norm: float | None = None,
                  group=None, units: list[nn.Module] | None = None, model_parallel_group=None,
                  broadcast_buffers: bool = True):
         self.dtype = parse_dtype(dtype)
@@ -175,7 +177,7 @@ class Engine(EngineStateMixin, abc.ABC):
         self.buffer_src = torch.distributed.get_global_rank(group, 0) if group is not None else 0
         self.broadcast_buffers = broadcast_buffers and self.world_size > 1
         self.optimizer_name, self.max_grad_norm = optimizer, max_grad_norm
-        self.bucket_bytes = int(bucket_mb * 2**20)
+        self.first_bucket_bytes, self.bucket_bytes = bucket_caps(bucket_mb)
         self.scaler = LossScaler(enabled=self.dtype == torch.float16)
         self.mixed = needs_master(self.dtype)
         check_param_dtypes(model, self.dtype)
@@ -202,6 +204,7 @@ class Engine(EngineStateMixin, abc.ABC):
             for i, p in enumerate(b.params):
                 p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, b, i))
         self._publishing: list[comm.Handle] = []  # all_gathers of updated shards in flight
+        self._used_flags: tuple[torch.Tensor, comm.Monitor | None] | None = None  # exchange in flight
         self._next, self._sync = 0, True  # next bucket to launch; this backward reduces
         self._pending: list[Bucket] = []  # buckets whose reduction is in flight, oldest first
         self._no_sync_depth = 0
@@ -237,12 +240,13 @@ class Engine(EngineStateMixin, abc.ABC):
         # Reverse registration order approximates the order gradients arrive in.
         return self._buckets_of(trainable[::-1])
 
-    def _buckets_of(self, named: list[tuple[str, nn.Parameter]]) -> list[Bucket]:
-        """``named`` cut into buckets of at most ``bucket_mb`` (:func:`flat.make_buckets`)."""
+    def _buckets_of(self, named: list[tuple[str, nn.Parameter]], small_first: bool = True) -> list[Bucket]:
+        """``named`` cut into buckets of at most ``bucket_mb`` (:func:`flat.make_buckets`);
+        ``small_first``: the first one capped at the policy's first-bucket size."""
         by_name = dict(named)
         return [Bucket(layout, [by_name[n] for n in layout.names]) for layout in
                 make_buckets(named, self.bucket_bytes, self.dtype.itemsize, self.num_shards,
-                             self.rank % self.num_shards)]
+                             self.rank % self.num_shards, self.first_bucket_bytes if small_first else None)]
 
     def _after_reduce(self, b: Bucket) -> None:
         """``b``'s reduction finished (default: it wrote its result in place)."""
@@ -254,8 +258,8 @@ class Engine(EngineStateMixin, abc.ABC):
         """``b``'s reduction may start during backward (else at its end)."""
         return b.complete
 
-    def _before_reduce(self, b: Bucket) -> None:
-        """``b``'s reduction is about to be issued."""
+    def _before_backward(self, loss: torch.Tensor) -> None:
+        """Backward is about to run from ``loss``."""
 
     def _after_backward(self) -> None:
         """Backward is over and every reduction finished."""
@@ -296,6 +300,7 @@ class Engine(EngineStateMixin, abc.ABC):
         for b in self.buckets:
             b.ready = 0
         self._next, self._sync = 0, sync
+        self._before_backward(loss)
         self.in_backward = True
         try:
             (loss * self.scaler.scale if self.scaler.enabled else loss).backward()
@@ -309,6 +314,7 @@ class Engine(EngineStateMixin, abc.ABC):
                 self._ensure_grad_full(b)
                 self._launch(b)
             self._next = len(self.buckets)
+            self._exchange_used_flags()  # travels while the last reductions finish
             while self._pending:
                 self._finish_oldest()
             self.holds_reduced = True
@@ -345,7 +351,6 @@ class Engine(EngineStateMixin, abc.ABC):
     def _launch(self, b: Bucket) -> None:
         if self.world_size > 1:
             b.grad_full.div_(self.world_size)  # before the sum: Nd fp16 gradients could overflow it
-        self._before_reduce(b)
         with comm.unit(b.layout.label, "backward: reduce"):
             b.reducing = self._reduce(b)
         self.peak_grad_bytes = max(self.peak_grad_bytes, self._grad_bytes[0])
@@ -391,6 +396,8 @@ class Engine(EngineStateMixin, abc.ABC):
         gradient exists at a time (the paper's (2 + 2 + K) Psi holds none).
         """
         grads = [self._grad_for_step(b) for b in self.buckets]
+        if self._used_flags is None:  # no reducing backward since zero_grad
+            self._exchange_used_flags()
         used = self._used_anywhere()
         coef, found_inf = self._unscale_and_clip(grads)
         self.scaler.update(found_inf)
@@ -408,15 +415,26 @@ class Engine(EngineStateMixin, abc.ABC):
         self._finish_publish()
         return True
 
-    def _used_anywhere(self) -> list[list[bool]]:
-        """Per bucket and parameter: did any rank use it since ``zero_grad``? One
+    def _exchange_used_flags(self) -> None:
+        """Start finding out which parameters any rank used since ``zero_grad``: one
         all_reduce (max) of a byte per parameter, outside the ledger, as DDP does."""
-        mine = [flag for b in self.buckets for flag in b.used]
+        if self._used_flags is not None and self._used_flags[1] is not None:
+            self._used_flags[1].wait()  # an earlier backward's, superseded
+        flags = torch.tensor([flag for b in self.buckets for flag in b.used], dtype=torch.uint8, device=self.device)
+        pending = None
         if self.world_size > 1 and torch.distributed.get_backend(self.pg) != "fake":  # fake: rank 0 alone
-            flags = torch.tensor(mine, dtype=torch.uint8, device=self.device)
-            with comm.unit("<model>", "step: which parameters were used"):
-                comm.monitor_max(flags, group=self.pg)
-            mine = flags.bool().tolist()
+            with comm.unit("<model>", "backward: which parameters were used"):
+                pending = comm.monitor_max(flags, group=self.pg, async_op=True)
+        self._used_flags = (flags, pending)
+
+    def _used_anywhere(self) -> list[list[bool]]:
+        """Per bucket and parameter: did any rank use it since ``zero_grad``
+        (:meth:`_exchange_used_flags`, waited for here)?"""
+        flags, pending = self._used_flags
+        if pending is not None:
+            pending.wait()
+        self._used_flags = None
+        mine = flags.bool().tolist()
         out, k = [], 0
         for b in self.buckets:
             out.append(mine[k:k + len(b.params)])
@@ -454,6 +472,8 @@ class Engine(EngineStateMixin, abc.ABC):
 
     def zero_grad(self) -> None:
         """Drop all gradients (buffers are allocated again in the next backward)."""
+        if self._used_flags is not None:
+            self._used_anywhere()  # an exchange nobody stepped with: finish it
         for b in self.buckets:
             b.grad_full = b.grad_shard = None
             b.used = [False] * len(b.params)

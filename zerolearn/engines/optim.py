@@ -19,7 +19,7 @@ from zerolearn.errors import ConfigError, require_choice, require_real
 OPTIMIZERS = ("adam", "adamw", "sgd")
 
 
-def check_options(optimizer: str, lr: float, bucket_mb: float, max_grad_norm: float | None) -> None:
+def check_options(optimizer: str, lr: float, bucket_mb: float | None, max_grad_norm: float | None) -> None:
     """Refuse bad engine options before anything is allocated or communicated.
 
     Raises:
@@ -27,7 +27,8 @@ def check_options(optimizer: str, lr: float, bucket_mb: float, max_grad_norm: fl
     """
     require_choice("--optimizer", optimizer, OPTIMIZERS)
     require_real("--lr", lr)
-    require_real("--bucket-mb", bucket_mb)
+    if bucket_mb is not None:
+        require_real("--bucket-mb", bucket_mb)
     if max_grad_norm is not None:
         require_real("--max-grad-norm", max_grad_norm)
 

@@ -8,14 +8,16 @@ state, that nothing goes wrong silently around them:
 * the model may read a unit's parameters only while the unit is gathered
   (:class:`ReadGuard`, a ``TorchFunctionMode`` run during forward; a read elsewhere
   is a ConfigError naming the parameter, its unit and the fix, before any arithmetic);
-* every rank gathers and reduces the same thing at the same time (:func:`agree`, one
-  8-byte all_gather before a unit's collectives, outside the ledger), so a branch taken
-  on some ranks only is named at once instead of pairing gathers of different sizes.
+* every rank runs the same units and computes gradients for the same units, so a branch
+  taken on some ranks only is named at once instead of pairing gathers of different
+  sizes: one 8-byte all_gather before each unit's forward (:func:`agree_forward`) and
+  one before backward (:func:`agree_backward`), outside the ledger.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import zlib
 
 import torch
 from torch import nn
@@ -188,39 +190,63 @@ def tensors_in(output) -> list[torch.Tensor]:
 
 
 # ----- every rank does the same thing ----------------------------------------------------
-def agree(code: int, units: list[Unit], buckets: list, unit_of: dict[int, Unit], pg, device,
-          proposal: guard.Proposal | None = None) -> None:
-    """Check that every rank proposes ``code`` (:func:`guard.propose`) before a collective.
-
-    ``code`` >= 0: about to gather (or, with ``proposal``, run the forward of) unit
-    ``code``; ``-1 - i``: about to reduce bucket ``i``. ``proposal``: one already
-    launched asynchronously (forward), else one is gathered now (backward).
+def agree_forward(unit: Unit, proposal: guard.Proposal, units: list[Unit], pg) -> None:
+    """Check that every rank is about to run ``unit``'s forward (``proposal``: each rank's
+    unit index, gathered asynchronously by :func:`guard.propose`).
 
     Raises:
-        ConfigError: the ranks proposed different things, each rank named with what it does.
+        ConfigError: the ranks are about to run different units, each rank named with its unit.
     """
-    codes = (proposal or guard.propose(code, pg, device)).result()
-    if len(set(codes)) == 1:
+    indices = proposal.result()
+    if len(set(indices)) == 1:
         return
     by_index = {u.index: u for u in units}
-
-    def what(c: int) -> str:
-        if proposal is not None:
-            return f"runs {by_index[c].describe()}"
-        if c >= 0:
-            return f"gathers {by_index[c].describe()}"
-        b = buckets[-1 - c]
-        return f"reduces {b.layout.label} ({unit_of[id(b)].describe()})"
-
-    doing = "; ".join(f"rank {r} {what(c)}" for r, c in zip(guard.group_ranks(pg), codes))
-    if proposal is not None:
-        raise ConfigError(
-            f"ZeRO-3: ranks are about to run different units ({doing}): the model took a different branch "
-            "on these ranks (an if around a unit that depends on the rank or its data). Every rank must run "
-            "the same units in the same order; a module that runs on some ranks only can be left out of units= "
-            "(its parameters then belong to the root unit, gathered for the whole forward).")
+    doing = "; ".join(f"rank {r} runs {by_index[i].describe()}" for r, i in zip(guard.group_ranks(pg), indices))
     raise ConfigError(
-        f"ZeRO-3: in backward, ranks are about to issue different collectives ({doing}): some parameters "
-        "got gradients on some ranks only (a unit whose output only some ranks use, or a branch inside a "
-        "unit that depends on the rank or its data). Leave such a module out of units= (its parameters "
-        "then belong to the root unit, reduced at the end of backward on every rank).")
+        f"ZeRO-3: ranks are about to run different units ({doing}): the model took a different branch "
+        "on these ranks (an if around a unit that depends on the rank or its data). Every rank must run "
+        "the same units in the same order; a module that runs on some ranks only can be left out of units= "
+        "(its parameters then belong to the root unit, gathered for the whole forward).")
+
+
+def units_reached(loss: torch.Tensor, param_unit: dict[int, tuple[str, Unit]]) -> list[int]:
+    """Indices of the units some of whose parameters get a gradient from ``loss``.
+
+    Walks ``loss``'s autograd graph (as DDP's ``find_unused_parameters`` does): a
+    parameter gets a gradient when its accumulation node is reachable.
+    """
+    seen, stack, reached = set(), [loss.grad_fn], set()
+    while stack:
+        fn = stack.pop()
+        if fn is None or fn in seen:
+            continue
+        seen.add(fn)
+        variable = getattr(fn, "variable", None)  # AccumulateGrad: a leaf tensor
+        if variable is not None and id(variable) in param_unit:
+            reached.add(param_unit[id(variable)][1].index)
+        stack.extend(next_fn for next_fn, _ in fn.next_functions)
+    return sorted(reached)
+
+
+def agree_backward(reached: list[int], units: list[Unit], pg, device) -> None:
+    """Check, once before backward, that every rank computes gradients for the same units
+    (one 8-byte all_gather; the sets themselves are exchanged only when they differ).
+
+    Raises:
+        ConfigError: some units get gradients on some ranks only, each named with its ranks.
+    """
+    code = zlib.crc32(",".join(map(str, reached)).encode())
+    if len(set(guard.propose(code, pg, device).result())) == 1:
+        return
+    everyone = comm.gather_objects(reached, group=pg)
+    ranks = guard.group_ranks(pg)
+    by_index = {u.index: u for u in units}
+    differ = sorted(set().union(*map(set, everyone)) - set.intersection(*map(set, everyone)))
+    doing = "; ".join(f"{by_index[i].describe()} on rank{'s' if len(on) > 1 else ''} {', '.join(map(str, on))} "
+                      "only" for i in differ for on in [[r for r, got in zip(ranks, everyone) if i in got]])
+    raise ConfigError(
+        f"ZeRO-3: ranks are about to compute gradients for different units ({doing}): some parameters "
+        "get gradients on some ranks only (a unit whose output only some ranks use, or a branch that "
+        "depends on the rank or its data), so the ranks would gather different units in backward. Leave "
+        "such a module out of units= (its parameters then belong to the root unit, gathered for the whole "
+        "backward and reduced at its end on every rank).")

@@ -46,8 +46,9 @@ class Zero3Engine(Engine):
 
     Raises:
         ConfigError: a unit passed in ``units=`` is a ModuleList or ModuleDict; the
-            model read a parameter outside its unit's forward; ranks are about to run,
-            gather or reduce different units (:mod:`zerolearn.engines.units`).
+            model read a parameter outside its unit's forward; ranks are about to run
+            different units, or to compute gradients for different units
+            (:mod:`zerolearn.engines.units`).
     """
 
     stage = 3
@@ -59,12 +60,11 @@ class Zero3Engine(Engine):
         # Backward order, but the root unit's buckets last: reduced at the end of backward.
         for u in [*reversed(range(len(modules) - 1)), len(modules) - 1]:
             if per_unit[u]:
-                mine = self._buckets_of(per_unit[u][::-1])
+                mine = self._buckets_of(per_unit[u][::-1], small_first=False)  # a unit starts its own
                 self.units.append(U.Unit(u, names.get(id(modules[u]), type(modules[u]).__name__), modules[u], mine))
                 buckets += mine
         self.units.sort(key=lambda unit: unit.index)  # forward order
         self._unit_of = {id(b): unit for unit in self.units for b in unit.buckets}
-        self._bucket_index = {id(b): i for i, b in enumerate(buckets)}
         self._param_unit = {id(p): (name, unit) for unit in self.units for b in unit.buckets
                             for name, p in zip(b.layout.names, b.params)}
         self._storage_unit: dict[int, U.Unit] = {}  # a storage autograd may save -> its unit
@@ -87,8 +87,6 @@ class Zero3Engine(Engine):
     def _start_gather(self, unit: U.Unit) -> None:
         if unit.gathered or unit.gathering:
             return
-        if self.in_backward:  # what a rank gathers in backward follows its gradients
-            U.agree(unit.index, self.units, self.buckets, self._unit_of, self.pg, self.device)
         for b in unit.buckets:
             b.full.untyped_storage().resize_(b.full.nbytes)
             unit.gathering.append(comm.all_gather(b.full, b.shard, group=self.pg, async_op=True))
@@ -141,7 +139,7 @@ class Zero3Engine(Engine):
         with comm.unit(unit.name, "forward: gather"):
             self._finish_gather(unit)  # a prefetch, while the ranks' proposals travel
             if proposal is not None:
-                U.agree(unit.index, self.units, self.buckets, self._unit_of, self.pg, self.device, proposal)
+                U.agree_forward(unit, proposal, self.units, self.pg)
             self._gather(unit)
             # Prefetch: in a recomputation backward walks the units in reverse.
             nxt = self._neighbour(unit, -1 if recompute else +1)
@@ -159,6 +157,15 @@ class Zero3Engine(Engine):
                     t.register_hook(lambda grad, unit=unit: self._pre_backward(unit))
 
     # ----- backward: gather again, free once the gradients are in ---------------------
+    def _before_backward(self, loss: torch.Tensor) -> None:
+        # Which units a rank gathers in backward follows the gradients it computes: every
+        # rank must compute gradients for the same units, or gathers would pair wrongly.
+        # (The root unit stays gathered through backward and is reduced at its end.)
+        if self.world_size > 1:
+            reached = [i for i in U.units_reached(loss, self._param_unit) if i != self.units[-1].index
+                       or self.units[-1].module is not self.model]
+            U.agree_backward(reached, self.units, self.pg, self.device)
+
     def _pre_backward(self, unit: U.Unit) -> None:
         if unit.backward_gathered:
             return
@@ -196,9 +203,6 @@ class Zero3Engine(Engine):
         # The root unit may hold a parameter some ranks do not use: every rank reduces
         # its buckets at the end of backward, so collectives keep one order everywhere.
         return b.complete and self._unit_of[id(b)].module is not self.model
-
-    def _before_reduce(self, b: Bucket) -> None:
-        U.agree(-1 - self._bucket_index[id(b)], self.units, self.buckets, self._unit_of, self.pg, self.device)
 
     def _reduce(self, b: Bucket) -> comm.Handle:
         # As ZeRO-2: reduce-scatter into the kept shard (or a temporary when accumulating).

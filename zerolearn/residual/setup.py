@@ -42,7 +42,7 @@ def apply(config, model: nn.Module) -> Residual:
 
 def report_entry(residual: Residual, held: tuple[int, int], temp_buffer_peak: int, activations: int,
                  device: torch.device | None = None) -> dict:
-    """The per-rank ``residual`` entry of the report (DESIGN section 4).
+    """The per-rank ``residual`` entry of the report (docs/ARCHITECTURE.md, "The training run").
 
     On a CUDA ``device`` it also holds ``fragmentation``: torch's allocator statistics
     over the run (``defrag.cuda_fragmentation``: allocated, reserved and

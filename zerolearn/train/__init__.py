@@ -214,7 +214,8 @@ def _steps(run: Run, progress: bool):
 
 
 def train(config: TrainConfig, progress: bool = False, engine_factory=make_engine) -> dict:
-    """Train on the current process group; every rank returns the same report (DESIGN section 4).
+    """Train on the current process group; every rank returns the same report
+    (docs/ARCHITECTURE.md, "The training run").
 
     Call after :func:`zerolearn.dist.init` (or through :func:`zerolearn.dist.launch`).
     Each step: this rank's slice of the global batch, forward and backward with

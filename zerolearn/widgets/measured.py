@@ -23,7 +23,7 @@ __all__ = ["FragmentationSimulator", "TimelineViewer"]
 class TimelineViewer(Explorer):
     """One measured step of ``--memory-timeline`` reports, one stage at a time.
 
-    Args: ``reports``, training reports (DESIGN section 4) with a timeline; their
+    Args: ``reports``, training reports (docs/ARCHITECTURE.md, "The training run") with a timeline; their
     stages fill the stage menu. ``result``: ``stage``, ``peak_bytes`` and
     ``peak_by_category`` (the ledger's, from the report), ``params_min`` and
     ``params_max`` (bytes of parameters over the step), ``events``.
