@@ -16,7 +16,7 @@ def train_residual(stage: int = 0, nm: int = 1, checkpointing: bool = False, par
                    optimizer: str = "sgd") -> dict:
     groups = make_parallel_groups(nm)
     model = parallelize_gpt(small_gpt(), groups)
-    store = (CheckpointStore(partition=partition, cpu=cpu, contiguous=contiguous, group=groups.tp_group)
+    store = (CheckpointStore(partition=partition, cpu=cpu, contiguous=contiguous, group=groups.mp_group)
              if checkpointing else None)
     model.checkpoint_store = store
     engine = make_engine(stage, model, optimizer=optimizer, lr=LR[optimizer], bucket_mb=0.01,

@@ -136,7 +136,7 @@ class Engine(EngineStateMixin, abc.ABC):
         max_grad_norm: clip the global gradient norm to this (None: no clipping).
         group: process group over the Nd data-parallel ranks (default: all ranks).
         units: ZeRO-3's gather/free units in forward order (see ``Zero3Engine``).
-        model_parallel_group: the tensor-parallel group of this rank (Nm > 1), so that
+        mp_group: the model-parallel (tensor-parallel) group of this rank (Nm > 1), so that
             clipping and the fp16 overflow check see the whole gradient (parameters
             marked ``tensor_parallel = True`` differ per rank, the others are replicas).
         broadcast_buffers: copy every buffer from data-parallel rank 0 at the start of
@@ -166,12 +166,12 @@ class Engine(EngineStateMixin, abc.ABC):
                  weight_decay: float = 0.0, momentum: float = 0.0,
                  betas: tuple[float, float] = (0.9, 0.999), dtype: str = "fp32",
                  bucket_mb: float | None = None, max_grad_norm: float | None = None,
-                 group=None, units: list[nn.Module] | None = None, model_parallel_group=None,
+                 group=None, units: list[nn.Module] | None = None, mp_group=None,
                  broadcast_buffers: bool = True):
         self.dtype = parse_dtype(dtype)
         optim.check_options(optimizer, lr, bucket_mb, max_grad_norm)
         self.device = optim.model_device(model)
-        self.model, self.pg, self.mp_group = model, group, model_parallel_group
+        self.model, self.pg, self.mp_group = model, group, mp_group
         self.rank = torch.distributed.get_rank(group)
         self.world_size = torch.distributed.get_world_size(group)
         self.buffer_src = torch.distributed.get_global_rank(group, 0) if group is not None else 0
@@ -199,7 +199,7 @@ class Engine(EngineStateMixin, abc.ABC):
         # Ranks hold different parts of the gradient exactly when masters are shards.
         self.shards_grads_for_norm = any(b.master.numel() != b.layout.padded_numel for b in self.buckets)
         self._norm_weights = (optim.replica_weights(self.buckets, torch.distributed.get_world_size(
-            model_parallel_group)) if model_parallel_group is not None else None)
+            mp_group)) if mp_group is not None else None)
         for b in self.buckets:
             for i, p in enumerate(b.params):
                 p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, b, i))

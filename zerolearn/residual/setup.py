@@ -35,7 +35,7 @@ def apply(config, model: nn.Module) -> Residual:
     store = None
     if config.checkpoint_activations:
         store = CheckpointStore(partition=config.partition_activations, cpu=config.cpu_checkpointing,
-                                contiguous=config.contiguous_checkpoints, group=groups.tp_group)
+                                contiguous=config.contiguous_checkpoints, group=groups.mp_group)
         model.checkpoint_store = store
     return Residual(groups, store)
 

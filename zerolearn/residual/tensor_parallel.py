@@ -35,14 +35,14 @@ from zerolearn.errors import ConfigError
 
 @dataclass(frozen=True)
 class ParallelGroups:
-    """This rank's place in an Nd x Nm world (ranks r = dp_rank * nm + tp_rank)."""
+    """This rank's place in an Nd x Nm world (ranks r = dp_rank * nm + mp_rank)."""
 
     nd: int
     nm: int
     dp_rank: int
-    tp_rank: int
+    mp_rank: int
     dp_group: object
-    tp_group: object
+    mp_group: object
 
 
 def make_parallel_groups(nm: int) -> ParallelGroups:
@@ -55,17 +55,17 @@ def make_parallel_groups(nm: int) -> ParallelGroups:
     if nm < 1 or world % nm:
         raise ConfigError(f"--tensor-parallel {nm}: must be >= 1 and divide the world size {world}")
     nd = world // nm
-    dp_group = tp_group = None
+    dp_group = mp_group = None
     # Every rank must create every group, in the same order.
     for d in range(nd):
         g = dist.new_group(list(range(d * nm, (d + 1) * nm)))
         if rank // nm == d:
-            tp_group = g
+            mp_group = g
     for t in range(nm):
         g = dist.new_group(list(range(t, world, nm)))
         if rank % nm == t:
             dp_group = g
-    return ParallelGroups(nd, nm, rank // nm, rank % nm, dp_group, tp_group)
+    return ParallelGroups(nd, nm, rank // nm, rank % nm, dp_group, mp_group)
 
 
 class _CopyToParallel(torch.autograd.Function):
@@ -131,12 +131,12 @@ class RowParallelLinear(nn.Module):
 class ParallelAttention(nn.Module):
     """Causal self-attention over this rank's H / Nm heads (replaces ``models.Attention``)."""
 
-    def __init__(self, full, nm: int, tp_rank: int, group):
+    def __init__(self, full, nm: int, mp_rank: int, group):
         super().__init__()
         d = full.qkv.in_features
         heads, head_dim = full.n_head, d // full.n_head
         self.n_head = heads // nm
-        mine = torch.arange(tp_rank * self.n_head, (tp_rank + 1) * self.n_head)
+        mine = torch.arange(mp_rank * self.n_head, (mp_rank + 1) * self.n_head)
         # qkv's output rows are laid out (3, heads, head_dim): take q, k and v of our heads.
         rows = torch.arange(3 * d).view(3, heads, head_dim)[:, mine].reshape(-1)
         cols = torch.arange(d).view(heads, head_dim)[mine].reshape(-1)
@@ -159,7 +159,7 @@ def parallelize_gpt(model: nn.Module, groups: ParallelGroups) -> nn.Module:
     Raises:
         ConfigError: heads or MLP width not divisible by Nm.
     """
-    nm, r, group = groups.nm, groups.tp_rank, groups.tp_group
+    nm, r, group = groups.nm, groups.mp_rank, groups.mp_group
     if nm == 1:
         return model
     cfg = model.cfg

@@ -138,7 +138,7 @@ def setup(config: TrainConfig, engine_factory=make_engine) -> Run:
     engine = engine_factory(config.stage, model, optimizer=config.optimizer, lr=config.lr,
                             momentum=config.momentum, weight_decay=config.weight_decay, dtype=config.dtype,
                             bucket_mb=config.bucket_mb, max_grad_norm=config.max_grad_norm, group=groups.dp_group,
-                            model_parallel_group=groups.tp_group if groups.nm > 1 else None)
+                            mp_group=groups.mp_group if groups.nm > 1 else None)
     engine.scaler.growth_interval = config.loss_scale_window
     first = checkpoint.resume(engine, config.checkpoint_dir, config.as_dict(), RESUME_MUST_MATCH, RESUME_MAY_CHANGE)
     if first > config.steps:  # equal is a finished run started again: nothing left, exit 0

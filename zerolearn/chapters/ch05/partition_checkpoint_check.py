@@ -157,7 +157,7 @@ def _stack() -> tuple[nn.Module, nn.ModuleList]:
 _RESTORING: dict = {}  # the checkpoint being restored now, on this rank
 
 
-def _model_parallel_group(world_size: int):
+def _mp_group(world_size: int):
     """The trial's model-parallel group and its members: the world in rank order on 2 and 3 ranks;
     on 4, two groups of 2 (data parallelism x model parallelism = 2 x 2), strided and in reverse
     rank order, [2, 0] and [3, 1], so that a rank's place in its group is not its global rank."""
@@ -213,7 +213,7 @@ def _partition_trial(fn) -> str:
     """Two SGD steps of a stem and three checkpointed blocks, P_a over a model-parallel group
     (the world on 2 and 3 ranks, 2 x 2 on 4), against plain training."""
     ctx = zdist.context()
-    group, members = _model_parallel_group(ctx.world_size)
+    group, members = _mp_group(ctx.world_size)
     nm = len(members)
     original, now = comm.all_gather, {"step": 0}
     comm.all_gather = _checked_all_gather(original, group, members, lambda: now["step"])
