@@ -5,7 +5,7 @@ setup), takes warm-up steps (first-call allocations and gloo's connection set-up
 out of the record), then records steps under ``torch.profiler``: a barrier first, so
 that the ranks' steps start together and their timelines share an origin (to within
 the barrier's exit, tens of microseconds), then :func:`labelled_step`. The step is
-:func:`zerolearn.train.train_step` with one micro-batch, its three phases labelled.
+:func:`zerolearn.train.step_engine` with one micro-batch, its three phases labelled.
 
 Everything measured in time depends on the machine (and the profiler adds its own
 cost to every operator); the collectives and their counts do not.
@@ -77,17 +77,12 @@ def _engine(prefetch: bool):
 
 
 def labelled_step(run: train.Run, step: int) -> None:
-    """:func:`zerolearn.train.train_step` with one micro-batch, its phases labelled for the profiler
+    """:func:`zerolearn.train.step_engine` with one micro-batch, its phases labelled for the profiler
     (``forward`` includes the loss; ``step`` is the optimizer step and ``zero_grad``)."""
     groups = run.zero_r.groups
     x, y = (data.rank_slice(t, groups.dp_rank, groups.nd).to(run.ctx.device) for t in train.batch(run.config, step))
-    with comm.profiler_label(PHASE, "forward"):
-        loss = train.loss_fn(run.config, run.engine(x), y)
-    with comm.profiler_label(PHASE, "backward"):
-        run.engine.backward(loss)
-    with comm.profiler_label(PHASE, "step"):
-        run.engine.step()
-        run.engine.zero_grad()
+    train.step_engine(run.engine, [(x, y)], lambda out, t: train.loss_fn(run.config, out, t),
+                      phase=lambda name: comm.profiler_label(PHASE, name))
 
 
 def record_step(run: train.Run, step: int, trace_path: str | None = None) -> dict:

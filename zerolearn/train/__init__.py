@@ -147,51 +147,94 @@ def setup(config: TrainConfig, engine_factory=make_engine) -> Run:
     return Run(config, ctx, engine, zero_r, first)
 
 
-def _phase(ledger: MemoryLedger | None, name: str):
-    return ledger.phase(name) if ledger is not None else contextlib.nullcontext()
+ACCUMULATE = ("last", "each", "no_sync")
 
 
-def forward_backward(run: Run, x: torch.Tensor, y: torch.Tensor, watched: Watched | None) -> float:
-    """Forward and backward over K = grad_accum_steps micro-batches of this rank's slice.
+def step_engine(engine: Engine, micro_batches, loss_of, *, accumulate: str = "last", phase=None,
+                after_forward=None, before_step=None) -> tuple[float, bool]:
+    """The training step every engine loop of the package runs: K micro-batches, one update.
 
-    Each micro-batch's loss is divided by K, so the gradients sum to those of the mean
-    over the slice; only the last backward reduces (``sync``). Returns the slice's
-    mean loss (a float). With ``watched``, records the residual states held at the
-    end of the first forward.
+    For each micro-batch ``(x, y)``: ``loss = loss_of(engine(x), y)``, then
+    ``engine.backward(loss / K)``, so the gradients sum to those of the mean over the
+    K micro-batches; then ``engine.step()`` and ``engine.zero_grad()``. The named
+    variations:
+
+    * ``accumulate``: which backwards reduce. ``"last"``: only the last
+      (``sync=False`` before it; one reduction per step, the full gradient held until
+      then); ``"each"``: every backward reduces and adds to the reduced gradient, as a
+      PyTorch user writes K backwards (stages 2-3 keep only their shard meanwhile);
+      ``"no_sync"``: as ``"last"``, written with ``engine.no_sync()`` as with DDP.
+    * ``phase(name)``: a context manager around ``"forward"`` (with the loss),
+      ``"backward"`` and ``"step"`` (memory-ledger phases, profiler labels); None: none.
+    * ``after_forward(i, loss)`` after each forward, ``before_step()`` after the last
+      backward: what a caller measures there (None: nothing).
+
+    Args:
+        micro_batches: a sequence of ``(x, y)``, K >= 1 of them.
+        loss_of: ``(output, y) -> 0-d tensor``.
+
+    Returns:
+        (the mean loss over the micro-batches, a float; whether the optimizer stepped:
+        False when fp16's loss scaler skipped an overflow).
+
+    Raises:
+        ConfigError: ``accumulate`` is not one of :data:`ACCUMULATE`.
     """
-    k = run.config.grad_accum_steps
-    ledger = watched.ledger if watched else None
-    local = 0.0
-    for i, (xm, ym) in enumerate(zip(x.chunk(k), y.chunk(k))):
-        with _phase(ledger, "forward"):
-            loss = loss_fn(run.config, run.engine(xm), ym)
-        if watched and i == 0:  # residual states as held at the end of forward
-            store = run.zero_r.store
-            watched.checkpoints = store.bytes_held() if store else (0, 0)
-            watched.activations = ledger.live["activations"]
-        with _phase(ledger, "backward"):
-            run.engine.backward(loss / k, sync=i == k - 1)
+    if accumulate not in ACCUMULATE:
+        raise ConfigError(f"accumulate={accumulate!r}: allowed are {', '.join(ACCUMULATE)}")
+    phase = phase or (lambda name: contextlib.nullcontext())
+    k, local = len(micro_batches), 0.0
+    for i, (x, y) in enumerate(micro_batches):
+        with phase("forward"):
+            loss = loss_of(engine(x), y)
+        if after_forward is not None:
+            after_forward(i, loss)
+        last = i == k - 1
+        with phase("backward"):
+            if accumulate == "no_sync" and not last:
+                with engine.no_sync():
+                    engine.backward(loss / k)
+            else:
+                engine.backward(loss / k, sync=last or accumulate == "each")
         local += loss.item() / k
         del loss
-    return local
+    if before_step is not None:
+        before_step()
+    with phase("step"):
+        stepped = engine.step()
+        engine.zero_grad()
+    return local, stepped
 
 
 def train_step(run: Run, step: int, watched: Watched | None) -> tuple[float, bool]:
-    """One optimizer step on this rank's slice of ``step``'s global batch.
+    """One optimizer step on this rank's slice of ``step``'s global batch (:func:`step_engine`
+    over ``grad_accum_steps`` micro-batches, only the last reducing).
+
+    With ``watched``, records the residual states held at the end of the first forward,
+    the gradient bytes held after backward, and the ledger's phases.
 
     Returns (this rank's mean loss, whether the optimizer stepped: False when fp16's
     loss scaler skipped an overflow).
     """
     groups = run.zero_r.groups  # tensor-parallel ranks of one group share their data-parallel slice
     x, y = (data.rank_slice(t, groups.dp_rank, groups.nd).to(run.ctx.device) for t in batch(run.config, step))
-    local = forward_backward(run, x, y, watched)
-    fail_on_purpose(run.config, step, run.ctx.rank)  # gradients reduced, step not taken
-    if watched:
-        watched.grads_bytes = run.engine.model_state_bytes()["grads"]  # as held after backward
-    with _phase(watched.ledger if watched else None, "step"):
-        stepped = run.engine.step()
-        run.engine.zero_grad()
-    return local, stepped
+    k = run.config.grad_accum_steps
+    ledger = watched.ledger if watched else None
+
+    def after_forward(i: int, loss) -> None:
+        if watched and i == 0:  # residual states as held at the end of forward
+            store = run.zero_r.store
+            watched.checkpoints = store.bytes_held() if store else (0, 0)
+            watched.activations = ledger.live["activations"]
+
+    def before_step() -> None:
+        fail_on_purpose(run.config, step, run.ctx.rank)  # gradients reduced, step not taken
+        if watched:
+            watched.grads_bytes = run.engine.model_state_bytes()["grads"]  # as held after backward
+
+    return step_engine(run.engine, list(zip(x.chunk(k), y.chunk(k))), lambda out, t: loss_fn(run.config, out, t),
+                       phase=ledger.phase if ledger is not None else None, after_forward=after_forward,
+                       before_step=before_step)
 
 
 def maybe_save(run: Run, done: int) -> None:
