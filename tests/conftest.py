@@ -24,3 +24,12 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.browser)
         elif module in SLOW_MODULES or params.get("world_size", 2) > 2:
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _persistent_ranks():
+    """The ranks jobs.on_ranks keeps for the session are stopped at its end."""
+    import jobs
+
+    yield
+    jobs.close_pools()

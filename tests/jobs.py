@@ -1,6 +1,9 @@
-"""Functions the multi-rank tests run on spawned gloo ranks (importable by name)."""
+"""Functions the multi-rank tests run on spawned gloo ranks (importable by name), and
+:func:`on_ranks`, the persistent ranks they run on."""
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -11,6 +14,50 @@ from zerolearn import dist as zdist
 from zerolearn.engines import make_engine
 from zerolearn.models import GPTConfig, build_model
 
+# ----- persistent ranks ------------------------------------------------------------------
+# Starting ranks (each a process that imports torch and joins a process group) takes
+# longer than most jobs here. on_ranks runs a job as zerolearn.dist.launch does, on ranks
+# kept for the whole test session: one pool (zerolearn.live.Ranks) per world size.
+# Tests of launch itself, of failing ranks, of what ranks print, and of ZEROLEARN_* variables
+# call launch: each needs ranks of its own.
+POOL_TIMEOUT_S = 300.0  # per job, launch's default
+_POOLS: dict = {}
+
+
+def _environment() -> dict:
+    return {k: v for k, v in os.environ.items() if k.startswith("ZEROLEARN_")}
+
+
+_SESSION_ENV = _environment()  # at collection, before any test sets one
+
+
+def on_ranks(fn, world_size: int, *args, **kwargs) -> list:
+    """``fn(*args, **kwargs)`` on every rank of the session's ``world_size`` pool; results by rank.
+
+    Raises zerolearn.live.CellError (the failing ranks' tracebacks) where launch raises
+    RankError or TimeoutError; the pool then restarts if a rank hung or died. A job that
+    needs ZEROLEARN_* variables of its own needs fresh ranks (launch): pooled ranks keep
+    the environment they started with, so a changed one is refused here.
+    """
+    from zerolearn import live
+
+    env = _environment()
+    changed = sorted(k for k in env.keys() | _SESSION_ENV.keys() if env.get(k) != _SESSION_ENV.get(k))
+    if changed:
+        raise RuntimeError(f"on_ranks: {', '.join(changed)} changed since the session began; "
+                           "the pooled ranks would not see it (use zerolearn.dist.launch)")
+    if world_size not in _POOLS:
+        _POOLS[world_size] = live.Ranks(world_size, timeout_s=POOL_TIMEOUT_S)
+    return _POOLS[world_size].call(fn, *args, **kwargs)
+
+
+def close_pools() -> None:
+    """Stop every pool :func:`on_ranks` started."""
+    while _POOLS:
+        _POOLS.popitem()[1].close()
+
+
+# ----- training jobs -----------------------------------------------------------------------
 GPT = GPTConfig(seq_len=16, n_layer=2, n_head=2, d_model=32)
 BATCH = 12  # divisible by 1, 2, 3 and 4 ranks
 LR = {"sgd": 0.1, "adam": 1e-2, "adamw": 1e-2}

@@ -13,7 +13,7 @@ import importlib.util
 import pytest
 import user_model_jobs
 
-from zerolearn.dist import launch
+from jobs import on_ranks
 
 STAGES = (0, 1, 2, 3)
 SGD = dict(optimizer="sgd", momentum=0.9, lr=0.05)
@@ -36,8 +36,8 @@ def reference(kind: str) -> dict:
 @needs_hf
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_models_nobody_here_wrote_train_as_one_process_at_every_stage(world_size):
-    out = launch(user_model_jobs.many, world_size,
-                 [dict(kind=kind, stage=stage, units=units, **SGD) for kind, stage, units in CASES])[0]
+    out = on_ranks(user_model_jobs.many, world_size,
+                   [dict(kind=kind, stage=stage, units=units, **SGD) for kind, stage, units in CASES])[0]
     for (kind, stage, units), run in zip(CASES, out):
         where = f"{kind} at stage {stage}" + (f" with units {units}" if units else "")
         assert not isinstance(run, str), f"{where}: {run}"

@@ -5,8 +5,8 @@ import functools
 import torch
 
 import jobs
+from jobs import on_ranks
 from zerolearn.config import TrainConfig
-from zerolearn.dist import launch
 from zerolearn.memory.ledger import MemoryLedger, category
 from zerolearn.train import train
 
@@ -42,7 +42,7 @@ def test_ledger_follows_storage_resizes():
 
 @functools.cache
 def reports(stage: int) -> dict:
-    return launch(train, 2, MLP.replace(stage=stage))[0]
+    return on_ranks(train, 2, MLP.replace(stage=stage))[0]
 
 
 def test_zero2_measured_peak_is_below_zero1s():
@@ -92,5 +92,5 @@ def test_a_tensor_dropped_after_a_collective_is_freed_at_once():
     # gloo's worker thread holds a finished collective's tensors a moment longer than
     # wait() takes to return; without comm waiting for that, about one in five of these
     # tensors outlives its last Python reference and measurements drift from run to run.
-    alive = launch(jobs.freed_after_collectives, 4, 200)
+    alive = on_ranks(jobs.freed_after_collectives, 4, 200)
     assert alive == [0, 0, 0, 0]

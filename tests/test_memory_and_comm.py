@@ -5,7 +5,7 @@ import functools
 import pytest
 
 import jobs
-from zerolearn.dist import launch
+from jobs import on_ranks
 from zerolearn.engines.base import MAX_IN_FLIGHT
 from zerolearn.memory import model as analytic
 
@@ -16,7 +16,7 @@ RUNS = [dict(stage=s, optimizer="adam", dtype=d, steps=2) for d in ("fp32", "bf1
 @functools.cache
 def results() -> list[dict]:
     # 3 ranks: the small GPT does not divide by 3, so shards need padding.
-    return launch(jobs.many, 3, RUNS)
+    return on_ranks(jobs.many, 3, RUNS)
 
 
 def formula(run: dict, stage: int, dtype: str, nd: int = 3) -> dict:

@@ -12,7 +12,7 @@ import pytest
 import torch
 import user_model_jobs
 
-from zerolearn.dist import launch
+from jobs import on_ranks
 
 STAGES = (0, 1, 2, 3)
 OPTIMIZERS = {"sgd": dict(optimizer="sgd", momentum=0.9, lr=0.05),
@@ -40,7 +40,7 @@ def runs(world_size: int, checkpoint_dir: str) -> tuple:
                    checkpoint_dir=f"{checkpoint_dir}/ws{world_size}/stage{stage}", **OPTIMIZERS["adam"])
               for stage in STAGES]
     cases += [dict(kind="branchy", ddp=True, branch="rank0", **OPTIMIZERS["sgd"])]
-    out = launch(user_model_jobs.many, world_size, cases)[0]
+    out = on_ranks(user_model_jobs.many, world_size, cases)[0]
     n, s = len(ALL_RANKS), len(STAGES)
     return out[:n], out[n:n + s], out[-1], out[n + s:n + 2 * s]
 

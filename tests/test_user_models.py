@@ -14,7 +14,7 @@ import torch
 import user_model_jobs
 
 import jobs
-from zerolearn.dist import launch
+from jobs import on_ranks
 
 STAGES = (0, 1, 2, 3)
 needs_hf = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
@@ -26,13 +26,18 @@ def reference(kind: str) -> dict:
     return user_model_jobs.train(kind, None)
 
 
+@functools.cache
+def sgd_reference() -> dict:
+    return jobs.reference("sgd")
+
+
 HF = ("gpt2", "gpt2_untied", "llama")
 
 
 @functools.cache
 def hf_runs(world_size: int) -> list:
     # One set of rank processes per world size for every model and stage.
-    return launch(user_model_jobs.many, world_size, [dict(kind=kind, stage=s) for kind in HF for s in STAGES])[0]
+    return on_ranks(user_model_jobs.many, world_size, [dict(kind=kind, stage=s) for kind in HF for s in STAGES])[0]
 
 
 def runs(kind: str, world_size: int) -> list:
@@ -65,8 +70,8 @@ def test_tied_gpt2_keeps_one_shared_weight_at_stage_3():
 def test_batchnorm_trains_as_torch_ddp_with_rank_0s_buffers_on_every_rank():
     # BatchNorm normalizes with each rank's own batch, so the reference is torch DDP
     # (which broadcasts buffers from rank 0 before each forward), not one process.
-    out = launch(user_model_jobs.many, 2, [dict(kind="cnn", stage=None, ddp=True),
-                                           *(dict(kind="cnn", stage=s) for s in STAGES)])
+    out = on_ranks(user_model_jobs.many, 2, [dict(kind="cnn", stage=None, ddp=True),
+                                             *(dict(kind="cnn", stage=s) for s in STAGES)])
     ddp = out[0][0]
     for stage in STAGES:
         r0, r1 = out[0][stage + 1], out[1][stage + 1]
@@ -78,7 +83,7 @@ def test_batchnorm_trains_as_torch_ddp_with_rank_0s_buffers_on_every_rank():
 
 
 def test_a_weight_read_outside_its_unit_names_the_parameter_and_the_fix():
-    out = launch(user_model_jobs.many, 2, [dict(kind="hand_tied", stage=s) for s in STAGES])[0]
+    out = on_ranks(user_model_jobs.many, 2, [dict(kind="hand_tied", stage=s) for s in STAGES])[0]
     ref = reference("hand_tied")
     for stage in (0, 1, 2):
         assert out[stage]["losses"] == pytest.approx(ref["losses"], rel=1e-5)
@@ -93,8 +98,8 @@ def test_accumulation_written_any_way_equals_one_large_batch(style):
     # twice, then step. Keeping only the last micro-batch, or re-adding this rank's
     # unreduced gradient, fails this.
     runs_ = [dict(stage=s, optimizer="sgd", accum=2, accum_style=style) for s in STAGES]
-    out = launch(jobs.many, 2, runs_)[0]
-    ref = jobs.reference("sgd")
+    out = on_ranks(jobs.many, 2, runs_)[0]
+    ref = sgd_reference()
     for stage, run in zip(STAGES, out):
         assert run["losses"] == pytest.approx(ref["losses"], rel=1e-5), f"stage {stage}"
         assert user_model_jobs.rel_error(run["params"], ref["params"]) < 1e-5, f"stage {stage}"
@@ -104,8 +109,8 @@ def test_reducing_and_local_micro_batches_mixed_in_one_step_equal_one_large_batc
     # 3 micro-batches: reduce, add locally, reduce. A backward after a local one
     # must not take that local sum for an earlier reduced gradient (it is not reduced yet).
     runs_ = [dict(stage=s, optimizer="sgd", accum=3, accum_style="mixed") for s in STAGES]
-    out = launch(jobs.many, 2, runs_)[0]
-    ref = jobs.reference("sgd")
+    out = on_ranks(jobs.many, 2, runs_)[0]
+    ref = sgd_reference()
     for stage, run in zip(STAGES, out):
         assert user_model_jobs.rel_error(run["params"], ref["params"]) < 1e-5, f"stage {stage}"
 
@@ -113,8 +118,8 @@ def test_reducing_and_local_micro_batches_mixed_in_one_step_equal_one_large_batc
 def test_accumulation_trades_traffic_for_memory_at_stage_2():
     # Repeated backward reduces every micro-batch (2x the reduce-scatter calls) but
     # holds only shards between them; no_sync reduces once but holds the full gradient.
-    one, repeated, no_sync = launch(jobs.many, 2, [dict(stage=2, optimizer="sgd", accum=a, accum_style=s)
-                                                  for a, s in ((1, "sync"), (2, "repeated"), (2, "no_sync"))])[0]
+    one, repeated, no_sync = on_ranks(jobs.many, 2, [dict(stage=2, optimizer="sgd", accum=a, accum_style=s)
+                                                    for a, s in ((1, "sync"), (2, "repeated"), (2, "no_sync"))])[0]
     assert repeated["ledger"]["reduce_scatter"]["calls"] == 2 * no_sync["ledger"]["reduce_scatter"]["calls"]
     full_grad_bytes = 4 * repeated["psi"]  # fp32
     assert no_sync["peak_grad_bytes"] >= full_grad_bytes
@@ -131,7 +136,7 @@ def test_tensor_parallel_clipping_and_fp16_match_the_run_without_it(dtype, clip)
 
     run = TrainConfig(model="gpt", steps=3, global_batch_size=4, seq_len=16, n_layer=2, d_model=32, n_head=2,
                       dtype=dtype, stage=1, quiet=True, lr=0.01, max_grad_norm=clip)
-    single = launch(train, 1, run)[0]
-    tp = launch(train, 2, run.replace(tensor_parallel=2))[0]
+    single = on_ranks(train, 1, run)[0]
+    tp = on_ranks(train, 2, run.replace(tensor_parallel=2))[0]
     tol = 1e-5 if dtype == "fp32" else 2e-3
     assert tp["losses"] == pytest.approx(single["losses"], rel=tol)

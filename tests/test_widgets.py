@@ -12,9 +12,9 @@ import itertools
 
 import pytest
 
+from jobs import on_ranks
 from zerolearn import figures, widgets
 from zerolearn.config import TrainConfig
-from zerolearn.dist import launch
 from zerolearn.errors import ConfigError
 from zerolearn.figures import formulas
 from zerolearn.lessons.ch04 import all_stages
@@ -156,7 +156,7 @@ def test_tradeoff_shows_memory_and_one_and_a_half_times_the_traffic():
 def measured_reports() -> list[dict]:
     config = TrainConfig(model="mlp", mlp_width=64, mlp_layers=4, global_batch_size=4, steps=1, bucket_mb=0.01,
                          memory_timeline=True)
-    return launch(all_stages, 2, config)[0]
+    return on_ranks(all_stages, 2, config)[0]
 
 
 def test_timeline_viewer_shows_the_ledgers_numbers_per_stage():
@@ -186,12 +186,13 @@ def test_fragmentation_simulator_replays_through_defrag():
     trace = figures.recorded_trace()
     capacity = sim.controls["capacity"]
     ranges = {"capacity": range(capacity.min, capacity.max + 1, 64), "md": [True, False], "scale": [0.5, 2.0]}
+    smallest = functools.cache(lambda md, scale: defrag.smallest_capacity(trace, md=md, scale=scale))
     for _ in sweep(sim, ranges):
         cap, md, scale = (sim.controls[n].value for n in ranges)
         expected = defrag.replay(trace, cap * MIB, md=md, scale=scale)
         assert sim.result["ok"] == expected.ok and sim.result["failed_event"] == expected.failed_event
-        assert sim.result["smallest_with_md"] == defrag.smallest_capacity(trace, md=True, scale=scale)
-        assert sim.result["smallest_without_md"] == defrag.smallest_capacity(trace, md=False, scale=scale)
+        assert sim.result["smallest_with_md"] == smallest(True, scale)
+        assert sim.result["smallest_without_md"] == smallest(False, scale)
         assert ("<b>Fits</b>" if expected.ok else "<b>Out of memory</b>") in sim.summary.value
 
 
