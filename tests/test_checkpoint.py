@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import jobs
+from jobs import on_ranks
 from zerolearn import checkpoint, cli
 from zerolearn.checkpoint import __main__ as checkpoint_cli
 from zerolearn.checkpoint.checksums import NO_CHECKSUMS
@@ -42,14 +43,14 @@ def chain(tmp_path_factory) -> dict:
                                           directory=path["fp16s2n2"])))
     calls += [("ckpt_bad_inputs", dict(directory=str(d / "bad"))),
               ("ckpt_big_mlp", dict(directory=str(d / "big"), width=BIG_MLP[0], layers=BIG_MLP[1]))]
-    first = launch(jobs.several, 2, calls)
+    first = on_ranks(jobs.several, 2, calls)
     out["s2n2"] = [r[:3] for r in first]
     out["bad_inputs"] = [r[3] for r in first]
     out["big_psi"], path["big"] = first[0][4], str(d / "big")
-    out["s3n4"] = launch(jobs.several, 4, [
+    out["s3n4"] = on_ranks(jobs.several, 4, [
         ("ckpt_resume", dict(stage=3, optimizer=o, directory=path[f"{o}s2n2"], last=LAST,
                              save_to=path[f"{o}s3n4"])) for o in OPTIMIZERS])
-    out["s1n1"] = launch(jobs.several, 1, [
+    out["s1n1"] = on_ranks(jobs.several, 1, [
         *[("ckpt_resume", dict(stage=1, optimizer=o, directory=path[f"{o}s3n4"], last=LAST,
                                save_to=path[f"{o}s1n1"])) for o in OPTIMIZERS],
         ("ckpt_resume", dict(stage=0, optimizer="adam", dtype="fp16", directory=path["fp16s2n2"], last=SAVE_AT))])
@@ -162,7 +163,7 @@ def test_a_crash_during_a_save_leaves_the_last_good_checkpoint(tmp_path):
     assert checkpoint.manifest(str(d)).step == 2
     assert len(checkpoint.read_full(str(d))) == len(list(jobs.small_gpt().parameters()))
     # The next run (stage 2 on one rank) resumes from step 2; its first save clears the debris.
-    run = launch(jobs.ckpt_resume, 1, 2, "adam", str(d), 4, str(d))[0]
+    run = on_ranks(jobs.ckpt_resume, 1, 2, "adam", str(d), 4, str(d))[0]
     assert run["first"] == 2 and run["losses"] == pytest.approx(jobs.ckpt_reference("adam", 4)[2:], rel=1e-5)
     assert not (d / ".step_00000004.tmp").exists()
 
@@ -225,7 +226,7 @@ SAVED = SMALL.replace(stage=2, steps=4, checkpoint_every=2, checkpoint_keep=0, c
 def saved(tmp_path_factory) -> dict:
     """2 ranks at stage 2 train 4 steps, saving after steps 2 and 4 (both kept)."""
     d = tmp_path_factory.mktemp("verify") / "ck"
-    report = launch(jobs.train_jobs, 2, [SAVED.replace(checkpoint_dir=str(d))])[0][0]
+    report = on_ranks(jobs.train_jobs, 2, [SAVED.replace(checkpoint_dir=str(d))])[0][0]
     return {"dir": d, "losses": report["losses"]}
 
 
@@ -333,7 +334,7 @@ def save_that_is_damaged_on_disk(directory: str) -> tuple[str, list[str]]:
 
 
 def test_old_checkpoints_are_pruned_only_after_the_new_one_verifies(tmp_path):
-    message, names = launch(save_that_is_damaged_on_disk, 1, str(tmp_path / "ck"))[0]
+    message, names = on_ranks(save_that_is_damaged_on_disk, 1, str(tmp_path / "ck"))[0]
     assert re.search(r"step_00000002 not written: rank 0: it did not verify when read back, older checkpoints "
                      r"kept: .*step_00000002/rank_00000.pt: SHA-256", message), message
     assert names == [".lock", "step_00000001"]  # .lock: taken while removing leftovers of crashed saves
@@ -395,7 +396,7 @@ def test_an_lr_that_overflows_stops_naming_the_step_and_keeps_the_last_good_chec
 
 
 def test_parameters_broken_by_an_update_are_never_saved():
-    message = launch(jobs.save_broken_parameters, 1)[0]
+    message = on_ranks(jobs.save_broken_parameters, 1)[0]
     assert message.startswith("NonFiniteError: step 3: its update made parameters NaN or inf"), message
 
 
@@ -432,7 +433,7 @@ def test_a_second_job_on_a_checkpoint_dir_exits_2_naming_it_and_leaves_its_files
         assert sorted(os.listdir(d)) == [".lock", ".step_00000002.tmp"]  # nothing trained, saved or removed
         assert (d / ".step_00000002.tmp" / "rank_00000.pt.part").read_bytes() == b"half"
         # A save outside the CLI (no lock of its own) leaves another job's leftovers alone too.
-        launch(jobs.train_jobs, 1, [SMALL.replace(steps=1, checkpoint_dir=str(d))])
+        on_ranks(jobs.train_jobs, 1, [SMALL.replace(steps=1, checkpoint_dir=str(d))])
         assert (d / ".step_00000002.tmp" / "rank_00000.pt.part").read_bytes() == b"half"
         assert (d / "step_00000001").is_dir()
     assert lock_is_free(d)

@@ -5,12 +5,14 @@ import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 from torch import nn
 
 import jobs
+from jobs import on_ranks
 from zerolearn.config import TrainConfig
 from zerolearn.dist import ConfigError, launch
 from zerolearn.engines import make_engine
@@ -22,7 +24,7 @@ OPS = {"all_reduce", "reduce_scatter", "all_gather", "broadcast"}
 
 @functools.cache
 def reports(world_size: int) -> list[dict]:
-    return launch(jobs.train_all_stages, world_size, RUN)[0]
+    return on_ranks(jobs.train_all_stages, world_size, RUN)[0]
 
 
 def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -71,7 +73,7 @@ def test_cli_writes_the_report(tmp_path):
     assert "stage 3: loss" in done.stdout
 
 
-@pytest.mark.parametrize("args, env, message", [
+BAD_INPUT = [
     (["--stage", "4"], {}, "argument --stage: invalid choice: 4"),
     (["--global-batch-size", "10", "--grad-accum-steps", "3"], {},
      "--global-batch-size 10 is not divisible by world size 1 x --grad-accum-steps 3"),
@@ -96,11 +98,22 @@ def test_cli_writes_the_report(tmp_path):
     ([], {"RANK": "0", "WORLD_SIZE": "2"}, "torchrun environment incomplete"),
     (["--cuda-memory-snapshot", "m.pickle", "--device", "cpu"], {},
      "--cuda-memory-snapshot m.pickle: needs a CUDA device; this run is on cpu"),
-])
-def test_bad_input_exits_2_with_a_message_naming_it(args, env, message):
+]
+
+
+@pytest.fixture(scope="module")
+def bad_input_runs() -> dict:
+    """The process of every BAD_INPUT case, two at a time: each keeps one core busy
+    importing torch. Keyed by (args, env); each test reads its own."""
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return {(tuple(args), tuple(env.items())): pool.submit(cli, *args, env=env) for args, env, _ in BAD_INPUT}
+
+
+@pytest.mark.parametrize("args, env, message", BAD_INPUT)
+def test_bad_input_exits_2_with_a_message_naming_it(args, env, message, bad_input_runs):
     if torch.cuda.is_available() and "CUDA" in message:
         pytest.skip("CUDA is available here")
-    done = cli(*args, env=env)
+    done = bad_input_runs[(tuple(args), tuple(env.items()))].result()
     assert done.returncode == 2
     assert message in done.stderr
 
@@ -136,7 +149,7 @@ def test_cuda_memory_snapshot_files_are_one_per_rank():
 
 def test_ranks_started_with_other_options_are_named_before_training():
     per_rank = {1: dict(seed=1), 2: dict(seed=1, lr=0.002)}
-    messages = launch(jobs.train_with_per_rank_options, 3, RUN, per_rank)
+    messages = on_ranks(jobs.train_with_per_rank_options, 3, RUN, per_rank)
     for message in messages:  # every rank refuses alike, so none waits on a collective
         assert message.startswith("ConfigError: ranks were started with different configurations"), message
         assert "--seed: rank 0 has 0; ranks 1, 2 have 1" in message
@@ -149,7 +162,7 @@ def test_a_checkpoint_dir_that_ranks_do_not_share_is_refused(tmp_path):
     # names it first; the marker check is what catches one path that means two places.)
     from zerolearn import agree
 
-    messages = launch(jobs.check_shared_marker, 2, str(tmp_path))
+    messages = on_ranks(jobs.check_shared_marker, 2, str(tmp_path))
     for message in messages:  # every rank refuses alike
         assert message.startswith("ConfigError: --checkpoint-dir "), message
         assert "rank 1 does not see the files rank 0 writes there" in message

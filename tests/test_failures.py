@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import jobs
+from jobs import on_ranks
 from zerolearn import checkpoint
 from zerolearn.config import TrainConfig
 from zerolearn.dist import RankError, free_port, launch
@@ -36,7 +37,7 @@ def test_killed_rank_restarts_and_finishes_exactly_like_an_uninterrupted_run(tmp
     # deterministic, so every loss and every parameter and moment must equal, bit for
     # bit, those of the run that was never interrupted: no step lost, none applied twice.
     common = RUN.replace(stage=3, checkpoint_dir=str(tmp_path / "whole"), checkpoint_every=2)
-    whole = launch(train, 2, common)[0]
+    whole = on_ranks(train, 2, common)[0]
     killed = common.replace(checkpoint_dir=str(tmp_path / "killed"), report=str(tmp_path / "killed.json"),
                             fail_at_step=3, fail_rank=1)
     done = torchrun("--max-restarts=1", "-m", "zerolearn.train", *killed.to_argv())
@@ -55,7 +56,7 @@ def test_killed_rank_restarts_and_finishes_exactly_like_an_uninterrupted_run(tmp
 
 def test_resumed_run_with_nothing_left_and_resume_with_other_data(tmp_path):
     ck = RUN.replace(checkpoint_dir=str(tmp_path / "ck"))
-    first, again, other = launch(jobs.train_jobs, 1, [ck, ck, ck.replace(seed=1)])[0]
+    first, again, other = on_ranks(jobs.train_jobs, 1, [ck, ck, ck.replace(seed=1)])[0]
     assert first["first_step"] == 0 and len(first["losses"]) == 6
     assert again["first_step"] == 6 and again["losses"] == []
     assert "holds a checkpoint of a run with other options: this run has --seed 1 (the checkpoint's run: 0)" in other
@@ -117,7 +118,7 @@ def two_ranks() -> list[list]:
     inject = {2: (1, float("inf")), 4: (0, float("nan"))}
     calls = [("fp16_overflow", dict(stage=s, steps=7, inject=inject)) for s in range(4)]
     calls.append(("debug_mode_is_transparent", dict(config=RUN.replace(steps=2))))
-    return launch(jobs.several, 2, calls)
+    return on_ranks(jobs.several, 2, calls)
 
 
 @pytest.mark.parametrize("stage", range(4))

@@ -7,7 +7,7 @@ import torch
 
 import jobs
 import residual_jobs
-from zerolearn.dist import launch
+from jobs import on_ranks
 from zerolearn.figures import recorded_trace
 from zerolearn.lessons.ch05 import VARIANTS  # the chapter's variants, tested at every stage
 from zerolearn.memory import model as analytic
@@ -20,7 +20,12 @@ RUNS = [dict(stage=s, **kw) for s in STAGES for kw in VARIANTS.values()]
 
 @functools.cache
 def results() -> list[dict]:
-    return launch(residual_jobs.many_residual, 4, RUNS)  # Nd x Nm = 2 x 2
+    return on_ranks(residual_jobs.many_residual, 4, RUNS)  # Nd x Nm = 2 x 2
+
+
+@functools.cache
+def reference_losses() -> list[float]:
+    return jobs.reference("sgd", steps=3)["losses"]
 
 
 def run(stage: int, variant: str, rank: int = 0) -> dict:
@@ -30,7 +35,7 @@ def run(stage: int, variant: str, rank: int = 0) -> dict:
 @pytest.mark.parametrize("variant", list(VARIANTS))
 @pytest.mark.parametrize("stage", STAGES)
 def test_2x2_with_and_without_pa_matches_single_process(stage, variant):
-    ref = jobs.reference("sgd", steps=3)["losses"]
+    ref = reference_losses()
     for rank in range(4):
         assert run(stage, variant, rank)["losses"] == pytest.approx(ref, rel=1e-5)
 
@@ -71,13 +76,13 @@ def test_pa_adds_one_allgather_per_block_under_a_tenth_of_mp_traffic():
 def test_constant_size_buffers_stay_under_the_cap_as_the_model_grows():
     cap_mb = 0.1
     for stage in STAGES:
-        small, large = (launch(residual_jobs.fused_buffer_peak, 2, stage, w, layers, cap_mb)[0]
+        small, large = (on_ranks(residual_jobs.fused_buffer_peak, 2, stage, w, layers, cap_mb)[0]
                         for w, layers in ((64, 4), (128, 8)))
         assert large["psi"] > 3 * small["psi"]
         assert small["peak"] <= cap_mb * 2**20 and large["peak"] <= cap_mb * 2**20
         # "Fuse everything" grows with Psi (Sec 6.2's 3B-parameter, 12 GB example); under
         # ZeRO-3 a group never crosses a unit, so there it grows with the largest unit.
-        naive = launch(residual_jobs.fused_buffer_peak, 2, stage, 128, 8, 1024.0)[0]
+        naive = on_ranks(residual_jobs.fused_buffer_peak, 2, stage, 128, 8, 1024.0)[0]
         assert naive["peak"] >= (large["psi"] * 4 if stage < 3 else 128 * 129 * 4)
 
 
@@ -169,9 +174,9 @@ def test_cli_2x2_with_pa_matches_1x1_and_reports_residual_memory_and_traffic():
     from zerolearn.train import train
 
     run = TrainConfig(steps=2, quiet=True, global_batch_size=8, seq_len=16, n_layer=2, d_model=32, n_head=2, stage=3)
-    single = launch(train, 1, run)[0]
-    report = launch(train, 4, run.replace(tensor_parallel=2, checkpoint_activations=True,
-                                          partition_activations=True))[0]
+    single = on_ranks(train, 1, run)[0]
+    report = on_ranks(train, 4, run.replace(tensor_parallel=2, checkpoint_activations=True,
+                                            partition_activations=True))[0]
     assert report["losses"] == pytest.approx(single["losses"], rel=1e-5)
     assert report["data_parallel"] == 2 and report["tensor_parallel"] == 2
     for entry in report["ranks"]:

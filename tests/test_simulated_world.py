@@ -3,6 +3,7 @@
 import json
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -23,11 +24,20 @@ def simulate(stage: int, nd: int, tmp_path) -> dict:
     return json.loads(out.read_text())
 
 
+@pytest.fixture(scope="module")
+def simulations(tmp_path_factory) -> dict:
+    """Every (stage, Nd) run, each its own process, two at a time: most of a run is one
+    process importing torch, which keeps one core busy. Each test reads its stage's runs."""
+    d = tmp_path_factory.mktemp("simulated")
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return {(stage, nd): pool.submit(simulate, stage, nd, d) for stage in range(4) for nd in NDS}
+
+
 @pytest.mark.parametrize("stage", [0, 1, 2, 3])
-def test_simulated_bytes_per_rank_follow_table1_trend(stage, tmp_path):
+def test_simulated_bytes_per_rank_follow_table1_trend(stage, simulations):
     measured = []
     for nd in NDS:
-        report = simulate(stage, nd, tmp_path)
+        report = simulations[(stage, nd)].result()
         assert report["world_size"] == nd and report["simulated"] is True
         assert [r["rank"] for r in report["ranks"]] == [0]
         entry = report["ranks"][0]

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 import jobs
+from jobs import on_ranks
 from zerolearn import checkpoint
 from zerolearn.checkpoint import __main__ as checkpoint_cli
 from zerolearn.config import TrainConfig
@@ -123,7 +124,7 @@ def saved(tmp_path_factory) -> dict:
     --n-head, one with another weight decay and clipping."""
     root = tmp_path_factory.mktemp("trust")
     d = root / "ck"
-    first = launch(jobs.train_jobs, 2, [RUN.replace(checkpoint_dir=str(d))])[0][0]
+    first = on_ranks(jobs.train_jobs, 2, [RUN.replace(checkpoint_dir=str(d))])[0][0]
     copies = {}
     for name in ("older_only", "file_points_at_a_clean_copy", "offsets_shifted_by_one", "files_missing",
                  "n_head", "optimisation"):
@@ -258,7 +259,7 @@ def test_a_shard_changed_after_it_was_verified_is_caught_by_the_reader_itself(sa
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0x10
     shard.write_bytes(bytes(data))
-    message = launch(load_unverified, 1, str(d / NEW))[0]
+    message = on_ranks(load_unverified, 1, str(d / NEW))[0]
     assert message is not None and re.search(r"step_00000004/rank_00001.pt: the bytes read \(\d+\) are not those "
                                              r"the manifest records .*: the file changed after it was verified",
                                              message), message
