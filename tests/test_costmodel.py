@@ -8,6 +8,7 @@ import math
 
 import pytest
 
+from zerolearn.chapters.ch06 import lesson as ch06
 from zerolearn.costmodel import (
     EfficiencyCurve,
     Hardware,
@@ -17,7 +18,6 @@ from zerolearn.costmodel import (
     throughput_per_gpu,
 )
 from zerolearn.dist import ConfigError
-from zerolearn.lessons import ch06
 from zerolearn.memory.fit import ActivationSpec, gpt_params, per_device_bytes
 from zerolearn.memory.model import GB
 

@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from zerolearn import data
+from zerolearn.chapters.ch07 import lesson as ch07
 from zerolearn.experiments import deepspeed_cpu
-from zerolearn.lessons import ch07
 from zerolearn.models import build_model
 
 STORED = Path(__file__).resolve().parent.parent / "notebooks" / "data" / "deepspeed_cpu.json"

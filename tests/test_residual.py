@@ -8,8 +8,8 @@ import torch
 import jobs
 import residual_jobs
 from jobs import on_ranks
+from zerolearn.chapters.ch05.lesson import VARIANTS  # the chapter's variants, tested at every stage
 from zerolearn.figures import recorded_trace
-from zerolearn.lessons.ch05 import VARIANTS  # the chapter's variants, tested at every stage
 from zerolearn.memory import model as analytic
 from zerolearn.models import GPTConfig, build_model
 from zerolearn.residual import defrag

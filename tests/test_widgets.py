@@ -14,10 +14,10 @@ import pytest
 
 from jobs import on_ranks
 from zerolearn import figures, widgets
+from zerolearn.chapters.ch04.lesson import all_stages
 from zerolearn.config import TrainConfig
 from zerolearn.errors import ConfigError
 from zerolearn.figures import formulas
-from zerolearn.lessons.ch04 import all_stages
 from zerolearn.memory.fit import ActivationSpec, per_device_bytes, smallest_fit
 from zerolearn.memory.model import FIGURE1_GB, GB, V100_BYTES, comm_volume_elements, model_state_bytes, optimizer_k
 from zerolearn.residual import defrag

@@ -36,9 +36,9 @@ import torch
 import torch.nn.functional as F
 
 from zerolearn import data
+from zerolearn.chapters.ch00 import lesson as ch00
 from zerolearn.config import TrainConfig
 from zerolearn.dist import launch
-from zerolearn.lessons import ch00
 from zerolearn.memory import model as analytic
 from zerolearn.memory.fit import gpt_params
 from zerolearn.models import GPTConfig, build_model

@@ -34,11 +34,11 @@ import inspect
 import matplotlib.pyplot as plt
 import numpy as np
 
+from zerolearn.chapters.ch01 import lesson as ch01
 from zerolearn.config import TrainConfig
 from zerolearn.dist import launch
 from zerolearn.engines.base import Engine
 from zerolearn.engines.ddp import DDPEngine
-from zerolearn.lessons import ch01
 from zerolearn.memory import model as analytic
 from zerolearn.models import build_model
 from zerolearn.report import kib, volume_per_step
@@ -49,8 +49,8 @@ from zerolearn.train import train
 #
 # `zerolearn.dist.launch(fn, world_size, *args)` spawns `world_size` processes, joins them into a
 # gloo process group, runs `fn(*args)` on each and returns the results in rank order. This
-# chapter's longer functions are in `zerolearn.lessons.ch01`. Every collective goes through
-# `zerolearn.comm`, whose ledger counts calls and elements.
+# chapter's longer functions are in `zerolearn/chapters/ch01/lesson.py`. Every collective goes
+# through `zerolearn.comm`, whose ledger counts calls and elements.
 #
 # Each rank starts from a different 8-element "gradient". All-reduce sums them on every rank.
 # Reduce-scatter also sums them, but leaves rank r only the r-th quarter of the sum; all-gather
@@ -308,7 +308,7 @@ plt.show()
 
 # %%
 from zerolearn import figures
-from zerolearn.lessons import stored
+from zerolearn.chapters import stored
 
 TL = stored("timeline/stages.json")
 stage0 = TL["stages"][0]

@@ -42,10 +42,10 @@ import time
 import matplotlib.pyplot as plt
 
 from zerolearn import flat
+from zerolearn.chapters.ch02 import lesson as ch02
 from zerolearn.config import TrainConfig
 from zerolearn.dist import launch
 from zerolearn.engines import zero1
-from zerolearn.lessons import ch02
 from zerolearn.memory import model as analytic
 
 # The chapter's model: the package's byte-level GPT, small enough for 4 ranks on 2 cores.
@@ -83,7 +83,7 @@ formulas.stage_figure(stage=1)  # the default view, drawn for the book
 # reproduction this book starts from does exactly that, splitting the list of tensors
 # into equal *counts*. Each rank builds Adam over its own tensors only, so Adam keeps
 # state only for them. A smarter whole-tensor split deals the largest tensor first to
-# the emptiest rank. Both are in `zerolearn/lessons/ch02.py`:
+# the emptiest rank. Both are in `zerolearn/chapters/ch02/lesson.py`:
 
 # %%
 print(inspect.getsource(ch02.owners_by_count))
@@ -490,7 +490,7 @@ for nd in (3, 4):
 
 # %%
 from zerolearn import figures
-from zerolearn.lessons import stored
+from zerolearn.chapters import stored
 
 TL = stored("timeline/stages.json")
 for st in TL["stages"][:2]:

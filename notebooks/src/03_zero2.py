@@ -47,12 +47,13 @@ import time
 
 import matplotlib.pyplot as plt
 
+from zerolearn.chapters.ch02 import lesson as ch02
+from zerolearn.chapters.ch03 import lesson as ch03
 from zerolearn.config import TrainConfig
 from zerolearn.dist import launch
 from zerolearn.engines import base, zero2
 from zerolearn.experiments import seed_experiment
 from zerolearn.flat import make_buckets
-from zerolearn.lessons import ch02, ch03
 from zerolearn.memory import model as analytic
 from zerolearn.models import GPTConfig, build_model
 
@@ -505,7 +506,7 @@ exercises.check("03.accumulate", accumulate)
 
 # %%
 from zerolearn import figures
-from zerolearn.lessons import stored
+from zerolearn.chapters import stored
 
 SW = stored("timeline/bucket_sweep.json")
 for row in SW["rows"]:

@@ -27,10 +27,10 @@
 import inspect
 
 from zerolearn import figures
+from zerolearn.chapters.ch04 import lesson as ch04
 from zerolearn.config import TrainConfig
 from zerolearn.dist import launch
 from zerolearn.engines.zero3 import Zero3Engine
-from zerolearn.lessons import ch04
 from zerolearn.memory.model import STAGE_NAMES, TABLE1_GB, comm_volume_elements, model_state_bytes
 from zerolearn.models import GPTConfig, build_model
 from zerolearn.report import volume_per_step
@@ -345,7 +345,7 @@ print(text_table(['Nd', 'stage', 'measured B', 'formula B', 'padding', 'formula(
 
 # %%
 from zerolearn import figures
-from zerolearn.lessons import stored
+from zerolearn.chapters import stored
 
 PF = stored("timeline/prefetch.json")
 for run in PF["runs"]:

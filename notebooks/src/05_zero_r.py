@@ -25,8 +25,8 @@ import inspect
 
 import matplotlib.pyplot as plt
 
+from zerolearn.chapters.ch05 import lesson as ch05
 from zerolearn.dist import launch
-from zerolearn.lessons import ch05
 from zerolearn.memory import model as analytic
 from zerolearn.residual import checkpointing, defrag, tensor_parallel
 

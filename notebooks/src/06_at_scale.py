@@ -32,10 +32,11 @@ import matplotlib.pyplot as plt
 from IPython.display import display
 
 from zerolearn import figures, widgets
+from zerolearn.chapters.ch04 import lesson as ch04
+from zerolearn.chapters.ch06 import lesson as ch06
 from zerolearn.config import TrainConfig
 from zerolearn.costmodel import Job, step_time
 from zerolearn.dist import launch
-from zerolearn.lessons import ch04, ch06
 from zerolearn.memory.fit import ActivationSpec, gpt_params, per_device_bytes, smallest_fit
 from zerolearn.memory.model import GB, STAGE_NAMES, TABLE1_GB, V100_BYTES, max_model_params, model_state_bytes
 from zerolearn.tables import text_table

@@ -21,9 +21,9 @@ import importlib.util
 
 import matplotlib.pyplot as plt
 
-from zerolearn import lessons, memory
+from zerolearn import chapters, memory
+from zerolearn.chapters.ch07 import lesson as ch07
 from zerolearn.dist import launch
-from zerolearn.lessons import ch07
 
 results = launch(ch07.side_by_side, 2)[0]
 print(f"{'implementation':<32} {'loss@0':>8} {'loss@3':>8} {'params KiB':>10} {'grads KiB':>10} "
@@ -124,7 +124,7 @@ for stage in range(4):
 print("DeepSpeed installed here:", importlib.util.find_spec("deepspeed") is not None)
 
 # %%
-stored = lessons.stored("deepspeed_cpu.json")
+stored = chapters.stored("deepspeed_cpu.json")
 print(f"DeepSpeed {stored['deepspeed, stage 0']['deepspeed']}, {stored['deepspeed, stage 0']['world_size']} ranks; "
       "KiB per rank")
 print(f"{'':20} {'loss@3':>9} {'max |ours - DS|':>16} {'params':>8} {'fp32 copy':>10} {'optim':>8}")
@@ -187,7 +187,7 @@ for step, (a, b) in enumerate(zip(hf["losses"], hf["reference_losses"])):
 from zerolearn import figures
 from zerolearn.bench import results, scaling
 
-BENCH = lessons.stored("bench/bench.json")
+BENCH = chapters.stored("bench/bench.json")
 print(results.format_table(BENCH))
 
 # %% [markdown]
@@ -206,7 +206,7 @@ print(results.format_table(BENCH))
 # traffic lie on the paper's lines:
 
 # %%
-SCALING = lessons.stored("bench/scaling.json")
+SCALING = chapters.stored("bench/scaling.json")
 print(scaling.format_table(SCALING))
 
 # %%

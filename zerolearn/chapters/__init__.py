@@ -1,9 +1,42 @@
-"""The book's chapters, one folder each (``ch00`` to ``ch07``), holding their exercises.
+"""The book's chapters, one folder each (``ch00`` to ``ch07``): what a chapter's notebook
+calls and what its reader writes.
 
-Each exercise is two files. The reader's part, ``<name>.py``, is exactly what the
-reader writes: the function's signature and docstring and, between ``# BEGIN
-SOLUTION`` and ``# END SOLUTION``, the reference solution (the reader's copy of the
-chapter has ``raise NotImplementedError`` there). Its check, ``<name>_check.py``, holds
-the trial that runs the reader's function, the known bugs of its kind and the
-exercise's registration. The checker, :mod:`zerolearn.exercises`, imports every check.
+A chapter's notebook is built from its source in ``notebooks/src/`` (``NN_name.py``,
+see ``notebooks/build.py``); its folder here holds the rest, and its ``__init__``
+names every file:
+
+* ``lesson.py``: what the chapter builds and runs on spawned ranks, naive versions
+  included. Spawned processes import the function they run by name, so what a
+  notebook launches lives here, and the notebook shows it with ``inspect.getsource``.
+  The naive versions are lessons, not engines: the package's engines
+  (``zerolearn.engines``) keep only the real ones.
+* one pair of files per exercise. The reader's part, ``<name>.py``, is exactly what the
+  reader writes: the function's signature and docstring and, between ``# BEGIN
+  SOLUTION`` and ``# END SOLUTION``, the reference solution (the reader's copy of the
+  chapter has ``raise NotImplementedError`` there). Its check, ``<name>_check.py``,
+  holds the trial that runs the reader's function, the known bugs of its kind and the
+  exercise's registration. The checker, :mod:`zerolearn.exercises`, imports every check.
+
+The results some chapters draw instead of measuring them again (DeepSpeed's stages,
+the benchmarks) are recorded under ``notebooks/data/`` and read with :func:`stored`.
 """
+
+import json
+from pathlib import Path
+
+DATA = Path(__file__).resolve().parent.parent.parent / "notebooks" / "data"
+"""Results the chapters draw from, recorded by ``make`` targets (``make deepspeed``, ``make bench``)."""
+
+
+def stored(name: str) -> dict:
+    """The stored results ``notebooks/data/<name>`` (JSON), wherever the notebook runs from
+    (a chapter in ``notebooks/`` or its reader's copy in ``notebooks/exercises/``).
+
+    Raises:
+        FileNotFoundError: no such file; the message names the make target that writes it.
+    """
+    path = DATA / name
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: not recorded here; the make target that writes it (make deepspeed, "
+                                "make bench) records it")
+    return json.loads(path.read_text())

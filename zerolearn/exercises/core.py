@@ -223,7 +223,7 @@ class Result:
 
 _PACKAGE = Path(__file__).resolve().parent.parent  # zerolearn/
 _SOLUTIONS = (Path(__file__).resolve().parent, _PACKAGE / "chapters")  # the checker; solutions, trials, bugs
-_MACHINERY = ("core.py", "__main__.py", "__init__.py", "helpers.py")  # in _SOLUTIONS, at any depth
+_MACHINERY = ("core.py", "__main__.py", "__init__.py", "helpers.py", "lesson.py")  # in _SOLUTIONS, at any depth
 
 
 _STDLIB = Path(sysconfig.get_paths()["stdlib"]).resolve()
@@ -232,9 +232,9 @@ _STDLIB = Path(sysconfig.get_paths()["stdlib"]).resolve()
 def _reader_frames(tb: traceback.StackSummary) -> str:
     """The last frame of the reader's (or a solution's) code in a traceback, as ' (line N: code)':
     frames in torch and other installed packages, in Python's standard library (contextlib's
-    ``self.gen.throw``, say) and in the package's machinery (here: the checker and the trials'
-    shared helpers, :data:`_MACHINERY`) are skipped; the chapters' exercise modules
-    count, so a raising solution or bug is named at its own line, and an
+    ``self.gen.throw``, say) and in the package's machinery (here: the checker, the trials'
+    shared helpers and the chapters' lessons, :data:`_MACHINERY`) are skipped; the chapters'
+    exercise modules count, so a raising solution or bug is named at its own line, and an
     error in a helper at the trial's line that called it."""
     def theirs(frame) -> bool:
         if frame.filename.startswith("<") and not frame.filename.startswith("<cell"):

@@ -6,7 +6,7 @@
 or ``make deepspeed``, which installs DeepSpeed into the project's environment
 (``DS_BUILD_OPS=0 pip install --no-build-isolation deepspeed``: no compiled ops, which
 ZeRO stages 0-3 do not need) and runs all four stages. Each stage trains the GPT of
-:mod:`zerolearn.lessons.ch07` on the same global batches, with the same Adam, under
+:mod:`zerolearn.chapters.ch07.lesson` on the same global batches, with the same Adam, under
 ``deepspeed.initialize`` with ``ch07.DEEPSPEED_CONFIG[stage]`` on gloo, and rank 0
 adds ``"deepspeed, stage S"`` to the JSON file ``--out``: ``losses`` (global mean per
 step), ``step_s`` (median step time, seconds), ``bytes`` per rank counted from
@@ -30,7 +30,7 @@ import time
 
 from zerolearn import comm
 from zerolearn import dist as zdist
-from zerolearn.lessons import ch07
+from zerolearn.chapters.ch07 import lesson as ch07
 from zerolearn.models import build_model
 
 

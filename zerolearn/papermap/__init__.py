@@ -5,7 +5,7 @@ Parameter Models", SC'20 (arXiv 1910.02054). One :class:`Row` per claim, in the
 paper's order (Sec 1-10, Fig 1, Tables 1-3). The numbers in the "zerolearn computes"
 column are not typed in: each is computed here by calling the package's own cited
 functions (``zerolearn.memory.model``, ``zerolearn.memory.fit``, ``zerolearn.costmodel``,
-``zerolearn.lessons.ch06``), so the page ``book/paper_map.md`` cannot drift from the
+``zerolearn.chapters.ch06.lesson``), so the page ``book/paper_map.md`` cannot drift from the
 code. ``make paper-map`` (``python -m zerolearn.papermap > book/paper_map.md``)
 regenerates it; a test fails when the committed page differs from :func:`render`.
 

@@ -3,7 +3,7 @@ three stages and what they hold per GPU."""
 
 from __future__ import annotations
 
-from zerolearn.lessons.ch06 import DGX2
+from zerolearn.chapters.ch06.lesson import DGX2
 from zerolearn.memory import activation_bytes, fused_buffer_bytes, max_model_params, model_state_bytes
 from zerolearn.memory.fit import ActivationSpec, gpt_params, per_device_bytes, smallest_fit
 from zerolearn.memory.model import FIGURE1_GB, GB, STAGE_NAMES, TABLE1_GB, TABLE2_THEORETICAL_B, V100_BYTES

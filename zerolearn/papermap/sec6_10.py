@@ -3,8 +3,8 @@ paper ran on its cluster (mostly not reproducible on a laptop, and said why)."""
 
 from __future__ import annotations
 
+from zerolearn.chapters.ch06.lesson import DGX2, GPT_60B, scaling_rows
 from zerolearn.costmodel import Job, max_batch_per_gpu, step_time
-from zerolearn.lessons.ch06 import DGX2, GPT_60B, scaling_rows
 from zerolearn.memory.fit import gpt_params, smallest_fit
 from zerolearn.memory.model import (
     GB,

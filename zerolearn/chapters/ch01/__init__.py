@@ -1,12 +1,15 @@
 """Chapter 1, data parallelism from scratch (paper Sec 2.1, Sec 7.1).
 
-The chapter's exercises, each the reader's function (``<name>.py``) beside its check
-(``<name>_check.py``):
-
-* ``01.average_gradients``: after backward, replace every gradient by its mean over
-  the ranks, one all-reduce per tensor (naive DP);
-* ``01.bucket_hook``: the same mean, in buckets launched from autograd hooks while
-  backward runs, as DDP and the book's engines do (the scheme Sec 5.2 builds on).
+* notebook: ``notebooks/src/01_data_parallelism.py``, built into
+  ``notebooks/01_data_parallelism.ipynb`` and the reader's copy
+  ``notebooks/exercises/01_data_parallelism.ipynb``;
+* lesson: :mod:`.lesson`, the code the chapter runs and shows;
+* exercise ``01.average_gradients`` (:mod:`.average_gradients`, checked by
+  :mod:`.average_gradients_check`): after backward, replace every gradient by its mean
+  over the ranks, one all-reduce per tensor (naive DP);
+* exercise ``01.bucket_hook`` (:mod:`.bucket_hook`, checked by
+  :mod:`.bucket_hook_check`): the same mean, in buckets launched from autograd hooks
+  while backward runs, as DDP and the book's engines do (the scheme Sec 5.2 builds on).
 
 Both trials train a small GPT with Adam (:mod:`zerolearn.exercises.helpers`) against one
 process on the whole batch.

@@ -1,17 +1,19 @@
 """Chapter 4, ZeRO-3 (P_os+g+p): partition the parameters too (paper Sec 5.3, Sec 7.2.2).
 
-The chapter's exercises, each the reader's function (``<name>.py``) beside its check
-(``<name>_check.py``):
+* notebook: ``notebooks/src/04_zero3.py``, built into ``notebooks/04_zero3.ipynb`` and
+  the reader's copy ``notebooks/exercises/04_zero3.ipynb``;
+* lesson: :mod:`.lesson`, the code the chapter runs and shows;
+* exercise ``04.gather_hooks`` (:mod:`.gather_hooks`, checked by
+  :mod:`.gather_hooks_check`): module and gradient hooks that all-gather a unit's
+  parameters before its forward and again before its backward, and free them after each;
+* exercise ``04.prefetch`` (:mod:`.prefetch`, checked by :mod:`.prefetch_check`): while
+  one unit computes, the next unit's all-gather is in flight.
 
-* ``04.gather_hooks``: module and gradient hooks that all-gather a unit's parameters
-  before its forward and again before its backward, and free them after each;
-* ``04.prefetch``: while one unit computes, the next unit's all-gather is in flight.
-
-The trials cut the book's MLP (4 Linear layers of width 64, 4,160 parameters each,
-fp32) into one unit per layer, laid out as the engine lays them
-(:func:`zerolearn.exercises.helpers.sharded_units`): each unit's parameters are views
-of a flat buffer whose storage is resized to 0 bytes between uses, and each rank keeps
-its shard. ``04.gather_hooks`` trains three SGD steps against one process under the
-memory ledger; ``04.prefetch`` runs evaluation forwards and logs the order of
-launches, waits and computes.
+The trials cut the book's MLP (4 Linear layers of width 64, 4,160 parameters each, fp32)
+into one unit per layer, laid out as the engine lays them
+(:func:`zerolearn.exercises.helpers.sharded_units`): each unit's parameters are views of
+a flat buffer whose storage is resized to 0 bytes between uses, and each rank keeps its
+shard. ``04.gather_hooks`` trains three SGD steps against one process under the memory
+ledger; ``04.prefetch`` runs evaluation forwards and logs the order of launches, waits
+and computes.
 """

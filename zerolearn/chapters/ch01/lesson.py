@@ -10,8 +10,8 @@ starts from:
   bucketed stage-0 engine and with torch's ``DistributedDataParallel``;
 * :func:`single_process` is the reference all of them must match.
 
-The chapter's exercises (``01.average_gradients``, ``01.bucket_hook``) are in
-:mod:`zerolearn.exercises.ch01`.
+The chapter's exercises (``01.average_gradients``, ``01.bucket_hook``) are beside this
+module, in :mod:`zerolearn.chapters.ch01`.
 
 Every collective goes through :mod:`zerolearn.comm`, so its ledger counts them.
 """

@@ -10,8 +10,8 @@ formulas in :mod:`zerolearn.memory.model`:
 * :func:`block_saved_tensors` lists what autograd keeps of one transformer block;
 * :func:`step_timeline` records one training step, allocation by allocation.
 
-The chapter's exercises (``00.model_state_bytes``, ``00.max_batch``) are in
-:mod:`zerolearn.exercises.ch00`.
+The chapter's exercises (``00.model_state_bytes``, ``00.max_batch``) are beside this
+module, in :mod:`zerolearn.chapters.ch00`.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ updated tensors. It trains correctly, but
 
 Everything here runs on ranks spawned by :func:`zerolearn.dist.launch`; the real
 engine is :class:`zerolearn.engines.Zero1Engine`. The chapter's exercises
-(``02.shard_range``, ``02.zero1_step``) are in :mod:`zerolearn.exercises.ch02`.
+(``02.shard_range``, ``02.zero1_step``) are beside this module, in :mod:`zerolearn.chapters.ch02`.
 """
 
 from __future__ import annotations

@@ -25,13 +25,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from zerolearn import comm
-from zerolearn.lessons.ch02 import NaiveZero1
+from zerolearn.chapters.ch02.lesson import NaiveZero1
 
 
 class BlogZero2(NaiveZero1):
     """The blog's ZeRO-2: whole-tensor ownership, per-tensor "reduce-scatter" of Nd copies.
 
-    Args as :class:`zerolearn.lessons.ch02.NaiveZero1` (fp32 model, Adam ``lr``,
+    Args as :class:`zerolearn.chapters.ch02.lesson.NaiveZero1` (fp32 model, Adam ``lr``,
     ``owners``). Per step: reduce_scatter input Nd x Psi elements (the ledger's count),
     then a broadcast of every tensor from its owner (Psi): (Nd + 1) Psi in all.
     """

@@ -3,19 +3,19 @@
 * :func:`table1_rows` and :func:`table2_rows` recompute Table 1 and Table 2's
   theoretical column from :mod:`zerolearn.memory.model` beside the printed values.
 * :func:`measure_per_rank` runs ``--simulate-world-size`` for several stages and Nd
-  (rank 0 of Nd ranks in this process, see :func:`zerolearn.lessons.ch04.simulate`).
+  (rank 0 of Nd ranks in this process, see :func:`zerolearn.chapters.ch04.lesson.simulate`).
 * :func:`scaling_rows` is the super-linear scaling argument of Sec 10.3 (Fig 3) on
   the cost model of :mod:`zerolearn.costmodel`.
 
-The chapter's exercises (``06.max_psi``, ``06.fewest_gpus``) are in
-:mod:`zerolearn.exercises.ch06`.
+The chapter's exercises (``06.max_psi``, ``06.fewest_gpus``) are beside this module, in
+:mod:`zerolearn.chapters.ch06`.
 """
 
 from __future__ import annotations
 
+from zerolearn.chapters.ch04.lesson import simulate
 from zerolearn.config import TrainConfig
 from zerolearn.costmodel import EfficiencyCurve, Hardware, throughput_per_gpu
-from zerolearn.lessons.ch04 import simulate
 from zerolearn.memory.fit import gpt_params
 from zerolearn.memory.model import GB, TABLE1_GB, TABLE2_THEORETICAL_B, V100_BYTES, max_model_params, model_state_bytes
 
