@@ -115,7 +115,7 @@ print(f"{'total':<17} {sum(nbytes(t) for t in counted.values()) / 1024:7.1f} KiB
 print(inspect.getsource(ch00.reports))
 
 # %%
-common = TrainConfig(model="gpt", d_model=64, n_layer=2, seq_len=32, global_batch_size=8, steps=2)
+common = TrainConfig(model="gpt", d_model=64, n_layer=2, seq_len=32, global_batch_size=8, steps=2, bucket_mb=0.25)
 runs = {  # label: (dtype, optimizer, SGD momentum)
     "fp32 Adam": ("fp32", "adam", 0.0),
     "bf16 Adam": ("bf16", "adam", 0.0),

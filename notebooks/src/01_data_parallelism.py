@@ -350,7 +350,7 @@ for r in stage0["summary"]:
 
 # %%
 run = TrainConfig(stage=0, dtype="bf16", optimizer="adam", d_model=64, n_layer=2, seq_len=32, global_batch_size=16,
-                  steps=3)
+                  steps=3, bucket_mb=0.25)
 dp_reports = {nd: launch(train, nd, run)[0] for nd in (1, 2, 4)}
 psi = dp_reports[1]["num_params"]
 cats = ("params", "grads", "optimizer_states")

@@ -51,7 +51,7 @@ from zerolearn.memory import model as analytic
 # The chapter's model: the package's byte-level GPT, small enough for 4 ranks on 2 cores.
 D_MODEL, SEQ_LEN, N_LAYER = 128, 16, 2
 GPT = TrainConfig(model="gpt", d_model=D_MODEL, seq_len=SEQ_LEN, n_layer=N_LAYER,
-                  global_batch_size=12, steps=3)  # 12 sequences: divisible by Nd = 2, 3, 4
+                  global_batch_size=12, steps=3, bucket_mb=0.25)  # 12 sequences: divisible by Nd = 2, 3, 4
 sizes = ch02.gpt_tensor_sizes(D_MODEL, SEQ_LEN, N_LAYER)
 psi = sum(sizes)
 print(f"GPT: Psi = {psi:,} parameters in {len(sizes)} tensors; "

@@ -59,7 +59,7 @@ from zerolearn.models import GPTConfig, build_model
 
 D_MODEL, SEQ_LEN, N_LAYER = 128, 16, 2  # the GPT of chapter 2
 GPT = TrainConfig(model="gpt", d_model=D_MODEL, seq_len=SEQ_LEN, n_layer=N_LAYER, global_batch_size=12, steps=2,
-                  memory_timeline=True)
+                  memory_timeline=True, bucket_mb=0.25)
 gpt = build_model("gpt", 0, gpt=GPTConfig(seq_len=SEQ_LEN, n_layer=N_LAYER, d_model=D_MODEL))
 psi = sum(p.numel() for p in gpt.parameters())
 named = [(n, p) for n, p in gpt.named_parameters()][::-1]  # the engine's order: reverse registration

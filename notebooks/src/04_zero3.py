@@ -50,7 +50,7 @@ from zerolearn.tables import text_table
 # The run below uses a 4-block GPT of width 64 in bf16 (2 bytes per parameter).
 
 # %%
-GPT_OPTIONS = dict(model="gpt", n_layer=4, d_model=64, n_head=4, seq_len=32)
+GPT_OPTIONS = dict(model="gpt", n_layer=4, d_model=64, n_head=4, seq_len=32, bucket_mb=0.25)
 model = build_model('gpt', 0, gpt=GPTConfig(seq_len=32, n_layer=4, n_head=4, d_model=64))
 psi = sum(p.numel() for p in model.parameters())
 units = [(type(u).__name__, sum(p.numel() for p in u.parameters())) for u in model.units()]

@@ -33,7 +33,7 @@ from zerolearn.residual.checkpointing import CheckpointStore
 
 
 def reports(configs: list[TrainConfig]) -> list[dict]:
-    """The training report (DESIGN section 4) of each configuration, in order.
+    """The training report (docs/ARCHITECTURE.md, "The training run") of each configuration, in order.
 
     Runs on every rank of an existing process group, so one :func:`zerolearn.dist.launch`
     serves several runs: ``launch(reports, world_size, [config1, config2])``.
@@ -118,7 +118,7 @@ def step_timeline(dtype: str = "bf16", optimizer: str = "adam", stage: int = 0, 
     """
     ctx = zdist.context()
     model = build_model("gpt", 0, gpt=GPTConfig(seq_len=seq_len, n_layer=n_layer, d_model=d_model))
-    engine = make_engine(stage, model, optimizer=optimizer, dtype=dtype)
+    engine = make_engine(stage, model, optimizer=optimizer, dtype=dtype, bucket_mb=4.0)
     for step in range(2):
         x, y = (data.rank_slice(t, ctx.rank, ctx.world_size) for t in data.gpt_batch(step, batch, seq_len))
         with MemoryLedger() if step == 1 else contextlib.nullcontext() as ledger:

@@ -96,7 +96,7 @@ def all_stages(config: TrainConfig, stages: tuple[int, ...] = (0, 1, 2, 3)) -> l
     """Train each of ``stages`` in turn on this process group, otherwise with ``config``.
 
     Runs on every rank spawned by :func:`zerolearn.dist.launch`; returns the reports
-    of :func:`zerolearn.train.train` (DESIGN section 4), one per stage, in order.
+    of :func:`zerolearn.train.train` (docs/ARCHITECTURE.md, "The training run"), one per stage, in order.
     """
     return [train(config.replace(stage=stage)) for stage in stages]
 

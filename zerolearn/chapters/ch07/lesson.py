@@ -134,7 +134,7 @@ def hf_gpt2_zero3(steps: int = 3) -> dict:
     # Units in forward order. The embeddings, the final norm and the tied head stay in
     # the root unit, gathered for the whole forward and backward: the head reads the
     # token embedding's weight long after the embedding's own forward has returned.
-    engine = make_engine(3, model, optimizer="adam", lr=LR, units=list(model.transformer.h))
+    engine = make_engine(3, model, optimizer="adam", lr=LR, units=list(model.transformer.h), bucket_mb=4.0)
     losses = []
     for step in range(steps):
         x, y = _batch(step)
