@@ -10,9 +10,13 @@ import pytest  # noqa: E402
 # Test tiers (README): `make check` runs what is not marked slow or browser in a few
 # minutes; `make test` runs everything. Whole modules that start many rank processes,
 # torchrun jobs, failure injection or a book build are slow; so is every multi-rank
-# test at world size 3 or 4 (world size 2 stays in the quick tier).
+# test at world size 3 or 4 (world size 2 stays in the quick tier), and every
+# checkpoint round trip. Tests with no world_size parameter carry the mark themselves,
+# or are named in SLOW_TESTS.
 SLOW_MODULES = {"test_checkpoint", "test_failures", "test_cli", "test_residual", "test_simulated_world",
                 "test_deepspeed_cpu", "test_seed_experiment", "test_trust_checkpoints"}
+SLOW_TESTS = {"test_equivalence::test_clipping_on_shards_matches_clip_grad_norm",  # 3 ranks
+              "test_equivalence::test_checkpoint_round_trip_continues_exactly"}
 BROWSER_MODULES = {"test_browser"}
 
 
@@ -22,7 +26,8 @@ def pytest_collection_modifyitems(config, items):
         params = getattr(getattr(item, "callspec", None), "params", {})
         if module in BROWSER_MODULES:
             item.add_marker(pytest.mark.browser)
-        elif module in SLOW_MODULES or params.get("world_size", 2) > 2:
+        elif (module in SLOW_MODULES or f"{module}::{getattr(item, 'originalname', item.name)}" in SLOW_TESTS
+              or params.get("world_size", 2) > 2):
             item.add_marker(pytest.mark.slow)
 
 

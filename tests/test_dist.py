@@ -8,6 +8,7 @@ from zerolearn import dist as zdist
 from zerolearn.dist import ConfigError, RankError, launch
 
 
+@pytest.mark.slow  # 3 ranks
 def test_launch_returns_each_ranks_result_in_rank_order():
     assert launch(jobs.whoami, 3) == [(0, 3), (1, 3), (2, 3)]
 

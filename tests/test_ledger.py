@@ -2,6 +2,7 @@
 
 import functools
 
+import pytest
 import torch
 
 import jobs
@@ -88,6 +89,7 @@ def test_views_of_tensors_made_before_the_ledger_are_not_new_memory():
     assert v.numel() == 10 and t.numel() == 1000
 
 
+@pytest.mark.slow  # 4 ranks
 def test_a_tensor_dropped_after_a_collective_is_freed_at_once():
     # gloo's worker thread holds a finished collective's tensors a moment longer than
     # wait() takes to return; without comm waiting for that, about one in five of these

@@ -9,6 +9,8 @@ from jobs import on_ranks
 from zerolearn.engines.base import MAX_IN_FLIGHT
 from zerolearn.memory import model as analytic
 
+pytestmark = pytest.mark.slow  # 3 ranks throughout
+
 STAGES = (0, 1, 2, 3)
 RUNS = [dict(stage=s, optimizer="adam", dtype=d, steps=2) for d in ("fp32", "bf16") for s in STAGES]
 
