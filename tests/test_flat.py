@@ -43,12 +43,16 @@ def test_a_layout_is_immutable_and_knows_its_shard():
         g.numel = 0
 
 
-def test_the_default_bucket_policy_is_ddps_small_first_bucket_then_large_ones():
+def test_the_default_bucket_policy_is_large_buckets_with_ddps_small_first_one_on_gpus():
     from zerolearn.flat import DEFAULT_BUCKET_MB, FIRST_BUCKET_MB, bucket_caps
-    assert bucket_caps(None) == (int(FIRST_BUCKET_MB * 2**20), int(DEFAULT_BUCKET_MB * 2**20)) == (2**20, 25 * 2**20)
-    assert bucket_caps(0.5) == (2**19, 2**19)
-    # 6 parameters of 0.4 MiB (fp32): the first bucket closes at 1 MiB (2 of them), the rest share one.
+    assert bucket_caps(None, "cuda") == (int(FIRST_BUCKET_MB * 2**20), int(DEFAULT_BUCKET_MB * 2**20)) \
+        == (2**20, 25 * 2**20)
+    assert bucket_caps(None, "cpu") == (25 * 2**20, 25 * 2**20)
+    assert bucket_caps(0.5, "cuda") == bucket_caps(0.5, "cpu") == (2**19, 2**19)
+    # 6 parameters of 0.4 MiB (fp32): on a GPU the first bucket closes at 1 MiB (2 of them), the rest share one.
     named = [(f"p{i}", torch.nn.Parameter(torch.zeros(int(0.4 * 2**20) // 4))) for i in range(6)]
-    first, rest = bucket_caps(None)
+    first, rest = bucket_caps(None, "cuda")
     layouts = make_buckets(named, rest, 4, num_shards=2, shard_index=0, first_bucket_bytes=first)
     assert [layout.names for layout in layouts] == [("p0", "p1"), ("p2", "p3", "p4", "p5")]
+    first, rest = bucket_caps(None, "cpu")
+    assert len(make_buckets(named, rest, 4, num_shards=2, shard_index=0, first_bucket_bytes=first)) == 1

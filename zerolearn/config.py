@@ -67,8 +67,8 @@ class TrainConfig:
     weight_decay: float = _opt(0.0, "weight decay")
     max_grad_norm: float | None = _opt(None, "clip the global gradient norm")
     seed: int = _opt(0, "model initialisation and data order")
-    bucket_mb: float | None = _opt(None, "gradient bucket size, MiB (default: torch DDP's policy, a 1 MiB first "
-                                         "bucket, then 25 MiB ones)")
+    bucket_mb: float | None = _opt(None, "gradient bucket size, MiB (default: 25 MiB buckets, the first 1 MiB on "
+                                         "GPUs as torch DDP makes it)")
     grad_accum_steps: int = _opt(1, "micro-batches per step")
     n_layer: int = _opt(2, "GPT transformer blocks")
     d_model: int = _opt(64, "GPT width")

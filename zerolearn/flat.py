@@ -23,9 +23,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-# The default bucket policy is torch DDP's: a small first bucket, so that the first
-# reduction starts early in backward, then large ones, so that there are few collectives
-# (``DistributedDataParallel(bucket_cap_mb=25)`` and its 1 MiB first bucket).
+# The default bucket policy. On GPUs, torch DDP's: a small first bucket, so that the first
+# reduction starts early in backward while NCCL overlaps it with compute, then large ones,
+# so that there are few collectives (``DistributedDataParallel(bucket_cap_mb=25)`` and its
+# 1 MiB first bucket). On CPUs gloo's collectives run on the same cores as backward, so
+# starting one early overlaps nothing and costs a collective: large buckets only.
 DEFAULT_BUCKET_MB = 25.0
 FIRST_BUCKET_MB = 1.0
 
@@ -110,14 +112,16 @@ class FlatLayout:
             p.data = view
 
 
-def bucket_caps(bucket_mb: float | None) -> tuple[int, int]:
+def bucket_caps(bucket_mb: float | None, device_type: str = "cuda") -> tuple[int, int]:
     """``(first bucket, other buckets)`` caps in bytes for the option ``bucket_mb`` (MiB).
 
-    None is the default policy, torch DDP's: :data:`FIRST_BUCKET_MB` for the first bucket,
-    :data:`DEFAULT_BUCKET_MB` for the others. A number caps every bucket at that size.
+    None is the default policy: :data:`DEFAULT_BUCKET_MB` for every bucket, and on a GPU
+    (``device_type`` other than ``"cpu"``) :data:`FIRST_BUCKET_MB` for the first, as torch
+    DDP does. A number caps every bucket at that size.
     """
     if bucket_mb is None:
-        return int(FIRST_BUCKET_MB * 2**20), int(DEFAULT_BUCKET_MB * 2**20)
+        first = DEFAULT_BUCKET_MB if device_type == "cpu" else FIRST_BUCKET_MB
+        return int(first * 2**20), int(DEFAULT_BUCKET_MB * 2**20)
     return int(bucket_mb * 2**20), int(bucket_mb * 2**20)
 
 

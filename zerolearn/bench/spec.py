@@ -70,8 +70,9 @@ class BenchSpec:
     Units: ``seq_len`` in tokens (bytes), ``global_batch_size`` in sequences over all
     ranks, ``bucket_mb`` in MiB (zerolearn's flat groups, DDP's ``bucket_cap_mb`` and
     DeepSpeed's reduce and all-gather buckets alike; None: each system's own default,
-    zerolearn's and DDP's a 1 MiB first bucket then 25 MiB ones), ``timeout`` in seconds (what each
-    system may take per round; a round's deadline is that times its systems).
+    zerolearn's 25 MiB buckets (the first 1 MiB on GPUs), DDP's a 1 MiB first one then
+    25 MiB), ``timeout`` in seconds (what each system may take per round; a round's
+    deadline is that times its systems).
     """
 
     world_size: int = 4
@@ -161,7 +162,7 @@ def add_spec_options(p: argparse.ArgumentParser, defaults: BenchSpec) -> None:
     p.add_argument("--lr", type=float, default=None, help=f"Adam's learning rate (default {d.lr:g})")
     p.add_argument("--bucket-mb", type=float, default=None,
                    help="gradient bucket, MiB, for zerolearn, DDP and DeepSpeed (default: each system's own; "
-                        "zerolearn's and DDP's are a 1 MiB first bucket, then 25 MiB)")
+                        "zerolearn's are 25 MiB, the first 1 MiB on GPUs; DDP's a 1 MiB first bucket, then 25 MiB)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--device", default="cpu", help="cpu (gloo) or cuda (NCCL, one rank per GPU)")
     p.add_argument("--timeout", type=float, default=None,

@@ -131,8 +131,8 @@ class Engine(EngineStateMixin, abc.ABC):
         dtype: working precision ``"fp32" | "bf16" | "fp16"`` (fp32 master for the
             2-byte ones, dynamic loss scale for fp16).
         bucket_mb: largest bucket, MiB of the working dtype (CB of Sec 6.2); None (the
-            default): torch DDP's policy, a 1 MiB first bucket, then 25 MiB ones
-            (:func:`zerolearn.flat.bucket_caps`).
+            default): 25 MiB buckets, the first one 1 MiB on a GPU as torch DDP makes
+            it (:func:`zerolearn.flat.bucket_caps`).
         max_grad_norm: clip the global gradient norm to this (None: no clipping).
         group: process group over the Nd data-parallel ranks (default: all ranks).
         units: ZeRO-3's gather/free units in forward order (see ``Zero3Engine``).
@@ -177,7 +177,7 @@ class Engine(EngineStateMixin, abc.ABC):
         self.buffer_src = torch.distributed.get_global_rank(group, 0) if group is not None else 0
         self.broadcast_buffers = broadcast_buffers and self.world_size > 1
         self.optimizer_name, self.max_grad_norm = optimizer, max_grad_norm
-        self.first_bucket_bytes, self.bucket_bytes = bucket_caps(bucket_mb)
+        self.first_bucket_bytes, self.bucket_bytes = bucket_caps(bucket_mb, self.device.type)
         self.scaler = LossScaler(enabled=self.dtype == torch.float16)
         self.mixed = needs_master(self.dtype)
         check_param_dtypes(model, self.dtype)
