@@ -37,8 +37,8 @@ from torch import nn
 
 from zerolearn import compat
 from zerolearn import dist as zdist
+from zerolearn.chapters.ch07.lesson import DEEPSPEED_CONFIG
 from zerolearn.config import TrainConfig
-from zerolearn.lessons.ch07 import DEEPSPEED_CONFIG
 from zerolearn.memory.ledger import storage_bytes
 from zerolearn.train import build, loss_fn, setup
 

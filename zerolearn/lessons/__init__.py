@@ -1,2 +1,0 @@
-"""The chapters' lessons by their former name: they are in :mod:`zerolearn.chapters`, one
-``chNN/lesson.py`` per chapter."""
