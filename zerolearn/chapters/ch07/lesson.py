@@ -22,6 +22,7 @@ from zerolearn import comm, compat, data
 from zerolearn import dist as zdist
 from zerolearn.engines import make_engine
 from zerolearn.models import GPTConfig, build_model
+from zerolearn.train import step_engine
 
 GPT = GPTConfig(seq_len=32, n_layer=2, n_head=4, d_model=64)
 BATCH, LR = 8, 1e-3
@@ -137,12 +138,8 @@ def hf_gpt2_zero3(steps: int = 3) -> dict:
     engine = make_engine(3, model, optimizer="adam", lr=LR, units=list(model.transformer.h), bucket_mb=4.0)
     losses = []
     for step in range(steps):
-        x, y = _batch(step)
-        loss = _loss(engine(x).logits, y)
-        engine.backward(loss)
-        engine.step()
-        engine.zero_grad()
-        losses.append(comm.monitor_mean(loss.item()))
+        local, _ = step_engine(engine, [_batch(step)], lambda out, y: _loss(out.logits, y))
+        losses.append(comm.monitor_mean(local))
     return {"losses": losses, "reference_losses": reference, "psi": engine.psi,
             "params_bytes": engine.model_state_bytes()["params"], "units": len(engine.units)}
 
