@@ -22,11 +22,14 @@ $(VENV)/.installed: pyproject.toml
 tour: $(VENV)/.installed
 	$(PY) -m zerolearn.tour
 
-# The chapters under strict nbval; then the reader's copies (notebooks/exercises/, no stored
-# outputs) must run top to bottom without an error, every exercise saying "not written yet".
+# The tests; the chapters under strict nbval, with NBVAL_ENV's variables set (CI's make the
+# CPU compute as an older one does: .ci/run); then the reader's copies (notebooks/exercises/,
+# no stored outputs) must run top to bottom without an error, every exercise saying "not
+# written yet".
+NBVAL_ENV ?=
 test: $(VENV)/.installed
 	$(PY) -m pytest tests
-	$(PY) -m pytest --nbval notebooks -p no:cacheprovider --ignore=notebooks/exercises
+	$(NBVAL_ENV) $(PY) -m pytest --nbval notebooks -p no:cacheprovider --ignore=notebooks/exercises
 	$(PY) -m pytest --nbval-lax notebooks/exercises -p no:cacheprovider
 
 # About 6 minutes on 2 cores: everything not marked slow or browser (tests/conftest.py)
