@@ -32,7 +32,7 @@ test: $(VENV)/.installed
 	$(NBVAL_ENV) $(PY) -m pytest --nbval notebooks -p no:cacheprovider --ignore=notebooks/exercises
 	$(PY) -m pytest --nbval-lax notebooks/exercises -p no:cacheprovider
 
-# About 6 minutes on 2 cores: everything not marked slow or browser (tests/conftest.py)
+# A few minutes on 2 cores: everything not marked slow or browser (tests/conftest.py)
 # and the shortest chapter under nbval.
 check: $(VENV)/.installed
 	$(PY) -m pytest tests -m "not slow and not browser" -q
