@@ -16,8 +16,8 @@ import torch
 from test_equivalence import PARAM_TOLERANCE, rel_error
 
 import jobs
+from jobs import on_ranks
 from zerolearn import comm, guard
-from zerolearn.dist import launch
 from zerolearn.engines.base import Engine
 
 
@@ -63,7 +63,7 @@ EXTRA = [dict(stage=-1, engine_cls=AllReduceZero1, optimizer="sgd", max_grad_nor
 
 @functools.cache
 def results(world_size: int) -> list[dict]:
-    return launch(jobs.many, world_size, RUNS + EXTRA)[0]
+    return on_ranks(jobs.many, world_size, RUNS + EXTRA)[0]
 
 
 @functools.cache

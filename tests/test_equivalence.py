@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import jobs
+from jobs import on_ranks
 from zerolearn.dist import launch
 
 STAGES = (0, 1, 2, 3)
@@ -14,7 +15,7 @@ RUNS = [dict(stage=s, optimizer=o) for o in ("sgd", "adam") for s in STAGES]
 
 @functools.cache
 def results(world_size: int) -> list[dict]:
-    return launch(jobs.many, world_size, RUNS)
+    return on_ranks(jobs.many, world_size, RUNS)
 
 
 @functools.cache
@@ -63,7 +64,7 @@ def test_parameters_identical_on_every_rank(world_size, stage):
 def test_bf16_tracks_fp32_within_tolerance():
     runs = [dict(stage=s, optimizer="adam", dtype="bf16") for s in STAGES]
     ref = reference("adam")
-    for run, kw in zip(launch(jobs.many, 2, runs)[0], runs):
+    for run, kw in zip(on_ranks(jobs.many, 2, runs)[0], runs):
         # bf16 keeps 8 bits of mantissa: losses within 1% of fp32's, parameters within 5%.
         assert run["losses"] == pytest.approx(ref["losses"], rel=1e-2), kw
         assert rel_error(run["params"], ref["params"]) < 5e-2, kw
@@ -73,15 +74,15 @@ def test_fp16_with_loss_scaling_agrees_across_stages_and_world_sizes():
     # The first steps may overflow at the initial scale 2**16 and be skipped; every
     # stage and world size must skip the same ones and agree otherwise.
     runs = [dict(stage=s, optimizer="adam", dtype="fp16") for s in STAGES]
-    single = launch(jobs.many, 1, runs[:1])[0][0]
-    for run, kw in zip(launch(jobs.many, 2, runs)[0], runs):
+    single = on_ranks(jobs.many, 1, runs[:1])[0][0]
+    for run, kw in zip(on_ranks(jobs.many, 2, runs)[0], runs):
         assert run["losses"] == pytest.approx(single["losses"], rel=1e-3), kw
 
 
 def test_clipping_on_shards_matches_clip_grad_norm():
     runs = [dict(stage=s, optimizer="sgd", max_grad_norm=0.5) for s in STAGES]
     ref = reference("sgd", max_grad_norm=0.5)
-    for run in launch(jobs.many, 3, runs)[0]:
+    for run in on_ranks(jobs.many, 3, runs)[0]:
         assert run["losses"] == pytest.approx(ref["losses"], rel=1e-5)
         assert rel_error(run["params"], ref["params"]) < 1e-5
 
@@ -91,7 +92,7 @@ def test_gradient_accumulation_equals_one_large_batch():
     # unsplit batch. (Averaging only the last micro-batch, or averaging weights,
     # would fail this.)
     runs = [dict(stage=s, optimizer="sgd", accum=a) for s in STAGES for a in (1, 2)]
-    out = launch(jobs.many, 2, runs)[0]
+    out = on_ranks(jobs.many, 2, runs)[0]
     ref = reference("sgd")
     for run, kw in zip(out, runs):
         assert rel_error(run["params"], ref["params"]) < 1e-5, kw
@@ -106,7 +107,7 @@ def test_frozen_parameters_and_parameters_without_gradient():
     # PartlyFrozen: one frozen layer, one layer used only on odd steps.
     runs = [dict(stage=s, optimizer="sgd", model="frozen", steps=4) for s in STAGES]
     ref = reference("sgd", model="frozen")
-    for run in launch(jobs.many, 2, runs)[0]:
+    for run in on_ranks(jobs.many, 2, runs)[0]:
         assert run["losses"] == pytest.approx(ref["losses"], rel=1e-5)
         assert rel_error(run["params"], ref["params"]) < 1e-5
         assert "first.weight" not in run["params"]  # frozen: not a model state, not sharded
