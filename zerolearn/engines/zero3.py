@@ -160,10 +160,10 @@ class Zero3Engine(Engine):
     def _before_backward(self, loss: torch.Tensor) -> None:
         # Which units a rank gathers in backward follows the gradients it computes: every
         # rank must compute gradients for the same units, or gathers would pair wrongly.
-        # (The root unit stays gathered through backward and is reduced at its end.)
+        # The root unit stays gathered through backward and is reduced at its end: left out.
         if self.world_size > 1:
-            reached = [i for i in U.units_reached(loss, self._param_unit) if i != self.units[-1].index
-                       or self.units[-1].module is not self.model]
+            root = {u.index for u in self.units if u.module is self.model}
+            reached = [i for i in U.units_reached(loss, self._param_unit) if i not in root]
             U.agree_backward(reached, self.units, self.pg, self.device)
 
     def _pre_backward(self, unit: U.Unit) -> None:
