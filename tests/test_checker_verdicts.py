@@ -124,3 +124,22 @@ def test_launch_reports_the_cause_before_a_peers_closed_connection():
 
     with pytest.raises(RankError, match="rank 0 failed: ValueError: the cause"):
         launch(fails, 2, timeout_s=60)
+
+
+def test_quantized_all_gather_accepts_another_way_to_divide():
+    # x * (127 / absmax) rounds a few elements differently from x / (absmax / 127): still within half a step.
+    def quantized_all_gather(out, shard, block, world_size):
+        n = shard.numel()
+        nb = -(-n // block)
+        x = torch.nn.functional.pad(shard, (0, nb * block - n)).view(nb, block)
+        absmax = x.abs().amax(dim=1, keepdim=True).clamp_min(1e-30)
+        q = torch.round(x * (127 / absmax)).to(torch.int8)
+        all_q = torch.empty(world_size * nb * block, dtype=torch.int8)
+        all_scales = torch.empty(world_size * nb)
+        comm.all_gather(all_q, q.flatten())
+        comm.all_gather(all_scales, (absmax / 127).flatten())
+        values = all_q.view(world_size, nb, block).float() * all_scales.view(world_size, nb, 1)
+        out.copy_(values.view(world_size, -1)[:, :n].flatten())
+
+    result = check("08.quantized_all_gather", quantized_all_gather, quiet=True)
+    assert result.passed, str(result)

@@ -31,8 +31,8 @@ def _defined_in_a_cell(name: str, source: str):
     return namespace[EXERCISES[name].solution.__name__]
 
 
-def test_chapters_01_to_05_have_at_least_two_exercises_each():
-    for chapter in ("01", "02", "03", "04", "05"):
+def test_chapters_01_to_05_and_08_have_at_least_two_exercises_each():
+    for chapter in ("01", "02", "03", "04", "05", "08"):
         assert sum(e.chapter == chapter for e in EXERCISES.values()) >= 2, chapter
 
 

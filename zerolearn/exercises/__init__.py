@@ -19,6 +19,7 @@ from zerolearn.chapters.ch04 import gather_hooks_check, prefetch_check  # noqa: 
 from zerolearn.chapters.ch05 import constant_buffer_check, partition_checkpoint_check  # noqa: F401
 from zerolearn.chapters.ch06 import fewest_gpus_check, max_psi_check  # noqa: F401
 from zerolearn.chapters.ch07 import choose_stage_check, stage_from_bytes_check  # noqa: F401
+from zerolearn.chapters.ch08 import dpu_step_check, quantized_all_gather_check  # noqa: F401
 from zerolearn.exercises.core import (
     EXERCISES,
     PRELUDE,

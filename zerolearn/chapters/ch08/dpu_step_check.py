@@ -1,0 +1,251 @@
+"""Exercise ``08.dpu_step``'s check: ZeRO-Offload's delayed parameter update (Ren et al., arXiv 2101.06840).
+
+The trial trains a quadratic loss over 1,000 parameters (its target moved a little by
+each step's batch, so that no two steps' gradients are equal) with Adam on the "host" for 7
+steps, calling the reader's ``dpu_step`` at the end of each. It owns the two things
+the reader's function drives: ``host_step`` (Adam on the fp32 master copy) and the
+``worker``. The worker is deterministic where a thread pool is not: ``submit`` starts
+the update on a real thread and returns once the update has written the first half of
+``master`` and paused; the second half is written when the future's ``result()`` is
+called (or when the next update must start, as a single worker thread would run them
+in order). So an update that was not waited for is seen, every time, as a master
+copy torn in half, the race a real CPU step makes one time in many.
+
+Before each forward the trial reads the published parameters and names which update
+they hold against what DPU promises: step 0 synchronous, then one step behind (the
+forward of step t reads the update of step t - 2's gradient). It also checks that
+each update got its own step's gradient and was still running when ``dpu_step``
+returned (overlap), in this process (no ranks).
+
+This module holds the trial, the known bugs and the registration; the reader's function
+(with its reference solution) is in :mod:`zerolearn.chapters.ch08.dpu_step`.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from zerolearn.chapters.ch08.dpu_step import dpu_step
+from zerolearn.exercises.core import Bug, Exercise, Wrong, first_difference, register
+
+N, STEPS, LR = 1000, 7, 0.05
+HALF = N // 2
+_JOB = threading.local()  # on a worker thread: the job it runs
+
+
+class _Job:
+    """One update on its own thread; ``result()`` lets it finish and waits for it."""
+
+    def __init__(self, fn, args):
+        self.midway, self.release, self.done = threading.Event(), threading.Event(), threading.Event()
+        self.error: BaseException | None = None
+        self.value = None
+        self.thread = threading.Thread(target=self._run, args=(fn, args), daemon=True)
+        self.thread.start()
+        while not (self.midway.wait(0.01) or self.done.is_set()):  # until it has written half, or finished
+            pass
+
+    def _run(self, fn, args) -> None:
+        _JOB.job = self
+        try:
+            self.value = fn(*args)
+        except BaseException as e:  # noqa: BLE001 - handed to whoever waits for the result
+            self.error = e
+        finally:
+            self.done.set()
+
+    def pause(self) -> None:
+        self.midway.set()
+        self.release.wait(30)
+
+    def result(self, timeout=None):
+        self.release.set()
+        self.thread.join(30)
+        if self.error is not None:
+            raise self.error
+        return self.value
+
+    def running(self) -> bool:
+        return not self.done.is_set()
+
+
+class _HostWorker:
+    """``concurrent.futures``-like, one update at a time: ``submit`` first finishes the update
+    still running (a single worker thread runs them in order), then starts the new one."""
+
+    def __init__(self):
+        self.jobs: list[_Job] = []
+
+    def submit(self, fn, *args) -> _Job:
+        for job in self.jobs:
+            if job.running():
+                job.result()
+        self.jobs.append(_Job(fn, args))
+        return self.jobs[-1]
+
+    def running(self) -> bool:
+        return any(job.running() for job in self.jobs)
+
+    def close(self) -> None:
+        for job in self.jobs:
+            job.release.set()
+            job.thread.join(30)
+
+
+class _HostAdam:
+    """Adam (torch's defaults, lr ``LR``) on ``master`` in place; keeps every finished master
+    (``history[k]``: after k updates) and which step's gradient each update got."""
+
+    def __init__(self, master: torch.Tensor, grads: list):
+        self.master, self.grads = master, grads
+        self.m, self.v, self.t = torch.zeros_like(master), torch.zeros_like(master), 0
+        self.history, self.got, self.in_flight = [master.clone()], [], None
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        self.got.append(next((s for s, g in enumerate(self.grads) if torch.equal(g, grad)), None))
+        self.t += 1
+        self.m.mul_(0.9).add_(grad, alpha=0.1)
+        self.v.mul_(0.999).addcmul_(grad, grad, value=0.001)
+        m_hat, v_hat = self.m / (1 - 0.9 ** self.t), self.v / (1 - 0.999 ** self.t)
+        new = self.master - LR * m_hat / (v_hat.sqrt() + 1e-8)
+        self.in_flight = new
+        self.master[:HALF] = new[:HALF]
+        job = getattr(_JOB, "job", None)
+        if job is not None:
+            job.pause()  # the CPU is still busy with the rest: the second half is not written yet
+        self.master[HALF:] = new[HALF:]
+        self.history.append(self.master.clone())
+        self.in_flight = None
+
+
+def _expected_updates(step: int) -> int:
+    """How many updates the forward of ``step`` reads under DPU: all before step 2, then one fewer."""
+    return step if step <= 1 else step - 1
+
+
+def _name_what_it_read(step: int, seen: torch.Tensor, adam: _HostAdam) -> None:
+    """Raise Wrong naming which update the parameters read by the forward of ``step`` hold."""
+    want = _expected_updates(step)
+    if want < len(adam.history) and torch.equal(seen, adam.history[want]):
+        return
+    for k, m in enumerate(adam.history):
+        if torch.equal(seen, m):
+            if step == 1 and k == 0:
+                raise Wrong("the forward of step 1 reads the initial parameters: step 0 runs synchronously "
+                            "(the warm-up: apply its update and publish it before returning)", step)
+            if k > want:
+                raise Wrong(f"the forward of step {step} reads the parameters updated with step {k - 1}'s "
+                            f"gradient: no delay, the device waited for the CPU's step. DPU's forward of step "
+                            f"{step} reads the update of step {want - 1}'s gradient while step {step - 1}'s "
+                            "still runs on the worker", step)
+            raise Wrong(f"the forward of step {step} reads the parameters after {k} update{'s' * (k != 1)}; DPU "
+                        f"gives it {want} (through step {want - 1}'s gradient): {want - k + 1} steps of delay "
+                        "instead of one. Publish master right after waiting for the update in flight", step)
+    newer = adam.in_flight
+    for k in range(1, len(adam.history) + 1):
+        first = newer if k == len(adam.history) else adam.history[k]
+        if first is not None and torch.equal(seen[:HALF], first[:HALF]) and \
+                torch.equal(seen[HALF:], adam.history[k - 1][HALF:]):
+            raise Wrong(f"the forward of step {step} reads a torn master copy: its first half holds update {k}, "
+                        f"its second half update {k - 1}. master was published while that update was still "
+                        "running on the worker: wait for pending (pending.result()) before copying master", step)
+    first_difference(f"the parameters the forward of step {step} reads", seen, adam.history[min(want, len(
+        adam.history) - 1)], step=step, rtol=0, atol=0, reference="DPU")
+
+
+def _dpu_trial(fn) -> str:
+    """7 steps of a quadratic loss under DPU; see the module docstring for what is checked."""
+    g = torch.Generator().manual_seed(8)
+    target, weight = torch.randn(N, generator=g), torch.rand(N, generator=g) + 0.5
+    batches = [0.1 * torch.randn(N, generator=g) for _ in range(STEPS)]  # each step's own batch
+    params = torch.zeros(N)
+    master = params.clone()
+    grads: list[torch.Tensor] = []
+    adam, worker = _HostAdam(master, grads), _HostWorker()
+    pending = None
+    try:
+        for step in range(STEPS):
+            seen = params.clone()
+            _name_what_it_read(step, seen, adam)
+            grads.append(weight * (seen - target - batches[step]))
+            pending = fn(step, params, master, grads[-1].clone(), adam, pending, worker)
+            started = len(adam.got)
+            if started < step + 1:
+                raise Wrong(f"dpu_step returned without starting the update of step {step}'s gradient "
+                            f"({started} updates started, {step + 1} expected): submit host_step(grad)", step)
+            if started > step + 1:
+                raise Wrong(f"{started} updates started after step {step}, {step + 1} expected: one "
+                            "host_step per step", step)
+            if adam.got[step] != step:
+                raise Wrong(f"update {step} got {'no step' if adam.got[step] is None else f'step {adam.got[step]}'}"
+                            f"'s gradient: each update applies the gradient of its own step", step)
+            if step >= 1 and not worker.running():
+                raise Wrong(f"the update of step {step}'s gradient had finished when dpu_step returned: no "
+                            "overlap, the device waited for the CPU (a synchronous step). Start it on the worker "
+                            "and return its future without waiting", step)
+            if step == 0 and worker.running():
+                raise Wrong("step 0's update was still running when dpu_step returned: step 0 runs "
+                            "synchronously (the warm-up)", step)
+    finally:
+        worker.close()
+    return (f"{STEPS} steps: step 0 synchronous, then every forward read the update of the gradient two steps "
+            "before it, each host update running while the next step computed")
+
+
+def _publish_before_wait(step, params, master, grad, host_step, pending, worker):
+    """The publication and the wait swapped: master is copied while the previous update may
+    still be writing it (a race: a torn copy, some elements updated, some not)."""
+    if step == 0:
+        host_step(grad)
+        params.copy_(master)
+        return None
+    params.copy_(master)
+    if pending is not None:
+        pending.result()
+    return worker.submit(host_step, grad)
+
+
+def _no_delay(step, params, master, grad, host_step, pending, worker):
+    """A plain synchronous step on the host: correct, but the device waits for the CPU (no DPU)."""
+    host_step(grad)
+    params.copy_(master)
+    return None
+
+
+_STAGED: dict[str, torch.Tensor] = {}
+
+
+def _two_steps_late(step, params, master, grad, host_step, pending, worker):
+    """A staging buffer published one call late: the device reads the master copied at the
+    previous step, two updates behind instead of one."""
+    if step == 0:
+        host_step(grad)
+        params.copy_(master)
+        _STAGED["copy"] = master.clone()
+        return None
+    if pending is not None:
+        pending.result()
+    params.copy_(_STAGED["copy"])
+    _STAGED["copy"] = master.clone()
+    return worker.submit(host_step, grad)
+
+
+def _first_step_async(step, params, master, grad, host_step, pending, worker):
+    """DPU from the very first step: the warm-up forgotten, so step 1 computes on the initial
+    parameters."""
+    if pending is not None:
+        pending.result()
+    params.copy_(master)
+    return worker.submit(host_step, grad)
+
+
+register(Exercise(
+    "08.dpu_step", "ZeRO-Offload's delayed parameter update: publish the last update, start this one",
+    dpu_step, _dpu_trial,
+    {"publish_before_wait": Bug(_publish_before_wait, "a race between the CPU step and the copy", "torn"),
+     "no_delay": Bug(_no_delay, "a synchronous host step", "no overlap"),
+     "two_steps_late": Bug(_two_steps_late, "a staging buffer published one call late", "2 steps of delay"),
+     "first_step_async": Bug(_first_step_async, "DPU without the warm-up step", "step 0 runs synchronously")},
+    world_sizes=()))

@@ -1,0 +1,196 @@
+"""Exercise ``08.quantized_all_gather``'s check: ZeRO++'s qwZ (Wang et al. 2023, arXiv 2306.10209).
+
+The trial runs the reader's function on 2 and then 3 gloo ranks, twice: 150 elements
+a rank in blocks of 64 (two whole blocks and a partial one of 22) and in blocks of 50.
+Each rank's shard is drawn from a seed of its own and scaled by rank + 1, and its first
+50 elements are a thousand times smaller than the rest, so that one scale for the whole
+tensor, a forgotten padding or another rank's scales each show.
+
+Every element of ``out`` must lie within half a quantization step of the value the
+rank sent: round to nearest errs by at most ``scale / 2`` for that block's scale,
+whatever way the division is written. A wrong element is named by its rank, block and
+index, and compared with what each known mistake would give, to say which it is.
+``comm.LEDGER`` must show the all-gathers, at most the bytes of int8 values and one
+fp32 scale per block (fp32 values would be about 4x as many).
+
+This module holds the trial, the known bugs and the registration; the reader's function
+(with its reference solution) is in :mod:`zerolearn.chapters.ch08.quantized_all_gather`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from zerolearn import comm
+from zerolearn import dist as zdist
+from zerolearn.chapters.ch08.quantized_all_gather import quantized_all_gather
+from zerolearn.exercises.core import Bug, Exercise, Wrong, agree, register
+
+N = 150
+BLOCKS = (64, 50)
+
+
+def shard_of(rank: int) -> torch.Tensor:
+    """Rank ``rank``'s shard: N fp32 values, its first block 1000x smaller, scaled by rank + 1."""
+    x = torch.randn(N, generator=torch.Generator().manual_seed(800 + rank)) * (rank + 1)
+    x[:50] *= 1e-3
+    return x
+
+
+def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
+    nb = -(-x.numel() // block)
+    padded = torch.zeros(nb * block)
+    padded[:x.numel()] = x
+    return padded.view(nb, block)
+
+
+def _scales(x: torch.Tensor, block: int) -> torch.Tensor:
+    s = _blocks(x, block).abs().amax(dim=1) / 127
+    return torch.where(s == 0, torch.ones_like(s), s)
+
+
+def _dequantized(x: torch.Tensor, block: int, scales: torch.Tensor, rounding=torch.round,
+                 dequantize_with: torch.Tensor | None = None) -> torch.Tensor:
+    """x quantized with ``scales`` (one per block) and ``rounding``, dequantized with
+    ``dequantize_with`` (default: the same scales); the first ``x.numel()`` elements."""
+    q = rounding(_blocks(x, block) / scales[:, None]).clamp(-127, 127)
+    back = scales if dequantize_with is None else dequantize_with
+    return (q * back[:, None]).reshape(-1)[:x.numel()]
+
+
+def _within(got: torch.Tensor, want: torch.Tensor, step: torch.Tensor) -> bool:
+    return bool(((got - want).abs() <= step / 2 * (1 + 1e-4) + 1e-12).all())
+
+
+def _diagnose(part: torch.Tensor, rank: int, world_size: int, block: int) -> str:
+    """What a rank's wrong part of ``out`` is, when it is one of the known mistakes."""
+    x, own = shard_of(rank), _scales(shard_of(rank), block)
+    step = own.repeat_interleave(block)[:N]
+    whole = (N // block) * block
+    if whole < N and bool((part[whole:] == 0).all()) and _within(part[:whole], x[:whole], step[:whole]):
+        return (f"its last {N - whole} elements (a partial block) came back as 0: pad the shard with zeros to "
+                f"{-(-N // block)} whole blocks of {block} before quantizing")
+    one = x.abs().max() / 127
+    if _within(part, _dequantized(x, block, one.repeat(own.numel())), one.expand(N)):
+        return (f"it was quantized with one scale for the whole tensor ({one:.3g}): the first 50 elements, 1000x "
+                "smaller than the rest, round to nearly nothing. Give every block its own scale, max |x| / 127 over "
+                "the block")
+    if _within(part, _dequantized(x, block, own, rounding=torch.trunc), step):
+        return "its values were rounded toward zero (.to(torch.int8) truncates): round to nearest first (torch.round)"
+    for other in range(world_size):
+        if other != rank:
+            theirs = _scales(shard_of(other), block)
+            wrong = _dequantized(x, block, own, dequantize_with=theirs)
+            if _within(part, wrong, theirs.repeat_interleave(block)[:N]):
+                return (f"rank {rank}'s int8 values were dequantized with rank {other}'s scales: each rank's "
+                        "values go with the scales that rank sent")
+    return ""
+
+
+def _qwz_trial(fn) -> str:
+    """The reader's function on this rank's shard, in blocks of 64 and of 50; see the module docstring."""
+    ctx = zdist.context()
+    rank, world_size = ctx.rank, ctx.world_size
+    worst = 0.0
+    for step, block in enumerate(BLOCKS):
+        out = torch.full((world_size * N,), float("nan"))
+        comm.LEDGER.reset()
+        fn(out, shard_of(rank).clone(), block, world_size)
+        gathered = comm.LEDGER.as_dict()["all_gather"]
+        nb = -(-N // block)
+        if gathered["calls"] == 0:
+            raise Wrong("comm.LEDGER saw no all_gather: gather with comm.all_gather (it books what moves), "
+                        "not dist.all_gather", step)
+        budget = world_size * (nb * block + 4 * nb)
+        if gathered["bytes"] > budget:
+            raise Wrong(f"blocks of {block}: your all-gathers moved {gathered['bytes']:,} bytes; int8 values and "
+                        f"one fp32 scale per block are {budget:,} bytes (fp32 values alone would be "
+                        f"{world_size * N * 4:,}): send the int8 values, not the fp32 ones", step)
+        for r in range(world_size):
+            part, x = out[r * N:(r + 1) * N], shard_of(r)
+            scales = _scales(x, block)
+            bound = scales.repeat_interleave(block)[:N] / 2
+            err = (part - x).abs()
+            bad = ~(err <= bound * (1 + 1e-4) + 1e-12)  # NaN (never written) counts as wrong
+            if bad.any():
+                i = int(bad.nonzero()[0])
+                why = _diagnose(part, r, world_size, block)
+                why = f". {why[0].upper()}{why[1:]}" if why else ""
+                raise Wrong(f"blocks of {block}: rank {r}'s part of out, element {i} (block {i // block}): you have "
+                            f"{part[i].item():.6g}, rank {r} sent {x[i].item():.6g}; rounding to nearest with that "
+                            f"block's scale errs by at most {bound[i].item():.3g}{why}",
+                            step)
+            worst = max(worst, float((err / bound.clamp_min(1e-30)).max()))
+        agree(step)
+    return (f"every element within half a quantization step of the value sent (at most {worst / 2:.2f} of a step), "
+            "in blocks of 64 (padded) and 50; int8 values and fp32 scales through comm.all_gather")
+
+
+def _one_scale(out, shard, block, world_size):
+    """Per-tensor quantization: one absmax scale for the whole shard (the scheme ZeRO++ replaces
+    with blocks; a single large value crushes every small one)."""
+    n = shard.numel()
+    scale = shard.abs().max().reshape(1) / 127
+    q = torch.round(shard / scale).clamp(-127, 127).to(torch.int8)
+    all_q, all_s = torch.empty(world_size * n, dtype=torch.int8), torch.empty(world_size)
+    comm.all_gather(all_q, q)
+    comm.all_gather(all_s, scale)
+    out.copy_((all_q.view(world_size, n).float() * all_s.view(world_size, 1)).reshape(-1))
+
+
+def _no_padding(out, shard, block, world_size):
+    """Only the whole blocks quantized (``n // block``): the tail of a partial block is never sent."""
+    n = shard.numel()
+    nb = n // block
+    x = shard[:nb * block].view(nb, block)
+    scales = x.abs().amax(dim=1) / 127
+    q = torch.round(x / scales[:, None]).clamp(-127, 127).to(torch.int8)
+    all_q, all_s = torch.empty(world_size * nb * block, dtype=torch.int8), torch.empty(world_size * nb)
+    comm.all_gather(all_q, q.view(-1))
+    comm.all_gather(all_s, scales)
+    values = all_q.view(world_size, nb * block).float() * all_s.view(world_size, nb).repeat_interleave(block, dim=1)
+    full = torch.zeros(world_size, n)
+    full[:, :nb * block] = values
+    out.copy_(full.view(-1))
+
+
+def _truncated(out, shard, block, world_size):
+    """``(x / scale).to(torch.int8)``: the cast truncates toward zero instead of rounding,
+    an error of up to a whole step, biased toward zero."""
+    n = shard.numel()
+    nb = -(-n // block)
+    x = torch.zeros(nb * block)
+    x[:n] = shard
+    x = x.view(nb, block)
+    scales = x.abs().amax(dim=1) / 127
+    q = (x / scales[:, None]).to(torch.int8)
+    all_q, all_s = torch.empty(world_size * nb * block, dtype=torch.int8), torch.empty(world_size * nb)
+    comm.all_gather(all_q, q.view(-1))
+    comm.all_gather(all_s, scales)
+    values = all_q.view(world_size, nb, block).float() * all_s.view(world_size, nb, 1)
+    out.copy_(values.view(world_size, nb * block)[:, :n].reshape(-1))
+
+
+def _own_scales(out, shard, block, world_size):
+    """Every rank's int8 values dequantized with this rank's own scales (the scales never gathered)."""
+    n = shard.numel()
+    nb = -(-n // block)
+    x = torch.zeros(nb * block)
+    x[:n] = shard
+    x = x.view(nb, block)
+    scales = x.abs().amax(dim=1) / 127
+    q = torch.round(x / scales[:, None]).clamp(-127, 127).to(torch.int8)
+    all_q = torch.empty(world_size * nb * block, dtype=torch.int8)
+    comm.all_gather(all_q, q.view(-1))
+    values = all_q.view(world_size, nb, block).float() * scales.view(1, nb, 1)
+    out.copy_(values.view(world_size, nb * block)[:, :n].reshape(-1))
+
+
+register(Exercise(
+    "08.quantized_all_gather", "ZeRO++'s qwZ: all-gather int8 blocks with their scales",
+    quantized_all_gather, _qwz_trial,
+    {"one_scale": Bug(_one_scale, "per-tensor quantization", "one scale for the whole tensor"),
+     "no_padding": Bug(_no_padding, "n // block blocks: the partial block dropped", "pad the shard"),
+     "truncated": Bug(_truncated, "a cast to int8 without rounding", "truncates"),
+     "own_scales": Bug(_own_scales, "dequantizing with this rank's scales", "scales")},
+    stepped=False))
