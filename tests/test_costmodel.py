@@ -12,10 +12,14 @@ from zerolearn.chapters.ch06 import lesson as ch06
 from zerolearn.costmodel import (
     EfficiencyCurve,
     Hardware,
+    HostSide,
     Job,
     max_batch_per_gpu,
+    offload_step_time,
+    offload_traffic_bytes,
     step_time,
     throughput_per_gpu,
+    zeropp_cross_node_bytes,
 )
 from zerolearn.dist import ConfigError
 from zerolearn.memory.fit import ActivationSpec, gpt_params, per_device_bytes
@@ -184,3 +188,75 @@ def test_zero2_throughput_per_gpu_grows_from_64_to_400_gpus():
     # Super-linear: 400/64 = 6.25x the GPUs give more than 6.25x the aggregate throughput.
     aggregate_gain = (gpus[-1] * per_gpu[-1]) / (gpus[0] * per_gpu[0])
     assert aggregate_gain > gpus[-1] / gpus[0]
+
+
+# ----- chapter 8: offload and ZeRO++ ----------------------------------------------------------
+
+HOST = HostSide(pcie_GBps=10, host_adam_elements_per_s=1e9, disk_GBps=5)
+
+
+def test_cpu_offload_moves_the_partitions_gradient_down_and_its_parameters_up():
+    # psi = 1e9 on 4 GPUs, bf16: a partition of 2.5e8 elements, 2 bytes each way = 1e9 bytes; no disk.
+    t = offload_traffic_bytes(1e9, 4, 2, "cpu")
+    assert t == {"pcie": pytest.approx(1e9), "disk": 0.0, "host_elements": pytest.approx(2.5e8)}
+    assert offload_traffic_bytes(1e9, 4, 2, None) == {"pcie": 0.0, "disk": 0.0, "host_elements": 0.0}
+
+
+def test_disk_offload_reads_and_writes_the_optimizer_states_and_at_stage_3_the_parameters():
+    # K = 12 bytes of a 2.5e8-element partition, read and written: 6e9 bytes; stage 3 adds
+    # the bf16 parameters read twice and written once: 3 x 2 x 2.5e8 = 1.5e9.
+    assert offload_traffic_bytes(1e9, 4, 2, "disk")["disk"] == pytest.approx(6e9)
+    assert offload_traffic_bytes(1e9, 4, 3, "disk")["disk"] == pytest.approx(7.5e9)
+
+
+def test_offload_step_time_adds_the_host_and_dpu_hides_the_cpu_step():
+    j = job(stage=2, nd=1)  # 0.06 s of compute, no collectives
+    plain = offload_step_time(j, HW, HOST, None)
+    assert plain.step_s == pytest.approx(step_time(j, HW).step_s) == pytest.approx(0.06)
+    # cpu: 4e9 bytes over PCIe at 10 GB/s = 0.4 s; 1e9 elements at 1e9 /s = 1 s on the CPU.
+    cpu = offload_step_time(j, HW, HOST, "cpu")
+    assert (cpu.pcie_s, cpu.cpu_s, cpu.disk_s) == (pytest.approx(0.4), pytest.approx(1.0), 0.0)
+    assert cpu.step_s == pytest.approx(0.06 + 0.4 + 1.0)
+    # DPU: the CPU's 1 s runs beside the device's 0.06 s; the copies stay: 1.0 + 0.4.
+    dpu = offload_step_time(j, HW, HOST, "cpu", dpu=True)
+    assert dpu.step_s == pytest.approx(max(0.06, 1.0) + 0.4) and dpu.step_s < cpu.step_s
+    # disk: 24e9 bytes at 5 GB/s = 4.8 s more on the host side.
+    disk = offload_step_time(j, HW, HOST, "disk")
+    assert disk.disk_s == pytest.approx(4.8) and disk.step_s == pytest.approx(0.06 + 0.4 + 1.0 + 4.8)
+
+
+def test_dpu_hides_all_of_a_host_step_shorter_than_the_devices():
+    fast = HostSide(pcie_GBps=float("inf"), host_adam_elements_per_s=1e12, disk_GBps=float("inf"))
+    t = offload_step_time(job(stage=1, nd=1), HW, fast, "cpu", dpu=True)
+    assert t.cpu_s == pytest.approx(1e-3) and t.step_s == pytest.approx(0.06)
+
+
+def test_offload_refuses_what_it_cannot_mean():
+    with pytest.raises(ConfigError, match="stage 0"):
+        offload_traffic_bytes(1e9, 4, 0, "cpu")
+    with pytest.raises(ConfigError, match="offload"):
+        offload_traffic_bytes(1e9, 4, 2, "nvme")
+    with pytest.raises(ConfigError, match="dpu"):
+        offload_step_time(job(), HW, HOST, None, dpu=True)
+    with pytest.raises(ConfigError, match="disk_GBps"):
+        HostSide(pcie_GBps=10, host_adam_elements_per_s=1e9, disk_GBps=0)
+
+
+def test_zero3_sends_three_model_sizes_across_nodes_and_zeropp_about_a_quarter():
+    psi, m = 1e9, 2e9  # fp16: M = 2 bytes x psi
+    plain = zeropp_cross_node_bytes(psi, 16, 8)
+    assert plain["total"] == pytest.approx(3 * m) and plain["hpz_extra_bytes"] == 0
+    # scale_bytes=0 is the paper's rounded count: 0.5M + 0 + 0.25M = 0.75M, 4x less.
+    all3 = zeropp_cross_node_bytes(psi, 16, 8, qwz=True, hpz=True, qgz=True, scale_bytes=0)
+    assert (all3["forward_gather"], all3["backward_gather"], all3["gradients"]) == (
+        pytest.approx(0.5 * m), 0.0, pytest.approx(0.25 * m))
+    assert plain["total"] / all3["total"] == pytest.approx(4)
+    # one fp32 scale per 256 elements adds 4 / 256 bytes per element to each quantized collective
+    scaled = zeropp_cross_node_bytes(psi, 16, 8, qwz=True, hpz=True, qgz=True)
+    assert scaled["total"] - all3["total"] == pytest.approx(2 * 4 * psi / 256)
+    assert scaled["hpz_extra_bytes"] == pytest.approx(m / 8)  # the secondary partition inside a node of 8
+
+
+def test_nothing_crosses_a_node_boundary_inside_one_node():
+    assert zeropp_cross_node_bytes(1e9, 8, 8)["total"] == 0
+    assert zeropp_cross_node_bytes(1e9, 16, 8, hpz=True)["backward_gather"] == 0

@@ -23,6 +23,13 @@ max(compute, comm).
 The memory side is :func:`max_batch_per_gpu` and :func:`throughput_per_gpu`: the
 paper's super-linear scaling argument (Sec 10.3, Fig 3).
 
+Beyond the paper (chapter 8): :func:`offload_step_time` adds ZeRO-Offload's and
+ZeRO-Infinity's host side to a step (copies over PCIe, the optimizer step on the CPU,
+optimizer states read and written on NVMe, and the delayed parameter update that hides
+the CPU's step behind the device's next one), with the inputs in :class:`HostSide`;
+:func:`zeropp_cross_node_bytes` counts what ZeRO-3 and ZeRO++ send across node
+boundaries per step.
+
 Units: seconds, bytes, decimal GB/s (1e9 bytes/s), TFLOP/s (1e12 flop/s).
 Bad inputs raise :class:`zerolearn.dist.ConfigError` when the dataclass is built.
 """
@@ -37,8 +44,9 @@ from zerolearn.errors import ConfigError, require_choice, require_count, require
 from zerolearn.memory.fit import ActivationSpec, per_device_bytes
 from zerolearn.memory.model import comm_volume_elements, dtype_bytes
 
-__all__ = ["FLOPS_PER_PARAM_TOKEN", "FLOPS_PER_PARAM_TOKEN_RECOMPUTE", "EfficiencyCurve", "Hardware", "Job",
-           "StepTime", "Throughput", "max_batch_per_gpu", "step_time", "throughput_per_gpu"]
+__all__ = ["FLOPS_PER_PARAM_TOKEN", "FLOPS_PER_PARAM_TOKEN_RECOMPUTE", "OFFLOADS", "EfficiencyCurve", "Hardware",
+           "HostSide", "Job", "OffloadStepTime", "StepTime", "Throughput", "max_batch_per_gpu", "offload_step_time",
+           "offload_traffic_bytes", "step_time", "throughput_per_gpu", "zeropp_cross_node_bytes"]
 
 FLOPS_PER_PARAM_TOKEN = 6
 """Training flops per parameter per token: forward 2 + backward 4 (see module docstring)."""
@@ -265,3 +273,169 @@ def throughput_per_gpu(psi: float, device_bytes: float, stage: int, nd: int, hw:
     flops = flops_per * (psi / nm) * job.tokens_per_gpu
     return Throughput(batch_per_gpu=batch, tflops_per_gpu=flops / step.step_s / 1e12,
                       tokens_per_s_per_gpu=job.tokens_per_gpu / step.step_s, step=step)
+
+
+# ----- beyond the paper: offload (ZeRO-Offload, ZeRO-Infinity) and ZeRO++ ---------------------
+
+OFFLOADS = (None, "cpu", "disk")
+"""Where the offloaded states live: nowhere (all on the device), host memory, or disk (NVMe)."""
+
+
+@dataclass(frozen=True)
+class HostSide:
+    """What the host delivers to one GPU's offloaded states.
+
+    pcie_GBps: host <-> device copy bandwidth per GPU, each direction, decimal GB/s.
+    host_adam_elements_per_s: elements per second the CPU's Adam updates for this GPU
+        (its share of the host's cores).
+    disk_GBps: NVMe bandwidth for this GPU's states, reads and writes together, decimal GB/s.
+
+    These are inputs, not the papers' measurements; chapter 8's widget puts them on sliders.
+    Raises ConfigError for a value that is not a positive number (inf allowed).
+    """
+
+    pcie_GBps: float
+    host_adam_elements_per_s: float
+    disk_GBps: float
+
+    def __post_init__(self) -> None:
+        for name in ("pcie_GBps", "host_adam_elements_per_s", "disk_GBps"):
+            _positive(name, getattr(self, name), allow_inf=True)
+
+
+def offload_traffic_bytes(psi: float, nd: int, stage: int, offload: str | None, dtype: str = "bf16",
+                          k: float = 12) -> dict[str, float]:
+    """Bytes one GPU moves to and from its host per step, and the elements its CPU updates.
+
+    ZeRO-Offload (Ren et al., ATC'21, arXiv 2101.06840) keeps the fp32 optimizer states
+    and gradients on the host and the working-dtype parameters on the device: each step
+    the rank's partition of the gradient (``psi / nd`` elements in ``dtype``) goes down and
+    the updated partition of the parameters comes back, and the CPU's Adam updates ``psi /
+    nd`` elements. With ``offload="disk"`` (ZeRO-Infinity, Rajbhandari et al., SC'21, arXiv
+    2104.07857) the K bytes per parameter of optimizer states live on NVMe and are read
+    and written once a step; at stage 3 the parameters' partition also lives there, read
+    before forward and before backward and written after the step (3 x dtype bytes per
+    element). ``offload=None`` moves nothing.
+
+    Returns:
+        ``{"pcie": bytes, "disk": bytes, "host_elements": elements}`` per GPU per step.
+
+    Raises:
+        ConfigError: a stage outside 1-3 with offload (the papers offload ZeRO's partitions:
+            stage 0 has none), an unknown ``offload`` or ``dtype``, bad counts.
+    """
+    require_choice("offload", offload, OFFLOADS)
+    require_choice("stage", stage, (0, 1, 2, 3))
+    _count("nd", nd)
+    _positive("psi", psi)
+    _positive("k", k)
+    try:
+        width = dtype_bytes(dtype)
+    except ValueError as e:
+        raise ConfigError(f"dtype: {e}") from None
+    if offload is None:
+        return {"pcie": 0.0, "disk": 0.0, "host_elements": 0.0}
+    if stage == 0:
+        raise ConfigError("offload with stage 0: offload moves a rank's ZeRO partition to the host; choose stage 1-3")
+    part = psi / nd
+    disk = 0.0
+    if offload == "disk":
+        disk = 2 * k * part + (3 * width * part if stage == 3 else 0.0)
+    return {"pcie": 2 * width * part, "disk": disk, "host_elements": part}
+
+
+@dataclass(frozen=True)
+class OffloadStepTime:
+    """Seconds per step with offload: the device's own step (compute and collectives,
+    :func:`step_time`), the PCIe copies, the CPU's optimizer step, the disk I/O, and the total."""
+
+    device_s: float
+    pcie_s: float
+    cpu_s: float
+    disk_s: float
+    step_s: float
+    dpu: bool
+
+    @property
+    def host_s(self) -> float:
+        """The host's part of a step: states read from disk, stepped on the CPU, written back."""
+        return self.cpu_s + self.disk_s
+
+
+def offload_step_time(job: Job, hw: Hardware, host: HostSide, offload: str | None, dpu: bool = False,
+                      k: float = 12) -> OffloadStepTime:
+    """Step seconds of ``job`` with its optimizer step offloaded to ``host`` (chapter 8).
+
+    device_s = ``step_time(job, hw).step_s``; pcie_s = ``offload_traffic_bytes["pcie"]`` /
+    pcie bandwidth; cpu_s = host elements / Adam's elements per second; disk_s = disk
+    bytes / disk bandwidth. Then
+
+        without DPU: step_s = device_s + pcie_s + cpu_s + disk_s
+        with DPU:    step_s = max(device_s, cpu_s + disk_s) + pcie_s
+
+    ZeRO-Offload's one-step delayed parameter update runs the CPU's step (with its disk
+    I/O) while the device runs the next forward and backward, so the longer of the two
+    sets the pace. The copies stay on the critical path here (ZeRO-Offload overlaps the
+    gradients' copy with backward, so this is an upper bound), and so does the disk I/O
+    without DPU (ZeRO-Infinity overlaps it with compute, Rajbhandari et al. SC'21: also
+    an upper bound). ``offload=None`` gives ``step_time``'s step and zeros. The grad
+    dtype of ``job`` is the dtype of the copies.
+
+    Raises:
+        ConfigError: as :func:`offload_traffic_bytes`; ``dpu`` without offload (there is
+            no host step to delay).
+    """
+    if dpu and offload is None:
+        raise ConfigError("dpu=True needs offload='cpu' or 'disk': DPU delays the host's optimizer step")
+    traffic = offload_traffic_bytes(job.psi / job.nm, job.nd, job.stage, offload, job.grad_dtype, k)
+    device_s = step_time(job, hw).step_s
+    pcie_s = traffic["pcie"] / (host.pcie_GBps * 1e9)
+    cpu_s = traffic["host_elements"] / host.host_adam_elements_per_s
+    disk_s = traffic["disk"] / (host.disk_GBps * 1e9)
+    step_s = max(device_s, cpu_s + disk_s) + pcie_s if dpu else device_s + pcie_s + cpu_s + disk_s
+    return OffloadStepTime(device_s=device_s, pcie_s=pcie_s, cpu_s=cpu_s, disk_s=disk_s, step_s=step_s, dpu=dpu)
+
+
+def zeropp_cross_node_bytes(psi: float, nd: int, gpus_per_node: int, *, qwz: bool = False, hpz: bool = False,
+                            qgz: bool = False, dtype: str = "fp16", block: int = 256,
+                            scale_bytes: int = 4) -> dict[str, float]:
+    """Bytes ZeRO-3 sends across node boundaries per GPU per step, with ZeRO++'s options.
+
+    ZeRO++ (Wang et al. 2023, arXiv 2306.10209) counts ZeRO-3's traffic in units of the
+    model's size in the working dtype, M = ``dtype`` bytes x psi: an all-gather of the
+    parameters before forward (M), another before backward (M) and a reduce-scatter of
+    the gradients (M), 3M in all (the ring's (Nd - 1) / Nd factor left out, as there).
+    qwZ sends the forward's weights as int8 with one scale per ``block`` elements
+    (psi + ``scale_bytes`` psi / block bytes, about M / 2); hpZ keeps a secondary copy of
+    the parameters partitioned inside each node, so backward's all-gather never leaves
+    the node (0 across); qgZ sends the gradients as int4 in a hierarchical all-to-all
+    (psi / 2 + ``scale_bytes`` psi / block bytes, about M / 4). All three: about 0.75M,
+    a 4x reduction. When all ``nd`` GPUs sit in one node nothing crosses a boundary.
+
+    Returns:
+        ``{"forward_gather", "backward_gather", "gradients", "total", "hpz_extra_bytes"}``:
+        bytes per GPU per step across node boundaries, and the memory hpZ's secondary
+        partition adds per GPU (``dtype`` bytes x psi / gpus_per_node; 0 without hpZ).
+
+    Raises:
+        ConfigError: bad counts, an unknown ``dtype``, a negative ``scale_bytes``.
+    """
+    _positive("psi", psi)
+    for name, value in (("nd", nd), ("gpus_per_node", gpus_per_node), ("block", block)):
+        _count(name, value)
+    require_real("scale_bytes", scale_bytes, strict=False)
+    try:
+        width = dtype_bytes(dtype)
+    except ValueError as e:
+        raise ConfigError(f"dtype: {e}") from None
+    m = width * psi
+    hpz_extra = width * psi / gpus_per_node if hpz else 0.0
+    if nd <= gpus_per_node:  # one node: every hop is inside it
+        return {"forward_gather": 0.0, "backward_gather": 0.0, "gradients": 0.0, "total": 0.0,
+                "hpz_extra_bytes": hpz_extra}
+    scales = scale_bytes * psi / block
+    forward = psi + scales if qwz else m
+    backward = 0.0 if hpz else forward
+    gradients = psi / 2 + scales if qgz else m
+    return {"forward_gather": forward, "backward_gather": backward, "gradients": gradients,
+            "total": forward + backward + gradients, "hpz_extra_bytes": hpz_extra}
