@@ -313,9 +313,9 @@ def offload_traffic_bytes(psi: float, nd: int, stage: int, offload: str | None, 
     the updated partition of the parameters comes back, and the CPU's Adam updates ``psi /
     nd`` elements. With ``offload="disk"`` (ZeRO-Infinity, Rajbhandari et al., SC'21, arXiv
     2104.07857) the K bytes per parameter of optimizer states live on NVMe and are read
-    and written once a step; at stage 3 the parameters' partition also lives there, read
-    before forward and before backward and written after the step (3 x dtype bytes per
-    element). ``offload=None`` moves nothing.
+    and written once a step, as the package's engines do (:mod:`zerolearn.engines.offload`).
+    ZeRO-Infinity can also keep stage 3's parameters there; that traffic is not counted.
+    ``offload=None`` moves nothing.
 
     Returns:
         ``{"pcie": bytes, "disk": bytes, "host_elements": elements}`` per GPU per step.
@@ -338,9 +338,7 @@ def offload_traffic_bytes(psi: float, nd: int, stage: int, offload: str | None, 
     if stage == 0:
         raise ConfigError("offload with stage 0: offload moves a rank's ZeRO partition to the host; choose stage 1-3")
     part = psi / nd
-    disk = 0.0
-    if offload == "disk":
-        disk = 2 * k * part + (3 * width * part if stage == 3 else 0.0)
+    disk = 2 * k * part if offload == "disk" else 0.0
     return {"pcie": 2 * width * part, "disk": disk, "host_elements": part}
 
 
