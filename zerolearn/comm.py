@@ -18,6 +18,23 @@ labels cost nothing.
 Every call also goes through :mod:`zerolearn.guard`, which makes ranks that disagree
 fail loudly instead of hanging: a fingerprint check in debug mode, and a message
 naming dead or stuck ranks when a collective fails.
+
+A fifth op, :func:`all_to_all` (ZeRO++'s quantized gradient exchange, qgZ: Wang et al.,
+arXiv 2306.10209, Sec 3.3), is recorded too; its ``elements`` is its input. It is not a
+term of the paper's volume (:meth:`CommLedger.volume_elements` keeps Sec 7.1's formula
+over the four ops above); with ZeRO++ compare ``bytes``, since quantized calls move int8
+or packed int4 values and fp32 scales.
+
+**Intra- and inter-node bytes.** After :func:`set_nodes` (k ranks per "node": global
+ranks ``[0, k)``, ``[k, 2k)``, ...), every call is also split by link, per rank, under this
+model: a call on a group of p ranks whose counted tensor has B bytes exchanges a piece of
+B / p bytes with each other rank of the group: an all_gather receives every other rank's
+piece, a reduce_scatter or an all_to_all sends every other rank its piece, a ring
+all_reduce counts as a reduce_scatter plus an all_gather (2 B / p per peer); a broadcast
+brings B bytes from the source to every other rank (the source counts none). Bytes with
+a peer in the same node are ``intra``, the others ``inter`` (:meth:`CommLedger.by_link`,
+optionally for one kind of work, the ``doing`` of :func:`unit`). Without nodes set
+(the default) none of this is computed.
 """
 
 from __future__ import annotations
@@ -31,15 +48,18 @@ import torch
 import torch.distributed as dist
 
 from zerolearn import compat, guard
+from zerolearn.errors import require_count
 from zerolearn.guard import CollectiveError, CollectiveMismatch, debug_enabled, set_debug, unit
 
-OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
+OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")  # the paper's (Sec 7.1)
+EXTRA_OPS = ("all_to_all",)  # ZeRO++'s qgZ; recorded, not in the paper's volume
 # Profiler labels: "<LAUNCH>|op|async or sync|unit|doing" around a call, "<WAIT>|op" around Handle.wait,
 # "<RELEASE>|op" around the wait for gloo to let go of the tensors (inside either).
 LAUNCH, WAIT, RELEASE = "zerolearn.comm", "zerolearn.wait", "zerolearn.release"
-__all__ = ["LAUNCH", "LEDGER", "OPS", "RELEASE", "WAIT", "CollectiveError", "CollectiveMismatch", "CommLedger",
-           "Handle", "all_gather", "all_reduce", "barrier", "broadcast", "debug_enabled", "gather_objects",
-           "monitor_max", "monitor_mean", "profiler_label", "reduce_scatter", "set_debug", "unit"]
+__all__ = ["EXTRA_OPS", "LAUNCH", "LEDGER", "OPS", "RELEASE", "WAIT", "CollectiveError", "CollectiveMismatch",
+           "CommLedger", "Handle", "all_gather", "all_reduce", "all_to_all", "barrier", "broadcast", "debug_enabled",
+           "gather_objects", "monitor_max", "monitor_mean", "node_ranks", "profiler_label", "reduce_scatter",
+           "set_debug", "set_nodes", "unit"]
 
 
 @dataclass
@@ -65,9 +85,33 @@ class CommLedger:
             s.bytes += tensor.numel() * tensor.element_size()
             s.seconds += seconds
 
+    # Bytes per link, per kind of work (guard.calling_unit()'s "doing"): {doing: {"intra": b, "inter": b}}.
+    links: dict[str, dict[str, int]] = field(default_factory=lambda: defaultdict(lambda: {"intra": 0, "inter": 0}))
+
     def reset(self) -> None:
         self.ops.clear()
         self.tags.clear()
+        self.links.clear()
+
+    def link(self, op: str, tensor: torch.Tensor, group, src: int | None = None) -> None:
+        """Add one call's bytes to :attr:`links` under the module's model (:func:`set_nodes` first)."""
+        nbytes = tensor.numel() * tensor.element_size()
+        intra, inter, me, p = _peers(group)
+        counts = self.links[guard.calling_unit()[1]]
+        if op == "broadcast":
+            if src is not None and src != me:
+                counts["intra" if src // _nodes[0] == me // _nodes[0] else "inter"] += nbytes
+            return
+        piece = nbytes // p * (2 if op == "all_reduce" else 1)
+        counts["intra"] += piece * intra
+        counts["inter"] += piece * inter
+
+    def by_link(self, doing: str | None = None) -> dict[str, int]:
+        """``{"intra": bytes, "inter": bytes}`` this rank moved since :meth:`reset` with nodes set
+        (:func:`set_nodes`; the model is in the module's docstring), for all work or only the
+        collectives issued inside ``comm.unit(..., doing)`` (``"forward: gather"``, ...)."""
+        picked = [v for d, v in self.links.items() if doing is None or d == doing]
+        return {k: sum(v[k] for v in picked) for k in ("intra", "inter")}
 
     def by_tag(self) -> dict[str, dict[str, dict[str, int]]]:
         """``{tag: {op: {calls, elements, bytes}}}`` for the tags seen since :meth:`reset`."""
@@ -80,15 +124,43 @@ class CommLedger:
         return 2 * e["all_reduce"] + e["reduce_scatter"] + e["all_gather"] + e["broadcast"]
 
     def as_dict(self) -> dict[str, dict[str, int]]:
-        """The report's ``comm`` entry: ``{op: {calls, elements, bytes}}`` for all four ops."""
+        """The report's ``comm`` entry: ``{op: {calls, elements, bytes}}`` for all four ops
+        (and ``all_to_all`` when it was called)."""
         out = {}
-        for op in OPS:
+        for op in OPS + tuple(op for op in EXTRA_OPS if op in self.ops):
             s = self.ops.get(op, OpStats())
             out[op] = {"calls": s.calls, "elements": s.elements, "bytes": s.bytes}
         return out
 
 
 LEDGER = CommLedger()
+_nodes: list = [None]  # [k ranks per node or None, {group: (intra peers, inter peers, my rank, size)}]
+
+
+def set_nodes(node_ranks: int | None) -> None:
+    """Split the ledger's bytes by link from now on: nodes of ``node_ranks`` consecutive global
+    ranks (None: one node, nothing split, nothing computed per call; the default).
+
+    Raises:
+        ConfigError: ``node_ranks`` is not None nor an integer >= 1.
+    """
+    if node_ranks is not None:
+        require_count("node_ranks", node_ranks)
+    _nodes[:] = [node_ranks] if node_ranks is None else [node_ranks, {}]
+
+
+def node_ranks() -> int | None:
+    """Ranks per node of :func:`set_nodes` (None: not set)."""
+    return _nodes[0]
+
+
+def _peers(group) -> tuple[int, int, int, int]:
+    cached = _nodes[1].get(group)
+    if cached is None:
+        ranks, me, k = guard.group_ranks(group), dist.get_rank(), _nodes[0]
+        intra = sum(1 for r in ranks if r != me and r // k == me // k)
+        cached = _nodes[1][group] = (intra, len(ranks) - 1 - intra, me, len(ranks))
+    return cached
 
 
 # gloo runs a collective on a worker thread that lets go of the collective's tensors a
@@ -178,7 +250,7 @@ class Handle:
 
 
 def _run(op: str, counted: torch.Tensor, call, async_op: bool, group, tensors: tuple,
-         detail: str | None = None, tag: str = "dp") -> Handle:
+         detail: str | None = None, tag: str = "dp", src: int | None = None) -> Handle:
     shapes = tuple(tuple(t.shape) for t in tensors)
     guard.before(op if detail is None else f"{op}({detail})", shapes, counted.dtype, group)
     before = _use_counts(tensors, group)
@@ -188,6 +260,8 @@ def _run(op: str, counted: torch.Tensor, call, async_op: bool, group, tensors: t
         with guard.loud(op, group):
             work = call()
         LEDGER.record(op, counted, time.perf_counter() - t0, tag)
+        if _nodes[0] is not None:
+            LEDGER.link(op, counted, group, src)
         if not async_op:
             _await_release(tensors, before, op=op)
     if not async_op:
@@ -284,4 +358,14 @@ def broadcast(tensor: torch.Tensor, src: int, group=None, async_op: bool = False
     """Copy ``tensor`` from global rank ``src`` to every rank of ``group``, in place."""
     return _run("broadcast", tensor,
                 lambda: dist.broadcast(tensor, src=src, group=group, async_op=async_op), async_op,
-                group, (tensor,), detail=f"src={src}", tag=tag)
+                group, (tensor,), detail=f"src={src}", tag=tag, src=src)
+
+
+def all_to_all(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False,
+               tag: str = "dp") -> Handle:
+    """``output`` (n elements) = piece r of every rank's ``input`` (n), in rank order, where
+    piece r (n / world_size elements) of a rank's ``input`` goes to group rank r.
+    n must be a multiple of the group's size. Recorded as ``all_to_all`` (elements: the input)."""
+    return _run("all_to_all", input,
+                lambda: dist.all_to_all_single(output, input, group=group, async_op=async_op),
+                async_op, group, (input, output), tag=tag)

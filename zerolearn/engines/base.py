@@ -156,6 +156,8 @@ class Engine(EngineStateMixin, abc.ABC):
     stage: int = -1  # DeepSpeed's numbering (0-3), recorded in checkpoints; -1: none of them
 
     def __new__(cls, *args, **kwargs):
+        from zerolearn.engines.zeropp_units import refuse_options  # ZeRO++ options: stage 3 only
+        refuse_options(cls.stage, kwargs)
         missing = sorted(getattr(cls, "__abstractmethods__", ()))
         if missing:
             raise TypeError(f"{cls.__name__} does not implement {', '.join(missing)}: an engine must implement "

@@ -31,6 +31,7 @@ from torch import nn
 from zerolearn import comm, guard
 from zerolearn.engines import units as U
 from zerolearn.engines.base import Bucket, Engine
+from zerolearn.engines.zeropp_units import ZeroPP
 
 
 class Zero3Engine(Engine):
@@ -52,6 +53,10 @@ class Zero3Engine(Engine):
     """
 
     stage = 3
+
+    def __init__(self, model: nn.Module, *, node_ranks=None, qwz_block=None, hpz=False, qgz=False, **options):
+        self.zpp = ZeroPP(node_ranks, qwz_block, hpz, qgz, options.get("group"))  # ZeRO++, checked first
+        super().__init__(model, **options)
 
     # ----- what a rank keeps: shards; a unit's buckets never cross its boundary -------
     def _build_buckets(self, trainable, units) -> list[Bucket]:
@@ -89,7 +94,7 @@ class Zero3Engine(Engine):
             return
         for b in unit.buckets:
             b.full.untyped_storage().resize_(b.full.nbytes)
-            unit.gathering.append(comm.all_gather(b.full, b.shard, group=self.pg, async_op=True))
+            unit.gathering.append(self.zpp.gather(b, self.in_backward))  # comm.all_gather, or ZeRO++'s
             self.gathered_bytes += b.full.nbytes
             self.temp_buffer_peak_bytes = max(self.temp_buffer_peak_bytes, b.full.nbytes)
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
@@ -211,7 +216,7 @@ class Zero3Engine(Engine):
             b.grad_shard = out
         else:
             b.reduced = out
-        return comm.reduce_scatter(out, b.grad_full, group=self.pg, async_op=True)
+        return self.zpp.reduce_scatter(out, b.grad_full)  # comm.reduce_scatter, or ZeRO++'s qgZ
 
     def _after_reduce(self, b: Bucket) -> None:
         b.grad_full = None  # the full gradient bucket is no longer needed: free it now

@@ -1,0 +1,142 @@
+"""ZeRO++ on the ZeRO-3 engine: which collective gathers a unit's bucket and which one
+reduces its gradient (Wang et al., arXiv 2306.10209, Sec 3; the collectives themselves
+are in :mod:`zerolearn.zeropp`).
+
+:class:`ZeroPP` is what :class:`zerolearn.engines.zero3.Zero3Engine` asks at its two
+collectives: ``gather(b, in_backward)`` for a bucket's all_gather and
+``reduce_scatter(out, inp)`` for its gradient. With no option set both are ZeRO-3's
+own calls, unchanged.
+
+* ``qwz_block`` (qwZ, Sec 3.1): every all_gather of working parameters is int8 block
+  quantized, ``qwz_block`` elements per scale. Backward's gather (where hpZ does not
+  replace it) is quantized too: quantization is deterministic, so backward computes
+  with exactly the weights forward used.
+* ``hpz`` (hpZ, Sec 3.2): when a forward gather (with autograd recording) finishes, the
+  rank keeps its secondary shard of the gathered buffer, 1/k of it, k = ``node_ranks``:
+  local rank j of a node keeps elements [j P / k, (j + 1) P / k) of a P-element bucket.
+  The node's k secondary shards together are the whole buffer, so backward's gather is
+  an all_gather of the secondary shards inside the node: no byte crosses a node. The
+  copies are the values forward used (dequantized ones under qwZ), so hpZ changes no
+  number. A secondary shard is dropped once its backward gather is launched (a later
+  gather of the same bucket, or one with none kept, falls back to the primary gather,
+  which gives the same values); memory: up to Psi / k working-precision elements per
+  rank between forward and backward (``peak_secondary_bytes``).
+* ``qgz`` (qgZ, Sec 3.3): the gradient reduce_scatter becomes
+  :func:`zerolearn.zeropp.reduce_scatter_quantized` (int4, intra-node hop then
+  inter-node hop), synchronous, with block size ``qwz_block`` or the default.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from zerolearn import comm, zeropp
+from zerolearn.errors import ConfigError, require_count
+from zerolearn.memory.ledger import category
+
+OPTIONS = ("node_ranks", "qwz_block", "hpz", "qgz")
+
+
+def refuse_options(stage: int, options: dict) -> None:
+    """Raise ConfigError when ZeRO++ options are passed to an engine of a stage other than 3."""
+    passed = [f"{k}={options[k]!r}" for k in OPTIONS if k in options]
+    if passed and stage != 3:
+        raise ConfigError(f"{', '.join(passed)}: ZeRO++ options (node_ranks, qwz_block, hpz, qgz) apply to "
+                          f"stage 3 only (ZeRO++ is built on ZeRO-3); this engine is stage {stage}")
+
+
+class _KeepSecondary:
+    """A forward gather in flight; once it is done, the rank's secondary shard is copied."""
+
+    def __init__(self, handle, owner: ZeroPP, b):
+        self.handle, self.owner, self.b = handle, owner, b
+
+    def wait(self) -> None:
+        if self.handle is None:
+            return
+        self.handle.wait()
+        self.handle = None
+        self.owner._keep(self.b)
+
+
+class ZeroPP:
+    """A ZeRO-3 engine's ZeRO++ options, checked, and the collectives they choose.
+
+    Args:
+        node_ranks: k, ranks per node (consecutive global ranks; must divide the world
+            size); None: no nodes (then hpz and qgz are refused).
+        qwz_block: elements per int8 scale of the quantized weight gathers (qwZ); None: off.
+        hpz: keep secondary shards inside the node for backward's gathers (needs node_ranks).
+        qgz: int4 two-hop quantized gradient reduce_scatter (needs node_ranks).
+        group: the engine's process group (must be every rank when node_ranks is set).
+
+    Raises:
+        ConfigError: a bad value (named, with what is allowed), hpz or qgz without
+            node_ranks, node_ranks not dividing the world size, a group of part of the
+            ranks. All checked here, before the engine builds anything; the node groups
+            are then made (:func:`zerolearn.zeropp.make_nodes`, every rank).
+    """
+
+    def __init__(self, node_ranks: int | None = None, qwz_block: int | None = None, hpz: bool = False,
+                 qgz: bool = False, group=None):
+        if node_ranks is not None:
+            require_count("node_ranks", node_ranks)
+            zeropp.check_nodes(node_ranks, torch.distributed.get_world_size())
+        if qwz_block is not None:
+            require_count("qwz_block", qwz_block)
+        for name, value in (("hpz", hpz), ("qgz", qgz)):
+            if not isinstance(value, bool):
+                raise ConfigError(f"{name}={value!r}: must be True or False")
+            if value and node_ranks is None:
+                raise ConfigError(f"{name}=True needs node_ranks (ranks per node, dividing the world size "
+                                  f"{torch.distributed.get_world_size()}): ZeRO++'s {name} works per node")
+        self.qwz_block, self.hpz, self.qgz, self.pg = qwz_block, hpz, qgz, group
+        self.nodes = zeropp.make_nodes(node_ranks, group) if node_ranks is not None else None
+        self._secondary: dict[int, torch.Tensor] = {}  # id(bucket) -> its secondary shard
+        self.secondary_bytes = self.peak_secondary_bytes = 0
+
+    @property
+    def enabled(self) -> bool:
+        """Some option changes a collective."""
+        return self.qwz_block is not None or self.hpz or self.qgz
+
+    # ----- gathers ----------------------------------------------------------------------
+    def gather(self, b, in_backward: bool):
+        """Launch the all_gather of bucket ``b``'s working parameters into ``b.full``
+        (already sized); returns a handle with ``wait()``."""
+        secondary = self._drop(b)
+        if in_backward and secondary is not None:
+            if self.nodes.node_ranks == 1:
+                b.full.copy_(secondary)
+                return comm.Handle(None, "all_gather")
+            return comm.all_gather(b.full, secondary, group=self.nodes.intra, async_op=True)
+        if self.qwz_block is not None:
+            handle = zeropp.all_gather_quantized(b.full, b.shard, self.qwz_block, self.pg, async_op=True)
+        else:
+            handle = comm.all_gather(b.full, b.shard, group=self.pg, async_op=True)
+        keep = self.hpz and not in_backward and torch.is_grad_enabled()
+        return _KeepSecondary(handle, self, b) if keep else handle
+
+    def _keep(self, b) -> None:
+        piece = b.full.numel() // self.nodes.node_ranks
+        start = self.nodes.local * piece
+        with category("params"):
+            self._secondary[id(b)] = b.full[start:start + piece].clone()
+        self.secondary_bytes += piece * b.full.element_size()
+        self.peak_secondary_bytes = max(self.peak_secondary_bytes, self.secondary_bytes)
+
+    def _drop(self, b) -> torch.Tensor | None:
+        secondary = self._secondary.pop(id(b), None)
+        if secondary is not None:
+            self.secondary_bytes -= secondary.nbytes
+        return secondary
+
+    # ----- gradients ----------------------------------------------------------------------
+    def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor) -> comm.Handle:
+        """Launch the sum over ranks of ``inp`` into this rank's chunk ``out``: ZeRO-3's
+        reduce_scatter, or qgZ's quantized two-hop all-to-all (done when it returns)."""
+        if not self.qgz:
+            return comm.reduce_scatter(out, inp, group=self.pg, async_op=True)
+        zeropp.reduce_scatter_quantized(out, inp, self.nodes, bits=4,
+                                        block=self.qwz_block or zeropp.DEFAULT_BLOCK)
+        return comm.Handle(None, "all_to_all")
