@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 
 from zerolearn import data
 from zerolearn.dist import DEFAULT_TIMEOUT_S, resolve_backend_device
+from zerolearn.engines.offload import OFFLOADS
 from zerolearn.engines.optim import OPTIMIZERS
 from zerolearn.errors import ConfigError, require_choice, require_count, require_real
 from zerolearn.memory import model as analytic
@@ -105,6 +106,14 @@ class TrainConfig:
     contiguous_checkpoints: bool = _opt(False, "MD: copy checkpoints into one pre-allocated pool (Sec 6.3)")
     tensor_parallel: int = _opt(1, "split each GPT block across NM ranks (Megatron-style); world = Nd x NM",
                                 metavar="NM")
+    # ZeRO-Offload (arXiv 2101.06840) and ZeRO-Infinity (arXiv 2104.07857): zerolearn.engines.offload.
+    offload: str | None = _opt(None, "stages 1-3: fp32 master, moments and gradient shard in host memory, the "
+                                     "optimizer step on the CPU (cpu), and the optimizer states in files (disk)",
+                               choices=OFFLOADS)
+    offload_dir: str | None = _opt(None, "--offload disk: folder of the files (default: a temporary one)",
+                                   metavar="D")
+    dpu: bool = _opt(False, "with --offload: one-step delayed parameter update, the host step overlaps the next "
+                            "forward and backward")
     report: str | None = _opt(None, "write the JSON report here (rank 0)")
     quiet: bool = _opt(False, "no progress bar")
 
@@ -193,6 +202,8 @@ def _check_choices(c: TrainConfig) -> None:
                "fail_mode": ("kill", "hang")}
     for name, choices in allowed.items():
         require_choice(_flag(name), getattr(c, name), choices)
+    if c.offload is not None:
+        require_choice("--offload", c.offload, OFFLOADS)
 
 
 SEED_MAX = 2**32 - 1  # the seed of step s's batch is seed x 1_000_003 + s, a 64-bit generator seed
@@ -252,6 +263,13 @@ def _check_needs(c: TrainConfig) -> None:
         raise ConfigError("--tensor-parallel and --checkpoint-activations apply to --model gpt")
     if c.tensor_parallel > 1 and c.n_head % c.tensor_parallel:
         raise ConfigError(f"--tensor-parallel {c.tensor_parallel}: must divide --n-head {c.n_head}")
+    if c.offload is not None and c.stage == 0:
+        raise ConfigError(f"--offload {c.offload} with --stage 0: allowed at stages 1, 2, 3 (ZeRO-Offload moves "
+                          "the partitioned optimizer states; stage 0 partitions nothing)")
+    if c.dpu and c.offload is None:
+        raise ConfigError("--dpu needs --offload cpu or --offload disk")
+    if c.offload_dir is not None and c.offload != "disk":
+        raise ConfigError(f"--offload-dir {c.offload_dir} needs --offload disk")
 
 
 def _check_paths(c: TrainConfig) -> None:
@@ -260,6 +278,8 @@ def _check_paths(c: TrainConfig) -> None:
         check_output_file("--report", c.report)
     if c.checkpoint_dir:
         check_output_folder("--checkpoint-dir", c.checkpoint_dir)
+    if c.offload_dir:
+        check_output_folder("--offload-dir", c.offload_dir)
 
 
 def check_output_file(option: str, path: str) -> None:

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from zerolearn import comm, guard
+from zerolearn.engines import offload as offloading
 from zerolearn.engines import optim
 from zerolearn.engines.state import EngineStateMixin
 from zerolearn.errors import ConfigError
@@ -141,13 +142,25 @@ class Engine(EngineStateMixin, abc.ABC):
             marked ``tensor_parallel = True`` differ per rank, the others are replicas).
         broadcast_buffers: copy every buffer from data-parallel rank 0 at the start of
             each forward, as torch DDP does.
+        offload: None; ``"cpu"`` (ZeRO-Offload, Ren et al., ATC'21, arXiv 2101.06840): the
+            fp32 master, the moments and the fp32 gradient shard in host memory, torch's
+            optimizer steps there; ``"disk"`` (ZeRO-Infinity, SC'21, arXiv 2104.07857):
+            as "cpu", each bucket's optimizer states in a file between its steps
+            (:mod:`zerolearn.engines.offload`). Stages 1-3.
+        offload_dir: the folder for ``"disk"``'s files (created if missing; None: a
+            temporary folder, removed by :meth:`close` or garbage collection).
+        dpu: ZeRO-Offload's one-step delayed parameter update: the host step of step t
+            runs on a thread during step t + 1's forward and backward, which use
+            parameters one update stale; the first step is synchronous. Needs offload.
 
     Parameters unused in a step follow torch: one no rank used since ``zero_grad`` is
     not updated (no momentum, Adam moment or step count, weight decay); one some ranks
     used gets the average with zeros from the others (DDP, ``find_unused_parameters``).
 
     Raises:
-        ConfigError: bad optimizer, dtype, lr or bucket size; parameters on several
+        ConfigError: bad optimizer, dtype, lr, bucket size or offload option (stage 0
+            or an unknown offload, dpu without offload, an offload_dir that cannot be
+            written: :func:`zerolearn.engines.offload.check_options`); parameters on several
             devices or of a floating dtype other than fp32 and ``dtype``; no trainable
             parameter. All before anything is allocated or communicated.
         TypeError: the class does not implement the four methods of the contract.
@@ -169,9 +182,12 @@ class Engine(EngineStateMixin, abc.ABC):
                  betas: tuple[float, float] = (0.9, 0.999), dtype: str = "fp32",
                  bucket_mb: float | None = None, max_grad_norm: float | None = None,
                  group=None, units: list[nn.Module] | None = None, mp_group=None,
-                 broadcast_buffers: bool = True):
+                 broadcast_buffers: bool = True, offload: str | None = None, offload_dir: str | None = None,
+                 dpu: bool = False):
         self.dtype = parse_dtype(dtype)
         optim.check_options(optimizer, lr, bucket_mb, max_grad_norm)
+        offloading.check_options(self.stage, offload, offload_dir, dpu)
+        self._offload: offloading.Offload | None = None
         self.device = optim.model_device(model)
         self.model, self.pg, self.mp_group = model, group, mp_group
         self.rank = torch.distributed.get_rank(group)
@@ -182,6 +198,9 @@ class Engine(EngineStateMixin, abc.ABC):
         self.first_bucket_bytes, self.bucket_bytes = bucket_caps(bucket_mb, self.device.type)
         self.scaler = LossScaler(enabled=self.dtype == torch.float16)
         self.mixed = needs_master(self.dtype)
+        self.offload, self.dpu = offload, dpu
+        # An fp32 master of its own; else (fp32, no offload) a view of the working parameters.
+        self.separate_master = self.mixed or offload is not None
         check_param_dtypes(model, self.dtype)
         trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if not trainable:
@@ -196,7 +215,9 @@ class Engine(EngineStateMixin, abc.ABC):
             b.tally = self._grad_bytes
             self._init_bucket(b, m)
         del masters32
-        self.optimizer = optim.make_grouped(optimizer, [b.master for b in self.buckets], lr, weight_decay,
+        if offload is not None:  # the masters move to the host before the optimizer sees them
+            self._offload = offloading.Offload(self, offload, offload_dir, dpu)
+        self._optimizer = optim.make_grouped(optimizer, [b.master for b in self.buckets], lr, weight_decay,
                                             momentum, betas)
         # Ranks hold different parts of the gradient exactly when masters are shards.
         self.shards_grads_for_norm = any(b.master.numel() != b.layout.padded_numel for b in self.buckets)
@@ -365,6 +386,8 @@ class Engine(EngineStateMixin, abc.ABC):
         b.reducing.wait()
         b.reducing = None
         self._after_reduce(b)
+        if self._offload is not None:
+            self._offload.take_grad(self, b)  # the reduced shard to the host's fp32 buffer
 
     def _ensure_grad_full(self, b: Bucket) -> None:
         if b.grad_full is None:
@@ -395,9 +418,14 @@ class Engine(EngineStateMixin, abc.ABC):
         (``clip_grad_norm_``'s formula, summed over ranks when they hold different
         parts). Then bucket by bucket: torch's optimizer steps the master, and the update
         is published while the next bucket steps, so in mixed precision one bucket's fp32
-        gradient exists at a time (the paper's (2 + 2 + K) Psi holds none).
+        gradient exists at a time (the paper's (2 + 2 + K) Psi holds none). With offload the
+        norm and the update read the host's fp32 gradients and torch's optimizer steps the
+        host master (:class:`zerolearn.engines.offload.Offload`).
         """
-        grads = [self._grad_for_step(b) for b in self.buckets]
+        off = self._offload
+        if off is not None:
+            off.land(self)  # DPU: the update in flight finishes and is published
+        grads = off.grads_for_step(self) if off is not None else [self._grad_for_step(b) for b in self.buckets]
         if self._used_flags is None:  # no reducing backward since zero_grad
             self._exchange_used_flags()
         used = self._used_anywhere()
@@ -405,6 +433,9 @@ class Engine(EngineStateMixin, abc.ABC):
         self.scaler.update(found_inf)
         if found_inf:
             return False
+        if off is not None:
+            off.step(self, used, coef)  # the host's step, publish (under DPU: on a thread)
+            return True
         for i, (b, grad) in enumerate(zip(self.buckets, grads)):
             b.master.grad = grad.float() if grad.dtype != torch.float32 else grad
             if coef != 1.0:
@@ -448,7 +479,7 @@ class Engine(EngineStateMixin, abc.ABC):
         coef = 1.0 / self.scaler.scale
         if self.max_grad_norm is None and not self.scaler.enabled:
             return coef, False
-        sq = optim.sum_of_squares(grads, self._norm_weights, self.device)
+        sq = optim.sum_of_squares(grads, self._norm_weights, self.device).to(self.device)
         with comm.unit("<model>", "step: gradient norm"):
             if self.shards_grads_for_norm and self.world_size > 1:
                 comm.all_reduce(sq, group=self.pg)
@@ -479,4 +510,44 @@ class Engine(EngineStateMixin, abc.ABC):
         for b in self.buckets:
             b.grad_full = b.grad_shard = None
             b.used = [False] * len(b.params)
+        if self._offload is not None:
+            self._offload.zero_grad()
         self.holds_reduced = False
+
+    # ----- offload (zerolearn.engines.offload) ------------------------------------------------
+    @property
+    def optimizer(self) -> optim.GroupedOptimizer:
+        """torch's optimizer over the masters (:class:`optim.GroupedOptimizer`). Under DPU a
+        read waits for the host step in flight, so whoever reads its state (a checkpoint)
+        sees the finished update, never one half done."""
+        if self._offload is not None:
+            self._offload.wait()
+        return self._optimizer
+
+    @optimizer.setter
+    def optimizer(self, value: optim.GroupedOptimizer) -> None:
+        self._optimizer = value
+
+    def finish_dpu(self) -> None:
+        """Wait for the DPU host step in flight and publish its update, so the working
+        parameters equal the masters (a collective at stages 1-2: call on every rank).
+        A no-op without DPU or with nothing in flight."""
+        if self._offload is not None and self._offload.delay is not None:
+            self._offload.land(self, starts_step=False)
+
+    def offload_stats(self) -> dict[str, float]:
+        """Disk I/O of the last step (``offload="disk"``; zeros otherwise): ``bytes_read``,
+        ``bytes_written`` (bytes), ``io_seconds`` (s), ``read_bandwidth``,
+        ``write_bandwidth`` (bytes/s; 0.0 without I/O). Under DPU it waits for the step
+        in flight and also counts the masters read to publish the previous update."""
+        if self._offload is None:
+            return {"bytes_read": 0, "bytes_written": 0, "io_seconds": 0.0, "read_bandwidth": 0.0,
+                    "write_bandwidth": 0.0}
+        return self._offload.stats()
+
+    def close(self) -> None:
+        """Release what offload holds outside this object: wait for a DPU step in flight,
+        stop its thread, close and remove the disk files. Idempotent; the engine must not
+        step afterwards. (Garbage collection removes the files too.)"""
+        if self._offload is not None:
+            self._offload.close()

@@ -8,6 +8,8 @@ and the optimizer, so it is the same for every stage. Checkpoints
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from zerolearn import comm
@@ -19,8 +21,12 @@ class EngineStateMixin:
     """Model states per category, bytes held, full fp32 parameters, loading shards.
 
     Expects the attributes an :class:`~zerolearn.engines.base.Engine` sets up:
-    ``buckets``, ``optimizer``, ``device``, ``pg`` and ``_publish_all``.
+    ``buckets``, ``optimizer``, ``device``, ``pg``, ``_publish_all`` and ``_offload``
+    (:class:`zerolearn.engines.offload.Offload` or None).
     """
+
+    LOCATIONS = ("device", "host", "disk")
+    CATEGORIES = ("params", "grads", "optimizer_states")
 
     @property
     def padding(self) -> int:
@@ -34,29 +40,78 @@ class EngineStateMixin:
         ``grads``: flat gradient buffers and shards; ``optimizer_states``: the fp32
         master (a storage of its own only in mixed precision) and the optimizer's
         per-element state (Adam's moments, SGD's momentum). Frozen parameters are not
-        model states (Psi counts trainable ones).
+        model states (Psi counts trainable ones). With offload, the host's fp32 gradient
+        buffers are ``grads`` too, and the master and moments live on the host.
         """
-        return {"params": [t for b in self.buckets for t in (b.full, b.shard)],
-                "grads": [t for b in self.buckets for t in (b.grad_full, b.grad_shard)],
-                "optimizer_states": [t for b in self.buckets
-                                     for t in [b.master, *optimizer_state(self.optimizer, b.master)]]}
+        where = self.state_tensors_by_location()
+        return {c: where["device"][c] + where["host"][c] for c in self.CATEGORIES}
+
+    def state_tensors_by_location(self) -> dict[str, dict[str, list[torch.Tensor]]]:
+        """:meth:`state_tensors` split into ``"device"`` and ``"host"`` (each by category).
+
+        Without offload everything is on the device. With offload (``offload="cpu"`` or
+        ``"disk"``) the master, the moments and the fp32 gradient buffers are host tensors
+        of their own, on a CPU-only run too, where device and host are the same memory.
+        Under ``"disk"`` the host's optimizer states hold no storage between steps.
+        """
+        opt = self._optimizer
+        device = {"params": [t for b in self.buckets for t in (b.full, b.shard)],
+                  "grads": [t for b in self.buckets for t in (b.grad_full, b.grad_shard)],
+                  "optimizer_states": [t for b in self.buckets for t in [b.master, *optimizer_state(opt, b.master)]]}
+        if self._offload is None:
+            return {"device": device, "host": {c: [] for c in self.CATEGORIES}}
+        self._offload.wait()
+        device["optimizer_states"] = []
+        return {"device": device, "host": self._offload.host_tensors(self)}
 
     def model_state_bytes(self) -> dict[str, int]:
         """Bytes this rank holds now per category of :meth:`state_tensors`, measured
-        from the tensors (each storage counted once, in the first category holding it)."""
+        from the tensors (each storage counted once, in the first category holding it):
+        device and host memory together, disk not included."""
         seen: set[int] = set()
         return {name: storage_bytes(tensors, seen) for name, tensors in self.state_tensors().items()}
+
+    def model_state_bytes_by_location(self) -> dict[str, dict[str, int]]:
+        """Bytes this rank holds now, ``{"device" | "host" | "disk": {"params", "grads",
+        "optimizer_states"}}``: memory measured from the tensors held (each storage counted
+        once), disk from the sizes of the offload files (``offload="disk"``).
+
+        For the paper's formulas extended to offload, see
+        :func:`zerolearn.memory.model.offload_state_bytes`.
+        """
+        seen: set[int] = set()
+        out = {loc: {c: storage_bytes(tensors, seen) for c, tensors in by_cat.items()}
+               for loc, by_cat in self.state_tensors_by_location().items()}
+        disk = self._offload.disk_bytes() if self._offload is not None else 0
+        out["disk"] = {"params": 0, "grads": 0, "optimizer_states": disk}
+        return out
+
+    def offload_resident(self):
+        """A context manager: inside it every bucket's fp32 master and optimizer states are in
+        host memory (``offload="disk"`` reads them all, and writes them back and releases
+        them on exit), and no DPU step is in flight. Wrap any direct read of
+        ``b.master`` or ``optimizer.state`` under disk offload in it (a checkpoint's save).
+        Without offload it does nothing."""
+        if self._offload is None:
+            return contextlib.nullcontext()
+        return self._offload.resident(self)
 
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """Every trainable parameter, full and fp32, from the masters (a collective).
 
         Shapes as in the model; gathered with one all_gather per bucket when the master
-        is sharded. Call on every rank.
+        is sharded. Call on every rank. Under DPU the masters hold the update of the
+        last step (waited for), which the working parameters show after the next step or
+        :meth:`finish_dpu`.
         """
+        with self.offload_resident():
+            return self._gather_masters()
+
+    def _gather_masters(self) -> dict[str, torch.Tensor]:
         out = {}
         for b in self.buckets:
-            master = b.master.detach().float()
+            master = b.master.detach().float().to(self.device)  # from the host, under offload
             if b.master.numel() != b.layout.padded_numel:
                 full = torch.empty(b.layout.padded_numel, device=self.device)
                 with comm.unit(b.layout.label, "full_state_dict: gather"):
@@ -77,9 +132,13 @@ class EngineStateMixin:
             optimizer_state: a ``torch.optim`` state dict for ``self.optimizer``.
 
         Republishing rebuilds the working parameters from the new masters (an
-        all_gather per bucket at stages 1-2): a collective, call on every rank.
+        all_gather per bucket at stages 1-2): a collective, call on every rank. Under
+        DPU the update in flight is waited for and replaced by the loaded state.
         """
-        for b, m in zip(self.buckets, masters, strict=True):
-            b.master.copy_(m)
-        self._publish_all()
-        self.optimizer.load_state_dict(optimizer_state)
+        with self.offload_resident():
+            for b, m in zip(self.buckets, masters, strict=True):
+                b.master.copy_(m)
+            self._publish_all()
+            self.optimizer.load_state_dict(optimizer_state)
+            if self._offload is not None:
+                self._offload.loaded(self)

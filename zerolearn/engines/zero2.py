@@ -37,8 +37,8 @@ class Zero2Engine(Engine):
     def _init_bucket(self, b: Bucket, master32: torch.Tensor) -> None:
         b.full = master32.to(self.dtype)
         b.layout.bind(b.params, b.full)
-        # fp32: the master is a view of this rank's slice of the working buffer.
-        shard = b.layout.shard_of(b.full) if not self.mixed else b.layout.shard_of(master32).clone()
+        # fp32 without offload: the master is a view of this rank's slice of the working buffer.
+        shard = b.layout.shard_of(b.full) if not self.separate_master else b.layout.shard_of(master32).clone()
         b.master = nn.Parameter(shard)
 
     # ----- backward: reduce-scatter into the kept shard, free the full bucket ---------
@@ -63,7 +63,7 @@ class Zero2Engine(Engine):
         return b.grad_shard
 
     def _publish(self, b: Bucket) -> None:
-        updated = b.master.detach().to(self.dtype, copy=True)
+        updated = b.master.detach().to(self.device, self.dtype, copy=True)  # from the host, under offload
         self._publishing.append(comm.all_gather(b.full, updated, group=self.pg, async_op=True))
         # Each gather in flight pins its updated shard: keep only a few alive at once.
         while len(self._publishing) > MAX_IN_FLIGHT:

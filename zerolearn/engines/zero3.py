@@ -82,7 +82,7 @@ class Zero3Engine(Engine):
     def _init_bucket(self, b: Bucket, master32: torch.Tensor) -> None:
         full = master32.to(self.dtype)
         b.shard = b.layout.shard_of(full).clone()  # the only copy of the working params kept
-        b.master = nn.Parameter(b.shard if not self.mixed else b.layout.shard_of(master32).clone())
+        b.master = nn.Parameter(b.shard if not self.separate_master else b.layout.shard_of(master32).clone())
         b.full = full
         b.layout.bind(b.params, full)  # parameters are views of the full buffer, whose storage we free
         self._storage_unit[U.storage_key(full)] = self._unit_of[id(b)]
@@ -246,5 +246,5 @@ class Zero3Engine(Engine):
         return b.grad_shard
 
     def _publish(self, b: Bucket) -> None:
-        if self.mixed:
+        if self.separate_master:  # mixed precision, or offload's host master
             b.shard.copy_(b.master)

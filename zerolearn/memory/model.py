@@ -21,7 +21,7 @@ __all__ = [
     "V100_BYTES", "activation_bytes", "comm_collectives_elements",
     "comm_volume_elements", "constant_buffer_bytes", "dtype_bytes",
     "fused_buffer_bytes", "max_model_params", "model_state_bytes",
-    "mp_allreduce_elements_per_block", "optimizer_k", "pa_allgather_elements_per_block",
+    "mp_allreduce_elements_per_block", "offload_state_bytes", "optimizer_k", "pa_allgather_elements_per_block",
     "pa_overhead_ratio", "partitioned_checkpoint_bytes", "stage_title",
 ]
 
@@ -165,6 +165,66 @@ def model_state_bytes(psi: float, nd: int, stage: int, k: float = 12,
     opt = _div(k * psi, nm * nd if stage >= 1 else nm)
     return {"params": params, "grads": grads, "optimizer_states": opt,
             "total": params + grads + opt}
+
+
+OFFLOADS = (None, "cpu", "disk")
+"""Where offload may put the optimizer states (ZeRO-Offload: host memory; ZeRO-Infinity: disk)."""
+
+
+def offload_state_bytes(psi: float, nd: int, stage: int, offload: str | None,
+                        dtype: str = "bf16", k: float = 12) -> dict[str, dict[str, int | float]]:
+    """Bytes of model states per rank by location, with the optimizer offloaded.
+
+    Sec 5's per-device formulas (:func:`model_state_bytes`) extended to offload as
+    ZeRO-Offload (Ren et al., USENIX ATC 2021, arXiv 2101.06840, Sec 4: 2-byte
+    parameters on the GPU; gradients, fp32 optimizer states and the update on the CPU)
+    and ZeRO-Infinity (Rajbhandari et al., SC'21, arXiv 2104.07857, Sec 5: ZeRO-3's
+    optimizer states on CPU memory or NVMe) place them, as the engines of
+    :mod:`zerolearn.engines.offload` hold them. With w = bytes of ``dtype``:
+
+    * ``offload=None``: the device holds :func:`model_state_bytes` (params, grads,
+      optimizer_states with param_bytes = grad_bytes = w); host and disk hold 0.
+    * ``"cpu"``: device params w Psi (w Psi / Nd at stage 3); device grads w Psi at
+      stage 1 (P_os keeps the full gradient) and 0 at stages 2-3 (each reduced shard
+      moves to the host as its reduction finishes; the buckets being reduced are
+      temporary, as in Sec 5.2); device optimizer states 0. Host grads 4 Psi / Nd
+      (the shard the step reads, in fp32, as DeepSpeed keeps it) and host optimizer
+      states K Psi / Nd.
+    * ``"disk"``: as "cpu", with the optimizer states on disk, K Psi / Nd, and none in
+      host memory between steps (one bucket's while it steps).
+
+    The extension beyond the papers' text: the fp32 gradient buffer (ZeRO-Offload's
+    figures count 2-byte gradients moved to the CPU), and parameters stay on the device
+    at stage 3 (ZeRO-Infinity can put them on NVMe too; the engines do not).
+
+    Args: psi parameters (>= 0, add padding to compare with a measurement); nd
+    data-parallel degree (int >= 1); stage 0-3 (1-3 with offload); offload None,
+    "cpu" or "disk"; dtype of the working parameters and gradients ("fp32", "bf16",
+    "fp16"); k optimizer bytes per parameter *including the fp32 master*: with offload
+    the master is always a tensor of its own, in fp32 training too (without offload
+    it shares the working parameters' storage there), so pass
+    ``optimizer_k(optimizer, "bf16")`` (Adam: 12) for fp32 runs as well.
+
+    Returns {"device" | "host" | "disk": {"params", "grads", "optimizer_states"}} in
+    bytes, unrounded (ints when exact).
+
+    Raises ValueError: bad numbers, an offload outside :data:`OFFLOADS`, or offload at
+    stage 0.
+    """
+    if offload not in OFFLOADS:
+        raise ValueError(f"offload must be one of {OFFLOADS}, got {offload!r}")
+    w = dtype_bytes(dtype)
+    plain = model_state_bytes(psi, nd, stage, k, w, w)
+    zero = {"params": 0, "grads": 0, "optimizer_states": 0}
+    if offload is None:
+        return {"device": {c: plain[c] for c in zero}, "host": dict(zero), "disk": dict(zero)}
+    if stage == 0:
+        raise ValueError("offload needs stage 1, 2 or 3 (stage 0 partitions nothing), got stage 0")
+    states = _div(k * psi, nd)
+    device = {"params": plain["params"], "grads": plain["grads"] if stage == 1 else 0, "optimizer_states": 0}
+    host = {"params": 0, "grads": _div(4 * psi, nd), "optimizer_states": states if offload == "cpu" else 0}
+    disk = {"params": 0, "grads": 0, "optimizer_states": states if offload == "disk" else 0}
+    return {"device": device, "host": host, "disk": disk}
 
 
 def max_model_params(device_bytes: float, nd: int, stage: int, k: float = 12,

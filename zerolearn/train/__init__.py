@@ -52,7 +52,7 @@ RESUME_MUST_MATCH = ("model", "seed", "global_batch_size", "seq_len", "n_layer",
                      "mlp_layers", "optimizer", "lr")
 # Options of the optimisation that a resumed run may change; each change is printed.
 RESUME_MAY_CHANGE = ("weight_decay", "max_grad_norm", "momentum", "dtype", "grad_accum_steps", "loss_scale_window",
-                     "bucket_mb")
+                     "bucket_mb", "offload", "offload_dir", "dpu")
 
 
 def batch(config: TrainConfig, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,13 +138,37 @@ def setup(config: TrainConfig, engine_factory=make_engine) -> Run:
     engine = engine_factory(config.stage, model, optimizer=config.optimizer, lr=config.lr,
                             momentum=config.momentum, weight_decay=config.weight_decay, dtype=config.dtype,
                             bucket_mb=config.bucket_mb, max_grad_norm=config.max_grad_norm, group=groups.dp_group,
-                            mp_group=groups.mp_group if groups.nm > 1 else None)
+                            mp_group=groups.mp_group if groups.nm > 1 else None,
+                            **offload_options(config))
     engine.scaler.growth_interval = config.loss_scale_window
     first = checkpoint.resume(engine, config.checkpoint_dir, config.as_dict(), RESUME_MUST_MATCH, RESUME_MAY_CHANGE)
     if first > config.steps:  # equal is a finished run started again: nothing left, exit 0
         raise ConfigError(f"--steps {config.steps}: the checkpoint in {config.checkpoint_dir} is at step {first} "
                           f"already; allowed: --steps {first} or more")
     return Run(config, ctx, engine, zero_r, first)
+
+
+def offload_options(config: TrainConfig) -> dict:
+    """The engine's offload keywords for ``config`` (none when it does not offload, so an
+    ``engine_factory`` that knows no offload still builds the plain engine)."""
+    if config.offload is None:
+        return {}
+    return {"offload": config.offload, "offload_dir": config.offload_dir, "dpu": config.dpu}
+
+
+def offload_entry(run: Run) -> dict:
+    """The report's ``offload``: per rank, the bytes held by location and the last step's
+    disk I/O (:meth:`Engine.model_state_bytes_by_location`, :meth:`Engine.offload_stats`),
+    beside :func:`zerolearn.memory.model.offload_state_bytes` (Psi unpadded). A collective."""
+    from zerolearn.memory.model import offload_state_bytes, optimizer_k
+
+    c, engine = run.config, run.engine
+    mine = {"rank": run.ctx.rank, "bytes_by_location": engine.model_state_bytes_by_location(),
+            "io": engine.offload_stats()}
+    ranks = [mine] if run.ctx.backend == "fake" else comm.gather_objects(mine)
+    k = optimizer_k(c.optimizer, "bf16", momentum=c.momentum > 0)  # the master is always its own tensor
+    return {"kind": c.offload, "dpu": c.dpu, "ranks": ranks,
+            "analytic": offload_state_bytes(engine.psi, run.zero_r.groups.nd, c.stage, c.offload, c.dtype, k)}
 
 
 ACCUMULATE = ("last", "each", "no_sync")
@@ -241,9 +265,11 @@ def maybe_save(run: Run, done: int) -> None:
     """Save a checkpoint after ``done`` steps if ``checkpoint_every`` or the run's end says so."""
     c = run.config
     if c.checkpoint_dir and (done == c.steps or c.checkpoint_every and done % c.checkpoint_every == 0):
-        check_finite_params(run.engine, done - 1)
-        checkpoint.save(run.engine, c.checkpoint_dir, done, extra={"config": saved_config(c)},
-                        keep=c.checkpoint_keep or None)
+        # Offload: no DPU step in flight, and disk's optimizer states read in while saved.
+        with run.engine.offload_resident() if hasattr(run.engine, "offload_resident") else contextlib.nullcontext():
+            check_finite_params(run.engine, done - 1)
+            checkpoint.save(run.engine, c.checkpoint_dir, done, extra={"config": saved_config(c)},
+                            keep=c.checkpoint_keep or None)
 
 
 def _steps(run: Run, progress: bool):
@@ -294,11 +320,17 @@ def train(config: TrainConfig, progress: bool = False, engine_factory=make_engin
         if hasattr(steps, "set_postfix"):
             steps.set_postfix(loss=f"{record.losses[-1]:.4f}")
         maybe_save(run, step + 1)
+    if config.offload is not None:
+        run.engine.finish_dpu()  # DPU: the last update lands in the working parameters
     if cuda and config.cuda_memory_snapshot:
         compat.dump_cuda_memory_snapshot(snapshot_path(config.cuda_memory_snapshot, run.ctx.rank,
                                                        run.ctx.world_size))
         compat.record_cuda_memory_history(False)
-    return make_report(run, record)
+    report = make_report(run, record)
+    if config.offload is not None:
+        report["offload"] = offload_entry(run)
+        run.engine.close()  # the disk files, the DPU thread
+    return report
 
 
 def train_here(config: TrainConfig, progress: bool = False) -> dict:
