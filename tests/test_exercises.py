@@ -67,7 +67,8 @@ def test_the_books_solution_cell_passes_with_only_the_prelude(name):
     assert result.passed, str(result)
 
 
-@pytest.mark.parametrize("name", RANK_EXERCISES[:1] + RANK_EXERCISES[-1:])
+@pytest.mark.parametrize("name", RANK_EXERCISES[:1] + [pytest.param(n, marks=pytest.mark.slow)  # more ranks
+                                                        for n in RANK_EXERCISES[-1:]])
 def test_a_solution_written_in_a_cell_passes_on_fresh_ranks(name, monkeypatch):
     # What a reader's notebook does: the function travels by value to newly spawned ranks.
     monkeypatch.setattr(exercises.core, "_POOLS", None)

@@ -38,11 +38,14 @@ def set_values(explorer, **values) -> None:
 
 
 def sweep(explorer, ranges: dict):
-    """Move each control across its range in turn, the others left where they are."""
-    for name, values in ranges.items():
-        for value in values:
-            explorer.controls[name].value = value
-            yield name, value
+    """Move each control across its range in turn, the others left where they are (the
+    numbers and summary follow every move; the figure is drawn once, at the end)."""
+    with explorer.figure_deferred():
+        for name, values in ranges.items():
+            for value in values:
+                explorer.controls[name].value = value
+                yield name, value
+    assert explorer.view.value[:4] == b"\x89PNG"
 
 
 def test_gpu_table_uses_the_papers_decimal_gb():
@@ -205,7 +208,8 @@ def test_fragmentation_default_fails_with_a_third_free_until_md_is_on():
 
 
 @pytest.mark.parametrize("make", [figures.memory_figure, figures.fit_figure, figures.tradeoff_figure,
-                                  figures.fragmentation_figure, lambda: figures.timeline_figure(measured_reports()[3])])
+                                  pytest.param(figures.fragmentation_figure, marks=pytest.mark.slow),  # recorded_trace
+                                  lambda: figures.timeline_figure(measured_reports()[3])])
 def test_default_views_are_static_figures_with_labelled_axes(make):
     fig = make()
     for ax in fig.axes:

@@ -73,6 +73,7 @@ class Explorer(w.VBox):
         self.view = w.Image(format="png", layout=w.Layout(align_self="flex-start", max_width="100%"))
         self.result: dict = {}
         self._held = False
+        self._drawing = True
         grid = w.GridBox(list(controls.values()), layout=w.Layout(grid_template_columns="repeat(2, 440px)"))
         super().__init__([grid, self.summary, self.view])
         for control in controls.values():
@@ -89,6 +90,17 @@ class Explorer(w.VBox):
             self._held = False
             self.refresh()
 
+    @contextlib.contextmanager
+    def figure_deferred(self):
+        """Controls moved inside this block update ``result`` and the summary at once and
+        the figure once, at the end (drawing is most of a refresh's time: for sweeps)."""
+        self._drawing = False
+        try:
+            yield self
+        finally:
+            self._drawing = True
+            self.refresh()
+
     def __repr__(self) -> str:  # short and stable: notebooks store it as the widget's text
         return f"{type(self).__name__}({', '.join(f'{k}={c.value!r}' for k, c in self.controls.items())})"
 
@@ -99,7 +111,8 @@ class Explorer(w.VBox):
         self.result = self.compute()
         # The figure first, the summary last: the browser applies them in order, so a
         # summary on the page is never ahead of the figure under it.
-        self.view.value = png(self.figure())
+        if self._drawing:
+            self.view.value = png(self.figure())
         self.summary.value = self.describe(self.result)
 
     def compute(self) -> dict:  # pragma: no cover - every explorer overrides these
