@@ -64,6 +64,14 @@ def test_int8_is_exact_on_its_grid_and_zero_blocks_stay_zero():
         assert torch.equal(zeropp.dequantize(q, s, 10, bits, 4), torch.zeros(10))
 
 
+def test_a_non_finite_block_stays_non_finite():
+    # An fp16 overflow must still be seen after a quantized gradient reduction.
+    x = torch.tensor([1.0, float("inf"), 2.0, 3.0, float("nan"), 1.0, 5.0, 6.0])
+    for bits in (4, 8):
+        back = zeropp.dequantize(*zeropp.quantize(x, bits, 2), 8, bits, 2)
+        assert not torch.isfinite(back[[0, 1, 4, 5]]).any() and torch.isfinite(back[[2, 3, 6, 7]]).all()
+
+
 def test_dequantize_to_a_working_dtype():
     x = torch.randn(300, dtype=torch.bfloat16)
     q, s = zeropp.quantize(x, 8, 64)
@@ -334,3 +342,30 @@ def test_training_with_zeropp_against_plain_zero3(world_size, node_ranks):
     assert f"node_ranks=3 does not divide the world size {world_size}" in errors[0]
     assert "hpz=True needs node_ranks" in errors[1] and "qgz=True needs node_ranks" in errors[2]
     assert "qwz_block 0: must be an integer >= 1" in errors[3] and "hpz='yes': must be True or False" in errors[4]
+
+
+# ----- the measured table ------------------------------------------------------------------------
+@pytest.mark.parametrize("world_size", [4])
+def test_zeropp_table_measures_each_option_against_plain_stage_3(world_size):
+    from zerolearn.experiments.zeropp import format_zeropp_table, zeropp_table
+
+    k = 2
+    table = zeropp_table(world_size, node_ranks=k, steps=2, d_model=32)
+    rows = {r["option"]: r for r in table}
+    assert list(rows) == ["ZeRO-3", "qwZ", "hpZ", "qgZ", "qwZ+hpZ+qgZ"]
+    plain, qwz, hpz, qgz, every = rows.values()
+    assert plain["max |loss diff|"] == plain["max |param diff|"] == 0
+    assert hpz["max |loss diff|"] == hpz["max |param diff|"] == 0  # hpZ changes no number
+    assert hpz["backward gather inter B"] == 0 < plain["backward gather inter B"]
+    # P / k elements from each of k - 1 node peers, against P / W from each of k - 1 in plain's gather.
+    assert hpz["backward gather intra B"] == plain["backward gather intra B"] * world_size // k
+    assert hpz["extra bytes"] == hpz["backward gather intra B"] // (k - 1) > 0  # one secondary shard per bucket
+    # qwZ: int8 + one fp32 scale per 256 against bf16: about half the bytes, everywhere it gathers.
+    for work in ("forward gather", "backward gather"):
+        for link in ("intra", "inter"):
+            assert 0.5 * plain[f"{work} {link} B"] < qwz[f"{work} {link} B"] < 0.55 * plain[f"{work} {link} B"]
+    assert qgz["gradient inter B"] < plain["gradient inter B"] / 4
+    assert 0 < qwz["max |loss diff|"] and 0 < qgz["max |loss diff|"]
+    assert every["inter B"] < plain["inter B"] / 4  # ZeRO++'s "4x less cross-node traffic"
+    text = format_zeropp_table(table)
+    assert all(name in text for name in rows)

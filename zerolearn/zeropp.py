@@ -100,7 +100,9 @@ def quantize(x: torch.Tensor, bits: int = 8, block: int = DEFAULT_BLOCK) -> tupl
     (the last one shorter); block i gets the scale s_i = max |x| over the block / L with
     L = 2^(bits-1) - 1 (127 for int8, 7 for int4), and each element the code
     round(x / s_i) in [-L, L]. So |x - s_i * code| <= s_i / 2 for every element (up to
-    fp32 rounding of x / s_i). An all-zero block has scale 0 and codes 0.
+    fp32 rounding of x / s_i). An all-zero block has scale 0 and codes 0. A block holding
+    an inf or NaN gets a non-finite scale, so it dequantizes to non-finite values: an fp16
+    overflow in a gradient still shows after a quantized reduction.
 
     Args:
         x: (n,) of any floating dtype; computed in fp32.
