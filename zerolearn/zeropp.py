@@ -153,9 +153,10 @@ class Nodes:
     Attributes:
         node_ranks: k, ranks per node. world_size: W, ranks in all (a multiple of k).
         rank: this rank's global rank; node = rank // k, local = rank % k.
-        intra: process group of this rank's node (k ranks, in rank order).
+        intra: process group of this rank's node (k ranks, in rank order); None when
+            k = 1 (nothing to exchange inside a node).
         inter: process group of the ranks with this rank's local index, one per node
-            (W / k ranks, in node order).
+            (W / k ranks, in node order); None when there is one node.
     """
 
     node_ranks: int
@@ -192,8 +193,9 @@ def make_nodes(node_ranks: int, group=None) -> Nodes:
     """This rank's :class:`Nodes` over the ranks of ``group`` (which must be every rank).
 
     The groups are made with ``dist.new_group``, which every rank of the job must call,
-    in the same order: the first call for a given k makes all W / k intra-node groups,
-    then all k inter-node groups, on every rank; later calls reuse them.
+    in the same order: the first call for a given k (in a process group) makes all W / k
+    intra-node groups, then all k inter-node groups, on every rank; later calls reuse
+    them. A group of one rank is not made (None).
 
     Raises:
         ConfigError: ``node_ranks`` does not divide the world size (both named), or
