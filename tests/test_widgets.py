@@ -379,3 +379,68 @@ def test_the_chapters_default_views_are_static_figures_with_labelled_axes(make):
     assert len(fig.axes) == 2
     for ax in fig.axes:
         assert ax.get_xlabel() and ax.get_ylabel() and ax.get_title()
+
+
+# ----- chapter 8: BeyondExplorer, no offload, CPU offload or disk offload ------------------------
+
+def test_beyond_default_is_zero_offloads_13b_on_one_32gb_gpu():
+    from zerolearn.widgets.beyond import BeyondExplorer
+
+    explorer = BeyondExplorer()
+    rows = {(r["stage"], r["offload"]): r for r in explorer.result["rows"]}
+    # One GPU: every stage holds 16 bytes x 13e9 = 208 GB on it, far above 32 GB.
+    assert not any(rows[(s, None)]["fits"] for s in (1, 2, 3))
+    assert rows[(2, None)]["totals"]["device"] == pytest.approx(16 * 13e9)
+    # ZeRO-2 + CPU offload keeps the 2-byte parameters on the GPU (26 GB) and 4 + 12 bytes
+    # a parameter on the host (208 GB, within 256 GB).
+    cpu = rows[(2, "cpu")]
+    assert cpu["fits"] and cpu["totals"]["device"] == pytest.approx(2 * 13e9)
+    assert cpu["totals"]["host"] == pytest.approx(16 * 13e9)
+    assert explorer.result["best"] is cpu and "ZeRO-2 (P_os+g) + CPU offload" in explorer.summary.value
+    assert shown(26e9) in explorer.summary.value
+    assert explorer.view.layout.display == "none" and explorer.view.value == b""  # no figure drawn
+
+
+def test_beyond_follows_every_control():
+    from zerolearn.costmodel import HostSide, Job, offload_step_time
+    from zerolearn.memory.model import offload_state_bytes
+    from zerolearn.widgets.beyond import ASSUMED, GPU_GB, HOST_ADAM, HOST_GB, PCIE_GBPS, TOKENS_PER_GPU, BeyondExplorer
+
+    explorer = BeyondExplorer()
+    ranges = {"psi": [1e9, 7.5e9, 1e11], "nd": [1, 8, 64], "gpu_gb": GPU_GB[::3], "host_gb": HOST_GB[::4],
+              "disk_GBps": [0.5, 25.0], "pcie_GBps": PCIE_GBPS[::3], "host_adam": HOST_ADAM[::2], "dpu": [False, True]}
+    moves = ((name, value) for name, values in ranges.items() for value in values)
+    for name, value in moves:  # no figure to draw, so no deferral: every move refreshes
+        explorer.controls[name].value = value
+        c = {n: explorer.controls[n].value for n in ranges}
+        host = HostSide(pcie_GBps=c["pcie_GBps"], host_adam_elements_per_s=c["host_adam"], disk_GBps=c["disk_GBps"])
+        fitting = []
+        for row in explorer.result["rows"]:
+            placed = offload_state_bytes(c["psi"], c["nd"], row["stage"], row["offload"])
+            assert row["bytes"] == placed
+            device, host_bytes = sum(placed["device"].values()), sum(placed["host"].values())
+            assert row["fits"] == (device <= c["gpu_gb"] * GB and host_bytes <= c["host_gb"] * GB), (name, value)
+            job = Job(psi=c["psi"], tokens_per_gpu=TOKENS_PER_GPU, stage=row["stage"], nd=c["nd"])
+            want = offload_step_time(job, ASSUMED, host, row["offload"], dpu=c["dpu"] and row["offload"] is not None)
+            assert row["time"] == want
+            if row["fits"]:
+                fitting.append(row)
+        best = explorer.result["best"]
+        assert (best is None) == (not fitting)
+        if best is not None:
+            assert best["time"].step_s == min(r["time"].step_s for r in fitting)
+            assert f"<b>{explorer.name(best)}</b>" in explorer.summary.value
+        else:
+            assert "<b>Nothing fits</b>" in explorer.summary.value
+
+
+def test_beyond_dpu_is_never_slower_and_refuses_values_off_its_sliders():
+    from zerolearn.widgets.beyond import BeyondExplorer
+
+    explorer = BeyondExplorer(psi=7.5e9, nd=8)
+    serial = {(r["stage"], r["offload"]): r["time"].step_s for r in explorer.result["rows"]}
+    explorer.controls["dpu"].value = False
+    assert all(r["time"].step_s >= serial[(r["stage"], r["offload"])] for r in explorer.result["rows"])
+    for kwargs, match in (({"gpu_gb": 33}, "gpu_gb 33"), ({"nd": 3}, "nd 3"), ({"disk_GBps": 0}, "disk_GBps 0")):
+        with pytest.raises(ConfigError, match=match):
+            BeyondExplorer(**kwargs)
