@@ -119,3 +119,33 @@ def test_tables_1_and_2_agree_with_the_print():
     t2 = papermap.find("table2-theory").values
     assert t2["worst_rel"] < 0.03
     assert t2["P_os"] == pytest.approx(32e9 / (4 + 12 / 64) / 1e9)  # 7.6B
+
+
+def test_successors_have_their_own_table_after_the_papers():
+    page = papermap.render()
+    assert page.index("## Beyond the paper") > page.index("Where the paper and other sources disagree")
+    sources = [r.section for r in papermap.rows()[-11:]]
+    assert sources == ["ZeRO-Offload"] * 3 + ["ZeRO-Infinity"] * 4 + ["ZeRO++"] * 4
+    assert "```{admonition} 32 trillion parameters: 32 nodes, not one\n:class: note\n" in page
+
+
+def test_zero_offload_keeps_two_bytes_a_parameter_on_the_gpu():
+    """ZeRO-2 + CPU offload: 2-byte parameters on the device; 4-byte gradients and K = 12 on the host."""
+    assert papermap.find("offload-placement").values == {"device": 2, "host": 4 + 12}
+    values = papermap.find("offload-13b").values
+    assert values["dp_b"] == pytest.approx(32e9 / 16 / 1e9) and values["offload_b"] == pytest.approx(32e9 / 2 / 1e9)
+
+
+def test_zero_infinity_32_trillion_is_a_terabyte_a_gpu_on_512():
+    assert papermap.find("infinity-32t").values["tb_per_gpu"] == pytest.approx(16 * 32e12 / 512 / 1e12) == 1.0
+    assert papermap.find("infinity-1t").values["device_gb"] == pytest.approx(2 * 1e12 / 16 / GB)  # 125 GB
+
+
+def test_zeropp_counts_half_a_quarter_and_four_times_less():
+    # int8 + one fp32 scale per 256: (1 + 4/256) / 2 of fp16; int4: (0.5 + 4/256) / 2; 3M / 0.75M = 4.
+    assert papermap.find("zeropp-qwz").values["ratio"] == pytest.approx((1 + 4 / 256) / 2)
+    assert papermap.find("zeropp-qgz").values["ratio"] == pytest.approx((0.5 + 4 / 256) / 2)
+    assert papermap.find("zeropp-hpz").values["extra"] == pytest.approx(1 / 8)
+    values = papermap.find("zeropp-4x").values
+    assert values["codes_only"] == pytest.approx(4)
+    assert values["with_scales"] == pytest.approx(6 / (1 + 4 / 256 + 0.5 + 4 / 256))

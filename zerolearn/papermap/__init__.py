@@ -9,8 +9,12 @@ functions (``zerolearn.memory.model``, ``zerolearn.memory.fit``, ``zerolearn.cos
 code. ``make paper-map`` (``python -m zerolearn.papermap > book/paper_map.md``)
 regenerates it; a test fails when the committed page differs from :func:`render`.
 
+A second table, "Beyond the paper", maps the headline claims of ZeRO's successors
+(ZeRO-Offload, ZeRO-Infinity, ZeRO++) the same way (chapter 8).
+
 Modules: :mod:`~zerolearn.papermap.base` (:class:`Row`, statuses, printing),
 :mod:`~zerolearn.papermap.sec1_5` and :mod:`~zerolearn.papermap.sec6_10` (the claims),
+:mod:`~zerolearn.papermap.successors` (the successors' claims),
 :mod:`~zerolearn.papermap.page` (the page and its notes).
 """
 

@@ -10,6 +10,7 @@ from zerolearn.memory.model import GB, comm_collectives_elements, comm_volume_el
 from zerolearn.papermap.base import GPT2_1_5B, SEQ, Row
 from zerolearn.papermap.sec1_5 import memory_rows
 from zerolearn.papermap.sec6_10 import scale_rows
+from zerolearn.papermap.successors import glossary_note, successor_rows
 from zerolearn.papermap.text import _fit_text, _gb, _sig, _states
 from zerolearn.tables import text_table
 
@@ -17,13 +18,19 @@ __all__ = ["find", "render", "rows"]
 
 
 @functools.lru_cache(maxsize=1)
-def _all_rows() -> tuple[Row, ...]:
+def _paper_rows() -> tuple[Row, ...]:
     return tuple(memory_rows() + scale_rows())
 
 
+@functools.lru_cache(maxsize=1)
+def _successor_rows() -> tuple[Row, ...]:
+    return tuple(successor_rows())
+
+
 def rows() -> list[Row]:
-    """Every row of the paper map, in the paper's order (Sec 1-10, Tables 1-3), values computed once."""
-    return list(_all_rows())
+    """Every row of the paper map, values computed once: the ZeRO paper's in its order (Sec 1-10,
+    Tables 1-3), then its successors' (ZeRO-Offload, ZeRO-Infinity, ZeRO++)."""
+    return list(_paper_rows() + _successor_rows())
 
 
 def find(key: str) -> Row:
@@ -143,7 +150,23 @@ def render() -> str:
         "paper's decimal GB (10^9 bytes); K = 12 (mixed-precision Adam) unless said.",
         "",
     ]
+    table = _table(_paper_rows(), "paper")
+    beyond = [
+        "## Beyond the paper",
+        "",
+        "The headline claims of ZeRO's successors, built on the same engines in chapter 8: ZeRO-Offload (Ren et "
+        "al., USENIX ATC 2021, arXiv 2101.06840), ZeRO-Infinity (Rajbhandari et al., SC'21, arXiv 2104.07857) "
+        "and ZeRO++ (Wang et al., arXiv 2306.10209). Same columns and statuses; bytes in bf16 with K = 12 "
+        "unless said, traffic in the ZeRO++ paper's units (M: the model's size in fp16).",
+        "",
+        _table(_successor_rows(), "source"),
+        "",
+        glossary_note(),
+    ]
+    return "\n".join([*head, table, "", _reduce_note(), "", _disagreements_note(), "", *beyond, ""])
+
+
+def _table(chosen, first: str) -> str:
     body = [[_cell(x) for x in (r.section, r.claim, r.computed, r.where,
-                                f"**{r.status}**" + (f": {r.why}" if r.why else ""))] for r in rows()]
-    table = text_table(["paper", "claim", "zerolearn computes", "where", "status"], body, fmt="pipe", align="left")
-    return "\n".join([*head, table, "", _reduce_note(), "", _disagreements_note(), ""])
+                                f"**{r.status}**" + (f": {r.why}" if r.why else ""))] for r in chosen]
+    return text_table([first, "claim", "zerolearn computes", "where", "status"], body, fmt="pipe", align="left")
