@@ -32,18 +32,25 @@ MOMENTUM = 0.9  # SGD with a momentum buffer: a per-element state to offload bes
 
 # ----- jobs (run on the ranks; importable by name) ---------------------------------------
 def train(stage: int, offload: str | None = None, dpu: bool = False, dtype: str = "fp32", optimizer: str = "adam",
-          steps: int = STEPS, accum: int = 1, max_grad_norm: float | None = None) -> dict:
-    """The small GPT for ``steps`` steps on this rank's slices; what the tests compare."""
+          steps: int = STEPS, accum: int = 1, max_grad_norm: float | None = None, model: str = "gpt") -> dict:
+    """The small GPT (or ``model="frozen"``: jobs.PartlyFrozen, a frozen layer, a layer
+    used on odd steps only, shards that need padding) for ``steps`` steps on this rank's
+    slices; what the tests compare."""
     ctx = zdist.context()
-    engine = make_engine(stage, jobs.small_gpt(), optimizer=optimizer, lr=jobs.LR[optimizer], dtype=dtype,
+    net = jobs.small_gpt() if model == "gpt" else jobs.frozen_model()
+    engine = make_engine(stage, net, optimizer=optimizer, lr=jobs.LR[optimizer], dtype=dtype,
                          bucket_mb=0.01, max_grad_norm=max_grad_norm,
                          momentum=MOMENTUM if optimizer == "sgd" else 0.0, offload=offload, dpu=dpu)
     losses, io, after_backward = [], [], None
     for step in range(steps):
-        x, y = (data.rank_slice(t, ctx.rank, ctx.world_size) for t in jobs.global_batch(step))
+        batch = jobs.global_batch(step) if model == "gpt" else jobs.frozen_batch(step)
+        x, y = (data.rank_slice(t, ctx.rank, ctx.world_size) for t in batch)
         local = 0.0
         for xm, ym in zip(x.chunk(accum), y.chunk(accum)):
-            loss = jobs.gpt_loss(engine(xm), ym)
+            if model == "gpt":
+                loss = jobs.gpt_loss(engine(xm), ym)
+            else:
+                loss = torch.nn.functional.mse_loss(engine(xm, step % 2 == 1).float(), ym)
             engine.backward(loss / accum)  # every micro-batch reduces: accumulation after the reduction
             local += loss.item() / accum
         after_backward = engine.model_state_bytes_by_location()
@@ -146,6 +153,7 @@ def checkpoint_round_trip(directory: str) -> dict:
 RUNS = ([dict(stage=s, offload=o, optimizer=opt) for s in STAGES for o in OFFLOADS for opt in ("adam", "sgd")]
         + [dict(stage=s, offload=o, dtype="bf16") for s in STAGES for o in OFFLOADS]
         + [dict(stage=2, offload=o, accum=2, max_grad_norm=0.5) for o in (None, "disk")]
+        + [dict(stage=s, offload=o, model="frozen", steps=4) for s in STAGES for o in OFFLOADS]
         + [dict(stage=s, offload="cpu", dpu=True, steps=6) for s in (2,)] + [dict(stage=2, steps=6)])
 
 
@@ -180,6 +188,18 @@ def test_offload_with_accumulation_and_clipping_equals_the_plain_stage():
         run_of(stage=2, offload="disk", accum=2, max_grad_norm=0.5)
     assert off["losses"] == plain["losses"]
     assert same(off["params"], plain["params"])
+
+
+@pytest.mark.parametrize("offload", ["cpu", "disk"])
+@pytest.mark.parametrize("stage", STAGES)
+def test_offload_with_unused_and_frozen_parameters_and_padding_equals_the_plain_stage(stage, offload):
+    k = analytic.optimizer_k("adam", "bf16")
+    for rank in range(2):
+        plain = run_of(rank, stage=stage, offload=None, model="frozen", steps=4)
+        off = run_of(rank, stage=stage, offload=offload, model="frozen", steps=4)
+        assert off["padding"] > 0  # 119 trainable elements do not split in 2: the formula counts the padding
+        assert off["losses"] == plain["losses"] and same(off["params"], plain["params"]), rank
+        assert off["bytes"] == analytic.offload_state_bytes(off["psi"] + off["padding"], 2, stage, offload, "fp32", k)
 
 
 @pytest.mark.parametrize("offload", ["cpu", "disk"])

@@ -54,13 +54,13 @@ class EngineStateMixin:
         of their own, on a CPU-only run too, where device and host are the same memory.
         Under ``"disk"`` the host's optimizer states hold no storage between steps.
         """
-        opt = self._optimizer
         device = {"params": [t for b in self.buckets for t in (b.full, b.shard)],
-                  "grads": [t for b in self.buckets for t in (b.grad_full, b.grad_shard)],
-                  "optimizer_states": [t for b in self.buckets for t in [b.master, *optimizer_state(opt, b.master)]]}
+                  "grads": [t for b in self.buckets for t in (b.grad_full, b.grad_shard)]}
         if self._offload is None:
+            device["optimizer_states"] = [t for b in self.buckets
+                                          for t in [b.master, *optimizer_state(self._optimizer, b.master)]]
             return {"device": device, "host": {c: [] for c in self.CATEGORIES}}
-        self._offload.wait()
+        self._offload.wait()  # DPU: not while the host step changes them
         device["optimizer_states"] = []
         return {"device": device, "host": self._offload.host_tensors(self)}
 

@@ -157,9 +157,12 @@ def offload_options(config: TrainConfig) -> dict:
 
 
 def offload_entry(run: Run) -> dict:
-    """The report's ``offload``: per rank, the bytes held by location and the last step's
-    disk I/O (:meth:`Engine.model_state_bytes_by_location`, :meth:`Engine.offload_stats`),
-    beside :func:`zerolearn.memory.model.offload_state_bytes` (Psi unpadded). A collective."""
+    """The report's ``offload``: per rank, the bytes held by location at the end of the run
+    (:meth:`Engine.model_state_bytes_by_location`; gradients dropped by ``zero_grad``
+    except the host's buffers) and the disk I/O since the last step began
+    (:meth:`Engine.offload_stats`: a checkpoint saved after it, and DPU's final publish,
+    included), beside :func:`zerolearn.memory.model.offload_state_bytes` (Psi unpadded,
+    gradients as held after backward). A collective."""
     from zerolearn.memory.model import offload_state_bytes, optimizer_k
 
     c, engine = run.config, run.engine
