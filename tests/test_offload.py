@@ -354,3 +354,19 @@ def test_a_default_offload_dir_is_removed_on_close():
     (existed, disk_bytes), exists_after = on_ranks(default_dir_job, 2)[0]
     assert existed and disk_bytes > 0
     assert not exists_after
+
+
+def test_the_offload_table_measures_each_option_beside_the_formula():
+    from zerolearn.experiments.offload import format_offload_table, offload_rows, offload_table
+
+    rows = on_ranks(offload_rows, 2, 2, steps=3, d_model=32)[0]
+    assert [r["option"] for r in rows] == ["none", "cpu", "disk", "cpu+dpu"]
+    for r in rows:
+        for loc in ("device", "host", "disk"):
+            assert r[f"{loc} B"] == r[f"{loc} formula B"], (r["option"], loc)
+        assert (r["max |loss diff|"] > 0) == (r["option"] == "cpu+dpu")  # DPU is one update stale from step 2
+    disk = rows[2]
+    assert disk["bytes_read"] == disk["bytes_written"] == disk["disk B"] > 0
+    assert "cpu+dpu" in format_offload_table(rows)
+    with pytest.raises(ConfigError, match="stage=0"):
+        offload_table(stage=0)

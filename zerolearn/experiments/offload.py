@@ -80,7 +80,9 @@ def train_option(stage: int, options: dict, steps: int, d_model: int, n_layer: i
         engine.close()
 
 
-def _rows(stage: int, steps: int, d_model: int) -> list[dict]:
+def offload_rows(stage: int, steps: int = 4, d_model: int = 64) -> list[dict]:
+    """:func:`offload_table`'s rows, run on every rank of the current process group (for
+    ranks already running, such as :mod:`zerolearn.live`'s); each rank returns its own."""
     runs = {name: train_option(stage, opts, steps, d_model) for name, opts in OPTIONS.items()}
     plain = runs["none"]
     rows = []
@@ -126,7 +128,7 @@ def offload_table(world_size: int = 2, stage: int = 2, steps: int = 4, d_model: 
         raise ConfigError(f"world_size={world_size}: must divide the global batch of {BATCH}")
     if d_model % 2:
         raise ConfigError(f"d_model={d_model}: must be even (2 attention heads)")
-    return zdist.launch(_rows, world_size, stage, steps, d_model)[0]
+    return zdist.launch(offload_rows, world_size, stage, steps, d_model)[0]
 
 
 def format_offload_table(rows: list[dict]) -> str:
