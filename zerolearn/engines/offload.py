@@ -13,10 +13,13 @@ An engine built with ``offload="cpu"`` (stages 1-3) keeps, on each rank:
 * on the device: the working parameters (full at stages 1-2, the shard at stage 3), the
   gradient buckets while they are reduced, and at stage 1 the full gradient (P_os does
   not partition gradients);
-* in host memory (pinned on CUDA, copies ``non_blocking`` and synchronised before the
-  host reads them): the fp32 master shard, the optimizer's moments, and an fp32 buffer
-  of the gradient shard the step uses. At stages 2-3 each reduced gradient shard moves
-  there as soon as its reduction finishes and the device copy is dropped.
+* in host memory (pinned on CUDA): the fp32 master shard, the optimizer's moments, and
+  an fp32 buffer of the gradient shard the step uses. At stages 2-3 each reduced
+  gradient shard moves there as soon as its reduction finishes and the device copy is
+  dropped. The device-to-host gradient copies are ``non_blocking`` and synchronised
+  (the device's stream) before the host reads them; the host-to-device copy of the
+  updated master in ``_publish`` is synchronous, so the host may change or release the
+  master right after.
 
 torch's own optimizer steps the host master (:meth:`GroupedOptimizer.step_bucket`), and
 the stage's ``_publish`` copies the updated master back to the device's working
