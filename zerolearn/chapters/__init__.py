@@ -1,4 +1,4 @@
-"""The book's chapters, one folder each (``ch00`` to ``ch07``): what a chapter's notebook
+"""The book's chapters, one folder each (``ch00`` to ``ch08``): what a chapter's notebook
 calls and what its reader writes.
 
 A chapter's notebook is built from its source in ``notebooks/src/`` (``NN_name.py``,

@@ -1,0 +1,362 @@
+# %% [markdown]
+# # Chapter 8 · Beyond the paper: ZeRO-Offload, ZeRO-Infinity and ZeRO++
+#
+# The ZeRO paper ends with every model state partitioned over the GPUs. Its successors
+# go two ways. **ZeRO-Offload** (Ren et al., USENIX ATC 2021, arXiv 2101.06840) and
+# **ZeRO-Infinity** (Rajbhandari et al., SC'21, arXiv 2104.07857) move states off the
+# GPU, into host memory and onto NVMe drives, when there are too few GPUs to hold them.
+# **ZeRO++** (Wang et al., arXiv 2306.10209) attacks the other cost of stage 3: the data
+# it sends between nodes. This chapter runs each of them on the book's engines, on gloo
+# ranks of one CPU, beside the formulas that say what they should do.
+#
+# **Learning goals.** After this chapter you can
+#
+# 1. say where each model state lives under CPU and disk offload, and check it against
+#    the paper's formulas extended to host and disk;
+# 2. explain ZeRO-Offload's one-step delayed parameter update (DPU), measure what the
+#    staleness costs, and write its step;
+# 3. estimate whether a model fits, and how long a step takes, when part of it lives in
+#    host memory or on disk;
+# 4. count what ZeRO-3 sends across node boundaries and what qwZ, hpZ and qgZ save, and
+#    write qwZ's block-quantized all-gather.
+
+# %%
+# %matplotlib inline
+import inspect
+
+import matplotlib.pyplot as plt
+from IPython.display import HTML, display
+
+from zerolearn import widgets
+from zerolearn.chapters.ch08 import lesson as ch08
+from zerolearn.costmodel import HostSide, Job, offload_step_time, zeropp_cross_node_bytes
+from zerolearn.experiments import offload as offload_runs
+from zerolearn.experiments import zeropp as zeropp_runs
+from zerolearn.memory.model import offload_state_bytes
+from zerolearn.tables import kib, text_table
+
+# %% [markdown]
+# ## 1. Where the states go: offload
+#
+# ZeRO-Offload builds on ZeRO-2. The 2-byte working parameters stay on the GPU, where
+# forward and backward run. The fp32 master copy, Adam's two moments and the gradients
+# move to host memory, and the optimizer step runs on the CPU: each step the GPU sends
+# its partition of the gradient down over PCIe and gets its partition of the updated
+# parameters back. ZeRO-Infinity goes one tier further and keeps the optimizer states
+# on NVMe, read before the step and written after it.
+#
+# `offload_state_bytes` extends Sec 5's formulas to those three places. With w bytes per
+# working value (2 in bf16) and K bytes of optimizer state per parameter (12 for Adam:
+# master, momentum, variance):
+
+# %%
+print(inspect.getsource(offload_state_bytes).split('"""')[1].split("Args:")[0])
+
+# %% [markdown]
+# At 7.5B parameters on 64 GPUs (Fig 1's setting) that gives, per GPU:
+
+# %%
+rows = []
+for stage in (1, 2, 3):
+    for offload in (None, "cpu", "disk"):
+        placed = offload_state_bytes(7.5e9, 64, stage, offload)
+        rows.append([stage, offload or "-", *(f"{sum(placed[w].values()) / 1e9:.2f}" for w in ("device", "host",
+                                                                                              "disk"))])
+print(text_table(["stage", "offload", "device GB", "host GB", "disk GB"], rows))
+
+# %% [markdown]
+# Offload takes the optimizer states off the GPU entirely; what stays there is the
+# working parameters (all of them at stages 1 and 2, a 1/Nd shard at stage 3) and, at
+# stage 1, the full gradient. The host holds a 4-byte gradient shard beside the
+# optimizer states, which disk offload moves one tier further.
+#
+# Our engines take `offload="cpu"` or `offload="disk"` (and `dpu=True`) at stages 1-3.
+# `offload_table` trains the book's GPT for 4 steps on 2 gloo ranks once without
+# offload, once with each, and once with DPU, and reports what rank 0 holds, measured
+# from its tensors, beside the formula (fp32 training, Adam; on a CPU "device" and "host"
+# are the same memory, so the split is the engine's bookkeeping of which tensors it
+# keeps where: pinned host memory on a GPU machine):
+
+# %%
+OFFLOAD = {stage: offload_runs.offload_table(world_size=2, stage=stage, steps=4) for stage in (2, 3)}
+header = ["stage", "option", "device KiB\nmeasured / formula", "host KiB\nmeasured / formula",
+          "disk KiB\nmeasured / formula", "disk read / written\nKiB per step", "max |loss diff|\nvs no offload"]
+body = []
+for stage, table in OFFLOAD.items():
+    for r in table:
+        diff = r["max |loss diff|"]
+        body.append([stage, r["option"], *(f"{kib(r[f'{w} B'])} / {kib(r[f'{w} formula B'])}"
+                                           for w in ("device", "host", "disk")),
+                     f"{kib(r['bytes_read'])} / {kib(r['bytes_written'])}",
+                     "0 (bit for bit)" if diff == 0 else f"{diff:.3f}"])
+print(f"Psi = {OFFLOAD[2][0]['psi']:,} parameters, 2 ranks, rank 0")
+print(text_table(header, body))
+
+# %% [markdown]
+# Every measured byte equals the formula. Offload without DPU computes exactly what the
+# plain stage computes: the same Adam on the same fp32 numbers, only elsewhere. Disk
+# offload reads and writes the rank's whole optimizer state once a step (K Psi / Nd
+# bytes each way). DPU is the one option that changes the numbers; section 2 shows why.
+# How long a step takes here says little about a GPU machine, where the PCIe link and
+# the CPU are the bottleneck, but it is measured all the same:
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+for stage, table in OFFLOAD.items():
+    for r in table:
+        print(f"stage {stage} {r['option']:8} median step {r['step ms']:6.1f} ms; disk read "
+              f"{r['read_bandwidth'] / 2**20:7.0f} MiB/s, write {r['write_bandwidth'] / 2**20:7.0f} MiB/s")
+
+# %% [markdown]
+# ## 2. The delayed parameter update
+#
+# With the optimizer on the CPU, a step has two halves that run on different hardware:
+# forward and backward on the GPU, Adam on the CPU. Done in order, each waits for the
+# other. ZeRO-Offload's DPU lets them overlap: once the gradient of step t is on the
+# host, the GPU starts step t + 1 at once with the parameters it has, while the CPU
+# applies step t's gradient. The forward of step t + 1 then reads parameters updated
+# through step t - 1's gradient: one update older than usual. The first step runs
+# without delay (a warm-up: the paper switches DPU on after the first steps, whose
+# gradients change fastest).
+#
+# `ch08.dpu_loss_curves` trains the chapter's GPT twice in one process, with the
+# optimizer step on a host worker thread: once waiting for it every step, once with
+# DPU. Same model, same batches, same Adam (fp32):
+
+# %%
+curves = ch08.dpu_loss_curves(steps=40)
+print(f"Psi = {curves['psi']:,}; loss (fp32, global batch of {ch08.BATCH} sequences)")
+print(f"{'step':>4} {'plain':>8} {'DPU':>8} {'DPU - plain':>12}")
+for step in (0, 1, 2, 3, 5, 10, 20, 30, 39):
+    plain, dpu = curves["plain"][step], curves["dpu"][step]
+    print(f"{step:>4} {plain:8.4f} {dpu:8.4f} {dpu - plain:+12.4f}")
+
+# %%
+fig, ax = plt.subplots(figsize=(7, 3.4))
+ax.plot(curves["plain"], label="plain: every step waits for the CPU")
+ax.plot(curves["dpu"], label="DPU: one step of delay")
+ax.set_xlabel("step")
+ax.set_ylabel("training loss (nats per byte)")
+ax.set_title("ZeRO-Offload's delayed parameter update, measured")
+ax.legend()
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# Steps 0 and 1 agree exactly: step 0 is synchronous, so both runs compute step 1 with
+# the same parameters. From step 2 on, DPU's forward is one update behind and its loss
+# trails the plain run's; the gap narrows as training slows down, which is why the
+# paper can afford it once the first steps are past. What it buys is time: on a GPU
+# machine the CPU's Adam runs while the GPU computes. Here both halves share the same
+# two CPU cores, so the times below show the bookkeeping, not the overlap:
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+print(f"median step: plain {curves['step_s']['plain'] * 1e3:.1f} ms, DPU {curves['step_s']['dpu'] * 1e3:.1f} ms")
+
+# %% [markdown]
+# ### Exercise 1 · the DPU step
+#
+# Write `dpu_step(step, params, master, grad, host_step, pending, worker)`, the end of a
+# training step under DPU. `params` is what the device's next forward reads, `master`
+# the host's fp32 copy that `host_step(grad)` updates in place (Adam on the CPU),
+# `worker` an executor (`worker.submit(fn, *args)` returns a future, `future.result()`
+# waits for it) and `pending` what your function returned at the previous step. At
+# step 0, update and publish at once. After that, wait for the update in flight,
+# publish `master` into `params`, start this step's update on the worker and return
+# its future without waiting.
+#
+# The checker drives your function for 7 steps with a worker that pauses every update
+# halfway through writing `master` until its result is asked for, so copying `master`
+# before waiting shows every time as a torn copy, half new and half old. It names what
+# the forward of each step read: the wrong update, no delay, or two steps of it.
+# Your functions may use `torch`, `nn`, `F`, `dist` and `comm` besides their arguments;
+# the next cell imports them and the checker.
+
+# %%
+import torch  # noqa: F401 - for the exercises' functions
+import torch.distributed as dist  # noqa: F401
+import torch.nn.functional as F  # noqa: F401
+from torch import nn  # noqa: F401
+
+from zerolearn import comm, exercises  # noqa: F401
+
+# %% tags=["exercise"]
+# exercise: 08.dpu_step
+
+# %%
+exercises.check("08.dpu_step", dpu_step)
+
+# %% [markdown]
+# ## 3. Does it fit, and how fast? Step time with offload
+#
+# Offload trades GPU memory for traffic on slower links. The cost model
+# (`zerolearn.costmodel.offload_step_time`) adds the host's part of a step to the
+# device's: the gradient down and the parameters up over PCIe (2 w Psi / Nd bytes),
+# Adam over Psi / Nd elements on the CPU, and with disk offload the optimizer states
+# read and written (2 K Psi / Nd bytes). Without DPU they add up; with DPU the CPU's
+# step (and its disk traffic) runs beside the device's next step, so the longer of the
+# two sets the pace:
+
+# %%
+print(inspect.getsource(offload_step_time).split("    Raises:")[0].split('"""')[1])
+
+# %% [markdown]
+# ZeRO-Offload's headline setting, 13B parameters on one 32 GB GPU, with round inputs
+# (assumptions, not measurements: 100 TFLOP/s achieved, 8,192 tokens a step, PCIe at
+# 12 GB/s, a CPU that runs Adam over a billion elements a second, a disk at 3 GB/s):
+
+# %%
+job = Job(psi=13e9, tokens_per_gpu=8192, stage=2, nd=1)
+host = HostSide(pcie_GBps=12, host_adam_elements_per_s=1e9, disk_GBps=3)
+print(f"{'offload':>8} {'DPU':>5} {'device s':>9} {'PCIe s':>7} {'CPU s':>6} {'disk s':>7} {'step s':>7}")
+for offload, dpu in ((None, False), ("cpu", False), ("cpu", True), ("disk", False), ("disk", True)):
+    t = offload_step_time(job, widgets.beyond.ASSUMED, host, offload, dpu=dpu)
+    print(f"{offload or '-':>8} {str(dpu):>5} {t.device_s:9.2f} {t.pcie_s:7.2f} {t.cpu_s:6.2f} {t.disk_s:7.2f} "
+          f"{t.step_s:7.2f}")
+
+# %% [markdown]
+# Without offload the step would take 6.4 s, but 13B parameters do not fit one 32 GB GPU
+# (16 bytes a parameter is 208 GB). With CPU offload they fit (26 GB of bf16 parameters
+# on the GPU), and the CPU's 13 s of Adam dominate; DPU hides the device's 6.4 s behind
+# them. On disk, 312 GB of optimizer states read and written a step cost far more: that
+# is why ZeRO-Infinity spreads them over many drives and ranks, each reading its own
+# partition in parallel (bandwidth-centric partitioning), and prefetches them while the
+# GPU computes (overlap-centric design). Our disk offload reads one bucket's states just
+# before its step, without prefetching.
+#
+# The explorer puts the inputs on sliders: the model's size, the GPUs, host memory,
+# disk bandwidth, PCIe, the CPU's Adam and DPU. It lists every stage with no offload,
+# CPU offload and disk offload, says which fit, and picks the fastest that does (its
+# view is a table, redrawn at once on every change):
+
+# %%
+explorer = widgets.BeyondExplorer()  # ZeRO-Offload's setting: 13B on one 32 GB GPU
+display(explorer)
+
+# %%
+HTML(explorer.summary.value)  # the default view, for the book
+
+# %% [markdown]
+# ZeRO-Offload reports about 13B parameters trained on one 32 GB V100, about 10x what
+# PyTorch alone fits there; the explorer's model states say 16B against 2B, before
+# activations and buffers take their share. ZeRO-Infinity scales the same idea up: 32
+# trillion parameters on 512 V100s (32 DGX-2 nodes), and a trillion fine-tuned on a
+# single DGX-2 node. (A glossary entry this book started from puts the 32 trillion on a
+# single node; at 16 bytes a parameter that would be 32 TB of model states per GPU.
+# The paper map lists these claims with what the package computes for each.)
+#
+# ## 4. ZeRO++: less traffic between nodes
+#
+# Stage 3 moves 3 Psi a step (Sec 7.2.2): the parameters gathered before forward, again
+# before backward, and the gradients reduce-scattered. On a cluster, most of it crosses
+# the slow links between nodes. ZeRO++ cuts each of the three:
+#
+# * **qwZ** sends the forward's all-gather as int8 with one scale per block of 256
+#   values: about half the bytes of bf16;
+# * **hpZ** keeps a second copy of the parameters, partitioned over the GPUs of each
+#   node, so backward's all-gather stays inside the node (for Psi / k more elements per
+#   GPU, k GPUs per node);
+# * **qgZ** replaces the gradient reduce-scatter by an int4 all-to-all in two hops:
+#   first inside the node, then across nodes.
+#
+# The paper counts it in units of M, the model in 2-byte values: 3M across nodes for
+# ZeRO-3, 0.5M + 0 + 0.25M = 0.75M with all three, 4x less.
+# `zeropp_cross_node_bytes` gives the same count, with the scales' bytes on top:
+
+# %%
+options = {"ZeRO-3": {}, "qwZ": {"qwz": True}, "hpZ": {"hpz": True}, "qgZ": {"qgz": True},
+           "qwZ+hpZ+qgZ": {"qwz": True, "hpz": True, "qgz": True}}
+m = 2 * 1e9  # M for a billion parameters in bf16
+print(f"{'option':>12} {'forward':>8} {'backward':>9} {'gradients':>10} {'total':>7}   (in M, 2 nodes of 8 GPUs)")
+for name, opts in options.items():
+    b = zeropp_cross_node_bytes(1e9, 16, 8, dtype="bf16", **opts)
+    print(f"{name:>12} {b['forward_gather'] / m:8.3f} {b['backward_gather'] / m:9.3f} {b['gradients'] / m:10.3f} "
+          f"{b['total'] / m:7.3f}")
+
+# %% [markdown]
+# Our ZeRO-3 engine takes the same options (`qwz_block`, `hpz`, `qgz`) and a node size
+# (`node_ranks`). `zeropp_table` trains the book's GPT (bf16) for 3 steps on 4 gloo
+# ranks cut into 2 "nodes" of 2, once per option, and the communication ledger splits
+# every byte rank 0 sent by whether it stayed inside its node or crossed to the other:
+
+# %%
+ZPP = zeropp_runs.zeropp_table(world_size=4, node_ranks=2, steps=3)
+plain = ZPP[0]
+header = ["option", "fwd gather KiB\nintra / inter", "bwd gather KiB\nintra / inter", "gradient KiB\nintra / inter",
+          "inter KiB\nper step", "inter\nvs ZeRO-3", "hpZ extra\nKiB"]
+body = [[r["option"], *(f"{kib(r[f'{w} intra B'])} / {kib(r[f'{w} inter B'])}" for w in zeropp_runs.WORK),
+         kib(r["inter B"]), f"{r['inter B'] / plain['inter B']:.3f}", kib(r["extra bytes"])] for r in ZPP]
+print(f"Psi = {plain['psi']:,} parameters, 4 ranks in 2 nodes of 2, rank 0, bytes per step")
+print(text_table(header, body))
+
+# %% [markdown]
+# qwZ halves the forward's gathers, to 0.508 of bf16 (one fp32 scale per 256 int8
+# values), and backward's too: without hpZ backward gathers through the same quantized
+# path. hpZ moves backward's gather inside the node (nothing crosses) at the price of
+# the secondary copy, Psi / 2 bf16 values per rank. qgZ's gradient bytes across nodes
+# fall further than the paper's quarter: besides int4 (an eighth of bf16's 2 bytes,
+# plus scales), its first hop sums the node's k = 2 partial gradients before anything
+# crosses, so each rank sends half as many values over the boundary. Together the
+# traffic that crosses falls to about a fifth.
+#
+# Quantization is not free: it changes the numbers. The error of one quantization is at
+# most half a step of its block's scale. On the chapter's GPT, block-wise against one
+# scale for the whole tensor:
+
+# %%
+errors = ch08.quantization_errors()
+print(f"{'what':>10} {'bits':>4} {'scales':>18} {'bytes':>8} {'vs 2-byte':>9} {'rel. error':>10} "
+      f"{'within half a step':>18}")
+for e in errors:
+    print(f"{e['what']:>10} {e['bits']:>4} {e['scales']:>18} {e['bytes']:>8,} {e['bytes'] / e['fp16_bytes']:9.3f} "
+          f"{e['rel_error']:10.3g} {str(e['worst_in_steps'] <= 0.5 + 1e-4):>18}")
+
+# %% [markdown]
+# Block scales cut the parameters' error 15-fold for 1.6% more bytes: one large value
+# spoils only its own block. Gradients in int4 keep a relative error of about 13% per
+# quantization, which is why qgZ quantizes each value as few times as it can (two hops,
+# not a ring's Nd - 1) and sums in fp32 between hops. How far the training moves from
+# plain ZeRO-3 over the 3 steps (the largest difference of the mean loss, and of any
+# trained parameter), measured; the last digits of such differences change with the
+# CPU, so this cell is shown but not compared:
+
+# %%
+# NBVAL_IGNORE_OUTPUT
+for r in ZPP:
+    print(f"{r['option']:>12}: max |loss diff| {r['max |loss diff|']:.1e}, max |param diff| "
+          f"{r['max |param diff|']:.1e}, median step {r['step ms']:.0f} ms")
+
+# %% [markdown]
+# ### Exercise 2 · qwZ's quantized all-gather
+#
+# Write `quantized_all_gather(out, shard, block, world_size)`: pad this rank's fp32
+# `shard` with zeros to whole blocks of `block` values, give each block the scale
+# max |x| / 127, round x / scale to int8, all-gather the int8 values and the scales with
+# `comm.all_gather`, and write every rank's dequantized values, in rank order, into
+# `out`. The checker runs it on 2 and then 3 ranks, in blocks of 64 (a partial last
+# block) and of 50, on shards whose first 50 values are a thousand times smaller than
+# the rest, and names one scale for the whole tensor, a missing pad, truncation instead
+# of rounding, or another rank's scales.
+
+# %% tags=["exercise"]
+# exercise: 08.quantized_all_gather
+
+# %%
+exercises.check("08.quantized_all_gather", quantized_all_gather)
+
+# %% [markdown]
+# ## Summary
+#
+# - Offload keeps the working parameters on the GPU and moves the optimizer states (and
+#   gradient shard) to host memory or disk: our engines hold exactly what the extended
+#   formulas say, and compute exactly what the plain stage computes.
+# - DPU overlaps the CPU's step with the GPU's next one at the price of one step of
+#   staleness, measured here as a loss that trails the synchronous run's and catches up.
+# - Whether offload pays is a question of bandwidths: PCIe, the CPU's Adam and the disk
+#   against the GPU's compute; the cost model and the explorer answer it on paper.
+# - ZeRO++ sends stage 3's traffic across nodes as int8 weights and int4 gradients and
+#   keeps backward's gather inside the node: about a fifth of the bytes cross here, a
+#   quarter in the paper's count, for a bounded quantization error.
+# - Not built here: ZeRO-Infinity's parameters on NVMe at stage 3, its prefetching of
+#   offloaded states, and its tiling of operators too large for one GPU.
