@@ -108,7 +108,8 @@ def linear_runs() -> dict:
 
 
 def checkpoint_round_trip(directory: str) -> dict:
-    """Disk offload: 2 steps, save, 2 more; a fresh engine loads the save and takes the same 2.
+    """Disk offload: 2 steps, save (inside an offload_resident block, and alone), 2 more; a
+    fresh engine loads the save made alone and takes the same 2.
     DPU: a save right after a step holds the update in flight, waited for."""
     ctx = zdist.context()
 
@@ -124,8 +125,9 @@ def checkpoint_round_trip(directory: str) -> dict:
     a = engine_of(offload="disk")
     for t in range(2):
         step(a, t)
-    with a.offload_resident():
-        checkpoint.save(a, os.path.join(directory, "disk"), 2)
+    with a.offload_resident():  # a save inside the caller's own block: blocks nest
+        checkpoint.save(a, os.path.join(directory, "disk_nested"), 2)
+    checkpoint.save(a, os.path.join(directory, "disk"), 2)  # alone: the save reads the files in itself
     for t in range(2, 4):
         step(a, t)
     b = engine_of(offload="disk")

@@ -79,8 +79,11 @@ def _payload(engine, step: int) -> dict:
 
 def _write(engine, step: int, path: str) -> dict:
     """Write this rank's file; what the manifest needs to know of it."""
-    payload = _payload(engine, step)
-    size = write_atomic(path, lambda f: torch.save(payload, f))
+    # Offload: no DPU step in flight, and disk's optimizer states read in while they are saved.
+    resident = getattr(engine, "offload_resident", None)
+    with resident() if resident is not None else contextlib.nullcontext():
+        payload = _payload(engine, step)
+        size = write_atomic(path, lambda f: torch.save(payload, f))
     return {"bytes": size, "sha256": sha256_file(path),
             "pieces": [[p["group"], p["start"], p["stop"]] for p in payload["pieces"]],
             "state_keys": sorted({k for p in payload["pieces"] for k in p["state"]})}

@@ -300,6 +300,7 @@ class Offload:
                           for b in engine.buckets]
         self.has = [False] * len(engine.buckets)  # grads[i] holds this step's gradient (or part of it)
         self.swapper = DiskSwapper(directory, engine.rank) if kind == "disk" else None
+        self.resident_depth = 0  # open resident() blocks
         self.delay = DelayedUpdate(len(engine.buckets)) if dpu else None
         if self.swapper is not None:
             for i, b in enumerate(engine.buckets):
@@ -326,17 +327,25 @@ class Offload:
     @contextlib.contextmanager
     def resident(self, engine):
         """Every bucket's optimizer states in host memory for the block (disk: read all,
-        then written back and released); waits for a DPU step in flight first."""
+        then written back and released); waits for a DPU step in flight first. Blocks
+        may nest (a checkpoint's save inside the training loop's): the outermost one
+        reads and writes."""
         self.wait()
-        if self.swapper is None:
-            yield
+        if self.swapper is None or self.resident_depth:
+            self.resident_depth += 1
+            try:
+                yield
+            finally:
+                self.resident_depth -= 1
             return
+        self.resident_depth = 1
         opt = engine._optimizer
         for i, b in enumerate(engine.buckets):
             self.swapper.load(i, self.states(opt, i, b))
         try:
             yield
         finally:
+            self.resident_depth = 0
             for i, b in enumerate(engine.buckets):  # the states after the block (a load may replace them)
                 self.swapper.store(i, self.states(opt, i, b))
 
