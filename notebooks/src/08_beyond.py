@@ -45,15 +45,21 @@ from zerolearn.tables import kib, text_table
 # parameters back. ZeRO-Infinity goes one tier further and keeps the optimizer states
 # on NVMe, read before the step and written after it.
 #
-# `offload_state_bytes` extends Sec 5's formulas to those three places. With w bytes per
-# working value (2 in bf16) and K bytes of optimizer state per parameter (12 for Adam:
-# master, momentum, variance):
-
-# %%
-print(inspect.getsource(offload_state_bytes).split('"""')[1].split("Args:")[0])
-
-# %% [markdown]
-# At 7.5B parameters on 64 GPUs (Fig 1's setting) that gives, per GPU:
+# `zerolearn.memory.model.offload_state_bytes` extends Sec 5's formulas to those three
+# places, as our engines place the states. With w bytes per working value (2 in bf16)
+# and K bytes of optimizer state per parameter (12 for Adam: master, momentum,
+# variance), per GPU:
+#
+# * no offload: Sec 5's formulas, all on the device;
+# * `offload="cpu"`: on the device the parameters, w $\Psi$ (w $\Psi/N_d$ at stage 3), and
+#   at stage 1 the gradients, w $\Psi$; in host memory the fp32 gradient shard,
+#   4 $\Psi/N_d$, and the optimizer states, K $\Psi/N_d$;
+# * `offload="disk"`: the same, with the optimizer states on disk instead.
+#
+# (ZeRO-Offload's own accounting moves 2-byte gradients to the CPU; the engines keep the
+# shard the step reads in fp32. ZeRO-Infinity can also put stage 3's
+# parameters on NVMe; our engines keep them on the device.) At 7.5B parameters on 64
+# GPUs (Fig 1's setting):
 
 # %%
 rows = []
