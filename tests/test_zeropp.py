@@ -224,14 +224,13 @@ def _train(options: dict, node_ranks: int, steps: int, probe: bool = False) -> d
     engine = Zero3Engine(jobs.small_gpt(), optimizer="sgd", lr=LR_SGD, bucket_mb=0.01, node_ranks=node_ranks,
                          **options)
     grad_absmax = [0.0]
+    original = comm.reduce_scatter
     if probe:  # the largest element any rank puts into a gradient reduction (after / Nd)
-        original = engine.zpp.reduce_scatter
-
-        def record(out, inp):
+        def record(out, inp, **kwargs):
             grad_absmax[0] = max(grad_absmax[0], inp.abs().max().item())
-            return original(out, inp)
+            return original(out, inp, **kwargs)
 
-        engine.zpp.reduce_scatter = record
+        comm.reduce_scatter = record  # plain ZeRO-3's reduce_scatter (zero3.py calls comm's)
     comm.set_nodes(node_ranks)
     comm.LEDGER.reset()
     losses, first_order, predicted = [], None, None
@@ -259,6 +258,7 @@ def _train(options: dict, node_ranks: int, steps: int, probe: bool = False) -> d
                                                                  "backward: reduce")}
     finally:
         comm.set_nodes(None)
+        comm.reduce_scatter = original
     absmax = torch.tensor([grad_absmax[0]])
     comm.monitor_max(absmax)
     return {"losses": losses, "params": engine.full_state_dict(), "links": links,

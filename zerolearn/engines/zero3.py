@@ -94,7 +94,8 @@ class Zero3Engine(Engine):
             return
         for b in unit.buckets:
             b.full.untyped_storage().resize_(b.full.nbytes)
-            unit.gathering.append(self.zpp.gather(b, self.in_backward))  # comm.all_gather, or ZeRO++'s
+            unit.gathering.append(self.zpp.gather(b, self.in_backward) if self.zpp.enabled else  # ZeRO++'s
+                                  comm.all_gather(b.full, b.shard, group=self.pg, async_op=True))
             self.gathered_bytes += b.full.nbytes
             self.temp_buffer_peak_bytes = max(self.temp_buffer_peak_bytes, b.full.nbytes)
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
@@ -102,8 +103,7 @@ class Zero3Engine(Engine):
     def _finish_gather(self, unit: U.Unit) -> None:
         for handle in unit.gathering:
             handle.wait()
-        if unit.gathering:
-            unit.gathered = True
+        unit.gathered = unit.gathered or bool(unit.gathering)
         unit.gathering.clear()
 
     def _gather(self, unit: U.Unit) -> None:
@@ -216,7 +216,9 @@ class Zero3Engine(Engine):
             b.grad_shard = out
         else:
             b.reduced = out
-        return self.zpp.reduce_scatter(out, b.grad_full)  # comm.reduce_scatter, or ZeRO++'s qgZ
+        if self.zpp.qgz:  # ZeRO++'s qgZ: a quantized two-hop all-to-all instead
+            return self.zpp.reduce_scatter(out, b.grad_full)
+        return comm.reduce_scatter(out, b.grad_full, group=self.pg, async_op=True)
 
     def _after_reduce(self, b: Bucket) -> None:
         b.grad_full = None  # the full gradient bucket is no longer needed: free it now
@@ -225,10 +227,7 @@ class Zero3Engine(Engine):
             b.reduced = None
 
     def _after_backward(self) -> None:
-        for unit in self.units:  # units some of whose parameters got no gradient
-            if unit.gathered or unit.gathering:
-                self._free_unit(unit)
-            unit.backward_gathered = False
+        self._settle()  # units some of whose parameters got no gradient are still gathered
 
     def _abandon_backward(self, error: Exception) -> None:
         super()._abandon_backward(error)
@@ -236,7 +235,7 @@ class Zero3Engine(Engine):
             self._settle()
 
     def _settle(self) -> None:
-        """After a failure: wait for every gather in flight, free every unit."""
+        """After backward or a failure: wait for every gather in flight, free every unit."""
         for unit in self.units:
             self._free_unit(unit)
             unit.backward_gathered = False
