@@ -143,3 +143,19 @@ def test_quantized_all_gather_accepts_another_way_to_divide():
 
     result = check("08.quantized_all_gather", quantized_all_gather, quiet=True)
     assert result.passed, str(result)
+
+
+def test_dpu_step_accepts_a_lambda_on_the_worker_and_its_own_warm_up_test():
+    def dpu_step(step, params, master, grad, host_step, pending, worker):
+        if pending is None and step < 1:  # the warm-up, written another way
+            host_step(grad)
+        else:
+            if pending is not None:
+                pending.result()
+            params.copy_(master)
+            return worker.submit(lambda: host_step(grad))
+        params.copy_(master)
+        return None
+
+    result = check("08.dpu_step", dpu_step, quiet=True)
+    assert result.passed, str(result)
