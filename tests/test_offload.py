@@ -45,7 +45,7 @@ def train(stage: int, offload: str | None = None, dpu: bool = False, dtype: str 
     for step in range(steps):
         batch = jobs.global_batch(step) if model == "gpt" else jobs.frozen_batch(step)
         x, y = (data.rank_slice(t, ctx.rank, ctx.world_size) for t in batch)
-        local = 0.0
+        local, gathered = 0.0, comm.LEDGER.ops["all_gather"].bytes
         for xm, ym in zip(x.chunk(accum), y.chunk(accum)):
             if model == "gpt":
                 loss = jobs.gpt_loss(engine(xm), ym)
@@ -55,14 +55,16 @@ def train(stage: int, offload: str | None = None, dpu: bool = False, dtype: str 
             local += loss.item() / accum
         after_backward = engine.model_state_bytes_by_location()
         engine.step()
-        io.append(engine.offload_stats())
+        io.append({**engine.offload_stats(), "gathered": comm.LEDGER.ops["all_gather"].bytes - gathered})
         engine.zero_grad()
         losses.append(comm.monitor_mean(local))
     held = engine.model_state_bytes_by_location()
     for loc in held:
         held[loc]["grads"] = after_backward[loc]["grads"]
+    with engine.offload_resident():  # stage 3 on disk: the shards are in their files between uses
+        working = [(b.full if stage < 3 else b.shard).clone() for b in engine.buckets]
     out = {"losses": losses, "io": io, "bytes": held, "psi": engine.psi, "padding": engine.padding,
-           "working": [(b.full if stage < 3 else b.shard).clone() for b in engine.buckets]}
+           "working": working}
     out["params"] = engine.full_state_dict()
     engine.close()
     return out
@@ -95,9 +97,11 @@ def linear_run(stage: int, offload: str, dpu: bool, steps: int = 4) -> dict:
         engine.backward(engine(data.rank_slice(x, ctx.rank, ctx.world_size)))
         engine.step()
         engine.zero_grad()
-        seen.append([(b.full if stage < 3 else b.shard).clone() for b in engine.buckets])
+        with engine.offload_resident():  # stage 3 on disk: the shards are in their files between uses
+            seen.append([(b.full if stage < 3 else b.shard).clone() for b in engine.buckets])
     engine.finish_dpu()
-    final = [(b.full if stage < 3 else b.shard).clone() for b in engine.buckets]
+    with engine.offload_resident():
+        final = [(b.full if stage < 3 else b.shard).clone() for b in engine.buckets]
     engine.close()
     return {"seen": seen, "final": final}
 
@@ -240,6 +244,14 @@ def test_disk_reads_and_writes_the_optimizer_states_once_per_step(stage):
         assert io["bytes_read"] == io["bytes_written"] == states
         assert io["io_seconds"] > 0 and io["read_bandwidth"] > 0 and io["write_bandwidth"] > 0
     assert run_of(stage=stage, offload="cpu", optimizer="adam")["io"][-1]["bytes_read"] == 0
+    # Stage 3 on disk (ZeRO-Infinity): a shard is read for every all_gather of its bucket
+    # (whose output is Nd shards) and written once, after the step updated it.
+    for io in run["io"]:
+        if stage == 3:
+            assert io["param_bytes_read"] * 2 == io["gathered"] > 0
+            assert io["param_bytes_written"] == 4 * shard // 2
+        else:
+            assert io["param_bytes_read"] == io["param_bytes_written"] == 0
 
 
 def test_dpu_parameters_are_one_update_behind_on_the_same_gradients():
@@ -336,8 +348,11 @@ def test_the_offload_formula_extends_sec_5():
         assert cpu["device"]["params"] == plain["params"] and cpu["device"]["optimizer_states"] == 0
         assert cpu["device"]["grads"] == (plain["grads"] if stage == 1 else 0)
         assert cpu["host"] == {"params": 0, "grads": 4 * psi // nd, "optimizer_states": plain["optimizer_states"]}
-        assert disk["device"] == cpu["device"] and disk["host"]["optimizer_states"] == 0
-        assert disk["disk"]["optimizer_states"] == cpu["host"]["optimizer_states"]
+        # Stage 3 on disk: the working parameter shards move from the device to disk (ZeRO-Infinity).
+        moved = plain["params"] if stage == 3 else 0
+        assert disk["device"] == {**cpu["device"], "params": cpu["device"]["params"] - moved}
+        assert disk["host"]["optimizer_states"] == 0
+        assert disk["disk"] == {"params": moved, "grads": 0, "optimizer_states": cpu["host"]["optimizer_states"]}
     with pytest.raises(ValueError, match="stage 0"):
         analytic.offload_state_bytes(psi, nd, 0, "cpu")
     with pytest.raises(ValueError, match="offload must be one of"):

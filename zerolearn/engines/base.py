@@ -494,7 +494,7 @@ class Engine(EngineStateMixin, abc.ABC):
     def _publish_all(self) -> None:
         """:meth:`_publish` every bucket, then wait for the all_gathers it launched."""
         for b in self.buckets:
-            with comm.unit(b.layout.label, "step: publish"):
+            with comm.unit(b.layout.label, "step: publish"), self._publishing_shard(b):
                 self._publish(b)
         self._finish_publish()
 
@@ -515,6 +515,20 @@ class Engine(EngineStateMixin, abc.ABC):
         self.holds_reduced = False
 
     # ----- offload (zerolearn.engines.offload) ------------------------------------------------
+    def _shard_in(self, b: Bucket) -> None:
+        """Stage 3, ``offload="disk"``: ``b.shard`` read from its file before a gather reads it."""
+        if self._offload is not None:
+            self._offload.shard_in(b)
+
+    def _shard_out(self, b: Bucket) -> None:
+        """Stage 3, ``offload="disk"``: the gather that read ``b.shard`` is over, its memory released."""
+        if self._offload is not None:
+            self._offload.shard_out(b)
+
+    def _publishing_shard(self, b: Bucket):
+        """Around ``_publish(b)``: stage 3 on disk writes the updated shard to its file."""
+        return self._offload.publishing(b) if self._offload is not None else contextlib.nullcontext()
+
     @property
     def optimizer(self) -> optim.GroupedOptimizer:
         """torch's optimizer over the masters (:class:`optim.GroupedOptimizer`). Under DPU a

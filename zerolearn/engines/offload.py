@@ -31,8 +31,13 @@ as host tensors of their own, apart from the working ones, and counts them as "h
 ``offload="disk"`` does the same, and keeps each bucket's optimizer states (master and
 moments) in a file of its own (:class:`DiskSwapper`): read into host memory just before
 that bucket's step, written back right after and released, so at most one bucket's
-optimizer states are in host memory at once. Working parameter shards are not put on
-disk at stage 3 (ZeRO-Infinity's parameter offload): they stay on the device.
+optimizer states are in host memory at once. At stage 3 the working parameter shards go
+to disk too (ZeRO-Infinity's parameter offload, Sec 5): a shard is read from its file
+just before its unit's all_gather (forward, backward, each prefetch), released once the
+gather has finished, and written back after the step updates it, so between uses a rank
+holds no parameter memory at all. The reads are synchronous, on the calling thread;
+ZeRO-Infinity overlaps them with compute (its overlap-centric design), which this
+teaching engine does not.
 
 ``dpu=True`` (with either offload) runs the host step of step t on a background thread
 (:class:`DelayedUpdate`) and publishes it at the start of step t + 1; the first step
@@ -147,10 +152,11 @@ class DiskSwapper:
             temporary folder. Either way the sub-folder is removed by :meth:`close` or
             when the swapper is garbage-collected.
         rank: the rank, for the sub-folder's name.
+        what: what the files hold, for the sub-folder's name ("states", "params").
     """
 
-    def __init__(self, directory: str | None, rank: int):
-        self.dir = tempfile.mkdtemp(prefix=f"zerolearn-offload-rank{rank}-", dir=directory)
+    def __init__(self, directory: str | None, rank: int, what: str = "states"):
+        self.dir = tempfile.mkdtemp(prefix=f"zerolearn-offload-{what}-rank{rank}-", dir=directory)
         self.fds: dict[int, int] = {}
         self.reset_stats()
         self._close = weakref.finalize(self, _remove, self.fds, self.dir)
@@ -300,11 +306,17 @@ class Offload:
                           for b in engine.buckets]
         self.has = [False] * len(engine.buckets)  # grads[i] holds this step's gradient (or part of it)
         self.swapper = DiskSwapper(directory, engine.rank) if kind == "disk" else None
+        # Stage 3 on disk: the working parameter shards in files of their own (ZeRO-Infinity).
+        self.shards = DiskSwapper(directory, engine.rank, "params") if kind == "disk" and engine.stage == 3 else None
         self.resident_depth = 0  # open resident() blocks
         self.delay = DelayedUpdate(len(engine.buckets)) if dpu else None
         if self.swapper is not None:
             for i, b in enumerate(engine.buckets):
                 self.swapper.store(i, [b.master])
+        if self.shards is not None:
+            for i, b in enumerate(engine.buckets):
+                self.shards.store(i, [b.shard])
+            self.shards.reset_stats()  # the I/O of training steps is what stats() counts
 
     # ----- the states of a bucket ---------------------------------------------------------
     @staticmethod
@@ -320,14 +332,17 @@ class Offload:
         return {"params": [], "grads": list(self.grads),
                 "optimizer_states": [t for i, b in enumerate(engine.buckets) for t in self.states(opt, i, b)]}
 
-    def disk_bytes(self) -> int:
-        """Bytes of the optimizer-state files (0 without disk offload)."""
-        return self.swapper.file_bytes() if self.swapper is not None else 0
+    def disk_bytes(self) -> dict[str, int]:
+        """Bytes of the files by category: ``{"params", "grads", "optimizer_states"}`` (0
+        without disk offload; parameters only at stage 3)."""
+        return {"params": self.shards.file_bytes() if self.shards is not None else 0, "grads": 0,
+                "optimizer_states": self.swapper.file_bytes() if self.swapper is not None else 0}
 
     @contextlib.contextmanager
     def resident(self, engine):
         """Every bucket's optimizer states in host memory for the block (disk: read all,
-        then written back and released); waits for a DPU step in flight first. Blocks
+        then written back and released), and at stage 3 on disk the working parameter
+        shards too; waits for a DPU step in flight first. Blocks
         may nest (a checkpoint's save inside the training loop's): the outermost one
         reads and writes."""
         self.wait()
@@ -342,12 +357,16 @@ class Offload:
         opt = engine._optimizer
         for i, b in enumerate(engine.buckets):
             self.swapper.load(i, self.states(opt, i, b))
+            if self.shards is not None:
+                self.shards.load(i, [b.shard])
         try:
             yield
         finally:
             self.resident_depth = 0
             for i, b in enumerate(engine.buckets):  # the states after the block (a load may replace them)
                 self.swapper.store(i, self.states(opt, i, b))
+                if self.shards is not None:
+                    self.shards.store(i, [b.shard])
 
     # ----- backward: each reduced shard to the host -----------------------------------------
     def take_grad(self, engine, b) -> None:
@@ -376,6 +395,8 @@ class Offload:
 
     def zero_grad(self) -> None:
         self.has = [False] * len(self.has)
+        if self.shards is not None:
+            self.shards.reset_stats()  # the parameter shards' I/O is counted per iteration
 
     def loaded(self, engine) -> None:
         """A checkpoint was loaded (inside :meth:`resident`): the loaded state is published
@@ -391,6 +412,30 @@ class Offload:
                         if torch.is_tensor(v) and v.dim() > 0:
                             st[k] = v.clone()
 
+    # ----- stage 3 on disk: the working parameter shards ------------------------------------
+    def shard_in(self, b) -> None:
+        """Before an all_gather reads ``b.shard``: read it from its file (stage 3 on disk;
+        nothing when it is in memory already or parameters are not on disk)."""
+        if self.shards is not None and b.shard.untyped_storage().nbytes() == 0:
+            self.shards.load(self.index[id(b)], [b.shard])
+
+    def shard_out(self, b) -> None:
+        """The all_gather that read ``b.shard`` finished: release its memory (its file holds it)."""
+        if self.shards is not None and not self.resident_depth:  # inside resident(): kept until its end
+            _release(b.shard)
+
+    @contextlib.contextmanager
+    def publishing(self, b):
+        """Around the stage's ``_publish(b)``: at stage 3 on disk the shard gets its memory
+        back (not read: the publish overwrites all of it), then is written to its file and
+        released."""
+        if self.shards is None or self.resident_depth:  # inside resident(): written at its end
+            yield
+            return
+        _restore(b.shard)
+        yield
+        self.shards.store(self.index[id(b)], [b.shard])
+
     # ----- step ---------------------------------------------------------------------------
     def land(self, engine, starts_step: bool = True) -> None:
         """Before a step (``starts_step``: the I/O counts start afresh) or on demand: the
@@ -404,7 +449,7 @@ class Offload:
             for b in engine.buckets:
                 if self.swapper is not None:  # the master alone, read to be published
                     self.swapper.load(self.index[id(b)], [b.master])
-                with comm.unit(b.layout.label, "step: publish"):
+                with comm.unit(b.layout.label, "step: publish"), self.publishing(b):
                     engine._publish(b)
                 if self.swapper is not None:
                     _release(b.master)
@@ -443,7 +488,7 @@ class Offload:
         for i, b in enumerate(engine.buckets):
             self._update(opt, i, b, coef, parts[i])
             retag(optim.optimizer_state(opt, b.master), "optimizer_states")
-            with comm.unit(b.layout.label, "step: publish"):
+            with comm.unit(b.layout.label, "step: publish"), self.publishing(b):
                 engine._publish(b)
             if self.swapper is not None:
                 self.swapper.store(i, self.states(opt, i, b))
@@ -465,12 +510,16 @@ class Offload:
             self.delay.wait()
 
     def stats(self) -> dict[str, float]:
-        """:meth:`DiskSwapper.stats` since the last step began (zeros without disk)."""
+        """:meth:`DiskSwapper.stats` of the optimizer states since the last step began
+        (zeros without disk), and at stage 3 on disk the parameter shards' I/O since the
+        last ``zero_grad``, under ``param_`` keys: one iteration's forward and backward
+        reads and the step's writes, when read right after the step."""
         self.wait()
-        if self.swapper is None:
-            return {"bytes_read": 0, "bytes_written": 0, "io_seconds": 0.0, "read_bandwidth": 0.0,
-                    "write_bandwidth": 0.0}
-        return self.swapper.stats()
+        zero = {"bytes_read": 0, "bytes_written": 0, "io_seconds": 0.0, "read_bandwidth": 0.0,
+                "write_bandwidth": 0.0}
+        out = dict(zero) if self.swapper is None else self.swapper.stats()
+        params = zero if self.shards is None else self.shards.stats()
+        return {**out, **{f"param_{k}": v for k, v in params.items()}}
 
     def close(self) -> None:
         """Wait for a DPU step in flight, stop its thread, remove the files (idempotent)."""
@@ -478,3 +527,5 @@ class Offload:
             self.delay.close()
         if self.swapper is not None:
             self.swapper.close()
+        if self.shards is not None:
+            self.shards.close()

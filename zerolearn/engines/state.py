@@ -82,16 +82,17 @@ class EngineStateMixin:
         seen: set[int] = set()
         out = {loc: {c: storage_bytes(tensors, seen) for c, tensors in by_cat.items()}
                for loc, by_cat in self.state_tensors_by_location().items()}
-        disk = self._offload.disk_bytes() if self._offload is not None else 0
-        out["disk"] = {"params": 0, "grads": 0, "optimizer_states": disk}
+        out["disk"] = (self._offload.disk_bytes() if self._offload is not None
+                       else {"params": 0, "grads": 0, "optimizer_states": 0})
         return out
 
     def offload_resident(self):
         """A context manager: inside it every bucket's fp32 master and optimizer states are in
         host memory (``offload="disk"`` reads them all, and writes them back and releases
-        them on exit), and no DPU step is in flight. Wrap any direct read of
-        ``b.master`` or ``optimizer.state`` under disk offload in it (a checkpoint's save).
-        Without offload it does nothing."""
+        them on exit; at stage 3 the working parameter shards too), and no DPU step is in
+        flight. Wrap any direct read of ``b.master``, ``b.shard`` or ``optimizer.state``
+        under disk offload in it (a checkpoint's save does so itself). Without offload it
+        does nothing."""
         if self._offload is None:
             return contextlib.nullcontext()
         return self._offload.resident(self)

@@ -93,6 +93,7 @@ class Zero3Engine(Engine):
         if unit.gathered or unit.gathering:
             return
         for b in unit.buckets:
+            self._shard_in(b)  # offload="disk": the shard read from its file first (ZeRO-Infinity)
             b.full.untyped_storage().resize_(b.full.nbytes)
             unit.gathering.append(self.zpp.gather(b, self.in_backward) if self.zpp.enabled else  # ZeRO++'s
                                   comm.all_gather(b.full, b.shard, group=self.pg, async_op=True))
@@ -101,8 +102,9 @@ class Zero3Engine(Engine):
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
 
     def _finish_gather(self, unit: U.Unit) -> None:
-        for handle in unit.gathering:
+        for b, handle in zip(unit.buckets, unit.gathering):  # one gather per bucket, in order
             handle.wait()
+            self._shard_out(b)  # offload="disk": the shard's memory released, its file kept
         unit.gathered = unit.gathered or bool(unit.gathering)
         unit.gathering.clear()
 
@@ -205,8 +207,7 @@ class Zero3Engine(Engine):
         super()._on_bucket_ready(b)
 
     def _may_launch(self, b: Bucket) -> bool:
-        # The root unit may hold a parameter some ranks do not use: every rank reduces
-        # its buckets at the end of backward, so collectives keep one order everywhere.
+        # The root unit may hold a parameter some ranks do not use: all reduce it at backward's end.
         return b.complete and self._unit_of[id(b)].module is not self.model
 
     def _reduce(self, b: Bucket) -> comm.Handle:

@@ -191,11 +191,12 @@ def offload_state_bytes(psi: float, nd: int, stage: int, offload: str | None,
       (the shard the step reads, in fp32, as DeepSpeed keeps it) and host optimizer
       states K Psi / Nd.
     * ``"disk"``: as "cpu", with the optimizer states on disk, K Psi / Nd, and none in
-      host memory between steps (one bucket's while it steps).
+      host memory between steps (one bucket's while it steps). At stage 3 the working
+      parameter shards are on disk too, w Psi / Nd, and none on the device between uses
+      (a unit's shards are read for its gathers and released after).
 
     The extension beyond the papers' text: the fp32 gradient buffer (ZeRO-Offload's
-    figures count 2-byte gradients moved to the CPU), and parameters stay on the device
-    at stage 3 (ZeRO-Infinity can put them on NVMe too; the engines do not).
+    figures count 2-byte gradients moved to the CPU).
 
     Args: psi parameters (>= 0, add padding to compare with a measurement); nd
     data-parallel degree (int >= 1); stage 0-3 (1-3 with offload); offload None,
@@ -221,9 +222,12 @@ def offload_state_bytes(psi: float, nd: int, stage: int, offload: str | None,
     if stage == 0:
         raise ValueError("offload needs stage 1, 2 or 3 (stage 0 partitions nothing), got stage 0")
     states = _div(k * psi, nd)
-    device = {"params": plain["params"], "grads": plain["grads"] if stage == 1 else 0, "optimizer_states": 0}
+    params_on_disk = offload == "disk" and stage == 3
+    device = {"params": 0 if params_on_disk else plain["params"], "grads": plain["grads"] if stage == 1 else 0,
+              "optimizer_states": 0}
     host = {"params": 0, "grads": _div(4 * psi, nd), "optimizer_states": states if offload == "cpu" else 0}
-    disk = {"params": 0, "grads": 0, "optimizer_states": states if offload == "disk" else 0}
+    disk = {"params": plain["params"] if params_on_disk else 0, "grads": 0,
+            "optimizer_states": states if offload == "disk" else 0}
     return {"device": device, "host": host, "disk": disk}
 
 
