@@ -202,12 +202,16 @@ def test_cpu_offload_moves_the_partitions_gradient_down_and_its_parameters_up():
     assert offload_traffic_bytes(1e9, 4, 2, None) == {"pcie": 0.0, "disk": 0.0, "host_elements": 0.0}
 
 
-def test_disk_offload_reads_and_writes_the_optimizer_states_once_a_step():
-    # K = 12 bytes of a 2.5e8-element partition, read and written: 6e9 bytes, at every stage;
-    # K = 16 (Adam with a fp32 gradient copy kept with the states) gives 8e9.
-    for stage in (1, 2, 3):
+def test_disk_offload_reads_and_writes_the_optimizer_states_and_at_stage_3_the_parameters():
+    # K = 12 bytes of a 2.5e8-element partition, read and written: 6e9 bytes at stages 1 and 2;
+    # K = 16 gives 8e9. Stage 3 adds the bf16 shard read twice and written once, 3 x 2 x 2.5e8
+    # = 1.5e9, and its two reads cross PCIe: 1e9 + 1e9.
+    for stage in (1, 2):
         assert offload_traffic_bytes(1e9, 4, stage, "disk")["disk"] == pytest.approx(6e9)
     assert offload_traffic_bytes(1e9, 4, 2, "disk", k=16)["disk"] == pytest.approx(8e9)
+    stage3 = offload_traffic_bytes(1e9, 4, 3, "disk")
+    assert (stage3["disk"], stage3["pcie"]) == (pytest.approx(7.5e9), pytest.approx(2e9))
+    assert offload_traffic_bytes(1e9, 4, 3, "cpu")["pcie"] == pytest.approx(1e9)  # parameters stay on the device
 
 
 def test_offload_step_time_adds_the_host_and_dpu_hides_the_cpu_step():

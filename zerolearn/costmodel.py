@@ -313,9 +313,11 @@ def offload_traffic_bytes(psi: float, nd: int, stage: int, offload: str | None, 
     the updated partition of the parameters comes back, and the CPU's Adam updates ``psi /
     nd`` elements. With ``offload="disk"`` (ZeRO-Infinity, Rajbhandari et al., SC'21, arXiv
     2104.07857) the K bytes per parameter of optimizer states live on NVMe and are read
-    and written once a step, as the package's engines do (:mod:`zerolearn.engines.offload`).
-    ZeRO-Infinity can also keep stage 3's parameters there; that traffic is not counted.
-    ``offload=None`` moves nothing.
+    and written once a step; at stage 3 the rank's parameter shard lives there too, read
+    for the forward's gathers and again for backward's and written after the step (3 w
+    bytes per element of the shard, w the bytes of ``dtype``), and it crosses PCIe on
+    both reads (2 w more). This is where the package's engines keep them
+    (:mod:`zerolearn.engines.offload`). ``offload=None`` moves nothing.
 
     Returns:
         ``{"pcie": bytes, "disk": bytes, "host_elements": elements}`` per GPU per step.
@@ -338,8 +340,10 @@ def offload_traffic_bytes(psi: float, nd: int, stage: int, offload: str | None, 
     if stage == 0:
         raise ConfigError("offload with stage 0: offload moves a rank's ZeRO partition to the host; choose stage 1-3")
     part = psi / nd
-    disk = 2 * k * part if offload == "disk" else 0.0
-    return {"pcie": 2 * width * part, "disk": disk, "host_elements": part}
+    params_on_disk = offload == "disk" and stage == 3
+    disk = 2 * k * part + (3 * width * part if params_on_disk else 0.0) if offload == "disk" else 0.0
+    pcie = 2 * width * part + (2 * width * part if params_on_disk else 0.0)
+    return {"pcie": pcie, "disk": disk, "host_elements": part}
 
 
 @dataclass(frozen=True)

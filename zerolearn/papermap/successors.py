@@ -76,11 +76,12 @@ def _infinity() -> list[Row]:
             "32 GB V100: they must live in host memory and on NVMe", "-", NOT_REPRODUCIBLE,
             "needs 32 DGX-2 nodes and their NVMe drives", {"tb_per_gpu": big / 1e12}),
         Row("infinity-1t", "ZeRO-Infinity", "a trillion parameters fine-tuned on one DGX-2 node (16 GPUs)",
-            f"`model_state_bytes(1e12, 16, 3)`: {_tb(node)} per GPU; with the package's disk offload "
-            f"{_gb(ours['device'])} stay on each GPU (stage 3's 2-byte parameter shard), {_gb(ours['disk'])} on disk",
-            "-", NOT_REPRODUCIBLE, "needs a DGX-2 node; and the package keeps stage 3's parameters on the device, "
-            "so it would not fit there either (ZeRO-Infinity streams them from CPU or NVMe memory)",
-            {"device_gb": ours["device"] / GB}),
+            f"`model_state_bytes(1e12, 16, 3)`: {_tb(node)} per GPU; `offload_state_bytes(1e12, 16, 3, 'disk')`: "
+            f"{_gb(ours['device'])} of model states on each GPU between uses, {_gb(ours['host'])} in host memory "
+            f"(the fp32 gradient shard), {_gb(ours['disk'])} on disk", "ch. 8 on 2 ranks (stage 3 with disk "
+            "offload, bytes per location measured)", NOT_REPRODUCIBLE, "needs a DGX-2 node and its NVMe drives; "
+            "the gathered units, activations and the host's gradient shard must fit beside them",
+            {"device_gb": ours["device"] / GB, "host_gb": ours["host"] / GB, "disk_gb": ours["disk"] / GB}),
         Row("infinity-bandwidth", "ZeRO-Infinity", "bandwidth-centric partitioning: each rank reads and writes its "
             "own partition of the offloaded states, so the aggregate host and NVMe bandwidth grows with the GPUs",
             f"`offload_traffic_bytes(1e12, 512, 3, 'disk')`: {_gb(disk_per_gpu)} read and written per GPU a step "
