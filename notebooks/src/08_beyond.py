@@ -54,12 +54,11 @@ from zerolearn.tables import kib, text_table
 # * `offload="cpu"`: on the device the parameters, w $\Psi$ (w $\Psi/N_d$ at stage 3), and
 #   at stage 1 the gradients, w $\Psi$; in host memory the fp32 gradient shard,
 #   4 $\Psi/N_d$, and the optimizer states, K $\Psi/N_d$;
-# * `offload="disk"`: the same, with the optimizer states on disk instead.
+# * `offload="disk"`: the same, with the optimizer states on disk instead; at stage 3 the
+#   parameter shard, w $\Psi/N_d$, lives on disk too and none on the device between uses.
 #
 # (ZeRO-Offload's own accounting moves 2-byte gradients to the CPU; the engines keep the
-# shard the step reads in fp32. ZeRO-Infinity can also put stage 3's
-# parameters on NVMe; our engines keep them on the device.) At 7.5B parameters on 64
-# GPUs (Fig 1's setting):
+# shard the step reads in fp32.) At 7.5B parameters on 64 GPUs (Fig 1's setting):
 
 # %%
 rows = []
@@ -101,8 +100,10 @@ print(text_table(header, body))
 # %% [markdown]
 # Every measured byte equals the formula. Offload without DPU computes exactly what the
 # plain stage computes: the same Adam on the same fp32 numbers, only elsewhere. Disk
-# offload reads and writes the rank's whole optimizer state once a step (K Psi / Nd
-# bytes each way). DPU is the one option that changes the numbers; section 2 shows why.
+# offload reads and writes the rank's whole optimizer state in its step (K Psi / Nd
+# bytes each way: the column counts the optimizer step's I/O); at stage 3 the parameter
+# shard lives on disk too, nothing of it on the device between uses, and is read again
+# for every gather of forward and backward. DPU is the one option that changes the numbers; section 2 shows why.
 # How long a step takes here says little about a GPU machine, where the PCIe link and
 # the CPU are the bottleneck, but it is measured all the same:
 
@@ -245,12 +246,13 @@ HTML(explorer.summary.value)  # the default view, for the book
 
 # %% [markdown]
 # ZeRO-Offload reports about 13B parameters trained on one 32 GB V100, about 10x what
-# PyTorch alone fits there; the explorer's model states say 16B against 2B, before
-# activations and buffers take their share. ZeRO-Infinity scales the same idea up: 32
-# trillion parameters on 512 V100s (32 DGX-2 nodes), and a trillion fine-tuned on a
-# single DGX-2 node. (A glossary entry this book started from puts the 32 trillion on a
-# single node; at 16 bytes a parameter that would be 32 TB of model states per GPU.
-# The paper map lists these claims with what the package computes for each.)
+# PyTorch alone fits there. Model states alone would allow 16B against 2B (2 bytes a
+# parameter on the GPU instead of 16) before activations and buffers take their share.
+# ZeRO-Infinity scales the same idea up: 32 trillion parameters on 512 V100s (32 DGX-2
+# nodes), and a trillion fine-tuned on a single DGX-2 node. (A glossary entry this book
+# started from puts the 32 trillion on a single node; at 16 bytes a parameter that would
+# be 32 TB of model states per GPU. The paper map lists these claims with what the
+# package computes for each.)
 #
 # ## 4. ZeRO++: less traffic between nodes
 #
@@ -364,5 +366,5 @@ exercises.check("08.quantized_all_gather", quantized_all_gather)
 # - ZeRO++ sends stage 3's traffic across nodes as int8 weights and int4 gradients and
 #   keeps backward's gather inside the node: about a fifth of the bytes cross here, a
 #   quarter in the paper's count, for a bounded quantization error.
-# - Not built here: ZeRO-Infinity's parameters on NVMe at stage 3, its prefetching of
-#   offloaded states, and its tiling of operators too large for one GPU.
+# - Not built here: ZeRO-Infinity's prefetching of offloaded states while the GPU
+#   computes, and its tiling of operators too large for one GPU.
