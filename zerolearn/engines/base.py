@@ -61,6 +61,8 @@ class Bucket:
         reduced: a reduction's output that is added to the kept gradient afterwards.
         reducing: the reduction in flight, or None.
         ready: parameters whose gradient arrived in this backward.
+        written: per parameter, whether ``grad_full`` holds a gradient of it yet (the buffer
+            is allocated uninitialised: a first gradient is copied in, later ones added).
         used: per parameter, whether it got a gradient on this rank since ``zero_grad``.
         skipped: per parameter, steps it sat out because no rank used it.
     """
@@ -78,6 +80,7 @@ class Bucket:
     used: list[bool] = field(default_factory=list)
     skipped: list[int] = field(default_factory=list)
     tally: list[int] | None = field(default=None, repr=False)  # [gradient bytes held by all buckets]
+    written: list[bool] = field(default_factory=list, repr=False)  # per parameter: in grad_full yet
 
     def __post_init__(self) -> None:
         self.used = [False] * len(self.params)
@@ -356,7 +359,9 @@ class Engine(EngineStateMixin, abc.ABC):
         # Autograd calls this once p.grad holds this backward's whole gradient of p.
         self._ensure_grad_full(b)
         start = b.layout.offsets[i]
-        b.grad_full[start:start + p.numel()].view_as(p).add_(p.grad)
+        view = b.grad_full[start:start + p.numel()].view_as(p)
+        view.add_(p.grad) if b.written[i] else view.copy_(p.grad)
+        b.written[i] = True
         p.grad = None  # autograd's copy is in the bucket now
         b.used[i] = True
         b.ready += 1
@@ -372,6 +377,7 @@ class Engine(EngineStateMixin, abc.ABC):
             self._next += 1
 
     def _launch(self, b: Bucket) -> None:
+        self._zero_unwritten(b)  # parameters no gradient reached in this buffer hold zeros
         if self.world_size > 1:
             b.grad_full.div_(self.world_size)  # before the sum: Nd fp16 gradients could overflow it
         with comm.unit(b.layout.label, "backward: reduce"):
@@ -390,11 +396,24 @@ class Engine(EngineStateMixin, abc.ABC):
             self._offload.take_grad(self, b)  # the reduced shard to the host's fp32 buffer
 
     def _ensure_grad_full(self, b: Bucket) -> None:
+        # Uninitialised, as torch DDP's bucket after zero_grad: filling Psi zeros every step
+        # costs a pass over the memory. Each parameter's first gradient is copied in; the
+        # padding is zeroed now, parameters with no gradient just before the buffer is read.
         if b.grad_full is None:
             with category("grads"):
-                b.grad_full = torch.zeros(b.layout.padded_numel, dtype=self.dtype, device=self.device)
+                b.grad_full = torch.empty(b.layout.padded_numel, dtype=self.dtype, device=self.device)
+            b.grad_full[b.layout.numel:].zero_()
+            b.written = [False] * len(b.params)
             self.peak_grad_bytes = max(self.peak_grad_bytes, self._grad_bytes[0])
             self.temp_buffer_peak_bytes = max(self.temp_buffer_peak_bytes, b.grad_full.nbytes)
+
+    def _zero_unwritten(self, b: Bucket) -> None:
+        """Zero the elements of ``b.grad_full`` no gradient was written to (unused parameters)."""
+        if b.grad_full is not None and not all(b.written):
+            for i, done in enumerate(b.written):
+                if not done:
+                    b.layout.view_of(b.grad_full, i).zero_()
+            b.written = [True] * len(b.params)
 
     def _new_grad(self, numel: int) -> torch.Tensor:
         """An uninitialised gradient buffer of ``numel`` elements, counted as gradients."""
@@ -422,6 +441,8 @@ class Engine(EngineStateMixin, abc.ABC):
         norm and the update read the host's fp32 gradients and torch's optimizer steps the
         host master (:class:`zerolearn.engines.offload.Offload`).
         """
+        for b in self.buckets:  # a gradient kept without a reduction (stage 0-1, no_sync) is read whole
+            self._zero_unwritten(b)
         off = self._offload
         if off is not None:
             off.land(self)  # DPU: the update in flight finishes and is published
