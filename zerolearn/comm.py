@@ -40,6 +40,7 @@ optionally for one kind of work, the ``doing`` of :func:`unit`). Without nodes s
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -339,11 +340,49 @@ def all_reduce(tensor: torch.Tensor, op=dist.ReduceOp.SUM, group=None, async_op:
                 group, (tensor,), tag=tag)
 
 
-def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False) -> Handle:
-    """``output`` (n elements) = this rank's chunk of the sum of ``input`` (n * world_size)."""
-    return _run("reduce_scatter", input,
-                lambda: compat.reduce_scatter_tensor(output, input, group=group, async_op=async_op),
-                async_op, group, (input, output))
+def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False,
+                   overwrite_input: bool = False) -> Handle:
+    """``output`` (n elements) = this rank's chunk of the sum of ``input`` (n * world_size).
+
+    ``overwrite_input``: the caller is done with ``input`` (a gradient bucket about to
+    be freed). gloo's reduce_scatter clones the whole input, all-reduces the clone and
+    copies this rank's chunk out; with this flag the all-reduce runs on ``input`` itself,
+    which then holds the sum (:class:`_ChunkOfAllReduce`): the same sums, bit for bit,
+    without the clone (a bucket-sized allocation and copy per call). Other backends
+    ignore it.
+    """
+    if overwrite_input and input.is_contiguous() and dist.get_backend(group) == "gloo":
+        call = functools.partial(_ChunkOfAllReduce.launch, output, input, group, async_op)
+    else:
+        call = functools.partial(compat.reduce_scatter_tensor, output, input, group=group, async_op=async_op)
+    return _run("reduce_scatter", input, call, async_op, group, (input, output))
+
+
+class _ChunkOfAllReduce:
+    """gloo's reduce_scatter without its clone: all_reduce ``input`` in place, then copy
+    this rank's chunk into ``output`` once the sum is there (:meth:`wait`)."""
+
+    def __init__(self, work, output: torch.Tensor, chunk: torch.Tensor):
+        self.work, self.output, self.chunk = work, output, chunk
+
+    @classmethod
+    def launch(cls, output: torch.Tensor, input: torch.Tensor, group, async_op: bool):
+        n = output.numel()
+        start = dist.get_rank(group) * n
+        pending = cls(dist.all_reduce(input, group=group, async_op=async_op), output,
+                      input.view(-1)[start:start + n])
+        if async_op:
+            return pending
+        pending.wait()
+        return None
+
+    def wait(self) -> bool:
+        if self.work is not None:
+            self.work.wait()
+        if self.chunk is not None:
+            self.output.copy_(self.chunk.view_as(self.output))
+        self.work = self.output = self.chunk = None  # let go of the tensors, as gloo's work does
+        return True
 
 
 def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async_op: bool = False,

@@ -41,7 +41,7 @@ class Zero1Engine(Engine):
     # ----- backward: reduce-scatter; the reduced shard stays in the full buffer --------
     def _reduce(self, b: Bucket) -> comm.Handle:
         b.reduced = torch.empty(b.layout.shard_numel, dtype=self.dtype, device=self.device)
-        return comm.reduce_scatter(b.reduced, b.grad_full, group=self.pg, async_op=True)
+        return comm.reduce_scatter(b.reduced, b.grad_full, group=self.pg, async_op=True, overwrite_input=True)
 
     def _after_reduce(self, b: Bucket) -> None:
         # Stage 1 does not partition gradients: the full buffer stays allocated (2 Psi),

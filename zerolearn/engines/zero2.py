@@ -50,7 +50,7 @@ class Zero2Engine(Engine):
             b.grad_shard = out
         else:
             b.reduced = out
-        return comm.reduce_scatter(out, b.grad_full, group=self.pg, async_op=True)
+        return comm.reduce_scatter(out, b.grad_full, group=self.pg, async_op=True, overwrite_input=True)
 
     def _after_reduce(self, b: Bucket) -> None:
         b.grad_full = None  # the full bucket is no longer needed: free it now

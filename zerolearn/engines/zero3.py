@@ -219,7 +219,7 @@ class Zero3Engine(Engine):
             b.reduced = out
         if self.zpp.qgz:  # ZeRO++'s qgZ: a quantized two-hop all-to-all instead
             return self.zpp.reduce_scatter(out, b.grad_full)
-        return comm.reduce_scatter(out, b.grad_full, group=self.pg, async_op=True)
+        return comm.reduce_scatter(out, b.grad_full, group=self.pg, async_op=True, overwrite_input=True)
 
     def _after_reduce(self, b: Bucket) -> None:
         b.grad_full = None  # the full gradient bucket is no longer needed: free it now
