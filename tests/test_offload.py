@@ -387,3 +387,35 @@ def test_the_offload_table_measures_each_option_beside_the_formula():
     assert "cpu+dpu" in format_offload_table(rows)
     with pytest.raises(ConfigError, match="stage=0"):
         offload_table(stage=0)
+
+
+# ----- the memory ledger splits device and host ---------------------------------------------
+def ledger_job(offload: str | None) -> dict:
+    """Stage 2 for 2 steps under a MemoryLedger: its bytes per location beside the engine's."""
+    from zerolearn.memory.ledger import MemoryLedger
+
+    ctx = zdist.context()
+    engine = make_engine(2, jobs.small_gpt(), optimizer="adam", lr=1e-2, bucket_mb=0.01, offload=offload)
+    with MemoryLedger(record_timeline=False) as ledger:
+        ledger.track_engine(engine)
+        for t in range(2):
+            x, y = (data.rank_slice(v, ctx.rank, ctx.world_size) for v in jobs.global_batch(t))
+            engine.backward(jobs.gpt_loss(engine(x), y))
+            engine.step()
+            engine.zero_grad()
+        seen = ledger.by_location()["live"]
+    held = engine.model_state_bytes_by_location()
+    engine.close()
+    return {"ledger": seen, "engine": held}
+
+
+@pytest.mark.parametrize("offload", [None, "cpu", "disk"])
+def test_the_memory_ledger_splits_every_category_into_device_and_host(offload):
+    for r in on_ranks(ledger_job, 2, offload):
+        for where in ("device", "host"):
+            for c in ("params", "optimizer_states"):  # what stays between steps (grads: dropped by zero_grad)
+                assert r["ledger"][where][c] == r["engine"][where][c], (where, c)
+        if offload == "cpu":  # the master and both moments, fp32, on the host; none on the device
+            assert r["ledger"]["host"]["optimizer_states"] > 0 == r["ledger"]["device"]["optimizer_states"]
+        if offload is None:
+            assert not any(r["ledger"]["host"].values())

@@ -43,6 +43,8 @@ def rank_entry(run: Run, record: Watched) -> dict:
     ctx, engine, ledger = run.ctx, run.engine, record.ledger
     held = engine.model_state_bytes()
     memory = ledger.summary() if ledger is not None else {"peak_bytes": None}  # None: no step left to run
+    if ledger is not None and getattr(engine, "offload", None) is not None:
+        memory["by_location"] = ledger.by_location()  # device and host memory apart (offload)
     if run.config.memory_timeline and ledger is not None:
         memory["timeline"] = [[e.index, e.phase, e.total, e.by_category] for e in ledger.timeline]
     cuda = ctx.device.type == "cuda"

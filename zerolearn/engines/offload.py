@@ -62,7 +62,7 @@ from torch import nn
 from zerolearn import comm
 from zerolearn.engines import optim
 from zerolearn.errors import ConfigError
-from zerolearn.memory.ledger import category, retag
+from zerolearn.memory.ledger import category, location, retag
 
 OFFLOADS = ("cpu", "disk")
 """Where ``offload=`` may put the optimizer states: host memory, or files on disk."""
@@ -298,10 +298,10 @@ class Offload:
     def __init__(self, engine, kind: str, directory: str | None, dpu: bool):
         self.kind, self.pin = kind, engine.device.type == "cuda"
         self.index = {id(b): i for i, b in enumerate(engine.buckets)}
-        with category("optimizer_states"):
+        with category("optimizer_states"), location("host"):
             for b in engine.buckets:
                 b.master = nn.Parameter(_host_copy(b.master.detach(), self.pin))
-        with category("grads"):
+        with category("grads"), location("host"):
             self.grads = [torch.zeros(b.master.numel(), dtype=torch.float32, pin_memory=self.pin)
                           for b in engine.buckets]
         self.has = [False] * len(engine.buckets)  # grads[i] holds this step's gradient (or part of it)
@@ -474,7 +474,8 @@ class Offload:
         b.master.grad = self.grads[i]
         if coef != 1.0:
             b.master.grad.mul_(coef)
-        opt.step_bucket(i, parts)
+        with location("host"):  # the moments torch creates, and the step's temporaries
+            opt.step_bucket(i, parts)
         b.master.grad = None
 
     def step(self, engine, used: list[list[bool]], coef: float) -> None:

@@ -35,6 +35,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 CATEGORIES = ("params", "grads", "optimizer_states", "activations", "temporary")
+LOCATIONS = ("device", "host")
 _PHASE_DEFAULT = {"forward": "activations", "backward": "temporary", "step": "temporary"}
 
 _state = threading.local()
@@ -52,6 +53,23 @@ def category(name: str):
         yield
     finally:
         _state.category = previous
+
+
+@contextlib.contextmanager
+def location(name: str):
+    """Storages created inside this block live in ``name``'s memory: ``"device"`` (the
+    default) or ``"host"`` (offload: :mod:`zerolearn.engines.offload` creates its host
+    copies, and torch's optimizer steps, inside ``location("host")``). On a CPU-only run
+    both are the same memory; the ledger keeps them apart by this tag, as on a GPU.
+
+    Costs nothing when no ledger is active.
+    """
+    previous = getattr(_state, "location", None)
+    _state.location = name
+    try:
+        yield
+    finally:
+        _state.location = previous
 
 
 def retag(tensors, name: str) -> None:
@@ -106,6 +124,7 @@ class _Storage:
     nbytes: int
     category: str
     ref: weakref.ref = field(repr=False)
+    location: str = "device"
 
 
 class MemoryLedger(TorchDispatchMode):
@@ -122,7 +141,9 @@ class MemoryLedger(TorchDispatchMode):
         ledger.peak, ledger.peak_by_category, ledger.timeline
 
     Attributes: ``live`` (bytes per category now), ``peak`` (bytes), ``peak_by_category``
-    (the categories at the moment of the peak), ``timeline`` (list of :class:`Event`).
+    (the categories at the moment of the peak), ``timeline`` (list of :class:`Event`),
+    and per location (``"device"``, ``"host"``: see :func:`location`) ``live_by_location``
+    and ``peak_by_location`` ({location: {category: bytes}}, now and at the peak).
     """
 
     def __init__(self, record_timeline: bool = True, record_trace: bool = False):
@@ -133,6 +154,8 @@ class MemoryLedger(TorchDispatchMode):
         self._uids: dict[int, int] = {}  # storage key -> a uid never reused
         self._next_uid = 0
         self.live: dict[str, int] = defaultdict(int)
+        self.live_by_location = {loc: defaultdict(int) for loc in LOCATIONS}
+        self.peak_by_location = {loc: {c: 0 for c in CATEGORIES} for loc in LOCATIONS}
         self.peak, self.peak_by_category = 0, {c: 0 for c in CATEGORIES}
         self.timeline: list[Event] = []
         self.record_timeline = record_timeline
@@ -141,16 +164,21 @@ class MemoryLedger(TorchDispatchMode):
         self._original_resize = None
 
     # ----- registration -------------------------------------------------------------
-    def track(self, tensors, name: str) -> None:
-        """Register existing tensors (None entries are skipped) under category ``name``."""
+    def track(self, tensors, name: str, where: str = "device") -> None:
+        """Register existing tensors (None entries are skipped) under category ``name``,
+        in ``where``'s memory (``"device"`` or ``"host"``)."""
         for t in tensors:
             if t is not None:
-                self._add(t.untyped_storage(), name)
+                self._add(t.untyped_storage(), name, where)
 
     def track_engine(self, engine) -> None:
-        """Register an engine's current model states (see ``Engine.state_tensors``)."""
-        for name, tensors in engine.state_tensors().items():
-            self.track(tensors, name)
+        """Register an engine's current model states, by location when it offloads
+        (``Engine.state_tensors_by_location``), else all on the device (``state_tensors``)."""
+        by_location = getattr(engine, "state_tensors_by_location", None)
+        placed = by_location() if by_location is not None else {"device": engine.state_tensors()}
+        for where, by_category in placed.items():
+            for name, tensors in by_category.items():
+                self.track(tensors, name, where)
 
     @contextlib.contextmanager
     def phase(self, name: str):
@@ -166,23 +194,24 @@ class MemoryLedger(TorchDispatchMode):
         self._record(label)
 
     # ----- bookkeeping ----------------------------------------------------------------
-    def _add(self, storage: torch.UntypedStorage, name: str | None = None) -> None:
+    def _add(self, storage: torch.UntypedStorage, name: str | None = None, where: str | None = None) -> None:
         key = id(storage)
         if key in self._storages:
             return
         name = name or getattr(_state, "category", None) or _PHASE_DEFAULT.get(self._phase, "temporary")
+        where = where or getattr(_state, "location", None) or "device"
         ref = weakref.ref(storage, lambda _, key=key: self._free(key))
-        self._storages[key] = _Storage(storage.nbytes(), name, ref)
+        self._storages[key] = _Storage(storage.nbytes(), name, ref, where)
         self._new_uid(key)
         self._trace("alloc", key, storage.nbytes())
-        self._change(name, storage.nbytes())
+        self._change(name, storage.nbytes(), where)
 
     def _free(self, key: int) -> None:
         info = self._storages.pop(key, None)
         if info is not None:
             self._trace("free", key, info.nbytes)
             self._uids.pop(key, None)
-            self._change(info.category, -info.nbytes)
+            self._change(info.category, -info.nbytes, info.location)
 
     def _new_uid(self, key: int) -> None:
         self._uids[key], self._next_uid = self._next_uid, self._next_uid + 1
@@ -196,8 +225,10 @@ class MemoryLedger(TorchDispatchMode):
         if info is None or info.category == name:
             return
         self.live[info.category] -= info.nbytes
+        self.live_by_location[info.location][info.category] -= info.nbytes
         info.category = name
         self.live[name] += info.nbytes
+        self.live_by_location[info.location][name] += info.nbytes
 
     def _resized(self, storage: torch.UntypedStorage) -> None:
         info = self._storages.get(id(storage))
@@ -209,17 +240,26 @@ class MemoryLedger(TorchDispatchMode):
         self._trace("free", id(storage), old)
         self._new_uid(id(storage))
         self._trace("alloc", id(storage), info.nbytes)
-        self._change(info.category, info.nbytes - old)
+        self._change(info.category, info.nbytes - old, info.location)
 
-    def _change(self, name: str, delta: int) -> None:
+    def _change(self, name: str, delta: int, where: str = "device") -> None:
         if delta == 0:
             return
         self.live[name] += delta
+        self.live_by_location[where][name] += delta
         total = sum(self.live.values())
         if total > self.peak:
             self.peak = total
             self.peak_by_category = {c: self.live.get(c, 0) for c in CATEGORIES}
+            self.peak_by_location = {loc: {c: live.get(c, 0) for c in CATEGORIES}
+                                     for loc, live in self.live_by_location.items()}
         self._record()
+
+    def by_location(self) -> dict:
+        """``{"live": {location: {category: bytes}}, "peak": {...}}``: the categories split
+        into device and host memory, now and at the peak (:func:`location`)."""
+        return {"live": {loc: {c: live.get(c, 0) for c in CATEGORIES} for loc, live in self.live_by_location.items()},
+                "peak": {loc: dict(by_cat) for loc, by_cat in self.peak_by_location.items()}}
 
     def _record(self, label: str = "") -> None:
         if self.record_timeline:
