@@ -70,7 +70,8 @@ VIEW_CELLS = [
 EXPLORER_PAGES = {"06_at_scale": ["FitSolver", "MemoryExplorer", "TradeOff", "TimelineViewer",
                                   "FragmentationSimulator"],
                   "02_zero1": ["StageExplorer"], "03_zero2": ["StageExplorer"], "04_zero3": ["StageExplorer"],
-                  "05_zero_r": ["ResidualExplorer"]}
+                  "05_zero_r": ["ResidualExplorer"], "08_beyond": ["BeyondExplorer"]}
+TABLE_EXPLORERS = {"BeyondExplorer"}  # their view is an HTML table, no figure: the book shows that table
 # Chromium on a machine with a closed network: no first-run, sync, update or
 # background connections (each would be refused, many at a time), no GPU, and no
 # sandbox (CI runs as root). Playwright gives every launch a fresh empty profile.
@@ -511,6 +512,11 @@ def test_book_shows_a_static_figure_under_every_explorer(browser, book, chapter)
             assert at, f"{chapter} has no cell showing widgets.{name}"
             # Without a kernel the explorer shows as its text form (name and settings) ...
             assert f"{name}(" in cells[at[0]].locator(".cell_output").inner_text()
+            if name in TABLE_EXPLORERS:  # ... and the next cell shows its default view, a table
+                table = cells[at[0] + 1].locator(".cell_output table")
+                assert "summary" in sources[at[0] + 1] and table.count() == 1, f"no static table after widgets.{name}"
+                shot(table, f"book_{chapter}_{name}.png")
+                continue
             # ... and the next cell draws its default view as a static figure.
             assert "figures." in sources[at[0] + 1] or "formulas." in sources[at[0] + 1], sources[at[0] + 1]
             img = cells[at[0] + 1].locator(".cell_output img")
