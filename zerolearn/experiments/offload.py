@@ -15,18 +15,13 @@ is the engine's bookkeeping of which tensors it keeps where (pinned host memory 
 
 from __future__ import annotations
 
-import statistics
 import sys
-import time
 
-import torch.nn.functional as F
-
-from zerolearn import comm, data
 from zerolearn import dist as zdist
 from zerolearn.engines import make_engine
-from zerolearn.errors import ConfigError, require_count
+from zerolearn.errors import ConfigError
+from zerolearn.experiments._gpt import LR, check_run, small_gpt, train_steps
 from zerolearn.memory.model import offload_state_bytes, optimizer_k
-from zerolearn.models import GPTConfig, build_model
 from zerolearn.tables import kib, text_table
 
 OPTIONS: dict[str, dict] = {
@@ -36,7 +31,6 @@ OPTIONS: dict[str, dict] = {
     "cpu+dpu": {"offload": "cpu", "dpu": True},
 }
 LOCATIONS = ("device", "host", "disk")
-BATCH, SEQ_LEN, LR = 8, 32, 1e-2
 
 
 def train_option(stage: int, options: dict, steps: int, d_model: int, n_layer: int = 2,
@@ -52,21 +46,11 @@ def train_option(stage: int, options: dict, steps: int, d_model: int, n_layer: i
     ``psi``, ``padding``.
     """
     ctx = zdist.context()
-    gpt = GPTConfig(seq_len=SEQ_LEN, n_layer=n_layer, n_head=2, d_model=d_model)
-    engine = make_engine(stage, build_model("gpt", 0, gpt=gpt), optimizer=optimizer, lr=lr, dtype=dtype, **options)
-    losses, times, after_backward = [], [], None
+    engine = make_engine(stage, small_gpt(d_model, n_layer), optimizer=optimizer, lr=lr, dtype=dtype, **options)
+    after_backward = {}
     try:
-        for step in range(steps):
-            x, y = (data.rank_slice(t, ctx.rank, ctx.world_size) for t in data.gpt_batch(step, BATCH, SEQ_LEN, 1))
-            t0 = time.perf_counter()
-            loss = F.cross_entropy(engine(x).float().flatten(0, 1), y.flatten())
-            engine.backward(loss)
-            if step == steps - 1:
-                after_backward = engine.model_state_bytes_by_location()
-            engine.step()
-            engine.zero_grad()
-            times.append(time.perf_counter() - t0)
-            losses.append(comm.monitor_mean(loss.item()))
+        losses, step_s = train_steps(engine, steps, lambda step: after_backward.update(
+            engine.model_state_bytes_by_location()))
         io = engine.offload_stats()
         held = engine.model_state_bytes_by_location()
         for loc in LOCATIONS:
@@ -75,7 +59,7 @@ def train_option(stage: int, options: dict, steps: int, d_model: int, n_layer: i
         k = optimizer_k(optimizer, "bf16" if offload else dtype)  # offload: the master is always its own
         formula = offload_state_bytes(engine.psi + engine.padding, ctx.world_size, stage, offload, dtype, k)
         return {"losses": losses, "bytes": held, "formula": formula, "io": io,
-                "step_s": statistics.median(times[1:] or times), "psi": engine.psi, "padding": engine.padding}
+                "step_s": step_s, "psi": engine.psi, "padding": engine.padding}
     finally:
         engine.close()
 
@@ -120,14 +104,9 @@ def offload_table(world_size: int = 2, stage: int = 2, steps: int = 4, d_model: 
             ``d_model`` odd (2 attention heads), ``world_size`` not dividing the batch of
             8, ``stage`` not 1, 2 or 3.
     """
-    for name, value in (("world_size", world_size), ("steps", steps), ("d_model", d_model)):
-        require_count(name, value)
+    check_run(world_size, steps, d_model)
     if stage not in (1, 2, 3) or isinstance(stage, bool):
         raise ConfigError(f"stage={stage!r}: allowed are 1, 2, 3 (offload needs a partitioned optimizer)")
-    if BATCH % world_size:
-        raise ConfigError(f"world_size={world_size}: must divide the global batch of {BATCH}")
-    if d_model % 2:
-        raise ConfigError(f"d_model={d_model}: must be even (2 attention heads)")
     return zdist.launch(offload_rows, world_size, stage, steps, d_model)[0]
 
 

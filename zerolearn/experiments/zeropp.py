@@ -13,17 +13,12 @@ split intra / inter node and by collective, beside the plain run.
 
 from __future__ import annotations
 
-import statistics
 import sys
-import time
 
-import torch.nn.functional as F
-
-from zerolearn import comm, data
+from zerolearn import comm
 from zerolearn import dist as zdist
 from zerolearn.engines import Zero3Engine
-from zerolearn.errors import require_count
-from zerolearn.models import GPTConfig, build_model
+from zerolearn.experiments._gpt import LR, check_run, small_gpt, train_steps
 from zerolearn.tables import kib, text_table
 
 OPTIONS: dict[str, dict] = {
@@ -34,7 +29,6 @@ OPTIONS: dict[str, dict] = {
     "qwZ+hpZ+qgZ": {"qwz_block": 256, "hpz": True, "qgz": True},
 }
 WORK = {"forward gather": "forward: gather", "backward gather": "backward: gather", "gradient": "backward: reduce"}
-BATCH, SEQ_LEN, LR = 8, 32, 1e-2
 
 
 def train_option(options: dict, node_ranks: int, steps: int, d_model: int, n_layer: int = 2,
@@ -48,29 +42,18 @@ def train_option(options: dict, node_ranks: int, steps: int, d_model: int, n_lay
     ``{"intra": bytes, "inter": bytes}``, ``step_s`` (median step time after the first, seconds),
     ``secondary_bytes`` (hpZ's secondary shards at most, bytes), ``psi``.
     """
-    ctx = zdist.context()
-    gpt = GPTConfig(seq_len=SEQ_LEN, n_layer=n_layer, n_head=2, d_model=d_model)
-    engine = Zero3Engine(build_model("gpt", 0, gpt=gpt), optimizer=optimizer, lr=lr, dtype=dtype,
+    engine = Zero3Engine(small_gpt(d_model, n_layer), optimizer=optimizer, lr=lr, dtype=dtype,
                          node_ranks=node_ranks, **options)
     previous = comm.node_ranks()
     comm.set_nodes(node_ranks)
     comm.LEDGER.reset()
-    losses, times = [], []
     try:
-        for step in range(steps):
-            x, y = (data.rank_slice(t, ctx.rank, ctx.world_size) for t in data.gpt_batch(step, BATCH, SEQ_LEN, 1))
-            t0 = time.perf_counter()
-            loss = F.cross_entropy(engine(x).float().flatten(0, 1), y.flatten())
-            engine.backward(loss)
-            engine.step()
-            engine.zero_grad()
-            times.append(time.perf_counter() - t0)
-            losses.append(comm.monitor_mean(loss.item()))
+        losses, step_s = train_steps(engine, steps)
         moved = {name: {k: v // steps for k, v in comm.LEDGER.by_link(doing).items()} for name, doing in WORK.items()}
     finally:
         comm.set_nodes(previous)
     return {"losses": losses, "params": engine.full_state_dict(), "bytes": moved,
-            "step_s": statistics.median(times[1:] or times), "secondary_bytes": engine.zpp.peak_secondary_bytes,
+            "step_s": step_s, "secondary_bytes": engine.zpp.peak_secondary_bytes,
             "psi": engine.psi}
 
 
@@ -112,16 +95,10 @@ def zeropp_table(world_size: int = 4, node_ranks: int = 2, steps: int = 3, d_mod
             even), ``node_ranks`` not dividing ``world_size``, ``world_size`` not dividing
             the batch of 8.
     """
-    from zerolearn.errors import ConfigError
     from zerolearn.zeropp import check_nodes
 
-    for name, value in (("world_size", world_size), ("steps", steps), ("d_model", d_model)):
-        require_count(name, value)
+    check_run(world_size, steps, d_model)
     check_nodes(node_ranks, world_size)
-    if BATCH % world_size:
-        raise ConfigError(f"world_size={world_size}: must divide the global batch of {BATCH}")
-    if d_model % 2:
-        raise ConfigError(f"d_model={d_model}: must be even (2 attention heads)")
     return zdist.launch(_rows, world_size, node_ranks, steps, d_model)[0]
 
 

@@ -42,20 +42,24 @@ _state = threading.local()
 
 
 @contextlib.contextmanager
+def _tagged(key: str, value: str):
+    """Set this thread's ``key`` tag for storages created inside the block."""
+    previous = getattr(_state, key, None)
+    setattr(_state, key, value)
+    try:
+        yield
+    finally:
+        setattr(_state, key, previous)
+
+
 def category(name: str):
     """Storages created inside this block belong to ``name`` (one of CATEGORIES).
 
     Costs nothing when no ledger is active, so engines can mark their allocations.
     """
-    previous = getattr(_state, "category", None)
-    _state.category = name
-    try:
-        yield
-    finally:
-        _state.category = previous
+    return _tagged("category", name)
 
 
-@contextlib.contextmanager
 def location(name: str):
     """Storages created inside this block live in ``name``'s memory: ``"device"`` (the
     default) or ``"host"`` (offload: :mod:`zerolearn.engines.offload` creates its host
@@ -64,12 +68,7 @@ def location(name: str):
 
     Costs nothing when no ledger is active.
     """
-    previous = getattr(_state, "location", None)
-    _state.location = name
-    try:
-        yield
-    finally:
-        _state.location = previous
+    return _tagged("location", name)
 
 
 def retag(tensors, name: str) -> None:
