@@ -2,10 +2,10 @@
 reduces its gradient (Wang et al., arXiv 2306.10209, Sec 3; the collectives themselves
 are in :mod:`zerolearn.zeropp`).
 
-:class:`ZeroPP` is what :class:`zerolearn.engines.zero3.Zero3Engine` asks at its two
-collectives: ``gather(b, in_backward)`` for a bucket's all_gather and
-``reduce_scatter(out, inp)`` for its gradient. With no option set both are ZeRO-3's
-own calls, unchanged.
+:class:`ZeroPP` is what :class:`zerolearn.engines.zero3.Zero3Engine` calls when an option
+is set (``enabled``): ``gather(b, in_backward)`` for a bucket's all_gather and, with qgZ,
+``reduce_scatter(out, inp)`` for its gradient. With no option set zero3.py makes its
+own all_gather and reduce_scatter.
 
 * ``qwz_block`` (qwZ, Sec 3.1): every all_gather of working parameters is int8 block
   quantized, ``qwz_block`` elements per scale. Backward's gather (where hpZ does not
@@ -133,10 +133,9 @@ class ZeroPP:
 
     # ----- gradients ----------------------------------------------------------------------
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor) -> comm.Handle:
-        """Launch the sum over ranks of ``inp`` into this rank's chunk ``out``: ZeRO-3's
-        reduce_scatter, or qgZ's quantized two-hop all-to-all (done when it returns)."""
-        if not self.qgz:
-            return comm.reduce_scatter(out, inp, group=self.pg, async_op=True)
+        """qgZ (``qgz=True``; without it zero3.py reduce-scatters itself): the sum over ranks
+        of ``inp`` into this rank's chunk ``out`` by the quantized two-hop all-to-all, done
+        when it returns."""
         zeropp.reduce_scatter_quantized(out, inp, self.nodes, bits=4,
                                         block=self.qwz_block or zeropp.DEFAULT_BLOCK)
         return comm.Handle(None, "all_to_all")
