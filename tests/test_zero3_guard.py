@@ -26,14 +26,17 @@ CASES += [("reads_next", 3, {"no_grad_first": True}), ("dataclass_units", 3, {})
           ("branchy", 3, {"branch": "rank0"}), ("dataclass_units", 3, {}),
           ("branch_discarded", 3, {"branch": "rank0"}), ("dataclass_units", 3, {}),
           ("dataclass_units", 3, {"units": ["blocks"]}), ("dataclass_units", 3, {})]
+CASES += [("reordered", 3, {}), ("branchy", 3, {"branch": "odd_steps"}), ("branchy", 3, {"branch": "rank0_at_2"}),
+          ("dataclass_units", 3, {}), ("extra_last", 3, {"branch": "rank0"}), ("dataclass_units", 3, {}),
+          ("extra_last", 3, {"branch": "rank0_at_2"}), ("nested", 3, {})]
 CASES += [("mixed_dtypes", stage, {}) for stage in STAGES]
 REFUSED = {"reads_next": "b.weight (unit 2: b, Linear)", "reads_child": "mix.weight (unit 1: mix, Linear)",
            "reads_child_bias": "mix.bias (unit 1: mix, Linear)"}
 
 
 @functools.cache
-def reference(kind: str) -> dict:
-    return user_model_jobs.train(kind, None, **SGD)
+def reference(kind: str, branch: str | None = None) -> dict:
+    return user_model_jobs.train(kind, None, branch=branch, **SGD)
 
 
 @functools.cache
@@ -46,9 +49,9 @@ def results(kind: str, extra: dict | None = None) -> list:
     return [(stage, run) for (k, stage, e), run in zip(CASES, runs()) if k == kind and (extra is None or e == extra)]
 
 
-def assert_exact(kind: str, stage: int, run) -> None:
+def assert_exact(kind: str, stage: int, run, branch: str | None = None) -> None:
     assert not isinstance(run, str), f"{kind} at stage {stage}: {run}"
-    ref = reference(kind)
+    ref = reference(kind, branch)
     assert run["losses"] == pytest.approx(ref["losses"], rel=1e-6), f"{kind} at stage {stage}"
     assert user_model_jobs.rel_error(run["params"], ref["params"]) < 1e-6, f"{kind} at stage {stage}"
 
@@ -73,9 +76,51 @@ def test_units_returning_dataclasses_and_module_lists_train_as_one_process(kind)
 
 
 def test_a_branch_taken_on_one_rank_only_is_named_at_once_at_zero_3():
-    (_, run), = results("branchy")
+    (_, run), = results("branchy", {"branch": "rank0"})
     assert isinstance(run, str) and run.startswith("ConfigError"), run
     assert "rank 0 runs unit 2: branch" in run and "rank 1 runs unit 3: head" in run and "units=" in run, run
+
+
+def test_units_run_in_another_order_than_registered_train_as_one_process_and_become_the_schedule():
+    # ZeRO-3 prefetches, in each forward, the unit that came next in the last forward all ranks
+    # agreed on (at first, the order of units=): a model that runs its units in another order,
+    # or takes a branch on every rank at some steps, trains exactly; the order it ran last is
+    # what the next forward prefetches.
+    (_, run), = results("reordered")
+    assert_exact("reordered", 3, run)
+    assert run["schedule"] == ["emb", "trunk", "head"], run["schedule"]
+    (_, run), = results("branchy", {"branch": "odd_steps"})
+    assert_exact("branchy", 3, run, branch="odd_steps")
+    assert run["schedule"] == ["emb", "trunk", "head"], run["schedule"]  # step 2 ran no branch
+
+
+def test_a_branch_one_rank_takes_after_the_schedule_is_learnt_is_named_at_zero_3():
+    (_, run), = results("branchy", {"branch": "rank0_at_2"})
+    assert isinstance(run, str) and run.startswith("ConfigError"), run
+    assert "rank 0 runs unit 2: branch, Linear; rank 1 runs unit 3: head, Linear" in run, run
+
+
+@pytest.mark.parametrize("branch", ["rank0", "rank0_at_2"])
+def test_a_rank_that_runs_one_more_unit_than_another_is_named_at_zero_3(branch):
+    # rank0: in the first forward (every unit agreed on before it runs); rank0_at_2: at step 2,
+    # when only the forward's end is exchanged and rank 0 first replays the others' gathers.
+    (_, run), = results("extra_last", {"branch": branch})
+    assert isinstance(run, str) and run.startswith("ConfigError"), run
+    assert "rank 0 runs unit 2: branch, Linear; rank 1 ends its forward" in run, run
+
+
+def test_a_unit_run_inside_another_trains_as_one_process_agreeing_on_every_unit():
+    (_, run), = results("nested")
+    assert_exact("nested", 3, run)
+    assert run["schedule"] is None  # units inside units: no schedule, every unit agreed on before it runs
+
+
+def test_after_the_first_forward_ranks_agree_once_per_forward_not_once_per_unit():
+    # The small GPT has 5 units (embedding, 3 blocks, head). The first forward agrees on each
+    # unit and on its end (6 exchanges); later forwards only on the end (1). Each step's
+    # backward adds one (the units that get gradients).
+    counts = on_ranks(user_model_jobs.proposals_per_forward, 2)
+    assert counts[0] == counts[1] == [6 + 1, 1 + 1, 1 + 1], counts
 
 
 def test_a_unit_whose_output_one_rank_discards_is_named_in_backward_at_zero_3():

@@ -200,6 +200,41 @@ class BranchDiscarded(Branchy):
         return self.head(h + b if self.use_branch else h)
 
 
+class ExtraLast(Branchy):
+    """Runs one more unit after the head when ``use_branch`` is set: a rank without it
+    ends its forward while another still runs a unit."""
+
+    def forward(self, x):
+        out = self.head(torch.tanh(self.trunk(self.emb(x))))
+        return out + self.branch(out[..., :16]).sum() * 0.1 if self.use_branch else out
+
+
+class Reordered(nn.Module):
+    """Registers its modules in another order than its forward runs them (head first)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.head, self.trunk, self.emb = nn.Linear(16, VOCAB), nn.Linear(16, 16), nn.Embedding(VOCAB, 16)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.trunk(self.emb(x))))
+
+
+class Nested(nn.Module):
+    """A unit that calls another unit inside its own forward (``inner`` is not its child)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.inner, self.outer = nn.Embedding(VOCAB, 16), nn.Linear(16, 16), nn.Linear(16, 16)
+        self.head = nn.Linear(16, VOCAB)
+        self.outer.register_forward_hook(lambda m, a, out: out + torch.tanh(self.inner(out)))
+
+    def forward(self, x):
+        return self.head(self.outer(self.emb(x)))
+
+
 class MixedDtypes(nn.Module):
     def __init__(self):
         super().__init__()
@@ -229,7 +264,8 @@ HAND_WRITTEN = {"cnn": lambda: BatchNormCNN(), "hand_tied": lambda: HandTied(),
                 "reads_child": lambda: ReadsChildWeight(), "reads_child_bias": lambda: ReadsChildBias(),
                 "dataclass_units": lambda: DataclassUnits(),
                 "encoder_only": lambda: EncoderOnly(), "branchy": lambda: Branchy(),
-                "branch_discarded": lambda: BranchDiscarded(),
+                "branch_discarded": lambda: BranchDiscarded(), "extra_last": lambda: ExtraLast(),
+                "reordered": lambda: Reordered(), "nested": lambda: Nested(),
                 "mixed_dtypes": lambda: MixedDtypes()}
 
 
@@ -239,8 +275,10 @@ def build(kind: str) -> nn.Module:
 
 def use_branch(kind: str, step: int, rank: int, branch: str | None) -> bool:
     """Whether ``Branchy`` takes its branch: ``"never"``, ``"odd_steps"`` (on every rank
-    at step 1 only), ``"rank0"`` (on rank 0 only), else always."""
-    return {"never": False, "odd_steps": step % 2 == 1, "rank0": rank == 0}.get(branch, True)
+    at odd steps), ``"rank0"`` (on rank 0 only), ``"rank0_at_2"`` (on rank 0 at step 2
+    only), else always."""
+    return {"never": False, "odd_steps": step % 2 == 1, "rank0": rank == 0,
+            "rank0_at_2": rank == 0 and step == 2}.get(branch, True)
 
 
 def run_model(kind: str, fn, x):
@@ -335,8 +373,41 @@ def train(kind: str, stage: int | None, steps: int = 3, accum: int = 1, accum_st
     if engine.broadcast_buffers:
         model.eval()  # a last forward syncs buffers, as the next step would (eval: no update after)
         run_model(kind, engine, x[:1])
-    return {"losses": losses, "params": engine.full_state_dict(),
-            "buffers": {n: b.clone() for n, b in model.named_buffers()}}
+    out = {"losses": losses, "params": engine.full_state_dict(),
+           "buffers": {n: b.clone() for n, b in model.named_buffers()}}
+    if stage == 3:  # the units in the order the last forward ran them (ZeRO-3's prefetch schedule)
+        trace = engine.schedule.trace
+        out["schedule"] = None if trace is None else [engine.schedule.by_index[i].name for i in trace if i >= 0]
+    return out
+
+
+def proposals_per_forward(steps: int = 3) -> list[int]:
+    """ZeRO-3 on the small GPT: how many agreement exchanges (:func:`guard.propose`) each
+    forward makes."""
+    from zerolearn import guard
+    from zerolearn.models import GPTConfig, build_model
+
+    model = build_model("gpt", gpt=GPTConfig(d_model=32, n_layer=3, n_head=2, seq_len=16))
+    engine = make_engine(3, model, optimizer="adam", lr=1e-3)
+    ctx, counts, propose = zdist.context(), [], guard.propose
+
+    def counted(*args, **kwargs):
+        counts[-1] += 1
+        return propose(*args, **kwargs)
+
+    guard.propose = counted
+    try:
+        for step in range(steps):
+            x = data.rank_slice(torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(step)),
+                                ctx.rank, ctx.world_size)
+            counts.append(0)
+            logits = engine(x)
+            engine.backward(F.cross_entropy(logits.flatten(0, 1), x.roll(-1, 1).flatten()))
+            engine.step()
+            engine.zero_grad()
+    finally:
+        guard.propose = propose
+    return counts
 
 
 def train_ddp(kind: str, stage: None = None, steps: int = 3, optimizer: str = "adam", lr: float = 1e-2,

@@ -204,7 +204,10 @@ for method in (Zero3Engine._start_gather, Zero3Engine._finish_gather, Zero3Engin
     print(inspect.getsource(method))
 
 # %% [markdown]
-# and its hooks place them. Backward walks the units in reverse, so the unit to
+# and its hooks place them. In forward the unit to prefetch is the one that came next
+# in the last forward all ranks agreed on (`units.Schedule`), so every rank issues the
+# same gathers even when one of them takes another branch, and the ranks need to compare
+# notes only once per forward. Backward walks the units in reverse, so the unit to
 # prefetch there is the previous one:
 
 # %%

@@ -10,8 +10,9 @@ state, that nothing goes wrong silently around them:
   is a ConfigError naming the parameter, its unit and the fix, before any arithmetic);
 * every rank runs the same units and computes gradients for the same units, so a branch
   taken on some ranks only is named at once instead of pairing gathers of different
-  sizes: one 8-byte all_gather before each unit's forward (:func:`agree_forward`) and
-  one before backward (:func:`agree_backward`), outside the ledger.
+  sizes: one 8-byte all_gather per forward once the ranks share a schedule (one per
+  unit before that, :class:`Schedule`) and one before backward (:func:`agree_backward`),
+  outside the ledger.
 """
 
 from __future__ import annotations
@@ -190,23 +191,144 @@ def tensors_in(output) -> list[torch.Tensor]:
 
 
 # ----- every rank does the same thing ----------------------------------------------------
-def agree_forward(unit: Unit, proposal: guard.Proposal, units: list[Unit], pg) -> None:
-    """Check that every rank is about to run ``unit``'s forward (``proposal``: each rank's
-    unit index, gathered asynchronously by :func:`guard.propose`).
+END = -1  # a forward's end, proposed like a unit: a rank that stops early is named too
+ON_SCHEDULE = -1  # what a rank that ran the whole schedule says at the forward's end
+
+
+class Schedule:
+    """Which units every rank runs in forward, agreed on with as few collectives as possible.
+
+    A rank on another code path (a branch taken on some ranks only) must be named
+    before anything pairs wrongly: gloo aborts the process when gathers of two sizes
+    meet, and units of one size would mix silently. Two modes:
+
+    * *lockstep* (the first forward, after a forward with nested units, in debug
+      mode): before each unit's forward the ranks exchange its index
+      (:func:`guard.propose`, 8 bytes that pair whatever they say) and check it, then
+      gather it and prefetch the unit after it in ``units=`` order; the forward's end
+      is proposed too (:data:`END`). A forward whose units never nested becomes the
+      *schedule*.
+    * *scheduled* (every later forward): each unit's forward runs without a check,
+      prefetching the unit the schedule has next, so every rank issues the same
+      gathers, whatever it runs. A rank that leaves the schedule (another unit, a unit
+      inside another, an early end) knows it: it first issues the gathers the others
+      still issue to the schedule's end (:meth:`_leave`, through the engine's own
+      gather and free), then all ranks meet in one exchange at the end of forward. If
+      every rank left the schedule at the same point for the same unit, they go on in
+      lockstep; otherwise every rank raises with the message below, with every
+      collective paired (the process group stays usable).
+
+    One 8-byte exchange per forward, instead of one per unit: on 4 gloo ranks sharing
+    2 cores each such collective costs milliseconds.
+
+    Args:
+        units: the engine's units in ``units=`` order, the root (the model) last if it has
+            parameters (``root``).
 
     Raises:
-        ConfigError: the ranks are about to run different units, each rank named with its unit.
+        ConfigError: ranks run different units at one position, or one rank ends its
+            forward while another runs a unit; each rank named with what it runs.
     """
-    indices = proposal.result()
-    if len(set(indices)) == 1:
-        return
-    by_index = {u.index: u for u in units}
-    doing = "; ".join(f"rank {r} runs {by_index[i].describe()}" for r, i in zip(guard.group_ranks(pg), indices))
-    raise ConfigError(
-        f"ZeRO-3: ranks are about to run different units ({doing}): the model took a different branch "
-        "on these ranks (an if around a unit that depends on the rank or its data). Every rank must run "
-        "the same units in the same order; a module that runs on some ranks only can be left out of units= "
-        "(its parameters then belong to the root unit, gathered for the whole forward).")
+
+    def __init__(self, units: list[Unit], root: bool, pg, device):
+        self.units, self.by_index = units, {u.index: u for u in units}
+        self.root = units[-1].index if root else None
+        self.pg, self.device = pg, device
+        self.trace: list[int] | None = None  # unit indices (then END) of the last agreed forward
+        self.prefetch = True  # False: no unit gathered before its own hook (chapter 4's timeline)
+        self.start()
+
+    def start(self) -> None:
+        """A new forward: nothing has run."""
+        self.ran: list[int] = []  # unit indices, in the order their forward started
+        self.open: list[Unit] = []  # units (not the root) whose forward has started, not returned
+        self.flat = True  # no unit's forward started inside another's
+        self.lockstep = self.trace is None or guard.debug_enabled()
+        for unit in self.units:
+            unit.ran = False
+
+    def enter(self, unit: Unit, engine) -> Unit | None:
+        """``unit``'s forward starts; returns the unit to prefetch (or None)."""
+        position, outer = len(self.ran), list(self.open)  # outer: units this one starts inside
+        self.ran.append(unit.index)
+        if unit.index != self.root:
+            self.flat = self.flat and not outer
+            self.open.append(unit)
+        if self.lockstep:
+            self._agree(position, unit.index)
+        elif unit.index == self.trace[position] and not outer:
+            return self._scheduled(position)
+        else:
+            self._leave(position, unit.index, outer, engine)  # every rank left here alike: lockstep now
+        return self._after(unit)
+
+    def exit(self, unit: Unit) -> None:
+        """``unit``'s forward returned."""
+        if unit in self.open:
+            self.open.remove(unit)
+
+    def finish(self, engine) -> None:
+        """The forward ended on this rank: check it with the others; an agreed flat forward
+        becomes the schedule."""
+        position = len(self.ran)
+        if self.lockstep:
+            self._agree(position, END)
+        elif self.trace[position] != END:
+            self._leave(position, END, list(self.open), engine)
+        else:
+            said = guard.propose(ON_SCHEDULE, self.pg, self.device).result()
+            if any(v != ON_SCHEDULE for v in said):
+                self._refuse(said)
+        self.trace = [*self.ran, END] if self.flat else None
+
+    # ----- inside -------------------------------------------------------------------------
+    def _scheduled(self, position: int) -> Unit | None:
+        following = self.trace[position + 1]
+        return self.by_index[following] if self.prefetch and following not in (END, self.root) else None
+
+    def _after(self, unit: Unit) -> Unit | None:  # lockstep's prefetch: the next unit in units= order
+        i = self.units.index(unit) + 1
+        return self.units[i] if self.prefetch and i < len(self.units) and self.units[i].index != self.root else None
+
+    def _agree(self, position: int, index: int) -> None:
+        said = guard.propose(index, self.pg, self.device).result()
+        if len(set(said)) > 1:
+            self._refuse([position << 20 | (i + 1) for i in said])
+
+    def _leave(self, position: int, index: int, outer: list[Unit], engine) -> None:
+        """This rank runs ``index`` at ``position``, off the schedule (inside the units
+        ``outer``): issue what a rank on the schedule issues from here to the forward's
+        end, through the engine's own gather and free, without computing; then exchange
+        where each rank left the schedule."""
+        for unit in outer:
+            engine._free_unit(unit)  # on the schedule, no unit is inside another: they were closed
+        for k in range(position, len(self.trace) - 1):
+            unit = self.by_index[self.trace[k]]
+            engine._start_gather(self._scheduled(k))
+            engine._gather(unit)
+            if unit.index != self.root:
+                engine._free_unit(unit)
+        said = guard.propose(position << 20 | (index + 1), self.pg, self.device).result()
+        if len(set(said)) > 1:
+            self._refuse(said)
+        self.lockstep = True  # every rank left the schedule here, for the same unit
+        for unit in outer:
+            engine._gather(unit)
+
+    def _refuse(self, said: list[int]) -> None:
+        """``said``: per rank, ``position << 20 | (unit index + 1)`` where it left the
+        schedule, or :data:`ON_SCHEDULE`."""
+        first = min(v >> 20 for v in said if v != ON_SCHEDULE)
+        runs = [(v & (1 << 20) - 1) - 1 if v != ON_SCHEDULE and v >> 20 == first else self.trace[first]
+                for v in said]
+        doing = "; ".join(f"rank {r} " + ("ends its forward" if i == END else f"runs {self.by_index[i].describe()}")
+                          for r, i in zip(guard.group_ranks(self.pg), runs))
+        raise ConfigError(
+            f"ZeRO-3: ranks are about to run different units ({doing}; unit number {first} of this forward): "
+            "the model took a different branch on these ranks (an if around a unit that depends on the rank or "
+            "its data). Every rank must run the same units in the same order; a module that runs on some ranks "
+            "only can be left out of units= (its parameters then belong to the root unit, gathered for the "
+            "whole forward).")
 
 
 def units_reached(loss: torch.Tensor, param_unit: dict[int, tuple[str, Unit]]) -> list[int]:

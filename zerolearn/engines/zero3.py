@@ -5,9 +5,10 @@ Nd bytes of model states (Fig 1). The model is cut into *units* (a transformer b
 the embedding, the head; :mod:`zerolearn.engines.units`); a unit's parameters are
 all-gathered just before its forward, freed right after, gathered again just before
 its backward and freed once its gradients are in. While one unit computes, the next
-one's all_gather is already in flight (prefetch), so live parameter memory is the
-shards plus about two gathered units. Traffic: Psi all-gathered in forward, Psi again
-in backward, Psi reduce-scattered as gradients: 3 Psi per step, 1.5x DP's (Sec 7.2.2).
+one's all_gather is already in flight (prefetch; in forward, next in the last forward:
+``units.Schedule``), so live parameter memory is the shards plus about two gathered
+units. Traffic: Psi all-gathered in forward, Psi again in backward, Psi
+reduce-scattered as gradients: 3 Psi per step, 1.5x DP's (Sec 7.2.2).
 
 How a unit is freed matters. Autograd saves the weights a layer needs for backward;
 reassigning ``param.data`` would leave those references holding the memory. Instead
@@ -72,6 +73,7 @@ class Zero3Engine(Engine):
         self._unit_of = {id(b): unit for unit in self.units for b in unit.buckets}
         self._param_unit = {id(p): (name, unit) for unit in self.units for b in unit.buckets
                             for name, p in zip(b.layout.names, b.params)}
+        self.schedule = U.Schedule(self.units, self.units[-1].module is self.model, self.pg, self.device)
         self._storage_unit: dict[int, U.Unit] = {}  # a storage autograd may save -> its unit
         self.gathered_bytes = self.peak_gathered_bytes = 0  # full parameters alive now / at most
         for unit in self.units:
@@ -89,8 +91,8 @@ class Zero3Engine(Engine):
         b.full.untyped_storage().resize_(0)
 
     # ----- gather and free a unit ----------------------------------------------------
-    def _start_gather(self, unit: U.Unit) -> None:
-        if unit.gathered or unit.gathering:
+    def _start_gather(self, unit: U.Unit | None) -> None:
+        if unit is None or unit.gathered or unit.gathering:
             return
         for b in unit.buckets:
             self._shard_in(b)  # offload="disk": the shard read from its file first (ZeRO-Infinity)
@@ -122,17 +124,19 @@ class Zero3Engine(Engine):
             self._free_bucket(b)
         unit.gathered = False
 
-    def _neighbour(self, unit: U.Unit, step: int) -> U.Unit | None:
-        i = self.units.index(unit) + step
-        return self.units[i] if 0 <= i < len(self.units) else None
+    def _previous(self, unit: U.Unit) -> U.Unit | None:  # backward's prefetch
+        i = self.units.index(unit)
+        return self.units[i - 1] if i > 0 and self.schedule.prefetch else None
 
     # ----- forward: gather before a unit, free after, prefetch the next ---------------
     def forward(self, *args, **kwargs):
-        for unit in self.units:
-            unit.ran = False
+        self.schedule.start()  # also: no unit has run yet
         try:
             with U.ReadGuard(self._param_unit), torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-                return super().forward(*args, **kwargs)
+                out = super().forward(*args, **kwargs)
+            self.schedule.finish(self)  # every rank ran the same units: the next forward's schedule
+            self._settle()  # a prefetch the forward did not use
+            return out
         except (guard.CollectiveError, guard.CollectiveMismatch):
             raise  # the process group is broken: waiting on it would hang
         except BaseException:
@@ -141,21 +145,17 @@ class Zero3Engine(Engine):
 
     def _pre_forward(self, unit: U.Unit) -> None:
         recompute = self.in_backward  # activation checkpointing recomputes inside backward
-        proposal = None if recompute else guard.propose(unit.index, self.pg, self.device)
         unit.ran = unit.ran or not recompute
         with comm.unit(unit.name, "forward: gather"):
-            self._finish_gather(unit)  # a prefetch, while the ranks' proposals travel
-            if proposal is not None:
-                U.agree_forward(unit, proposal, self.units, self.pg)
+            # Prefetch what the ranks' agreed schedule says comes next, the same on every rank
+            # (units.Schedule); a recomputation inside backward walks the units in reverse.
+            self._start_gather(self._previous(unit) if recompute else self.schedule.enter(unit, self))
             self._gather(unit)
-            # Prefetch: in a recomputation backward walks the units in reverse.
-            nxt = self._neighbour(unit, -1 if recompute else +1)
-            if nxt is not None and nxt.module is not self.model:
-                self._start_gather(nxt)
 
     def _post_forward(self, unit: U.Unit, output) -> None:
         if self.in_backward:
             return  # recomputed for backward, which needs the parameters next: keep them
+        self.schedule.exit(unit)
         self._free_unit(unit)
         if torch.is_grad_enabled():
             # Runs when the outputs' gradient is ready, just before this unit's backward.
@@ -179,9 +179,7 @@ class Zero3Engine(Engine):
         unit.backward_gathered = True
         with comm.unit(unit.name, "backward: gather"):
             self._gather(unit)
-            prev = self._neighbour(unit, -1)
-            if prev is not None:
-                self._start_gather(prev)
+            self._start_gather(self._previous(unit))
 
     def _pack(self, t: torch.Tensor):
         unit = self._storage_unit.get(U.storage_key(t))
@@ -206,8 +204,7 @@ class Zero3Engine(Engine):
             self._free_unit(unit)
         super()._on_bucket_ready(b)
 
-    def _may_launch(self, b: Bucket) -> bool:
-        # The root unit may hold a parameter some ranks do not use: all reduce it at backward's end.
+    def _may_launch(self, b: Bucket) -> bool:  # the root unit's buckets: reduced at backward's end
         return b.complete and self._unit_of[id(b)].module is not self.model
 
     def _reduce(self, b: Bucket) -> comm.Handle:
@@ -227,8 +224,8 @@ class Zero3Engine(Engine):
             b.grad_shard.add_(b.reduced)
             b.reduced = None
 
-    def _after_backward(self) -> None:
-        self._settle()  # units some of whose parameters got no gradient are still gathered
+    def _after_backward(self) -> None:  # units some of whose parameters got no gradient are still gathered
+        self._settle()
 
     def _abandon_backward(self, error: Exception) -> None:
         super()._abandon_backward(error)
@@ -236,7 +233,7 @@ class Zero3Engine(Engine):
             self._settle()
 
     def _settle(self) -> None:
-        """After backward or a failure: wait for every gather in flight, free every unit."""
+        """After forward, backward or a failure: wait for every gather in flight, free every unit."""
         for unit in self.units:
             self._free_unit(unit)
             unit.backward_gathered = False

@@ -66,8 +66,9 @@ class Spec:
 class _Zero3WithoutPrefetch(Zero3Engine):
     """ZeRO-3 gathering each unit only when its own hook runs: no neighbour is prefetched."""
 
-    def _neighbour(self, unit, step):
-        return None
+    def __init__(self, model, **options):
+        super().__init__(model, **options)
+        self.schedule.prefetch = False
 
 
 def _engine(prefetch: bool):
