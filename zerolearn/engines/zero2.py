@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from zerolearn import comm
-from zerolearn.engines.base import MAX_IN_FLIGHT, Bucket, Engine
+from zerolearn.engines.base import Bucket, Engine
 
 
 class Zero2Engine(Engine):
@@ -63,8 +63,10 @@ class Zero2Engine(Engine):
         return b.grad_shard
 
     def _publish(self, b: Bucket) -> None:
-        updated = b.master.detach().to(self.device, self.dtype, copy=True)  # from the host, under offload
-        self._publishing.append(comm.all_gather(b.full, updated, group=self.pg, async_op=True))
-        # Each gather in flight pins its updated shard: keep only a few alive at once.
-        while len(self._publishing) > MAX_IN_FLIGHT:
-            self._publishing.pop(0).wait()
+        # This rank's slice of the working buffer takes the updated shard (fp32: the master is
+        # that slice, already updated; else cast, and copied from the host under offload), and
+        # the all_gather runs in place: every rank's slice lands around it, nothing copied.
+        mine = b.layout.shard_of(b.full)
+        if self.separate_master:
+            mine.copy_(b.master.detach())
+        self._publishing.append(comm.all_gather(b.full, mine, group=self.pg, async_op=True))
