@@ -37,6 +37,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -255,11 +256,17 @@ def wait_for_kernel(base: str, token: str, timeout: float = TIMEOUT_MS / 1000) -
     The notebook's own status indicator says "idle" before the kernel is connected,
     and cells run from the menu before then are dropped.
     """
-    deadline = time.monotonic() + timeout
+    deadline, kernels = time.monotonic() + timeout, None
     while time.monotonic() < deadline:
-        kernels = json.loads(_get(f"{base}/api/kernels?token={token}"))
-        if any(k["execution_state"] == "idle" and k["connections"] > 0 for k in kernels):
-            return
+        try:
+            kernels = json.loads(_get(f"{base}/api/kernels?token={token}"))
+        except urllib.error.HTTPError as e:  # the server lists kernels while one starts: a 500 now and then
+            if e.code < 500:
+                raise
+            kernels = f"HTTP {e.code}"
+        else:
+            if any(k["execution_state"] == "idle" and k["connections"] > 0 for k in kernels):
+                return
         time.sleep(0.25)
     raise TimeoutError(f"no idle, connected kernel in {timeout} s: {kernels}")
 

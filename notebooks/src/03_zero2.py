@@ -348,12 +348,10 @@ print(f"our ZeRO-2 peaks below both blog-style versions:                     {o2
 # temporaries are Adam's scratch for one tensor. It also moves $N_d\Psi$ of
 # reduce-scatter input plus $\Psi$ of broadcasts per step. Our ZeRO-2 never holds the full gradient, its reduce-scatter
 # input is the bucket itself, and its peak is below our ZeRO-1's, as the paper says.
-# All four versions compute the same losses. (Our ZeRO-1 peaks a little above the
-# blog-style ZeRO-1: during the step our engines keep a copy of each updated shard
-# while its parameter all-gather is in flight, a few buckets' shards at once
-# (`engines.base.MAX_IN_FLIGHT` gathers), where the blog-style version updates in place
-# and broadcasts. ZeRO-1 and ZeRO-2 pay
-# it alike, so the comparison between them stands.) The seed experiment's own table
+# All four versions compute the same losses. (Our ZeRO-1 and the blog-style ZeRO-1 peak
+# within a fraction of a layer of each other: both hold the full gradient, and both
+# publish without a copy, ours with an all-gather that runs in place in the parameter
+# buffer, the blog-style version by updating in place and broadcasting.) The seed experiment's own table
 # (`zerolearn.experiments.seed_experiment.format_seed_table`) shows our two runs against
 # the formulas:
 
