@@ -164,6 +164,20 @@ def test_ctrl_c_while_waiting_stops_the_ranks_and_the_next_call_starts_fresh_one
     assert pool.run("rank") == ["0\n", "1\n"]
 
 
+@pytest.mark.slow
+def test_ctrl_c_delivered_to_another_thread_still_stops_the_wait_at_once(pool):
+    # The OS may hand a process's SIGINT to any of its threads (a kernel has several);
+    # then no wait in the main thread is interrupted, and Python raises KeyboardInterrupt
+    # only once the main thread runs again. The wait wakes often enough to notice.
+    pool.run("pass")
+    threading.Timer(1.0, lambda: signal.pthread_kill(threading.get_ident(), signal.SIGINT)).start()
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        pool.run("import time\ntime.sleep(30)")
+    assert time.monotonic() - t0 < TIMEOUT_S - 1, time.monotonic() - t0
+    assert pool.run("rank") == ["0\n", "1\n"]
+
+
 SCRIPT = """
 import os, signal, sys
 from zerolearn import live

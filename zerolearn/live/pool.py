@@ -23,6 +23,7 @@ from zerolearn.live.rank import _call, _exec, _pull, _push, _serve
 
 START_TIMEOUT_S = 120.0  # spawning N processes that each import torch: seconds, more on a busy laptop
 GRACE_S = 3.0  # once a rank has failed, how long the others may still take (they may wait for it)
+WAKE_S = 0.2  # the longest a wait for the ranks goes without looking for a pending Ctrl-C
 
 _POOLS: weakref.WeakSet = weakref.WeakSet()  # every live Ranks, for the atexit hook in zerolearn.live.magic
 
@@ -279,7 +280,10 @@ class Ranks:
         pending = set(range(self.world_size))
         while pending and time.monotonic() < deadline:
             waiting = {self._conns[r]: r for r in pending} | {self._procs[r].sentinel: r for r in pending}
-            for ready in wait(list(waiting), timeout=max(0.0, deadline - time.monotonic())):
+            # Wake at least every WAKE_S: a Ctrl-C (SIGINT) the OS hands to another thread of this
+            # process (the kernel's own, gloo's) interrupts no wait here; Python raises it in the
+            # main thread once this thread runs again.
+            for ready in wait(list(waiting), timeout=min(WAKE_S, max(0.0, deadline - time.monotonic()))):
                 r = waiting[ready]
                 conn = self._conns[r]
                 if r not in pending:
