@@ -191,15 +191,30 @@ BENCH = chapters.stored("bench/bench.json")
 print(results.format_table(BENCH))
 
 # %% [markdown]
+# The same run, on a GPT 3x wider ($d_{model}$ 384, $\Psi$ = 7.3 million), and each of our
+# stages against DDP on a single rank, where no communication hides the engine's own cost:
+
+# %%
+for wider in BENCH["more_widths"]:
+    print(results.format_table(wider))
+print(results.format_overhead(BENCH["overhead_ws1"]))
+
+# %% [markdown]
 # **Bytes.** Every one of our stages holds exactly the paper's bytes (Sec 5; fp32 Adam:
 # 4 + 4 + 8 bytes per parameter). DeepSpeed's stages 1 and 2 keep a separate fp32 copy of
 # their partition (12 $\Psi/N_d$ of optimizer state, where ours keeps 8) and extra
 # gradient buffers; `ZeroRedundancyOptimizer` shards whole tensors, so its busiest rank
-# holds more than an even shard. **Time.** At stages 2 and 3 our engines are within the
-# noise of FSDP2. At stages 0 and 1 they are slower here: with 0.25 MiB buckets they make
-# 22 collectives per step where DDP makes 13 and DeepSpeed's stage 0 one all-reduce after
-# backward, and on gloo every collective pays a fixed start-up. Chapter 3's bucket sweep
-# shows the other side of that trade: one large bucket cannot start before backward ends.
+# holds more than an even shard. **Time**, at every system's default settings (ours: 25
+# MiB buckets on the CPU). Our stages 1 and 2 are the fastest of their kind here at both
+# widths, and stage 3 is level with DeepSpeed's at $d_{model}$ 128 and faster at 384. Our
+# stage 0 is a few percent behind DDP and DeepSpeed's stage 0: it makes the same few
+# all-reduces, plus one small exchange per step that they leave out (which parameters any
+# rank used, so that a parameter no rank used is not moved by momentum), and on gloo every
+# collective pays a fixed start-up (the same start-up is why ZeRO-3's ranks agree on each
+# unit in the first forward only, then on one number per forward: chapter 4). The spreads
+# beside the medians show how far one machine's drift moves them.
+# Chapter 3's bucket sweep shows the trade behind the bucket size: many small buckets pay
+# the start-up many times, one large bucket cannot start before backward ends.
 #
 # The same harness sweeps the world size (1, 2, 4 ranks) and the model's width
 # ($\Psi$ from 137 thousand to 1.7 million, 12.6x) for each stage; the measured bytes and
