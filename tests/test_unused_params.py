@@ -25,9 +25,18 @@ ALL_RANKS = [(opt, branch, stage) for opt in OPTIMIZERS for branch in ("never", 
 RANK0_UNITS = ["emb", "trunk", "head"]
 
 
+# A branch used with an exactly zero gradient (added times 0.0): on every rank, or on
+# rank 0 only. Used, so stepped: AdamW's weight decay moves it, as in torch.
+ZERO_GRAD = [(branch, stage) for branch in (None, "rank0") for stage in STAGES]
+# Exchanges of used-parameter flags in 3 steps: stage 0 reads the reduced gradient and
+# exchanges only when some parameter's reduced gradient is all zeros; stages 1-3 always.
+EXCHANGES = [("branchy", None, 0, 0), ("branchy", "never", 0, 3), ("branchy", "rank0", 0, 0),
+             ("branch_times_zero", None, 0, 3), ("branchy", None, 1, 3), ("branchy", None, 3, 3)]
+
+
 @functools.cache
-def reference(opt: str, branch: str) -> dict:
-    return user_model_jobs.train("branchy", None, steps=4, branch=branch, **OPTIMIZERS[opt])
+def reference(opt: str, branch: str, kind: str = "branchy") -> dict:
+    return user_model_jobs.train(kind, None, steps=4, branch=branch, **OPTIMIZERS[opt])
 
 
 @functools.cache
@@ -39,10 +48,17 @@ def runs(world_size: int, checkpoint_dir: str) -> tuple:
     cases += [dict(kind="branchy", stage=stage, steps=4, branch="odd_steps", resume_at=3,
                    checkpoint_dir=f"{checkpoint_dir}/ws{world_size}/stage{stage}", **OPTIMIZERS["adam"])
               for stage in STAGES]
+    cases += [dict(kind="branch_times_zero", stage=stage, steps=4, branch=branch,
+                   units=RANK0_UNITS if stage == 3 and branch else None, **OPTIMIZERS["adamw"])
+              for branch, stage in ZERO_GRAD]
+    cases += [dict(kind="branch_times_zero", ddp=True, steps=4, branch="rank0", **OPTIMIZERS["adamw"])]
+    cases += [dict(count=True, kind=kind, branch=branch, stage=stage) for kind, branch, stage, _ in EXCHANGES]
     cases += [dict(kind="branchy", ddp=True, branch="rank0", **OPTIMIZERS["sgd"])]
     out = on_ranks(user_model_jobs.many, world_size, cases)[0]
-    n, s = len(ALL_RANKS), len(STAGES)
-    return out[:n], out[n:n + s], out[-1], out[n + s:n + 2 * s]
+    n, s, z, e = len(ALL_RANKS), len(STAGES), len(ZERO_GRAD), len(EXCHANGES)
+    zero_grad = out[n + 2 * s:n + 2 * s + z + 1]
+    exchanges = out[n + 2 * s + z + 1:n + 2 * s + z + 1 + e]
+    return out[:n], out[n:n + s], out[-1], out[n + s:n + 2 * s], zero_grad, exchanges
 
 
 @pytest.fixture(scope="module")
@@ -64,11 +80,30 @@ def test_a_parameter_no_rank_used_is_not_updated_as_in_torch_optim(checkpoints):
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_a_parameter_used_on_some_ranks_is_averaged_with_zeros_as_ddp_does(world_size, checkpoints):
-    _, rank0, ddp, _ = runs(world_size, checkpoints)
+    _, rank0, ddp, *_ = runs(world_size, checkpoints)
     for stage, run in zip(STAGES, rank0):
         assert not isinstance(run, str), f"stage {stage}: {run}"
         assert run["losses"] == pytest.approx(ddp["losses"], rel=1e-6), f"stage {stage}"
         assert user_model_jobs.rel_error(run["params"], ddp["params"]) < 1e-6, f"stage {stage}"
+
+
+def test_a_parameter_used_with_a_zero_gradient_is_stepped_as_in_torch(checkpoints):
+    # Its reduced gradient is all zeros, so stage 0 cannot read from it whether some rank
+    # used it and exchanges flags: the branch is stepped (weight decay), never skipped.
+    *_, zero_grad, _ = runs(2, checkpoints)
+    initial = user_model_jobs.build("branch_times_zero").branch.weight.detach()
+    for (branch, stage), run in zip(ZERO_GRAD, zero_grad):
+        where = f"branch {branch}, stage {stage}"
+        assert not isinstance(run, str), f"{where}: {run}"
+        ref = reference("adamw", None, "branch_times_zero") if branch is None else zero_grad[-1]
+        assert run["losses"] == pytest.approx(ref["losses"], rel=1e-6), where
+        assert user_model_jobs.rel_error(run["params"], ref["params"]) < 1e-6, where
+        assert torch.allclose(run["params"]["branch.weight"], initial * (1 - 0.05 * 0.1) ** 4), where
+
+
+def test_stage_0_exchanges_used_flags_only_when_a_reduced_gradient_is_all_zeros(checkpoints):
+    *_, exchanges = runs(2, checkpoints)
+    assert exchanges == [expected for *_, expected in EXCHANGES]
 
 
 def test_a_resumed_run_keeps_the_steps_each_parameter_sat_out(checkpoints):

@@ -200,6 +200,15 @@ class BranchDiscarded(Branchy):
         return self.head(h + b if self.use_branch else h)
 
 
+class BranchTimesZero(Branchy):
+    """Adds its branch times zero when ``use_branch`` is set: the branch is used (its
+    gradient is defined) and its gradient is exactly zero, on every rank that runs it."""
+
+    def forward(self, x):
+        h = torch.tanh(self.trunk(self.emb(x)))
+        return self.head(h + 0.0 * torch.tanh(self.branch(h)) if self.use_branch else h)
+
+
 class ExtraLast(Branchy):
     """Runs one more unit after the head when ``use_branch`` is set: a rank without it
     ends its forward while another still runs a unit."""
@@ -264,7 +273,8 @@ HAND_WRITTEN = {"cnn": lambda: BatchNormCNN(), "hand_tied": lambda: HandTied(),
                 "reads_child": lambda: ReadsChildWeight(), "reads_child_bias": lambda: ReadsChildBias(),
                 "dataclass_units": lambda: DataclassUnits(),
                 "encoder_only": lambda: EncoderOnly(), "branchy": lambda: Branchy(),
-                "branch_discarded": lambda: BranchDiscarded(), "extra_last": lambda: ExtraLast(),
+                "branch_discarded": lambda: BranchDiscarded(), "branch_times_zero": lambda: BranchTimesZero(),
+                "extra_last": lambda: ExtraLast(),
                 "reordered": lambda: Reordered(), "nested": lambda: Nested(),
                 "mixed_dtypes": lambda: MixedDtypes()}
 
@@ -410,6 +420,23 @@ def proposals_per_forward(steps: int = 3) -> list[int]:
     return counts
 
 
+def used_flag_exchanges(stage: int, kind: str, branch: str | None = None, steps: int = 3) -> int:
+    """How many exchanges of used-parameter flags (:func:`comm.monitor_max`) a :func:`train`
+    run of ``steps`` steps makes on this rank."""
+    calls, monitor_max = [], comm.monitor_max
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return monitor_max(*args, **kwargs)
+
+    comm.monitor_max = counted
+    try:
+        train(kind, stage, steps=steps, branch=branch)
+    finally:
+        comm.monitor_max = monitor_max
+    return len(calls)
+
+
 def train_ddp(kind: str, stage: None = None, steps: int = 3, optimizer: str = "adam", lr: float = 1e-2,
               momentum: float = 0.0, weight_decay: float = 0.0, branch: str | None = None) -> dict:
     """torch's DistributedDataParallel (buffers broadcast from rank 0, its default;
@@ -448,7 +475,8 @@ def many(runs: list[dict]) -> list[dict | str]:
     out = []
     for kw in runs:
         try:
-            out.append(train_ddp(**kw) if kw.pop("ddp", False) else train(**kw))
+            job = train_ddp if kw.pop("ddp", False) else used_flag_exchanges if kw.pop("count", False) else train
+            out.append(job(**kw))
         except Exception as e:  # noqa: BLE001  (the test reads the message)
             out.append(f"{type(e).__name__}: {e}")
     return out

@@ -19,6 +19,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import functools
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -170,6 +171,9 @@ class Engine(EngineStateMixin, abc.ABC):
     """
 
     stage: int = -1  # DeepSpeed's numbering (0-3), recorded in checkpoints; -1: none of them
+    # Every rank ends a reducing backward with the same whole reduced gradient (stage 0): it
+    # tells which parameters some rank used, without exchanging flags (_exchange_used_flags).
+    replicated_grads: bool = False
 
     def __new__(cls, *args, **kwargs):
         from zerolearn.engines.zeropp_units import refuse_options  # ZeRO++ options: stage 3 only
@@ -340,9 +344,12 @@ class Engine(EngineStateMixin, abc.ABC):
                 self._ensure_grad_full(b)
                 self._launch(b)
             self._next = len(self.buckets)
-            self._exchange_used_flags()  # travels while the last reductions finish
+            if not self.replicated_grads:
+                self._exchange_used_flags()  # travels while the last reductions finish
             while self._pending:
                 self._finish_oldest()
+            if self.replicated_grads:
+                self._exchange_used_flags(reduced=True)  # read from the reduced gradient if it can
             self.holds_reduced = True
         self._after_backward()
 
@@ -469,17 +476,51 @@ class Engine(EngineStateMixin, abc.ABC):
         self._finish_publish()
         return True
 
-    def _exchange_used_flags(self) -> None:
+    def _exchange_used_flags(self, reduced: bool = False) -> None:
         """Start finding out which parameters any rank used since ``zero_grad``: one
-        all_reduce (max) of a byte per parameter, outside the ledger, as DDP does."""
+        all_reduce (max) of a byte per parameter, outside the ledger, as DDP does.
+
+        ``reduced``: called once a reducing backward's reductions all finished. Where every
+        rank then holds the same whole reduced gradient (``replicated_grads``, stage 0), that
+        gradient answers first: a rank that did not use a parameter adds zeros, so a parameter
+        whose reduced gradient has a nonzero element was used by some rank. Only if some
+        parameter's reduced gradient is all zeros (unused everywhere, or used with a zero
+        gradient) do the ranks exchange flags. Every rank reads the same numbers, so every
+        rank takes the same path.
+        """
         if self._used_flags is not None and self._used_flags[1] is not None:
             self._used_flags[1].wait()  # an earlier backward's, superseded
         flags = torch.tensor([flag for b in self.buckets for flag in b.used], dtype=torch.uint8, device=self.device)
         pending = None
         if self.world_size > 1 and torch.distributed.get_backend(self.pg) != "fake":  # fake: rank 0 alone
-            with comm.unit("<model>", "backward: which parameters were used"):
-                pending = comm.monitor_max(flags, group=self.pg, async_op=True)
+            if reduced and self.replicated_grads and self._every_grad_nonzero():
+                flags.fill_(1)  # every parameter has a nonzero reduced gradient: some rank used it
+            else:
+                with comm.unit("<model>", "backward: which parameters were used"):
+                    pending = comm.monitor_max(flags, group=self.pg, async_op=True)
         self._used_flags = (flags, pending)
+
+    def _every_grad_nonzero(self) -> bool:
+        """Whether every parameter's part of ``grad_full`` holds a nonzero element (NaN and
+        inf count as nonzero). Each parameter's first element is read in one gather per
+        bucket; only a parameter whose first element is zero is read whole."""
+        for b, firsts in zip(self.buckets, self._first_elements):
+            if b.grad_full is None or firsts is None:
+                return False
+            head = b.grad_full[firsts]
+            if bool(head.all()):
+                continue
+            for i in (head == 0).nonzero().flatten().tolist():
+                if not bool(b.layout.view_of(b.grad_full, i).any()):
+                    return False
+        return True
+
+    @functools.cached_property
+    def _first_elements(self) -> list[torch.Tensor | None]:
+        """Per bucket, the offset of each parameter in ``grad_full`` (int64, one per parameter);
+        None for a bucket with an empty parameter, which has no element to tell."""
+        return [torch.tensor(b.layout.offsets, dtype=torch.int64, device=self.device)
+                if all(math.prod(shape) > 0 for shape in b.layout.shapes) else None for b in self.buckets]
 
     def _used_anywhere(self) -> list[list[bool]]:
         """Per bucket and parameter: did any rank use it since ``zero_grad``

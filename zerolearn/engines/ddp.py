@@ -28,6 +28,7 @@ class DDPEngine(Engine):
     """
 
     stage = 0
+    replicated_grads = True  # after backward every rank holds the whole averaged gradient
 
     @property
     def num_shards(self) -> int:
