@@ -14,7 +14,7 @@ def test_every_field_is_a_flag_and_the_command_line_round_trips():
     assert flags == {f.name for f in dataclasses.fields(TrainConfig)}
     config = TrainConfig(stage=3, model="gpt", dtype="bf16", lr=0.02, max_grad_norm=1.5, memory_timeline=True,
                          checkpoint_activations=True, partition_activations=True, tensor_parallel=2,
-                         simulate_world_size=8, fail_mode="hang")
+                         simulate_world_size=8, fail_mode="hang", prefetch_mb=0.0)
     argv = config.to_argv()
     assert "--stage" in argv and "--memory-timeline" in argv and "--model" not in argv  # defaults left out
     assert TrainConfig.from_argv(argv) == config
@@ -32,6 +32,7 @@ def test_a_misspelled_option_fails_in_the_callers_process():
     (dict(dtype="int8"), "--dtype 'int8': allowed are fp32, bf16, fp16"),
     (dict(lr=float("nan")), "--lr nan: must be a finite number > 0"),
     (dict(momentum=-0.5), "--momentum -0.5: must be a finite number >= 0"),
+    (dict(prefetch_mb=float("inf")), "--prefetch-mb inf: must be a finite number >= 0"),
     (dict(d_model=30, n_head=4), "--d-model 30 is not divisible by --n-head 4"),
     (dict(partition_activations=True), "--partition-activations needs --checkpoint-activations"),
     (dict(checkpoint_every=2), "--checkpoint-every needs --checkpoint-dir"),

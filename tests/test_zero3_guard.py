@@ -14,8 +14,11 @@ import functools
 
 import pytest
 import user_model_jobs
+from torch import nn
 
 from jobs import on_ranks
+from zerolearn.engines import Zero3Engine
+from zerolearn.errors import ConfigError
 
 STAGES = (0, 1, 2, 3)
 SGD = dict(optimizer="sgd", momentum=0.9, lr=0.05)
@@ -30,6 +33,13 @@ CASES += [("reordered", 3, {}), ("branchy", 3, {"branch": "odd_steps"}), ("branc
           ("dataclass_units", 3, {}), ("extra_last", 3, {"branch": "rank0"}), ("dataclass_units", 3, {}),
           ("extra_last", 3, {"branch": "rank0_at_2"}), ("nested", 3, {})]
 CASES += [("mixed_dtypes", stage, {}) for stage in STAGES]
+# These models' units are small: by default a prefetch gathers several in one all_gather.
+# The same cases one unit at a time (prefetch_mb=0, as the paper describes):
+ALONE = {"fuse": False}
+CASES += [("reordered", 3, ALONE), ("branchy", 3, {**ALONE, "branch": "odd_steps"}),
+          ("branchy", 3, {**ALONE, "branch": "rank0_at_2"}), ("dataclass_units", 3, ALONE),
+          ("extra_last", 3, {**ALONE, "branch": "rank0_at_2"}), ("dataclass_units", 3, ALONE),
+          ("nested", 3, ALONE)]
 REFUSED = {"reads_next": "b.weight (unit 2: b, Linear)", "reads_child": "mix.weight (unit 1: mix, Linear)",
            "reads_child_bias": "mix.bias (unit 1: mix, Linear)"}
 
@@ -86,7 +96,7 @@ def test_units_run_in_another_order_than_registered_train_as_one_process_and_bec
     # agreed on (at first, the order of units=): a model that runs its units in another order,
     # or takes a branch on every rank at some steps, trains exactly; the order it ran last is
     # what the next forward prefetches.
-    (_, run), = results("reordered")
+    (_, run), = results("reordered", {})
     assert_exact("reordered", 3, run)
     assert run["schedule"] == ["emb", "trunk", "head"], run["schedule"]
     (_, run), = results("branchy", {"branch": "odd_steps"})
@@ -110,7 +120,7 @@ def test_a_rank_that_runs_one_more_unit_than_another_is_named_at_zero_3(branch):
 
 
 def test_a_unit_run_inside_another_trains_as_one_process_agreeing_on_every_unit():
-    (_, run), = results("nested")
+    (_, run), = results("nested", {})
     assert_exact("nested", 3, run)
     assert run["schedule"] is None  # units inside units: no schedule, every unit agreed on before it runs
 
@@ -129,6 +139,39 @@ def test_a_unit_whose_output_one_rank_discards_is_named_in_backward_at_zero_3():
     assert isinstance(run, str) and run.startswith("ConfigError"), run
     assert "compute gradients for different units (unit 2: branch, Linear on rank 0 only)" in run, run
     assert "units=" in run, run
+
+
+def test_small_units_prefetched_together_in_one_all_gather_train_as_one_process():
+    # A prefetch gathers the following units up to prefetch_mb in one fused all_gather: the
+    # same elements as one unit at a time in fewer calls, the same numbers, the same schedule.
+    (_, fused), = results("reordered", {})
+    (_, alone), = results("reordered", ALONE)
+    assert_exact("reordered", 3, alone)
+    assert fused["schedule"] == alone["schedule"] == ["emb", "trunk", "head"]
+    assert fused["all_gather"][1] == alone["all_gather"][1], (fused["all_gather"], alone["all_gather"])
+    assert fused["all_gather"][0] < alone["all_gather"][0], (fused["all_gather"], alone["all_gather"])
+    for kind, extra in (("branchy", {**ALONE, "branch": "odd_steps"}), ("dataclass_units", ALONE),
+                        ("nested", ALONE)):
+        for _, run in results(kind, extra):
+            assert_exact(kind, 3, run, branch=extra.get("branch"))
+
+
+@pytest.mark.parametrize("kind", ["branchy", "extra_last"])
+def test_a_rank_that_leaves_the_schedule_is_named_when_units_are_prefetched_one_at_a_time(kind):
+    # The rank off the schedule replays the others' gathers, so every collective pairs;
+    # the case after it trains in the same process group.
+    (_, run), = results(kind, {**ALONE, "branch": "rank0_at_2"})
+    assert isinstance(run, str) and run.startswith("ConfigError"), run
+    other = "rank 1 runs unit 3: head, Linear" if kind == "branchy" else "rank 1 ends its forward"
+    assert f"rank 0 runs unit 2: branch, Linear; {other}" in run, run
+    assert all(not isinstance(run, str) for _, run in results("dataclass_units", ALONE))
+
+
+@pytest.mark.parametrize("bad", [-1, float("nan"), float("inf"), "4"])
+def test_a_bad_prefetch_mb_is_refused_before_any_work(bad):
+    # Checked before the engine reads the process group (there is none here) or allocates.
+    with pytest.raises(ConfigError, match=r"prefetch_mb .*: must be a finite number >= 0"):
+        Zero3Engine(nn.Linear(2, 2), prefetch_mb=bad)
 
 
 def test_a_module_list_passed_as_a_unit_is_refused_before_work():

@@ -324,7 +324,8 @@ def torch_optimizer(name: str, params, lr: float, momentum: float, weight_decay:
 def train(kind: str, stage: int | None, steps: int = 3, accum: int = 1, accum_style: str = "repeated",
           optimizer: str = "adam", lr: float = 1e-2, momentum: float = 0.0, weight_decay: float = 0.0,
           branch: str | None = None, no_grad_first: bool = False, units: list[str] | None = None,
-          resume_at: int | None = None, checkpoint_dir: str | None = None) -> dict:
+          resume_at: int | None = None, checkpoint_dir: str | None = None, bucket_mb: float = 0.01,
+          fuse: bool = True) -> dict:
     """``stage`` None: plain PyTorch on the whole batch in one process (the reference).
     Else the engine on this rank's slice. Returns losses, full fp32 parameters, buffers.
 
@@ -332,7 +333,9 @@ def train(kind: str, stage: int | None, steps: int = 3, accum: int = 1, accum_st
     takes it when rank 0 would). ``no_grad_first``: run one forward under
     ``torch.no_grad()`` before training (evaluation first). ``units``: ZeRO-3 units
     by module name. ``resume_at``: after that many steps, save a checkpoint under
-    ``checkpoint_dir``, then go on with a new model and engine loaded from it."""
+    ``checkpoint_dir``, then go on with a new model and engine loaded from it.
+    ``fuse=False``: ZeRO-3 prefetches one unit at a time, however small (``prefetch_mb=0``;
+    by default these small models' units come several to one all_gather)."""
     model = build(kind)
     if stage is None:
         opt = torch_optimizer(optimizer, [p for p in model.parameters() if p.requires_grad], lr, momentum,
@@ -352,10 +355,13 @@ def train(kind: str, stage: int | None, steps: int = 3, accum: int = 1, accum_st
 
     def new_engine(model):
         extra = {"units": [model.get_submodule(name) for name in units]} if units is not None else {}
+        if stage == 3 and not fuse:
+            extra["prefetch_mb"] = 0
         return make_engine(stage, model, optimizer=optimizer, lr=lr, momentum=momentum, weight_decay=weight_decay,
-                           bucket_mb=0.01, **extra)
+                           bucket_mb=bucket_mb, **extra)
 
     engine = new_engine(model)
+    gathers = comm.LEDGER.ops["all_gather"].calls, comm.LEDGER.ops["all_gather"].elements
     if no_grad_first:
         with torch.no_grad():
             run_model(kind, engine, data.rank_slice(batch(kind, 0)[0], ctx.rank, ctx.world_size))
@@ -388,6 +394,9 @@ def train(kind: str, stage: int | None, steps: int = 3, accum: int = 1, accum_st
     if stage == 3:  # the units in the order the last forward ran them (ZeRO-3's prefetch schedule)
         trace = engine.schedule.trace
         out["schedule"] = None if trace is None else [engine.schedule.by_index[i].name for i in trace if i >= 0]
+        # all_gather calls and elements of the whole run
+        out["all_gather"] = [now - then for now, then in zip((comm.LEDGER.ops["all_gather"].calls,
+                                                              comm.LEDGER.ops["all_gather"].elements), gathers)]
     return out
 
 

@@ -45,7 +45,7 @@ def _opt(default, help: str, **argparse_kw):
 class TrainConfig:
     """One training run: model, data, optimizer, stage, ZeRO-R, checkpoints, testing hooks.
 
-    Units: ``bucket_mb`` and ``cb_mb`` in MiB, ``timeout`` in seconds, ``seq_len`` in
+    Units: ``bucket_mb``, ``prefetch_mb`` and ``cb_mb`` in MiB, ``timeout`` in seconds, ``seq_len`` in
     tokens (bytes of the corpus), ``global_batch_size`` in sequences (GPT) or rows (MLP)
     over all ranks. Stage numbers follow DeepSpeed: 0 DP, 1 P_os, 2 P_os+g, 3 P_os+g+p
     (paper Sec 5).
@@ -70,6 +70,8 @@ class TrainConfig:
     seed: int = _opt(0, "model initialisation and data order")
     bucket_mb: float | None = _opt(None, "gradient bucket size, MiB (default: 25 MiB buckets, the first 1 MiB on "
                                          "GPUs as torch DDP makes it)")
+    prefetch_mb: float | None = _opt(None, "stage 3: the most MiB of small units one prefetch gathers, in one "
+                                           "all_gather (default 4; 0: one unit at a time)")
     grad_accum_steps: int = _opt(1, "micro-batches per step")
     n_layer: int = _opt(2, "GPT transformer blocks")
     d_model: int = _opt(64, "GPT width")
@@ -230,8 +232,9 @@ def _check_numbers(c: TrainConfig) -> None:
     for name in ("lr", "timeout", "bucket_mb", "max_grad_norm"):
         if getattr(c, name) is not None:
             require_real(_flag(name), getattr(c, name))
-    for name in ("momentum", "weight_decay"):
-        require_real(_flag(name), getattr(c, name), strict=False)
+    for name in ("momentum", "weight_decay", "prefetch_mb"):
+        if getattr(c, name) is not None:
+            require_real(_flag(name), getattr(c, name), strict=False)
     for f in dataclasses.fields(c):
         if isinstance(getattr(c, f.name), int) and not isinstance(getattr(c, f.name), bool):
             _check_upper(f.name, getattr(c, f.name), SEED_MAX if f.name == "seed" else COUNT_MAX)

@@ -50,7 +50,7 @@ from zerolearn.tables import text_table
 # The run below uses a 4-block GPT of width 64 in bf16 (2 bytes per parameter).
 
 # %%
-GPT_OPTIONS = dict(model="gpt", n_layer=4, d_model=64, n_head=4, seq_len=32, bucket_mb=0.25)
+GPT_OPTIONS = dict(model="gpt", n_layer=4, d_model=64, n_head=4, seq_len=32, bucket_mb=0.25, prefetch_mb=0)
 model = build_model('gpt', 0, gpt=GPTConfig(seq_len=32, n_layer=4, n_head=4, d_model=64))
 psi = sum(p.numel() for p in model.parameters())
 units = [(type(u).__name__, sum(p.numel() for p in u.parameters())) for u in model.units()]
@@ -208,7 +208,12 @@ for method in (Zero3Engine._start_gather, Zero3Engine._finish_gather, Zero3Engin
 # in the last forward all ranks agreed on (`units.Schedule`), so every rank issues the
 # same gathers even when one of them takes another branch, and the ranks need to compare
 # notes only once per forward. Backward walks the units in reverse, so the unit to
-# prefetch there is the previous one:
+# prefetch there is the previous one. (By default a prefetch also takes the units after
+# that one while all together hold at most `prefetch_mb`, 4 MiB, in one all_gather through
+# one fused buffer, `units.FusedGather`, the constant-size buffers of Sec 6.2: on units this
+# small each collective's fixed cost outweighs its bytes. This chapter's runs set
+# `prefetch_mb=0`, one unit at a time as the paper describes, so that every unit's gather
+# shows.)
 
 # %%
 for method in (Zero3Engine._pre_forward, Zero3Engine._post_forward, Zero3Engine._pre_backward,

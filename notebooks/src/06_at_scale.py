@@ -405,7 +405,7 @@ plt.show()
 
 # %%
 RUN = TrainConfig(model="gpt", n_layer=4, d_model=64, n_head=4, seq_len=32, global_batch_size=8, steps=2,
-                  dtype="bf16", memory_timeline=True, bucket_mb=0.25)
+                  dtype="bf16", memory_timeline=True, bucket_mb=0.25, prefetch_mb=0)
 reports = launch(ch04.all_stages, 2, RUN)[0]
 viewer = widgets.TimelineViewer(reports)
 display(viewer)

@@ -25,7 +25,8 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from zerolearn import comm, guard
-from zerolearn.errors import ConfigError
+from zerolearn.errors import ConfigError, require_real
+from zerolearn.memory.ledger import category
 
 CONTAINERS = (nn.ModuleList, nn.ModuleDict)  # modules with no forward: their hooks never run
 
@@ -52,6 +53,46 @@ class Unit:
 
     def describe(self) -> str:
         return f"unit {self.index}: {self.name}, {type(self.module).__name__}"
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of its parameters when gathered (padding included)."""
+        return sum(b.layout.padded_numel * b.full.element_size() for b in self.buckets)
+
+
+class FusedGather:
+    """One all_gather for the buckets of several units: a fused buffer (CB, Sec 6.2).
+
+    The buckets' shards are laid side by side in one send buffer, so a rank's pieces of
+    all of them travel in one collective; every rank's pieces land in one receive buffer,
+    (Nd, sum of shard sizes), and :meth:`wait` copies each bucket's column into its full
+    buffer (Nd shards, in rank order, as a bucket's own all_gather would leave them). The
+    bytes counted are those of one all_gather per bucket; the calls are one.
+
+    Args:
+        buckets: the buckets to gather, their ``full`` storage already allocated.
+        group: the data-parallel process group.
+    """
+
+    def __init__(self, buckets: list, group):
+        self.buckets, ranks = buckets, torch.distributed.get_world_size(group)
+        with category("temporary"):
+            send = torch.cat([b.shard for b in buckets])
+            self.recv = torch.empty(ranks * send.numel(), dtype=send.dtype, device=send.device)
+        self.nbytes = self.recv.nbytes
+        self._handle = comm.all_gather(self.recv, send, group=group, async_op=True)
+
+    def wait(self) -> None:
+        if self._handle is None:
+            return
+        self._handle.wait()
+        self._handle, start = None, 0
+        rows = self.recv.view(-1, sum(b.layout.shard_numel for b in self.buckets))  # (Nd, the shards)
+        for b in self.buckets:
+            n = b.layout.shard_numel
+            b.full.view(-1, n).copy_(rows[:, start:start + n])
+            start += n
+        self.recv = self.buckets = None
 
 
 def default_units(model: nn.Module) -> list[nn.Module]:
@@ -191,6 +232,27 @@ def tensors_in(output) -> list[torch.Tensor]:
 
 
 # ----- every rank does the same thing ----------------------------------------------------
+DEFAULT_PREFETCH_MB = 4.0  # one prefetch's most bytes of units smaller than that, gathered together
+
+
+def prefetch_bytes(prefetch_mb: float | None) -> int:
+    """Bytes of the option ``prefetch_mb`` (MiB): what one prefetch may gather at once, in
+    one fused all_gather when that is several units (:meth:`Schedule.window`). None:
+    :data:`DEFAULT_PREFETCH_MB`; 0: one unit at a time, as the paper describes (Sec 5.3).
+
+    The fused buffer is a constant-size buffer (CB, Sec 6.2): it and the units' own
+    buffers exist together while a fused gather lands, so the most memory it adds is
+    about twice ``prefetch_mb``.
+
+    Raises:
+        ConfigError: ``prefetch_mb`` is not a finite number >= 0.
+    """
+    if prefetch_mb is None:
+        return int(DEFAULT_PREFETCH_MB * 2**20)
+    require_real("prefetch_mb", prefetch_mb, strict=False)
+    return int(prefetch_mb * 2**20)
+
+
 END = -1  # a forward's end, proposed like a unit: a rank that stops early is named too
 ON_SCHEDULE = -1  # what a rank that ran the whole schedule says at the forward's end
 
@@ -230,12 +292,13 @@ class Schedule:
             forward while another runs a unit; each rank named with what it runs.
     """
 
-    def __init__(self, units: list[Unit], root: bool, pg, device):
+    def __init__(self, units: list[Unit], root: bool, pg, device, window_bytes: int = 0):
         self.units, self.by_index = units, {u.index: u for u in units}
         self.root = units[-1].index if root else None
         self.pg, self.device = pg, device
         self.trace: list[int] | None = None  # unit indices (then END) of the last agreed forward
         self.prefetch = True  # False: no unit gathered before its own hook (chapter 4's timeline)
+        self.window_bytes = window_bytes  # a prefetch gathers following units up to this many bytes
         self.start()
 
     def start(self) -> None:
@@ -247,8 +310,8 @@ class Schedule:
         for unit in self.units:
             unit.ran = False
 
-    def enter(self, unit: Unit, engine) -> Unit | None:
-        """``unit``'s forward starts; returns the unit to prefetch (or None)."""
+    def enter(self, unit: Unit, engine) -> list[Unit]:
+        """``unit``'s forward starts; returns the units to prefetch (:meth:`window`)."""
         position, outer = len(self.ran), list(self.open)  # outer: units this one starts inside
         self.ran.append(unit.index)
         if unit.index != self.root:
@@ -282,13 +345,28 @@ class Schedule:
         self.trace = [*self.ran, END] if self.flat else None
 
     # ----- inside -------------------------------------------------------------------------
-    def _scheduled(self, position: int) -> Unit | None:
-        following = self.trace[position + 1]
-        return self.by_index[following] if self.prefetch and following not in (END, self.root) else None
+    def window(self, units: list[Unit]) -> list[Unit]:
+        """The first of ``units`` and those after it while all together hold at most
+        ``window_bytes``: what one prefetch gathers, in one all_gather when more than one."""
+        out, size = [], 0
+        for unit in units if self.prefetch else ():
+            size += unit.nbytes
+            if out and size > self.window_bytes:
+                break
+            out.append(unit)
+        return out
 
-    def _after(self, unit: Unit) -> Unit | None:  # lockstep's prefetch: the next unit in units= order
+    def _scheduled(self, position: int) -> list[Unit]:
+        ahead = []
+        for index in self.trace[position + 1:]:
+            if index in (END, self.root):
+                break
+            ahead.append(self.by_index[index])
+        return self.window(ahead)
+
+    def _after(self, unit: Unit) -> list[Unit]:  # lockstep's prefetch: the next unit in units= order
         i = self.units.index(unit) + 1
-        return self.units[i] if self.prefetch and i < len(self.units) and self.units[i].index != self.root else None
+        return [self.units[i]] if self.prefetch and i < len(self.units) and self.units[i].index != self.root else []
 
     def _agree(self, position: int, index: int) -> None:
         said = guard.propose(index, self.pg, self.device).result()

@@ -1,24 +1,22 @@
 """Stage 3, P_os+g+p: partition the parameters too (paper Sec 5.3, Sec 7.2.2).
 
-Between uses, a rank keeps only its 1/Nd shard of every parameter: (2 + 2 + K) Psi /
-Nd bytes of model states (Fig 1). The model is cut into *units* (a transformer block,
-the embedding, the head; :mod:`zerolearn.engines.units`); a unit's parameters are
-all-gathered just before its forward, freed right after, gathered again just before
-its backward and freed once its gradients are in. While one unit computes, the next
-one's all_gather is already in flight (prefetch; in forward, next in the last forward:
-``units.Schedule``), so live parameter memory is the shards plus about two gathered
-units. Traffic: Psi all-gathered in forward, Psi again in backward, Psi
-reduce-scattered as gradients: 3 Psi per step, 1.5x DP's (Sec 7.2.2).
+Between uses, a rank keeps only its 1/Nd shard of every parameter: (2 + 2 + K) Psi / Nd
+bytes of model states (Fig 1). The model is cut into *units* (a transformer block, the
+embedding, the head; :mod:`zerolearn.engines.units`); a unit's parameters are all-gathered
+just before its forward, freed right after, gathered again just before its backward and
+freed once its gradients are in. While one unit computes, the next one's all_gather is in
+flight (prefetch: in forward, next in the last forward, ``units.Schedule``); small units
+come several to one fused all_gather, up to ``prefetch_mb`` (CB, Sec 6.2). Live parameter
+memory: the shards, the unit computing, one prefetch. Traffic: Psi all-gathered in
+forward, Psi again in backward, Psi reduce-scattered: 3 Psi per step, 1.5x DP's (Sec 7.2.2).
 
-How a unit is freed matters. Autograd saves the weights a layer needs for backward;
-reassigning ``param.data`` would leave those references holding the memory. Instead
-each bucket's flat buffer keeps its tensor object and its *storage* is resized to 0
-bytes, then back to full size and re-filled before backward reads it: the views
-autograd saved see the gathered values again, and while freed hold no memory.
+How a unit is freed matters: autograd saves the weights a layer needs for backward,
+and reassigning ``param.data`` would leave those holding the memory. Instead a bucket's
+buffer keeps its tensor object and its *storage* is resized to 0 bytes, then back and
+re-filled before backward reads it: the views autograd saved see the gathered values.
 
-Shared parameters (GPT-2's ``lm_head.weight is wte.weight``) go to the root unit, the
-model itself, gathered for the whole forward and backward (FSDP2 and DeepSpeed make the
-same trade for a tied weight used far apart).
+Shared parameters (GPT-2's ``lm_head.weight is wte.weight``) go to the root unit, the model
+itself, gathered for all of forward and backward (as FSDP2 and DeepSpeed treat a tied weight).
 
 The four stage files repeat each other where that lets each one read alone: none
 inherits from another, all fill in the contract of :mod:`zerolearn.engines.base`.
@@ -38,24 +36,26 @@ from zerolearn.engines.zeropp_units import ZeroPP
 class Zero3Engine(Engine):
     """Stage 3 (P_os+g+p): sharded params, grads and optimizer states; per-unit gather.
 
-    Memory per rank (bytes): (2 + 2 + K) Psi / Nd (+ padding) between units, plus at
-    most about two gathered units during forward and backward.
+    Memory per rank (bytes): (2 + 2 + K) Psi / Nd (+ padding) between units, plus the
+    unit computing and one prefetch: one unit, or small ones up to ``prefetch_mb`` MiB
+    (default 4; 0: always one) through a fused buffer (:func:`units.prefetch_bytes`).
     Traffic per step: all_gather 2 Psi + reduce_scatter Psi elements.
 
     Units (``units=``, default ``model.units()`` or the model's children, a ModuleList's
-    items in its place) run in forward order; a unit's parameters may be read only inside
-    its own forward, and every rank must run the same units in the same order.
+    items in its place): a unit's parameters may be read only inside its own forward, and
+    every rank must run the same units in the same order.
 
     Raises:
-        ConfigError: a unit passed in ``units=`` is a ModuleList or ModuleDict; the
-            model read a parameter outside its unit's forward; ranks are about to run
-            different units, or to compute gradients for different units
-            (:mod:`zerolearn.engines.units`).
+        ConfigError: a bad ``prefetch_mb``; a unit in ``units=`` is a ModuleList or ModuleDict;
+            the model read a parameter outside its unit's forward; ranks are about to run, or
+            compute gradients for, different units (:mod:`zerolearn.engines.units`).
     """
 
     stage = 3
 
-    def __init__(self, model: nn.Module, *, node_ranks=None, qwz_block=None, hpz=False, qgz=False, **options):
+    def __init__(self, model: nn.Module, *, prefetch_mb: float | None = None, node_ranks=None, qwz_block=None,
+                 hpz=False, qgz=False, **options):
+        self.prefetch_bytes = U.prefetch_bytes(prefetch_mb)  # small units: several per prefetch, one all_gather
         self.zpp = ZeroPP(node_ranks, qwz_block, hpz, qgz, options.get("group"))  # ZeRO++, checked first
         super().__init__(model, **options)
 
@@ -63,8 +63,7 @@ class Zero3Engine(Engine):
     def _build_buckets(self, trainable, units) -> list[Bucket]:
         modules, per_unit, names = U.assign(self.model, units, trainable)
         self.units, buckets = [], []
-        # Backward order, but the root unit's buckets last: reduced at the end of backward.
-        for u in [*reversed(range(len(modules) - 1)), len(modules) - 1]:
+        for u in [*reversed(range(len(modules) - 1)), len(modules) - 1]:  # backward order, the root's last
             if per_unit[u]:
                 mine = self._buckets_of(per_unit[u][::-1], small_first=False)  # a unit starts its own
                 self.units.append(U.Unit(u, names.get(id(modules[u]), type(modules[u]).__name__), modules[u], mine))
@@ -73,7 +72,8 @@ class Zero3Engine(Engine):
         self._unit_of = {id(b): unit for unit in self.units for b in unit.buckets}
         self._param_unit = {id(p): (name, unit) for unit in self.units for b in unit.buckets
                             for name, p in zip(b.layout.names, b.params)}
-        self.schedule = U.Schedule(self.units, self.units[-1].module is self.model, self.pg, self.device)
+        self.schedule = U.Schedule(self.units, self.units[-1].module is self.model, self.pg, self.device,
+                                   self.prefetch_bytes)
         self._storage_unit: dict[int, U.Unit] = {}  # a storage autograd may save -> its unit
         self.gathered_bytes = self.peak_gathered_bytes = 0  # full parameters alive now / at most
         for unit in self.units:
@@ -91,16 +91,23 @@ class Zero3Engine(Engine):
         b.full.untyped_storage().resize_(0)
 
     # ----- gather and free a unit ----------------------------------------------------
-    def _start_gather(self, unit: U.Unit | None) -> None:
-        if unit is None or unit.gathered or unit.gathering:
-            return
-        for b in unit.buckets:
+    def _start_gather(self, units: list[U.Unit]) -> None:  # a unit, or a prefetch's window: fused
+        if not units or units[0].gathered or units[0].gathering:
+            return  # started earlier, with an earlier window
+        units = [unit for unit in units if not (unit.gathered or unit.gathering)]
+        buckets = [b for unit in units for b in unit.buckets]
+        for b in buckets:
             self._shard_in(b)  # offload="disk": the shard read from its file first (ZeRO-Infinity)
             b.full.untyped_storage().resize_(b.full.nbytes)
-            unit.gathering.append(self.zpp.gather(b, self.in_backward) if self.zpp.enabled else  # ZeRO++'s
-                                  comm.all_gather(b.full, b.shard, group=self.pg, async_op=True))
             self.gathered_bytes += b.full.nbytes
-            self.temp_buffer_peak_bytes = max(self.temp_buffer_peak_bytes, b.full.nbytes)
+        fuse = len(units) > 1 and self.offload != "disk" and not self.zpp.enabled
+        fused = U.FusedGather(buckets, self.pg) if fuse else None
+        for unit in units:  # else ZeRO++'s own gathers, or one all_gather per bucket
+            unit.gathering = [fused or (self.zpp.gather(b, self.in_backward) if self.zpp.enabled else
+                                        comm.all_gather(b.full, b.shard, group=self.pg, async_op=True))
+                              for b in unit.buckets]
+        peak = fused.nbytes if fused else max(b.full.nbytes for b in buckets)
+        self.temp_buffer_peak_bytes = max(self.temp_buffer_peak_bytes, peak)
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
 
     def _finish_gather(self, unit: U.Unit) -> None:
@@ -111,7 +118,7 @@ class Zero3Engine(Engine):
         unit.gathering.clear()
 
     def _gather(self, unit: U.Unit) -> None:
-        self._start_gather(unit)
+        self._start_gather([unit])
         self._finish_gather(unit)
 
     def _free_bucket(self, b: Bucket) -> None:
@@ -124,9 +131,9 @@ class Zero3Engine(Engine):
             self._free_bucket(b)
         unit.gathered = False
 
-    def _previous(self, unit: U.Unit) -> U.Unit | None:  # backward's prefetch
+    def _previous(self, unit: U.Unit) -> list[U.Unit]:  # backward's prefetch: the units before, a window
         i = self.units.index(unit)
-        return self.units[i - 1] if i > 0 and self.schedule.prefetch else None
+        return self.schedule.window(self.units[i - 1::-1]) if i > 0 else []
 
     # ----- forward: gather before a unit, free after, prefetch the next ---------------
     def forward(self, *args, **kwargs):
@@ -165,9 +172,8 @@ class Zero3Engine(Engine):
 
     # ----- backward: gather again, free once the gradients are in ---------------------
     def _before_backward(self, loss: torch.Tensor) -> None:
-        # Which units a rank gathers in backward follows the gradients it computes: every
-        # rank must compute gradients for the same units, or gathers would pair wrongly.
-        # The root unit stays gathered through backward and is reduced at its end: left out.
+        # Which units a rank gathers in backward follows the gradients it computes: all ranks must
+        # compute gradients for the same units (the root, gathered throughout, is left out).
         if self.world_size > 1:
             root = {u.index for u in self.units if u.module is self.model}
             reached = [i for i in U.units_reached(loss, self._param_unit) if i not in root]
@@ -182,8 +188,7 @@ class Zero3Engine(Engine):
             self._start_gather(self._previous(unit))
 
     def _pack(self, t: torch.Tensor):
-        unit = self._storage_unit.get(U.storage_key(t))
-        return t if unit is None else U.Saved(t, unit)
+        return t if (unit := self._storage_unit.get(U.storage_key(t))) is None else U.Saved(t, unit)
 
     def _unpack(self, saved):
         # Whatever the unit's outputs were, a saved tensor of its buffer comes back gathered.
@@ -195,8 +200,7 @@ class Zero3Engine(Engine):
             return saved.tensor
         return saved
 
-    def _on_bucket_ready(self, b: Bucket) -> None:
-        # All of b's gradients are in: backward no longer needs b's parameters.
+    def _on_bucket_ready(self, b: Bucket) -> None:  # b's gradients are all in: its parameters can go
         unit = self._unit_of[id(b)]
         self._finish_gather(unit)
         self._free_bucket(b)
@@ -232,8 +236,7 @@ class Zero3Engine(Engine):
         if not isinstance(error, (guard.CollectiveError, guard.CollectiveMismatch)):
             self._settle()
 
-    def _settle(self) -> None:
-        """After forward, backward or a failure: wait for every gather in flight, free every unit."""
+    def _settle(self) -> None:  # after forward, backward or a failure: finish every gather, free all
         for unit in self.units:
             self._free_unit(unit)
             unit.backward_gathered = False

@@ -52,7 +52,7 @@ RESUME_MUST_MATCH = ("model", "seed", "global_batch_size", "seq_len", "n_layer",
                      "mlp_layers", "optimizer", "lr")
 # Options of the optimisation that a resumed run may change; each change is printed.
 RESUME_MAY_CHANGE = ("weight_decay", "max_grad_norm", "momentum", "dtype", "grad_accum_steps", "loss_scale_window",
-                     "bucket_mb", "offload", "offload_dir", "dpu")
+                     "bucket_mb", "prefetch_mb", "offload", "offload_dir", "dpu")
 
 
 def batch(config: TrainConfig, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,7 +139,7 @@ def setup(config: TrainConfig, engine_factory=make_engine) -> Run:
                             momentum=config.momentum, weight_decay=config.weight_decay, dtype=config.dtype,
                             bucket_mb=config.bucket_mb, max_grad_norm=config.max_grad_norm, group=groups.dp_group,
                             mp_group=groups.mp_group if groups.nm > 1 else None,
-                            **offload_options(config))
+                            **offload_options(config), **prefetch_options(config))
     engine.scaler.growth_interval = config.loss_scale_window
     first = checkpoint.resume(engine, config.checkpoint_dir, config.as_dict(), RESUME_MUST_MATCH, RESUME_MAY_CHANGE)
     if first > config.steps:  # equal is a finished run started again: nothing left, exit 0
@@ -154,6 +154,12 @@ def offload_options(config: TrainConfig) -> dict:
     if config.offload is None:
         return {}
     return {"offload": config.offload, "offload_dir": config.offload_dir, "dpu": config.dpu}
+
+
+def prefetch_options(config: TrainConfig) -> dict:
+    """ZeRO-3's ``prefetch_mb`` when set (other stages prefetch nothing; an ``engine_factory``
+    that knows no such option still builds its engine with the default)."""
+    return {"prefetch_mb": config.prefetch_mb} if config.stage == 3 and config.prefetch_mb is not None else {}
 
 
 def offload_entry(run: Run) -> dict:
