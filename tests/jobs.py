@@ -100,7 +100,8 @@ def frozen_model(seed: int = 0) -> nn.Module:
 
 def train_engine(stage: int, optimizer: str = "sgd", dtype: str = "fp32", steps: int = 4,
                  accum: int = 1, model: str = "gpt", bucket_mb: float = 0.01,
-                 max_grad_norm: float | None = None, accum_style: str = "sync", engine_cls=None) -> dict:
+                 max_grad_norm: float | None = None, accum_style: str = "sync", engine_cls=None,
+                 prefetch_mb: float | None = None) -> dict:
     """Train with our engine on this rank's slices; return losses, params, ledgers.
 
     ``accum_style`` says how micro-batches are written: ``"sync"`` (``sync=False``
@@ -108,11 +109,12 @@ def train_engine(stage: int, optimizer: str = "sgd", dtype: str = "fp32", steps:
     ``backward`` each time, as a PyTorch user writes it) or ``"mixed"`` (even
     micro-batches and the last reduce, odd ones add up locally). ``engine_cls``: an
     ``Engine`` subclass to train instead of ``stage``'s (importable by name).
+    ``prefetch_mb``: ZeRO-3's, when given.
     """
     ctx = zdist.context()
     net = small_gpt() if model == "gpt" else frozen_model()
     options = dict(optimizer=optimizer, lr=LR[optimizer], dtype=dtype, bucket_mb=bucket_mb,
-                   max_grad_norm=max_grad_norm)
+                   max_grad_norm=max_grad_norm, **({} if prefetch_mb is None else {"prefetch_mb": prefetch_mb}))
     engine = make_engine(stage, net, **options) if engine_cls is None else engine_cls(net, **options)
     comm.LEDGER.reset()
     losses, grads_bytes = [], None

@@ -11,8 +11,9 @@ from zerolearn.config import TrainConfig
 from zerolearn.memory.ledger import MemoryLedger, category
 from zerolearn.train import train
 
+# ZeRO-3 prefetches one unit at a time (prefetch_mb=0): the per-unit schedule of Sec 5.3.
 MLP = TrainConfig(model="mlp", mlp_width=128, mlp_layers=6, global_batch_size=4, steps=2, bucket_mb=0.07,
-                  quiet=True, memory_timeline=True)
+                  quiet=True, memory_timeline=True, prefetch_mb=0)
 
 
 def test_ledger_counts_allocations_and_frees_exactly():

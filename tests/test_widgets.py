@@ -158,7 +158,7 @@ def test_tradeoff_shows_memory_and_one_and_a_half_times_the_traffic():
 @functools.cache
 def measured_reports() -> list[dict]:
     config = TrainConfig(model="mlp", mlp_width=64, mlp_layers=4, global_batch_size=4, steps=1, bucket_mb=0.01,
-                         memory_timeline=True)
+                         memory_timeline=True, prefetch_mb=0)  # ZeRO-3: one unit per prefetch
     return on_ranks(all_stages, 2, config)[0]
 
 

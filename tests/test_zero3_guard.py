@@ -33,13 +33,13 @@ CASES += [("reordered", 3, {}), ("branchy", 3, {"branch": "odd_steps"}), ("branc
           ("dataclass_units", 3, {}), ("extra_last", 3, {"branch": "rank0"}), ("dataclass_units", 3, {}),
           ("extra_last", 3, {"branch": "rank0_at_2"}), ("nested", 3, {})]
 CASES += [("mixed_dtypes", stage, {}) for stage in STAGES]
-# These models' units are small: by default a prefetch gathers several in one all_gather.
-# The same cases one unit at a time (prefetch_mb=0, as the paper describes):
-ALONE = {"fuse": False}
-CASES += [("reordered", 3, ALONE), ("branchy", 3, {**ALONE, "branch": "odd_steps"}),
-          ("branchy", 3, {**ALONE, "branch": "rank0_at_2"}), ("dataclass_units", 3, ALONE),
-          ("extra_last", 3, {**ALONE, "branch": "rank0_at_2"}), ("dataclass_units", 3, ALONE),
-          ("nested", 3, ALONE)]
+# With 1 MiB buckets these models' units are small enough that a prefetch gathers several
+# in one all_gather (FUSED); ALONE: the same one unit at a time (prefetch_mb=0, Sec 5.3).
+FUSED, ALONE = {"bucket_mb": 1.0}, {"bucket_mb": 1.0, "fuse": False}
+CASES += [("reordered", 3, FUSED), ("reordered", 3, ALONE), ("branchy", 3, {**FUSED, "branch": "odd_steps"}),
+          ("branchy", 3, {**FUSED, "branch": "rank0_at_2"}), ("dataclass_units", 3, FUSED),
+          ("extra_last", 3, {**FUSED, "branch": "rank0_at_2"}), ("dataclass_units", 3, FUSED),
+          ("nested", 3, FUSED)]
 REFUSED = {"reads_next": "b.weight (unit 2: b, Linear)", "reads_child": "mix.weight (unit 1: mix, Linear)",
            "reads_child_bias": "mix.bias (unit 1: mix, Linear)"}
 
@@ -142,29 +142,30 @@ def test_a_unit_whose_output_one_rank_discards_is_named_in_backward_at_zero_3():
 
 
 def test_small_units_prefetched_together_in_one_all_gather_train_as_one_process():
-    # A prefetch gathers the following units up to prefetch_mb in one fused all_gather: the
-    # same elements as one unit at a time in fewer calls, the same numbers, the same schedule.
-    (_, fused), = results("reordered", {})
+    # A prefetch gathers the following units up to prefetch_mb (and a bucket) in one fused
+    # all_gather: the same elements as one unit at a time in fewer calls, the same numbers.
+    (_, fused), = results("reordered", FUSED)
     (_, alone), = results("reordered", ALONE)
+    assert_exact("reordered", 3, fused)
     assert_exact("reordered", 3, alone)
     assert fused["schedule"] == alone["schedule"] == ["emb", "trunk", "head"]
     assert fused["all_gather"][1] == alone["all_gather"][1], (fused["all_gather"], alone["all_gather"])
     assert fused["all_gather"][0] < alone["all_gather"][0], (fused["all_gather"], alone["all_gather"])
-    for kind, extra in (("branchy", {**ALONE, "branch": "odd_steps"}), ("dataclass_units", ALONE),
-                        ("nested", ALONE)):
+    for kind, extra in (("branchy", {**FUSED, "branch": "odd_steps"}), ("dataclass_units", FUSED),
+                        ("nested", FUSED)):
         for _, run in results(kind, extra):
             assert_exact(kind, 3, run, branch=extra.get("branch"))
 
 
 @pytest.mark.parametrize("kind", ["branchy", "extra_last"])
-def test_a_rank_that_leaves_the_schedule_is_named_when_units_are_prefetched_one_at_a_time(kind):
-    # The rank off the schedule replays the others' gathers, so every collective pairs;
-    # the case after it trains in the same process group.
-    (_, run), = results(kind, {**ALONE, "branch": "rank0_at_2"})
+def test_a_rank_that_leaves_the_schedule_is_named_when_prefetches_are_fused(kind):
+    # The rank off the schedule replays the others' fused gathers, so every collective
+    # pairs; the case after it trains in the same process group.
+    (_, run), = results(kind, {**FUSED, "branch": "rank0_at_2"})
     assert isinstance(run, str) and run.startswith("ConfigError"), run
     other = "rank 1 runs unit 3: head, Linear" if kind == "branchy" else "rank 1 ends its forward"
     assert f"rank 0 runs unit 2: branch, Linear; {other}" in run, run
-    assert all(not isinstance(run, str) for _, run in results("dataclass_units", ALONE))
+    assert all(not isinstance(run, str) for _, run in results("dataclass_units", FUSED))
 
 
 @pytest.mark.parametrize("bad", [-1, float("nan"), float("inf"), "4"])

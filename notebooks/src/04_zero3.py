@@ -209,11 +209,11 @@ for method in (Zero3Engine._start_gather, Zero3Engine._finish_gather, Zero3Engin
 # same gathers even when one of them takes another branch, and the ranks need to compare
 # notes only once per forward. Backward walks the units in reverse, so the unit to
 # prefetch there is the previous one. (By default a prefetch also takes the units after
-# that one while all together hold at most `prefetch_mb`, 4 MiB, in one all_gather through
-# one fused buffer, `units.FusedGather`, the constant-size buffers of Sec 6.2: on units this
-# small each collective's fixed cost outweighs its bytes. This chapter's runs set
-# `prefetch_mb=0`, one unit at a time as the paper describes, so that every unit's gather
-# shows.)
+# that one while all together hold at most `prefetch_mb` (4 MiB) and a bucket, in one
+# all_gather through one fused buffer, `units.FusedGather`, the constant-size buffers of
+# Sec 6.2: on units this small each collective's fixed cost outweighs its bytes. This
+# chapter's runs set `prefetch_mb=0`, one unit at a time as the paper describes, so that
+# every unit's gather shows.)
 
 # %%
 for method in (Zero3Engine._pre_forward, Zero3Engine._post_forward, Zero3Engine._pre_backward,

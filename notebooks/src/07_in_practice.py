@@ -205,14 +205,19 @@ print(results.format_overhead(BENCH["overhead_ws1"]))
 # their partition (12 $\Psi/N_d$ of optimizer state, where ours keeps 8) and extra
 # gradient buffers; `ZeroRedundancyOptimizer` shards whole tensors, so its busiest rank
 # holds more than an even shard. **Time**, at every system's default settings (ours: 25
-# MiB buckets on the CPU). Our stages 1 and 2 are the fastest of their kind here at both
-# widths, and stage 3 is level with DeepSpeed's at $d_{model}$ 128 and faster at 384. Our
-# stage 0 is a few percent behind DDP and DeepSpeed's stage 0: it makes the same few
-# all-reduces, plus one small exchange per step that they leave out (which parameters any
-# rank used, so that a parameter no rank used is not moved by momentum), and on gloo every
-# collective pays a fixed start-up (the same start-up is why ZeRO-3's ranks agree on each
-# unit in the first forward only, then on one number per forward: chapter 4). The spreads
-# beside the medians show how far one machine's drift moves them.
+# MiB buckets on the CPU; ZeRO-3 prefetches small units up to 4 MiB at a time). Our
+# stages 1 and 2 are the fastest of their kind here at both widths. Stage 3 is ahead of
+# DeepSpeed's and FSDP2's at both: at $d_{model}$ 128 its units are small, and one
+# prefetch brings all the units after the embedding in one fused all_gather, where the
+# paper's schedule (chapter 4, `prefetch_mb=0`) pays a collective per unit. Our stage 0
+# makes the same few all-reduces of the same buckets as DDP and DeepSpeed's stage 0 and
+# lands level with them, within the spread. It leaves out no check to get there: a
+# parameter no rank used must not be moved by momentum, and the reduced gradient, the
+# same on every rank, already says which parameters some rank used, so the ranks
+# exchange flags only in a step where some parameter's reduced gradient is all zeros. On
+# gloo every collective pays a fixed start-up (the same start-up is why ZeRO-3's ranks
+# agree on each unit in the first forward only, then on one number per forward: chapter
+# 4). The spreads beside the medians show how far one machine's drift moves them.
 # Chapter 3's bucket sweep shows the trade behind the bucket size: many small buckets pay
 # the start-up many times, one large bucket cannot start before backward ends.
 #

@@ -237,8 +237,9 @@ DEFAULT_PREFETCH_MB = 4.0  # one prefetch's most bytes of units smaller than tha
 
 def prefetch_bytes(prefetch_mb: float | None) -> int:
     """Bytes of the option ``prefetch_mb`` (MiB): what one prefetch may gather at once, in
-    one fused all_gather when that is several units (:meth:`Schedule.window`). None:
-    :data:`DEFAULT_PREFETCH_MB`; 0: one unit at a time, as the paper describes (Sec 5.3).
+    one fused all_gather when that is several units (:meth:`Schedule.window`; the engine
+    also caps it at a bucket). None: :data:`DEFAULT_PREFETCH_MB`; 0: one unit at a time,
+    as the paper describes (Sec 5.3).
 
     The fused buffer is a constant-size buffer (CB, Sec 6.2): it and the units' own
     buffers exist together while a fused gather lands, so the most memory it adds is
@@ -364,9 +365,9 @@ class Schedule:
             ahead.append(self.by_index[index])
         return self.window(ahead)
 
-    def _after(self, unit: Unit) -> list[Unit]:  # lockstep's prefetch: the next unit in units= order
+    def _after(self, unit: Unit) -> list[Unit]:  # lockstep's prefetch: the units after it in units= order
         i = self.units.index(unit) + 1
-        return [self.units[i]] if self.prefetch and i < len(self.units) and self.units[i].index != self.root else []
+        return self.window([u for u in self.units[i:] if u.index != self.root])
 
     def _agree(self, position: int, index: int) -> None:
         said = guard.propose(index, self.pg, self.device).result()

@@ -73,7 +73,7 @@ class Zero3Engine(Engine):
         self._param_unit = {id(p): (name, unit) for unit in self.units for b in unit.buckets
                             for name, p in zip(b.layout.names, b.params)}
         self.schedule = U.Schedule(self.units, self.units[-1].module is self.model, self.pg, self.device,
-                                   self.prefetch_bytes)
+                                   min(self.prefetch_bytes, self.bucket_bytes))  # a fused buffer <= CB
         self._storage_unit: dict[int, U.Unit] = {}  # a storage autograd may save -> its unit
         self.gathered_bytes = self.peak_gathered_bytes = 0  # full parameters alive now / at most
         for unit in self.units:
@@ -100,7 +100,7 @@ class Zero3Engine(Engine):
             self._shard_in(b)  # offload="disk": the shard read from its file first (ZeRO-Infinity)
             b.full.untyped_storage().resize_(b.full.nbytes)
             self.gathered_bytes += b.full.nbytes
-        fuse = len(units) > 1 and self.offload != "disk" and not self.zpp.enabled
+        fuse = len(units) > 1 and self.world_size > 1 and self.offload != "disk" and not self.zpp.enabled
         fused = U.FusedGather(buckets, self.pg) if fuse else None
         for unit in units:  # else ZeRO++'s own gathers, or one all_gather per bucket
             unit.gathering = [fused or (self.zpp.gather(b, self.in_backward) if self.zpp.enabled else

@@ -30,9 +30,11 @@ from zerolearn.timeline.intervals import PHASE, STEP, calls, intervals_from_even
 
 # The GPT of chapters 2 and 3 (Psi = 464,384; fp32 gradient 1.77 MiB), and chapter 4's
 # deeper, narrower one (six ZeRO-3 units) for the prefetch comparison.
-CONFIG = TrainConfig(model="gpt", d_model=128, seq_len=16, n_layer=2, global_batch_size=12, bucket_mb=0.25)
+# ZeRO-3 prefetches one unit at a time here (prefetch_mb=0), the schedule of Sec 5.3.
+CONFIG = TrainConfig(model="gpt", d_model=128, seq_len=16, n_layer=2, global_batch_size=12, bucket_mb=0.25,
+                     prefetch_mb=0)
 PREFETCH_CONFIG = TrainConfig(model="gpt", stage=3, n_layer=4, d_model=64, n_head=4, seq_len=32,
-                              global_batch_size=8, bucket_mb=0.25)
+                              global_batch_size=8, bucket_mb=0.25, prefetch_mb=0)
 BUCKETS_MB = (0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0)
 __all__ = ["BUCKETS_MB", "CONFIG", "PREFETCH_CONFIG", "Spec", "labelled_step", "prefetch", "prefetch_specs",
            "record", "record_on_rank", "record_step", "stage_specs", "stages", "summary", "sweep", "sweep_specs"]
