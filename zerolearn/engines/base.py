@@ -480,20 +480,20 @@ class Engine(EngineStateMixin, abc.ABC):
         """Start finding out which parameters any rank used since ``zero_grad``: one
         all_reduce (max) of a byte per parameter, outside the ledger, as DDP does.
 
-        ``reduced``: called once a reducing backward's reductions all finished. Where every
-        rank then holds the same whole reduced gradient (``replicated_grads``, stage 0), that
-        gradient answers first: a rank that did not use a parameter adds zeros, so a parameter
-        whose reduced gradient has a nonzero element was used by some rank. Only if some
-        parameter's reduced gradient is all zeros (unused everywhere, or used with a zero
-        gradient) do the ranks exchange flags. Every rank reads the same numbers, so every
-        rank takes the same path.
+        ``reduced``: called, at a stage with ``replicated_grads`` (stage 0), once a reducing
+        backward's reductions all finished: every rank then holds the same whole reduced
+        gradient, which answers first. A rank that did not use a parameter adds zeros, so a
+        parameter whose reduced gradient has a nonzero element was used by some rank. Only
+        if some parameter's reduced gradient is all zeros (unused everywhere, or used with a
+        zero gradient) do the ranks exchange flags. Every rank reads the same numbers, so
+        every rank takes the same path.
         """
         if self._used_flags is not None and self._used_flags[1] is not None:
             self._used_flags[1].wait()  # an earlier backward's, superseded
         flags = torch.tensor([flag for b in self.buckets for flag in b.used], dtype=torch.uint8, device=self.device)
         pending = None
         if self.world_size > 1 and torch.distributed.get_backend(self.pg) != "fake":  # fake: rank 0 alone
-            if reduced and self.replicated_grads and self._every_grad_nonzero():
+            if reduced and self._every_grad_nonzero():
                 flags.fill_(1)  # every parameter has a nonzero reduced gradient: some rank used it
             else:
                 with comm.unit("<model>", "backward: which parameters were used"):

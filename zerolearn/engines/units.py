@@ -75,10 +75,10 @@ class FusedGather:
     """
 
     def __init__(self, buckets: list, group):
-        self.buckets, ranks = buckets, torch.distributed.get_world_size(group)
+        self.buckets, self.ranks = buckets, torch.distributed.get_world_size(group)
         with category("temporary"):
             send = torch.cat([b.shard for b in buckets])
-            self.recv = torch.empty(ranks * send.numel(), dtype=send.dtype, device=send.device)
+            self.recv = torch.empty(self.ranks * send.numel(), dtype=send.dtype, device=send.device)
         self.nbytes = self.recv.nbytes
         self._handle = comm.all_gather(self.recv, send, group=group, async_op=True)
 
@@ -87,10 +87,10 @@ class FusedGather:
             return
         self._handle.wait()
         self._handle, start = None, 0
-        rows = self.recv.view(-1, sum(b.layout.shard_numel for b in self.buckets))  # (Nd, the shards)
+        rows = self.recv.view(self.ranks, -1)  # row r: rank r's shards, side by side
         for b in self.buckets:
             n = b.layout.shard_numel
-            b.full.view(-1, n).copy_(rows[:, start:start + n])
+            b.full.view(self.ranks, n).copy_(rows[:, start:start + n])
             start += n
         self.recv = self.buckets = None
 
