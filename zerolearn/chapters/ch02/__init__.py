@@ -7,7 +7,10 @@
   :mod:`.shard_range_check`): which elements of a flat buffer padded to a multiple of Nd
   a rank owns; checked on real ranks by gathering every rank's answer;
 * exercise ``02.zero1_step`` (:mod:`.zero1_step`, checked by :mod:`.zero1_step_check`):
-  one ZeRO-1 step on a flat gradient: reduce-scatter, Adam on this rank's fp32 master
-  shard, all-gather of the updated parameters; checked against single-process Adam, the
-  ledger's 2 Psi per step and the optimizer state kept (K Psi / Nd).
+  one ZeRO-1 step on a flat gradient, in fp32 or bf16: reduce-scatter, Adam on this
+  rank's fp32 master shard, all-gather of the updated parameters; checked against
+  single-process Adam, the ledger's 2 Psi per step and the optimizer state kept
+  (K Psi / Nd, K = 12: the master and Adam's two moments), and in bf16 against fp32 Adam
+  on the master. ZeRO-2 and ZeRO-3 call the same step (``reduced=True``, ``gather=False``)
+  in :mod:`zerolearn.nano`.
 """

@@ -1,10 +1,15 @@
-"""Exercise ``02.zero1_step``'s check: one ZeRO-1 (P_os) step on a flat gradient (paper Sec 5.1, Sec 7.2.1).
+"""Exercise ``02.zero1_step``'s check: one ZeRO-1 (P_os) step on a flat gradient, in mixed
+precision (paper Sec 3.1, Sec 5.1, Sec 7.2.1).
 
 Reduce-scatter, Adam on this rank's fp32 master shard, all-gather of the updated
 parameters. The trial trains a small GPT whose parameters are views of one flat padded
-buffer for three steps against single-process Adam on the whole batch, and checks the
-gradient shard each rank stepped with, every parameter, the ledger's 2 Psi per step
-and the optimizer state the rank keeps (at most K Psi / Nd bytes).
+buffer: in fp32 for three steps against single-process Adam on the whole batch (the
+gradient shard each rank stepped with, every parameter, the ledger's 2 Psi per step and
+the optimizer state kept, at most K Psi / Nd bytes), then one step each as ZeRO-2
+(``reduced=True``) and ZeRO-3 (``gather=False``) call it; then in bf16 for three steps,
+where the gradient shard is compared with the exact mean of the ranks' bf16 gradients
+and the fp32 master with fp32 Adam stepped with that gradient, so that a master kept in
+bf16 or refreshed from the bf16 parameters shows.
 
 This module holds the trial, the known bugs and the registration; the reader's function
 (with its reference solution) is in :mod:`zerolearn.chapters.ch02.zero1_step`.
@@ -18,8 +23,10 @@ from torch import nn
 from zerolearn import comm
 from zerolearn import dist as zdist
 from zerolearn.chapters.ch02.zero1_step import zero1_step
-from zerolearn.exercises.core import Bug, Exercise, Wrong, agree, register
+from zerolearn.exercises.core import Bug, Exercise, Wrong, agree, first_difference, register
 from zerolearn.exercises.helpers import (
+    PARAM_ATOL,
+    PARAM_RTOL,
     batches,
     compare_grad,
     compare_params,
@@ -100,27 +107,87 @@ def _check_optimizers(state, step: int) -> None:
                             f"amsgrad={group.get('amsgrad', False)}; single-process training uses neither", step)
 
 
-def _zero1_trial(fn) -> str:
-    """Three steps of a GPT whose parameters are views of one flat padded buffer, against
-    single-process Adam on the whole batch: the gradient shard each rank stepped with,
-    the traffic (2 Psi), every parameter, and the optimizer state kept (K Psi / Nd)."""
-    ctx = zdist.context()
-    ws, rank = ctx.world_size, ctx.rank
+def _masters(state, n: int) -> list[torch.Tensor]:
+    """The fp32 tensors of ``n`` elements reachable from ``state`` (optimizers' parameters and
+    state included): the candidates for the fp32 master of a shard of ``n`` elements."""
+    found, stack, seen = [], [state], set()
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            if obj.dtype == torch.float32 and obj.numel() == n:
+                found.append(obj.detach())
+        elif isinstance(obj, torch.optim.Optimizer):
+            stack += [v for s in obj.state.values() for v in s.values()]
+            stack += [p for g in obj.param_groups for p in g["params"]]
+        elif isinstance(obj, dict):
+            stack += list(obj.values())
+        elif isinstance(obj, (list, tuple)):
+            stack += list(obj)
+    return found
+
+
+def _check_mixed_precision(state, want_master: torch.Tensor, step: int) -> None:
+    """In bf16, the optimizer must step an fp32 master that keeps its precision from step to step:
+    ``want_master`` is the trial's own fp32 Adam, stepped with the gradient the reader returned."""
+    for opt in _optimizers(state):
+        low = sorted({str(p.dtype) for g in opt.param_groups for p in g["params"] if p.dtype != torch.float32})
+        if low:
+            raise Wrong(f"in bf16: your optimizer steps {', '.join(low)} tensors; mixed precision keeps an fp32 "
+                        "master of the shard and steps that (an update smaller than a bf16 parameter's last bit "
+                        "would be lost), then casts it back into the bf16 parameters", step)
+    masters = _masters(state, want_master.numel())
+    if not masters:
+        raise Wrong(f"in bf16: `state` holds no fp32 tensor of this rank's {want_master.numel():,} elements: keep an "
+                    "fp32 master copy of the shard from step to step (4 of K = 12 bytes per element, Sec 3.1)", step)
+    if not any(torch.allclose(m, want_master, rtol=1e-5, atol=1e-7) for m in masters):
+        raise Wrong("in bf16: your fp32 master differs from fp32 Adam stepped with the gradient you returned "
+                    "(it lost the precision bf16 does not have): keep the master from step to step and never "
+                    "copy it back from the bf16 parameters", step)
+
+
+def _bf16_close(got: torch.Tensor, want: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Elements where a bf16 sum ``got`` is farther from the exact ``want`` than bf16's rounding
+    of the addends (``scale``: the sum of their magnitudes) explains."""
+    return (got.double() - want).abs() > 2.0 ** -7 * scale + 1e-12
+
+
+def _setup(ws: int, rank: int, dtype: torch.dtype):
+    """The rank's GPT (parameters views of one flat padded buffer of ``dtype``), its reference, the layout."""
     model, ref = gpt_pair()
-    ref_opt = torch.optim.Adam(ref.parameters(), lr=LR)
+    model.to(dtype)
     named = list(model.named_parameters())
     params = [p for _, p in named]
-    psi = sum(p.numel() for p in params)
     layout = FlatLayout.of([n for n, _ in named], [p.shape for p in params], ws, rank)
-
-    def flat(tensors) -> torch.Tensor:
-        return layout.flatten(tensors, torch.float32, torch.device("cpu"))
-
-    flat_params = flat(params)
+    flat_params = layout.flatten(params, dtype, torch.device("cpu"))
     layout.bind(params, flat_params)
+    return model, ref, params, layout, flat_params
+
+
+def _zero1_trial(fn) -> str:
+    """Steps of a GPT whose parameters are views of one flat padded buffer: in fp32 against
+    single-process Adam on the whole batch (the gradient shard each rank stepped with, the
+    traffic (2 Psi), every parameter, the optimizer state kept (K Psi / Nd)), also as ZeRO-2
+    and ZeRO-3 call it (``reduced``, ``gather``); then in bf16 against the ranks' exact mean
+    gradient and fp32 Adam on the master shard."""
+    ctx = zdist.context()
+    ws, rank = ctx.world_size, ctx.rank
+    model, ref, params, layout, flat_params = _setup(ws, rank, torch.float32)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=LR)
+    psi = layout.numel
+
+    def flat(tensors, dtype=torch.float32) -> torch.Tensor:
+        return layout.flatten(tensors, dtype, torch.device("cpu"))
+
     state: dict = {}
     limit = K * layout.shard_numel
-    for step in range(STEPS):
+    kept = 0
+    for step in range(STEPS + 2):
+        # Steps 0-2: ZeRO-1. Step 3: as ZeRO-2 calls it (the gradient already reduced); step 4:
+        # as ZeRO-3 calls it (the shard of the parameters alone, nothing gathered).
+        reduced, gather = step >= STEPS, step < STEPS + 1
         local = layout.shard_of(flat(reference_grads(ref, step)))
         want = layout.shard_of(flat([q.grad for q in ref.parameters()]))
         (x, y), _ = batches(step)
@@ -129,21 +196,41 @@ def _zero1_trial(fn) -> str:
         for p in params:
             p.grad = None
         before = layout.shard_of(flat_params).clone()
+        if reduced:  # what ZeRO-2's hooks hand over: this rank's averaged shard
+            shard = torch.empty(layout.shard_numel)
+            comm.reduce_scatter(shard, flat_grad)
+            flat_grad = shard / ws
+        target = flat_params if gather else layout.shard_of(flat_params).clone()
         comm.LEDGER.reset()
-        got = fn(flat_params, flat_grad, state, ws, rank, LR)
-        compare_grad("the gradient shard you stepped with (your return value)", got, want, local, before, ws, step)
+        how = "" if not reduced else " with reduced=True" if gather else " with reduced=True, gather=False"
+        got = fn(flat_params, flat_grad, state, ws, rank, LR) if not reduced else \
+            fn(target, flat_grad, state, ws, rank, LR, reduced=True, gather=gather)
+        compare_grad(f"the gradient shard you stepped with (your return value{how})", got, want, local, before, ws,
+                     step)
         _check_optimizers(state, step)
         moved = comm.LEDGER.volume_elements()
-        if moved == 0:
+        if moved == 0 and not reduced:
             raise Wrong("comm.LEDGER saw no collective: call comm.reduce_scatter and comm.all_gather "
                         "(they book what moves), not torch.distributed directly", step)
-        if moved != 2 * layout.padded_numel:
+        if not reduced and moved != 2 * layout.padded_numel:
             raise Wrong(f"you moved {psi_per_step(moved, psi)} per step; ZeRO-1 moves 2.0 Psi (a reduce-scatter "
                         "of the gradients and an all-gather of the updated parameters, Sec 7.2.1)", step)
+        if reduced and moved != (layout.padded_numel if gather else 0):
+            expected = "the all-gather alone, 1.0 Psi" if gather else "nothing: ZeRO-3 gathers parameters when " \
+                "a unit needs them"
+            raise Wrong(f"with reduced=True{'' if gather else ', gather=False'} you moved {psi_per_step(moved, psi)}; "
+                        f"the gradient is already reduced, so the step moves {expected}", step)
         ref_opt.step()
         ref_opt.zero_grad(set_to_none=True)
-        compare_params(model, ref, step)
-        kept = _kept_bytes(state, {flat_params.untyped_storage().data_ptr(), flat_grad.untyped_storage().data_ptr()})
+        if gather:
+            compare_params(model, ref, step)
+        else:
+            first_difference("your shard of the parameters after the step (gather=False)", target,
+                             layout.shard_of(flat(list(ref.parameters()))), step=step, rtol=PARAM_RTOL,
+                             atol=PARAM_ATOL)
+            layout.shard_of(flat_params).copy_(target)
+        kept = _kept_bytes(state, {flat_params.untyped_storage().data_ptr(), flat_grad.untyped_storage().data_ptr(),
+                                   target.untyped_storage().data_ptr()})
         if kept == 0:
             raise Wrong("`state` holds no tensor after the step: keep this rank's master shard and its Adam "
                         "in it, so that they persist from step to step", step)
@@ -152,12 +239,77 @@ def _zero1_trial(fn) -> str:
                         f"{kib(limit, unit=True)}: an fp32 master copy and Adam's two moments for this rank's "
                         f"{layout.shard_numel:,} elements only, K Psi / Nd bytes with K = {K} (Sec 5.1)", step)
         agree(step)
-    return (f"gradient shards and parameters equal single-process Adam for {STEPS} steps; 2.0 Psi per step; "
-            f"{kib(kept, unit=True)} of optimizer states on this rank, K Psi / Nd for Psi = {psi:,} "
+    kept_bf16 = _bf16_trial(fn, ws, rank, first=STEPS + 2)
+    return (f"gradient shards and parameters equal single-process Adam for {STEPS} fp32 steps, and as ZeRO-2 and "
+            f"ZeRO-3 call it; 2.0 Psi per step; in bf16 an fp32 master and fp32 moments, "
+            f"{kib(kept_bf16, unit=True)} on this rank: K Psi / Nd with K = {K} for Psi = {psi:,} "
             f"(+ {layout.padding} padding) on {ws} ranks")
 
 
-def _allreduce_then_broadcast(flat_params, flat_grad, state, world_size, rank, lr):
+def _bf16_trial(fn, ws: int, rank: int, first: int) -> int:
+    """Mixed precision: bf16 parameters and gradients, steps ``first`` onwards. Each step's gradient
+    shard against the exact mean of the ranks' bf16 gradients (within bf16's rounding of the sum),
+    the fp32 master against fp32 Adam stepped with that gradient, the bf16 parameters against that
+    master cast to bf16, 2 Psi moved, at most K Psi / Nd kept. Returns the bytes kept."""
+    model, _, params, layout, flat_params = _setup(ws, rank, torch.bfloat16)
+    n = layout.shard_numel
+    a, b = layout.shard_range
+    mirror = nn.Parameter(flat_params[a:b].float())  # the trial's own fp32 master, stepped as the reader's should be
+    adam = torch.optim.Adam([mirror], lr=LR)
+    state: dict = {}
+    kept = 0
+    for i in range(STEPS):
+        step = first + i
+        (x, y), _ = batches(step)
+        loss_of(model, x, y).backward()
+        flat_grad = layout.flatten([p.grad for p in params], torch.bfloat16, torch.device("cpu"))
+        for p in params:
+            p.grad = None
+        every = torch.empty(ws * flat_grad.numel(), dtype=torch.bfloat16)
+        comm.all_gather(every, flat_grad)  # every rank's bf16 gradient: the exact mean to compare with
+        every = every.view(ws, -1)[:, a:b].double()
+        want, scale = every.sum(0) / ws, every.abs().sum(0) / ws
+        comm.LEDGER.reset()
+        got = fn(flat_params, flat_grad, state, ws, rank, LR)
+        if not isinstance(got, torch.Tensor) or got.shape != (n,):
+            raise Wrong(f"in bf16: your function returned {type(got).__name__} "
+                        f"{tuple(got.shape) if isinstance(got, torch.Tensor) else ''}; expected the ({n},) gradient "
+                        "shard Adam stepped with", step)
+        if got.dtype != torch.float32:
+            raise Wrong(f"in bf16: the gradient shard you stepped with is {got.dtype}; Adam steps the fp32 master "
+                        "with an fp32 gradient: cast the reduced shard with .float()", step)
+        bad = _bf16_close(got, want, scale)
+        if bad.any():
+            j = int(bad.nonzero()[0])
+            for factor, why in ((ws, "the sum over the ranks, not their mean: divide by world_size once"),
+                                (1 / ws, "the mean divided by world_size once more: you divided twice")):
+                if not _bf16_close(got, want * factor, scale * factor).any():
+                    raise Wrong(f"in bf16: the gradient shard you stepped with is {why}", step)
+            raise Wrong(f"in bf16: the gradient shard you stepped with, element {j}: you have {got[j].item():.6g}, "
+                        f"the mean of the ranks' bf16 gradients is {want[j].item():.6g}", step)
+        _check_optimizers(state, step)
+        moved = comm.LEDGER.volume_elements()
+        if moved != 2 * layout.padded_numel:
+            raise Wrong(f"in bf16 you moved {psi_per_step(moved, layout.numel)} per step; ZeRO-1 moves 2.0 Psi", step)
+        mirror.grad = got.detach().clone()
+        adam.step()
+        _check_mixed_precision(state, mirror.detach(), step)
+        every = torch.empty(ws * n, dtype=torch.bfloat16)
+        comm.all_gather(every, mirror.detach().to(torch.bfloat16))
+        first_difference("in bf16: the parameters after the step (the masters cast to bf16)", flat_params, every,
+                         step=step, rtol=2.0 ** -7, atol=1e-6, reference="fp32 Adam on the masters")
+        if flat_params.dtype != torch.bfloat16:
+            raise Wrong(f"in bf16: flat_params became {flat_params.dtype}; write the update into it in place", step)
+        kept = _kept_bytes(state, {flat_params.untyped_storage().data_ptr(), flat_grad.untyped_storage().data_ptr()})
+        if kept > K * n:
+            raise Wrong(f"in bf16 you keep {kib(kept, unit=True)} of optimizer states; ZeRO-1 keeps at most "
+                        f"{kib(K * n, unit=True)}: K = {K} bytes (fp32 master and two moments) per element of this "
+                        f"rank's {n:,}", step)
+        agree(step)
+    return kept
+
+
+def _allreduce_then_broadcast(flat_params, flat_grad, state, world_size, rank, lr, **_):
     """Seed 002 (the blog reproduction this book starts from): every gradient is
     all-reduced (2 Psi), the owner steps its shard, then each owner broadcasts its
     updated parameters (Psi more): 3 Psi per step for the numbers of 2 Psi."""
@@ -177,7 +329,7 @@ def _allreduce_then_broadcast(flat_params, flat_grad, state, world_size, rank, l
     return grad
 
 
-def _whole_model_state(flat_params, flat_grad, state, world_size, rank, lr):
+def _whole_model_state(flat_params, flat_grad, state, world_size, rank, lr, **_):
     """Every rank keeps an fp32 master and Adam's moments for the whole model and steps all
     of it: DP's optimizer, the redundancy ZeRO-1 exists to remove (Sec 4, Sec 5.1)."""
     shard = flat_params.numel() // world_size
@@ -197,7 +349,7 @@ def _whole_model_state(flat_params, flat_grad, state, world_size, rank, lr):
     return grad
 
 
-def _average_twice(flat_params, flat_grad, state, world_size, rank, lr):
+def _average_twice(flat_params, flat_grad, state, world_size, rank, lr, **_):
     """Nd divided out before the sum (as engines do, to keep fp16 sums finite) and again
     after it. Adam's update barely changes with the gradient's scale, so only the
     gradient itself shows the mistake."""
@@ -233,25 +385,57 @@ def _zero1_with(optimizer, flat_params, flat_grad, state, world_size, rank):
     return grad
 
 
-def _default_lr(flat_params, flat_grad, state, world_size, rank, lr):
+def _default_lr(flat_params, flat_grad, state, world_size, rank, lr, **_):
     """torch.optim.Adam built without ``lr=``: it steps at its default, 1e-3, whatever lr says."""
     return _zero1_with(torch.optim.Adam, flat_params, flat_grad, state, world_size, rank)
 
 
-def _adamw(flat_params, flat_grad, state, world_size, rank, lr):
+def _adamw(flat_params, flat_grad, state, world_size, rank, lr, **_):
     """AdamW for Adam: its decoupled weight decay (0.01 by default) moves every parameter a little
     more than single-process Adam does, too little to see in one step's parameters."""
     return _zero1_with(lambda params: torch.optim.AdamW(params, lr=lr), flat_params, flat_grad, state,
                        world_size, rank)
 
 
-def _extra_gather_on_one_rank(flat_params, flat_grad, state, world_size, rank, lr):
+def _extra_gather_on_one_rank(flat_params, flat_grad, state, world_size, rank, lr, **_):
     """The reference step, then on the last rank only one more all-gather (a debugging gather left
     in under ``if rank == ...``): its peers never call it, so that rank waits in it for ever."""
     grad = zero1_step(flat_params, flat_grad, state, world_size, rank, lr)
     if rank == world_size - 1:
         comm.all_gather(flat_params, state["master"].detach())
     return grad
+
+
+def _bf16_master(flat_params, flat_grad, state, world_size, rank, lr, **flags):
+    """No fp32 master: Adam steps a copy of the shard in the working dtype, so in bf16 its moments
+    are bf16 too (6 bytes per element instead of K = 12) and small updates round away."""
+    if flags:  # as ZeRO-2 and ZeRO-3 call it: the reference step
+        return zero1_step(flat_params, flat_grad, state, world_size, rank, lr, **flags)
+    shard = flat_params.numel() // world_size
+    if not state:
+        state["master"] = nn.Parameter(flat_params[rank * shard:(rank + 1) * shard].clone())
+        state["adam"] = torch.optim.Adam([state["master"]], lr=lr)
+    master, adam = state["master"], state["adam"]
+    grad = torch.empty(shard, dtype=flat_grad.dtype)
+    comm.reduce_scatter(grad, flat_grad)
+    grad = grad.float() / world_size
+    master.grad = grad.to(master.dtype)
+    adam.step()
+    master.grad = None
+    comm.all_gather(flat_params, master.detach())
+    return grad
+
+
+def _master_from_params(flat_params, flat_grad, state, world_size, rank, lr, **flags):
+    """The fp32 master refreshed from the working parameters before every step: in bf16 it keeps
+    only bf16's 8 bits, so the master is there (K = 12 bytes) but does nothing."""
+    if flags:  # as ZeRO-2 and ZeRO-3 call it: the reference step
+        return zero1_step(flat_params, flat_grad, state, world_size, rank, lr, **flags)
+    shard = flat_grad.numel() // world_size
+    if state:
+        with torch.no_grad():
+            state["master"].copy_(flat_params[rank * shard:(rank + 1) * shard])
+    return zero1_step(flat_params, flat_grad, state, world_size, rank, lr)
 
 
 register(Exercise(
@@ -265,4 +449,8 @@ register(Exercise(
                        "(Adam's default"),
      "adamw": Bug(_adamw, "torch.optim.AdamW for Adam: the names differ by one letter", "your optimizer is AdamW"),
      "extra_gather_on_one_rank": Bug(_extra_gather_on_one_rank, "a collective under `if rank == ...`: one rank "
-                                     "waits in it, its peers never call it", "never call")}))
+                                     "waits in it, its peers never call it", "never call"),
+     "bf16_master": Bug(_bf16_master, "Adam stepping the bf16 parameters' shard: no fp32 master (K = 6 instead "
+                        "of 12)", "your optimizer steps torch.bfloat16 tensors"),
+     "master_from_params": Bug(_master_from_params, "an fp32 master copied back from the bf16 parameters every "
+                               "step: counted in K, but its precision is lost", "your fp32 master differs")}))
