@@ -20,7 +20,7 @@ BATCH, SEQ, VOCAB = 12, 16, 256
 
 
 HF_KINDS = ("bert", "t5", "vit", "albert", "qwen2_tied", "bart", "torch_transformer")
-SEQ2SEQ = ("t5", "bart", "torch_transformer")
+SEQ2SEQ = ("t5", "bart", "torch_transformer", "switch")
 
 
 def hf_model(kind: str) -> nn.Module:
@@ -52,6 +52,20 @@ def hf_model(kind: str) -> nn.Module:
         return transformers.Qwen2ForCausalLM(transformers.Qwen2Config(
             vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, max_position_embeddings=SEQ, tie_word_embeddings=True))
+    moe = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=SEQ)
+    if kind == "mixtral":
+        return transformers.MixtralForCausalLM(transformers.MixtralConfig(num_local_experts=8, num_experts_per_tok=2,
+                                                                          **moe))
+    if kind == "qwen2_moe":
+        return transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+            num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+            decoder_sparse_step=1, **moe))
+    if kind == "switch":  # capacity 2 per expert and sequence: tokens dropped, experts idle on some ranks
+        return transformers.SwitchTransformersForConditionalGeneration(transformers.SwitchTransformersConfig(
+            vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
+            num_experts=8, expert_capacity=2, num_sparse_encoder_layers=1, num_sparse_decoder_layers=1,
+            dropout_rate=0.0, router_jitter_noise=0.0, decoder_start_token_id=0, pad_token_id=0))
     if kind in ("gpt2", "gpt2_untied"):
         cfg = transformers.GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2, n_head=2,
                                       tie_word_embeddings=kind == "gpt2", attn_pdrop=0.0, embd_pdrop=0.0,
@@ -256,6 +270,63 @@ class MixedDtypes(nn.Module):
         return self.head(self.emb(x) * self.scale.float() + self.shift.float())
 
 
+class TopKExperts(nn.Module):
+    """A mixture-of-experts feed-forward layer written by hand: a router sends each token to
+    its ``k`` best of ``experts`` small MLPs; an expert no token chose is not called, so its
+    parameters get no gradient on that rank (``idle`` counts such calls)."""
+
+    def __init__(self, d: int, experts: int, k: int):
+        super().__init__()
+        self.k, self.idle = k, 0
+        self.router = nn.Linear(d, experts)
+        with torch.no_grad():  # the last two experts are rarely chosen: idle on some ranks, not others
+            self.router.bias.copy_(torch.tensor([0.0] * (experts - 2) + [-0.6, -0.8]))
+        self.experts = nn.ModuleList(nn.Sequential(nn.Linear(d, 2 * d), nn.Tanh(), nn.Linear(2 * d, d))
+                                     for _ in range(experts))
+
+    def forward(self, h):
+        flat = h.reshape(-1, h.shape[-1])
+        weights, chosen = torch.softmax(self.router(flat), dim=-1).topk(self.k, dim=-1)
+        out = torch.zeros_like(flat)
+        for e, expert in enumerate(self.experts):
+            rows, slot = (chosen == e).nonzero(as_tuple=True)
+            if rows.numel() == 0:
+                self.idle += 1
+                continue
+            out = out.index_add(0, rows, expert(flat[rows]) * weights[rows, slot, None])
+        return out.view_as(h)
+
+
+class MoEBlock(nn.Module):
+    def __init__(self, d: int, experts: int, k: int):
+        super().__init__()
+        self.norm, self.moe = nn.LayerNorm(d), TopKExperts(d, experts, k)
+
+    def forward(self, h):
+        return h + self.moe(self.norm(h))
+
+
+class HandMoE(nn.Module):
+    """Two mixture-of-experts blocks between an embedding and a head (blocks as ZeRO-3 units)."""
+
+    def __init__(self, k: int):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb = nn.Embedding(VOCAB, 16)
+        self.blocks = nn.ModuleList(MoEBlock(16, 8, k) for _ in range(2))
+        self.head = nn.Linear(16, VOCAB)
+
+    def forward(self, x):
+        h = self.emb(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.head(h)
+
+    @property
+    def idle(self) -> int:
+        return sum(block.moe.idle for block in self.blocks)
+
+
 class BatchNormCNN(nn.Module):
     def __init__(self):
         super().__init__()
@@ -276,7 +347,8 @@ HAND_WRITTEN = {"cnn": lambda: BatchNormCNN(), "hand_tied": lambda: HandTied(),
                 "branch_discarded": lambda: BranchDiscarded(), "branch_times_zero": lambda: BranchTimesZero(),
                 "extra_last": lambda: ExtraLast(),
                 "reordered": lambda: Reordered(), "nested": lambda: Nested(),
-                "mixed_dtypes": lambda: MixedDtypes()}
+                "mixed_dtypes": lambda: MixedDtypes(), "moe_top1": lambda: HandMoE(1),
+                "moe_top2": lambda: HandMoE(2)}
 
 
 def build(kind: str) -> nn.Module:
@@ -365,7 +437,7 @@ def train(kind: str, stage: int | None, steps: int = 3, accum: int = 1, accum_st
     if no_grad_first:
         with torch.no_grad():
             run_model(kind, engine, data.rank_slice(batch(kind, 0)[0], ctx.rank, ctx.world_size))
-    losses = []
+    losses, uneven = [], 0
     for step in range(steps):
         if step == resume_at:
             checkpoint.save(engine, checkpoint_dir, step)
@@ -382,6 +454,7 @@ def train(kind: str, stage: int | None, steps: int = 3, accum: int = 1, accum_st
                     engine.backward(loss)
             else:
                 engine.backward(loss)
+            uneven += getattr(engine, "_uneven", False)  # ZeRO-3: a parameter got a gradient on some ranks only
             local += loss.item()
         engine.step()
         engine.zero_grad()
@@ -390,7 +463,7 @@ def train(kind: str, stage: int | None, steps: int = 3, accum: int = 1, accum_st
         model.eval()  # a last forward syncs buffers, as the next step would (eval: no update after)
         run_model(kind, engine, x[:1])
     out = {"losses": losses, "params": engine.full_state_dict(),
-           "buffers": {n: b.clone() for n, b in model.named_buffers()}}
+           "buffers": {n: b.clone() for n, b in model.named_buffers()}, "uneven": uneven}
     if stage == 3:  # the units in the order the last forward ran them (ZeRO-3's prefetch schedule)
         trace = engine.schedule.trace
         out["schedule"] = None if trace is None else [engine.schedule.by_index[i].name for i in trace if i >= 0]

@@ -384,6 +384,7 @@ class Engine(EngineStateMixin, abc.ABC):
             self._next += 1
 
     def _launch(self, b: Bucket) -> None:
+        self._ensure_grad_full(b)  # a bucket whose gradients all arrive as zeros (zero3's uneven backward)
         self._zero_unwritten(b)  # parameters no gradient reached in this buffer hold zeros
         if self.world_size > 1:
             b.grad_full.div_(self.world_size)  # before the sum: Nd fp16 gradients could overflow it

@@ -410,8 +410,8 @@ class Schedule:
             "whole forward).")
 
 
-def units_reached(loss: torch.Tensor, param_unit: dict[int, tuple[str, Unit]]) -> list[int]:
-    """Indices of the units some of whose parameters get a gradient from ``loss``.
+def params_reached(loss: torch.Tensor, param_unit: dict[int, tuple[str, Unit]]) -> set[int]:
+    """``id`` of every sharded parameter that gets a gradient from ``loss``.
 
     Walks ``loss``'s autograd graph (as DDP's ``find_unused_parameters`` does): a
     parameter gets a gradient when its accumulation node is reachable.
@@ -424,22 +424,46 @@ def units_reached(loss: torch.Tensor, param_unit: dict[int, tuple[str, Unit]]) -
         seen.add(fn)
         variable = getattr(fn, "variable", None)  # AccumulateGrad: a leaf tensor
         if variable is not None and id(variable) in param_unit:
-            reached.add(param_unit[id(variable)][1].index)
+            reached.add(id(variable))
         stack.extend(next_fn for next_fn, _ in fn.next_functions)
-    return sorted(reached)
+    return reached
 
 
-def agree_backward(reached: list[int], units: list[Unit], pg, device) -> None:
-    """Check, once before backward, that every rank computes gradients for the same units
-    (one 8-byte all_gather; the sets themselves are exchanged only when they differ).
+def agree_backward(reached: list[int], reached_params: list[int], units: list[Unit], pg, device) -> set[int]:
+    """Check, once before backward, that every rank computes gradients for the same units,
+    and find the parameters of those units that get gradients on other ranks only.
+
+    A unit may call some of its sub-modules on some ranks only (a mixture-of-experts
+    block whose router sends no token to an expert on this rank): the unit runs
+    everywhere, but the expert's parameters get gradients on some ranks only. Every rank
+    then reduce-scatters the unit's whole gradient, zeros where it computed none, at the
+    same point of its backward (DDP's ``find_unused_parameters`` does the same with
+    all_reduce). One 8-byte all_gather of a checksum when the ranks agree on every
+    parameter; the lists themselves are exchanged only when they differ.
+
+    Args:
+        reached: indices of the units (the root left out) with a parameter that gets a
+            gradient on this rank; reached_params: positions (in the engine's parameter
+            order) of those units' parameters that do.
+
+    Returns:
+        positions of parameters some other rank computes a gradient for and this one
+        does not: the engine counts them as arrived, with zeros.
 
     Raises:
         ConfigError: some units get gradients on some ranks only, each named with its ranks.
     """
-    code = zlib.crc32(",".join(map(str, reached)).encode())
+    code = zlib.crc32(f"{reached};{reached_params}".encode())
     if len(set(guard.propose(code, pg, device).result())) == 1:
-        return
-    everyone = comm.gather_objects(reached, group=pg)
+        return set()
+    everyone = comm.gather_objects((reached, reached_params), group=pg)
+    unit_sets = [set(u) for u, _ in everyone]
+    if any(s != unit_sets[0] for s in unit_sets):
+        _refuse_backward([u for u, _ in everyone], units, pg)
+    return set().union(*(set(p) for _, p in everyone)) - set(reached_params)
+
+
+def _refuse_backward(everyone: list[list[int]], units: list[Unit], pg) -> None:
     ranks = guard.group_ranks(pg)
     by_index = {u.index: u for u in units}
     differ = sorted(set().union(*map(set, everyone)) - set.intersection(*map(set, everyone)))

@@ -72,6 +72,13 @@ class Zero3Engine(Engine):
         self._unit_of = {id(b): unit for unit in self.units for b in unit.buckets}
         self._param_unit = {id(p): (name, unit) for unit in self.units for b in unit.buckets
                             for name, p in zip(b.layout.names, b.params)}
+        # Every parameter of the units but the root's, numbered alike on every rank: (bucket,
+        # position in it, unit index); what agree_backward compares.
+        self._slots = [(b, i, unit.index) for unit in self.units if unit.module is not self.model
+                       for b in unit.buckets for i in range(len(b.params))]
+        self._slot_of = {id(b.params[i]): k for k, (b, i, _) in enumerate(self._slots)}
+        self._position = {id(b): k for k, b in enumerate(buckets)}  # launch order
+        self._uneven = False  # this backward counts parameters other ranks alone compute as arrived
         self.schedule = U.Schedule(self.units, self.units[-1].module is self.model, self.pg, self.device,
                                    min(self.prefetch_bytes, self.bucket_bytes))  # a fused buffer <= CB
         self._storage_unit: dict[int, U.Unit] = {}  # a storage autograd may save -> its unit
@@ -174,10 +181,18 @@ class Zero3Engine(Engine):
     def _before_backward(self, loss: torch.Tensor) -> None:
         # Which units a rank gathers in backward follows the gradients it computes: all ranks must
         # compute gradients for the same units (the root, gathered throughout, is left out).
+        self._uneven = False
         if self.world_size > 1:
-            root = {u.index for u in self.units if u.module is self.model}
-            reached = [i for i in U.units_reached(loss, self._param_unit) if i not in root]
-            U.agree_backward(reached, self.units, self.pg, self.device)
+            mine = sorted(self._slot_of[i] for i in U.params_reached(loss, self._param_unit) if i in self._slot_of)
+            reached = sorted({self._slots[k][2] for k in mine})
+            others = U.agree_backward(reached, mine, self.units, self.pg, self.device)
+            # A parameter only other ranks compute a gradient for (an expert no token reached here)
+            # counts as arrived, as zeros: its bucket then completes inside its unit's backward on
+            # every rank, and launches there (_may_launch, _launch_arrived), so reduce_scatters and
+            # all_gathers keep one order on every rank.
+            for k in others:
+                self._slots[k][0].ready += 1
+            self._uneven = bool(others)
 
     def _pre_backward(self, unit: U.Unit) -> None:
         if unit.backward_gathered:
@@ -186,6 +201,16 @@ class Zero3Engine(Engine):
         with comm.unit(unit.name, "backward: gather"):
             self._gather(unit)
             self._start_gather(self._previous(unit))
+        self._launch_arrived(unit)
+
+    def _launch_arrived(self, unit: U.Unit) -> None:
+        """In an uneven backward (:meth:`_before_backward`): the buckets of ``unit`` no
+        gradient of which this rank computes are complete already; they launch now, where
+        the ranks that compute one launch theirs."""
+        if self._uneven:
+            for b in unit.buckets:
+                if b.complete and self._position[id(b)] >= self._next:  # not launched yet
+                    self._on_bucket_ready(b)
 
     def _pack(self, t: torch.Tensor):
         return t if (unit := self._storage_unit.get(U.storage_key(t))) is None else U.Saved(t, unit)
@@ -197,6 +222,7 @@ class Zero3Engine(Engine):
                 saved.unit.backward_gathered = True
                 with comm.unit(saved.unit.name, "backward: gather"):
                     self._gather(saved.unit)
+                self._launch_arrived(saved.unit)
             return saved.tensor
         return saved
 
@@ -209,7 +235,9 @@ class Zero3Engine(Engine):
         super()._on_bucket_ready(b)
 
     def _may_launch(self, b: Bucket) -> bool:  # the root unit's buckets: reduced at backward's end
-        return b.complete and self._unit_of[id(b)].module is not self.model
+        unit = self._unit_of[id(b)]
+        # Uneven: a bucket complete before its unit's backward (zeros counted in) waits for it.
+        return b.complete and unit.module is not self.model and (not self._uneven or unit.backward_gathered)
 
     def _reduce(self, b: Bucket) -> comm.Handle:
         # As ZeRO-2: reduce-scatter into the kept shard (or a temporary when accumulating).
