@@ -55,3 +55,14 @@ def test_experts_idle_on_some_ranks_train_as_one_process_at_every_stage(world_si
         assert user_model_jobs.rel_error(runs[0]["params"], ref["params"]) < 1e-6, where
         if stage == 3 and kind in IDLE:
             assert any(run["uneven"] for run in runs), f"{where}: no expert was idle on a rank"
+
+
+@pytest.mark.skipif(not HAS_HF, reason="transformers is not installed (pip install .[hf])")
+def test_a_module_dict_with_a_forward_of_its_own_is_a_unit():
+    # Switch Transformer's experts are a ModuleDict subclass whose forward routes the tokens.
+    units = ["encoder.block.0", "encoder.block.1.layer.1.mlp.experts", "decoder.block.1.layer.2.mlp.experts"]
+    out = on_ranks(user_model_jobs.many, 2, [dict(kind="switch", stage=3, units=units, **SGD)])
+    run, ref = out[0][0], reference("switch")
+    assert not isinstance(run, str), run
+    assert run["losses"] == pytest.approx(ref["losses"], rel=1e-6)
+    assert user_model_jobs.rel_error(run["params"], ref["params"]) < 1e-6

@@ -31,6 +31,12 @@ from zerolearn.memory.ledger import category
 CONTAINERS = (nn.ModuleList, nn.ModuleDict)  # modules with no forward: their hooks never run
 
 
+def is_container(m: nn.Module) -> bool:
+    """``m`` is a ModuleList or ModuleDict with no forward of its own (a subclass that
+    defines one, as Switch Transformer's experts do, runs like any module)."""
+    return isinstance(m, CONTAINERS) and type(m).forward is nn.Module.forward
+
+
 class Unit:
     """A module whose buckets are gathered and freed together.
 
@@ -99,7 +105,7 @@ def default_units(model: nn.Module) -> list[nn.Module]:
     """The model's children, a ModuleList's or ModuleDict's items in its place."""
     out = []
     for child in model.children():
-        out += list(child.children()) if isinstance(child, CONTAINERS) else [child]
+        out += list(child.children()) if is_container(child) else [child]
     return out
 
 
@@ -122,7 +128,7 @@ def assign(model: nn.Module, units: list[nn.Module] | None,
     if units is None:
         units = model.units() if hasattr(model, "units") else default_units(model)
     for m in units:
-        if isinstance(m, CONTAINERS):
+        if is_container(m):
             raise ConfigError(f"ZeRO-3: units= contains {names.get(id(m), '?')} ({type(m).__name__}), which "
                               "has no forward of its own, so it would never be gathered; pass its items "
                               f"instead (units=[*{names.get(id(m), 'container')}, ...])")
