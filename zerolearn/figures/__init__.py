@@ -15,9 +15,14 @@ memory, fit, trade-off, each stage beside DP, ZeRO-R), :mod:`~zerolearn.figures.
 (a run's memory timeline, fragmentation) and :mod:`~zerolearn.figures.timeline` (per-rank
 step timelines of compute and collectives, recorded by :mod:`zerolearn.timeline`) and
 :mod:`~zerolearn.figures.bench` (step time and bytes against world size and model size,
-recorded by ``make bench``).
+recorded by ``make bench``). :mod:`~zerolearn.figures.schematics` draws each mechanism (who
+holds which slice, the collectives, the ZeRO-1 step, buckets, ZeRO-3's schedule, Megatron,
+offload, ZeRO++) from the package's own state, and :mod:`~zerolearn.figures.animate` turns a
+schematic's steps into a play / step control and kernel-free HTML.
 """
 
+from zerolearn.figures import schematics
+from zerolearn.figures.animate import StepThrough, step_through
 from zerolearn.figures.bench import load_result, scaling_figure, scaling_series
 from zerolearn.figures.formulas import (
     CATEGORIES,
@@ -54,4 +59,5 @@ __all__ = ["CATEGORIES", "COLORS", "GPUS", "NDS", "PHASE_COLORS", "STAGE_COLORS"
            "fragmentation", "fragmentation_figure", "memory_by_stage", "memory_figure", "readable",
            "recorded_trace", "timeline_figure", "timeline_series", "tradeoff", "tradeoff_figure",
            "OP_COLORS", "bucket_sweep_figure", "lanes_figure", "prefetch_figure", "stage_timelines_figure",
-           "sweep_timelines_figure", "load_result", "scaling_figure", "scaling_series"]
+           "sweep_timelines_figure", "load_result", "scaling_figure", "scaling_series", "schematics", "StepThrough",
+           "step_through"]

@@ -1,0 +1,134 @@
+"""Step-through animations: the frames of a schematic as a play / step control in JupyterLab
+and as HTML that plays without a kernel in the built book.
+
+:func:`step_through` takes a function that draws frame ``i`` on a figure. The same frames
+become (a) an ipywidgets control (a play button and a slider over pre-drawn PNGs,
+:meth:`StepThrough.widget`) and (b) matplotlib's JavaScript animation
+(``Animation.to_jshtml(embed_frames=True, default_mode="once")``, :attr:`StepThrough.html`),
+whose buttons step forward and back in a static page. Displayed in a notebook, a
+:class:`StepThrough` shows the HTML, so a stored output plays in the book.
+
+The HTML is deterministic: frames are PNGs without timestamps, and the random element id
+matplotlib writes (``uuid4``) is replaced by a hash of the frames, so two calls with the
+same frames give the same bytes. Keep it small: few frames at a modest dpi (default 60;
+each frame is a base64 PNG inside the page).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from matplotlib.animation import FuncAnimation
+from matplotlib.figure import Figure
+
+from zerolearn.errors import ConfigError, require_count, require_real
+
+__all__ = ["DPI", "StepThrough", "step_through"]
+
+DPI = 60  # dots per inch of the frames: small pages, text still legible at 7-8 pt
+_UUID = re.compile(r"[0-9a-f]{32}")
+
+
+@dataclass
+class StepThrough:
+    """Frames of a schematic, ready for a notebook (:meth:`widget`) and a static page (:attr:`html`).
+
+    Attributes:
+        draw: ``draw(fig, i)`` draws frame ``i`` (0-based) on an empty ``Figure``.
+        n_frames: how many frames (>= 1).
+        figsize: inches (width, height); dpi: dots per inch of every frame.
+        interval_ms: milliseconds between frames when playing.
+        captions: one line per frame (shown under the widget's slider), or empty.
+    """
+
+    draw: Callable[[Figure, int], None]
+    n_frames: int
+    figsize: tuple[float, float]
+    dpi: int = DPI
+    interval_ms: int = 1500
+    captions: list[str] = field(default_factory=list)
+    _html: str | None = field(default=None, repr=False)
+
+    def frame(self, i: int) -> Figure:
+        """Frame ``i`` alone, as a ``Figure`` (0 <= i < n_frames)."""
+        fig = Figure(figsize=self.figsize, dpi=self.dpi)
+        self.draw(fig, i)
+        return fig
+
+    def png(self, i: int) -> bytes:
+        """Frame ``i`` as PNG bytes at :attr:`dpi` (no timestamp in the file)."""
+        buf = io.BytesIO()
+        self.frame(i).savefig(buf, format="png", dpi=self.dpi, metadata={"Software": None})
+        return buf.getvalue()
+
+    @property
+    def html(self) -> str:
+        """The frames as a JavaScript player (``to_jshtml``, frames embedded, plays once), computed once."""
+        if self._html is None:
+            fig = Figure(figsize=self.figsize, dpi=self.dpi)
+
+            def update(i: int):
+                fig.clear()
+                self.draw(fig, i)
+                return []
+
+            anim = FuncAnimation(fig, update, frames=self.n_frames, interval=self.interval_ms, blit=False,
+                                 repeat=False, init_func=lambda: [])
+            html = anim.to_jshtml(embed_frames=True, default_mode="once")
+            stable = hashlib.sha256(_UUID.sub("", html).encode()).hexdigest()[:32]
+            self._html = _UUID.sub(stable, html)
+        return self._html
+
+    def _repr_html_(self) -> str:
+        return self.html
+
+    def widget(self):
+        """An ipywidgets box: play button and slider over the frames, the frame, its caption.
+
+        Needs a kernel (the slider redraws from Python); the frames are drawn once, here.
+        """
+        import ipywidgets as w
+
+        frames = [self.png(i) for i in range(self.n_frames)]
+        play = w.Play(value=0, min=0, max=self.n_frames - 1, step=1, interval=self.interval_ms,
+                      description="play")
+        slider = w.IntSlider(value=0, min=0, max=self.n_frames - 1, description="step")
+        w.jslink((play, "value"), (slider, "value"))
+        image = w.Image(value=frames[0], format="png", layout=w.Layout(align_self="flex-start", max_width="100%"))
+        caption = w.HTML(self.captions[0] if self.captions else "")
+
+        def show(change) -> None:
+            image.value = frames[change["new"]]
+            if self.captions:
+                caption.value = self.captions[change["new"]]
+
+        slider.observe(show, names="value")
+        return w.VBox([w.HBox([play, slider]), caption, image])
+
+
+def step_through(draw: Callable[[Figure, int], None], n_frames: int, *, figsize: tuple[float, float] = (7.0, 3.5),
+                 dpi: int = DPI, interval_ms: int = 1500, captions: list[str] | None = None) -> StepThrough:
+    """Frames ``draw(fig, 0)`` ... ``draw(fig, n_frames - 1)`` as a :class:`StepThrough`.
+
+    Args:
+        draw: draws frame ``i`` on an empty matplotlib ``Figure``; must depend only on ``i``.
+        n_frames: number of frames, an integer >= 1.
+        figsize: (width, height) in inches, each > 0; dpi: dots per inch, an integer >= 20.
+        interval_ms: milliseconds per frame when playing, an integer >= 100.
+        captions: ``n_frames`` lines shown with the widget, or None.
+
+    Raises:
+        ConfigError: a count out of range, a size <= 0, or captions of another length.
+    """
+    require_count("n_frames", n_frames)
+    require_count("dpi", dpi, minimum=20)
+    require_count("interval_ms", interval_ms, minimum=100)
+    for name, value in zip(("figsize width", "figsize height"), figsize):
+        require_real(name, value)
+    if captions is not None and len(captions) != n_frames:
+        raise ConfigError(f"captions: {len(captions)} lines for {n_frames} frames; allowed: one per frame")
+    return StepThrough(draw, n_frames, tuple(figsize), dpi, interval_ms, list(captions or []))
