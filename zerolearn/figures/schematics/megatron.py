@@ -115,7 +115,7 @@ def megatron_figure(nm: int = 2, out_features: int = 6, in_features: int = 4) ->
     1/Nm per rank, all-gathered before recompute (:func:`tensor_split`, :func:`checkpoint_chunks`)."""
     split = tensor_split(out_features, in_features, nm)
     ck = checkpoint_chunks(nm=nm)
-    fig = Figure(figsize=(9, 3.3), layout="constrained")
+    fig = Figure(figsize=(10, 3.3), layout="constrained")
     col_ax, row_ax, pa_ax = fig.subplots(1, 3, width_ratios=[1, 1, 1.4])
     for ax, blocks, by_rows, name in ((col_ax, split.column, True, "_CopyToParallel"),
                                       (row_ax, split.row, False, "_ReduceFromParallel")):
@@ -142,13 +142,13 @@ def megatron_figure(nm: int = 2, out_features: int = 6, in_features: int = 4) ->
     for e in range(n):
         box(pa_ax, e, -0.6, 0.95, 0.8, rank_color(e // (n // ck.nm)), hatch=PADDING_HATCH if e >= ck.numel else None)
     arrow(pa_ax, (n / 2, 0.9), (n / 2, 0.3), "0.3", width=1.5)
-    pa_ax.text(n / 2 + 0.5, 0.55, "all-gather before recompute", fontsize=7, va="center")
+    pa_ax.text(n / 2 + 0.5, 0.55, "all-gather,\nthen recompute", fontsize=7, va="center")
     pa_ax.text(-0.5, -0.2, "recompute", ha="right", va="center", fontsize=7)
     pa_ax.set_xlim(-3, n + 0.2)
     pa_ax.set_ylim(-0.8, ck.nm + 1.0)
     pa_ax.axis("off")
-    pa_ax.set_title(f"P_a: each of Nm = {ck.nm} ranks keeps 1/Nm of a checkpoint\n"
-                    f"({ck.numel} values, padded to {ck.padded}; {ck.bytes_per_rank:g} B per rank in bf16)",
+    pa_ax.set_title(f"P_a: 1/Nm of a checkpoint per rank (Nm = {ck.nm})\n"
+                    f"{ck.numel} values, padded to {ck.padded}; {ck.bytes_per_rank:g} B per rank (bf16)",
                     fontsize=8)
     fig.suptitle("Megatron's tensor parallelism (Sec 8) and ZeRO-R's partitioned checkpoint (Sec 6.1)", fontsize=9)
     return fig
