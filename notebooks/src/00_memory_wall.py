@@ -388,6 +388,34 @@ plt.show()
 exercises.check("00.max_batch", max_batch)
 
 # %% [markdown]
+# ## 5. Ahead: who holds which slice
+#
+# Every data-parallel rank holds all 16 Ψ bytes. The paper's Fig 1 shows what ZeRO's three
+# stages do about it; here it is drawn from the package's own flat buffers, on a toy model of
+# Ψ = 26 parameters over N<sub>d</sub> = 3 ranks, bf16 with K = 12. Each row is one rank's
+# parameters, gradients and optimizer states laid end to end; a solid slice is held, a faint
+# one belongs to another rank. Look at how the solid area shrinks from row to row.
+
+# %%
+from zerolearn.figures import schematics
+
+fig = schematics.model_states_figure(nd=3)
+fig.suptitle("Who holds what (Fig 1): Nd = 3 ranks, 2 + 2 + K bytes per element, K = 12", fontsize=9)
+fig
+
+# %% [markdown]
+# Padding makes 26 elements 27, so that each rank's shard is 9 elements. The bytes held
+# are the formula's plus the padding's: one element of every buffer a rank holds whole,
+# and a third of an element in every shard. Chapters 2 to 4 build each row and measure it.
+
+# %%
+layout = schematics.model_states(nd=3)
+print(f"{'stage':<20} {'held by each rank':>17} {'formula':>9}")
+for stage, held in layout.held_bytes.items():
+    title = ("DP", "ZeRO-1 (P_os)", "ZeRO-2 (P_os+g)", "ZeRO-3 (P_os+g+p)")[stage]
+    print(f"{title:<20} {held[0]:>15} B {layout.formula_bytes[stage]['total']:>7.1f} B")
+
+# %% [markdown]
 # ## Summary
 #
 # * Training memory is **model states** (parameters, gradients, optimizer states; Sec 3.1) plus
