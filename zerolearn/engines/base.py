@@ -28,6 +28,7 @@ from torch import nn
 from zerolearn import comm, guard
 from zerolearn.engines import offload as offloading
 from zerolearn.engines import optim
+from zerolearn.engines.bindings import Bindings, refuse_sparse_grad, refuse_unsupported
 from zerolearn.engines.state import EngineStateMixin
 from zerolearn.errors import ConfigError
 from zerolearn.flat import FlatLayout, bucket_caps, make_buckets
@@ -212,6 +213,7 @@ class Engine(EngineStateMixin, abc.ABC):
         trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         if not trainable:
             raise ConfigError("the model has no trainable parameters (all requires_grad=False)")
+        refuse_unsupported(model, trainable)
         self.psi = sum(p.numel() for _, p in trainable)
 
         self.buckets: list[Bucket] = self._build_buckets(trainable, units)
@@ -233,6 +235,8 @@ class Engine(EngineStateMixin, abc.ABC):
         for b in self.buckets:
             for i, p in enumerate(b.params):
                 p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, b, i))
+        self._bindings = Bindings(model, self.buckets)  # parameters replaced or cast later are named
+        self._versions = self._full_versions()  # working buffers changed in place outside the engine
         self._publishing: list[comm.Handle] = []  # all_gathers of updated shards in flight
         self._used_flags: tuple[torch.Tensor, comm.Monitor | None] | None = None  # exchange in flight
         self._next, self._sync = 0, True  # next bucket to launch; this backward reduces
@@ -302,6 +306,8 @@ class Engine(EngineStateMixin, abc.ABC):
         ids) pass unchanged. Buffers are first broadcast from data-parallel rank 0
         (``broadcast_buffers``), except in recomputations inside backward.
         """
+        if not self.in_backward:
+            self._bindings.check("forward")
         if self.broadcast_buffers and not self.in_backward:
             with comm.unit("<model>", "forward: broadcast buffers"):
                 for buf in self.model.buffers():
@@ -365,9 +371,12 @@ class Engine(EngineStateMixin, abc.ABC):
     def _on_grad(self, b: Bucket, i: int, p: nn.Parameter) -> None:
         # Autograd calls this once p.grad holds this backward's whole gradient of p.
         self._ensure_grad_full(b)
+        grad = p.grad
+        if grad.layout != torch.strided:
+            refuse_sparse_grad(b.layout.names[i])
         start = b.layout.offsets[i]
-        view = b.grad_full[start:start + p.numel()].view_as(p)
-        view.add_(p.grad) if b.written[i] else view.copy_(p.grad)
+        view = b.grad_full[start:start + p.numel()].view(p.shape)
+        view.add_(grad) if b.written[i] else view.copy_(grad)
         b.written[i] = True
         p.grad = None  # autograd's copy is in the bucket now
         b.used[i] = True
@@ -449,6 +458,8 @@ class Engine(EngineStateMixin, abc.ABC):
         norm and the update read the host's fp32 gradients and torch's optimizer steps the
         host master (:class:`zerolearn.engines.offload.Offload`).
         """
+        self._bindings.check("step")
+        self._absorb_changes()
         for b in self.buckets:  # a gradient kept without a reduction (stage 0-1, no_sync) is read whole
             self._zero_unwritten(b)
         off = self._offload
@@ -565,6 +576,90 @@ class Engine(EngineStateMixin, abc.ABC):
         for handle in self._publishing:
             handle.wait()
         self._publishing.clear()
+        self._versions = self._full_versions()
+
+    # ----- parameters read or changed between steps ---------------------------------------
+    @contextlib.contextmanager
+    def summon_full_params(self, writeback: bool = True):
+        """A block in which every trainable parameter holds its full working values, to read
+        or change between steps (log a norm, clamp weights, ``model.load_state_dict``), as
+        FSDP's ``summon_full_params``.
+
+        At ZeRO-3 the parameters are gathered on entry (an all_gather per bucket: call on
+        every rank) and freed on exit; at stages 0-2 every rank holds them already. With
+        ``writeback``, elements changed inside the block become the fp32 master's values
+        (and at ZeRO-3 the kept shard's) on exit: make the same change on every rank, as
+        each rank keeps its own shard of the result. Under DPU the update in flight is
+        published first.
+
+        Args:
+            writeback: copy changed values into the masters (and shards) on exit.
+
+        Raises:
+            ConfigError: (on entry) a parameter replaced or cast since wrapping
+                (:class:`zerolearn.engines.bindings.Bindings`).
+        """
+        self._bindings.check("summon_full_params block")
+        self.finish_dpu()
+        self._summon()
+        try:
+            yield
+        finally:
+            try:
+                if writeback:
+                    with torch.no_grad(), self.offload_resident():
+                        for b in self.buckets:
+                            self._write_back(b)
+            finally:
+                self._unsummon()
+                self._versions = self._full_versions()
+
+    def load_state_dict(self, state_dict: dict, strict: bool = True):
+        """``model.load_state_dict(state_dict, strict)`` inside :meth:`summon_full_params`:
+        the loaded values become the working parameters, the masters and (ZeRO-3) the
+        shards. A collective at ZeRO-3: call on every rank with the same state dict. The
+        optimizer's state is kept (load a checkpoint with :mod:`zerolearn.checkpoint` to
+        restore it too). Returns torch's ``(missing_keys, unexpected_keys)``."""
+        with self.summon_full_params():
+            return self.model.load_state_dict(state_dict, strict=strict)
+
+    def _summon(self) -> None:
+        """Make every parameter hold its full values (stages 0-2: they do)."""
+
+    def _unsummon(self) -> None:
+        """Undo :meth:`_summon`."""
+
+    def _write_back(self, b: Bucket) -> None:
+        """Elements of ``b``'s working parameters that differ from the master (rounded to the
+        working dtype) were changed outside the engine: they become the master's values."""
+        work = b.full if b.master.numel() == b.layout.padded_numel else b.layout.shard_of(b.full)
+        master = b.master.data
+        if work.untyped_storage()._cdata == master.untyped_storage()._cdata:
+            return  # fp32 stage 0: the master is the working buffer itself
+        work = work.to(master.device)
+        changed = work != master.to(work.dtype)
+        if bool(changed.any()):
+            master[changed] = work[changed].to(master.dtype)
+        if b.shard is not None:  # ZeRO-3 keeps a working shard: the block's values too
+            b.shard.copy_(b.layout.shard_of(b.full))
+
+    def _full_versions(self) -> list[int] | None:
+        """Version counters of the working buffers (stages 0-2 without offload; else None)."""
+        if self._offload is not None or self.stage not in (0, 1, 2):
+            return None
+        return [b.full._version for b in self.buckets]
+
+    def _absorb_changes(self) -> None:
+        """Working parameters changed in place since the last publish (``p.clamp_()`` or
+        ``model.load_state_dict`` under no_grad, outside :meth:`summon_full_params`) keep
+        their change, as they would in torch: the changed elements go to the master."""
+        if self._versions is None:
+            return
+        for b, version in zip(self.buckets, self._versions):
+            if b.full._version != version:
+                with torch.no_grad():
+                    self._write_back(b)
+        self._versions = self._full_versions()
 
     def zero_grad(self) -> None:
         """Drop all gradients (buffers are allocated again in the next backward)."""

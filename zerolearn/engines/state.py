@@ -106,6 +106,7 @@ class EngineStateMixin:
         last step (waited for), which the working parameters show after the next step or
         :meth:`finish_dpu`.
         """
+        self._absorb_changes()  # parameters changed in place since the last step (stages 0-2)
         with self.offload_resident():
             return self._gather_masters()
 

@@ -209,6 +209,67 @@ def refuse_read(name: str, unit: Unit) -> None:
         f"unit (a module left out of units= belongs to the root unit, gathered for the whole forward).")
 
 
+class ShardedParameter(nn.Parameter):
+    """A ZeRO-3 parameter: outside its unit's gather it holds no elements, only a shard.
+
+    Between gathers a parameter's storage is resized to 0 bytes, and torch would read
+    past its end (a segfault) if asked for its values. The engine turns every sharded
+    parameter into this subclass of ``nn.Parameter`` (``isinstance(p, nn.Parameter)``
+    still holds): a torch op that reads one while its unit is not gathered raises a
+    ConfigError naming it and :meth:`Zero3Engine.summon_full_params
+    <zerolearn.engines.zero3.Zero3Engine.summon_full_params>`, the context in which every
+    parameter holds its full values (as FSDP's ``summon_full_params``). Metadata (shape,
+    dtype, ``.grad``, hooks) stays readable; ``repr`` says what the parameter holds.
+
+    Attributes:
+        zero3: ``(name, unit)`` of the parameter (set by the engine).
+    """
+
+    zero3: tuple[str, Unit]
+
+    @classmethod
+    def adopt(cls, bucket, unit: Unit) -> None:
+        """Make ``bucket``'s plain ``nn.Parameter`` objects sharded parameters of ``unit``."""
+        for name, p in zip(bucket.layout.names, bucket.params):
+            if type(p) is nn.Parameter:
+                p.__class__ = cls
+                p.zero3 = (name, unit)
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", None)
+        # Shapes, dtypes, hooks and .grad read no element; p.data hands out the storage itself.
+        if name not in _METADATA or (name == "__get__" and _descriptor(func) == "data"):
+            for p in _parameters_in(args, kwargs):
+                found = getattr(p, "zero3", None)
+                if found is not None and not found[1].gathered:
+                    if name == "__repr__":
+                        return (f"ZeRO-3 parameter {found[0]} of shape {tuple(p.shape)}: not gathered, this "
+                                "rank holds a shard (engine.summon_full_params() gathers it)")
+                    refuse_outside(*found, name)
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+
+def _descriptor(func) -> str | None:
+    """The attribute a property getter or setter belongs to (``data`` for ``p.data``)."""
+    return getattr(getattr(func, "__self__", None), "__name__", None)
+
+
+def refuse_outside(name: str, unit: Unit, op: str | None) -> None:
+    """Raise the ConfigError for an op that reads parameter ``name`` while ``unit`` is not
+    gathered, outside the engine's forward (inside it, :func:`refuse_read` speaks)."""
+    raise ConfigError(
+        f"ZeRO-3: parameter {name} ({unit.describe()}) was read{f' by {op}' if op else ''} outside the engine's "
+        "forward and backward, where this rank holds only its 1/Nd shard of it. To read or change parameters "
+        "between steps (log a norm, clamp weights, load a state dict), do it inside "
+        "`with engine.summon_full_params():`, which gathers every parameter and writes changes back to the "
+        "shards on exit (the same change on every rank); engine.full_state_dict() returns them too. A term "
+        "of the loss that reads a weight (an L2 penalty) cannot get its gradient there: compute it inside the "
+        "forward of the module that owns the weight, or use the optimizer's weight_decay.")
+
+
 # ----- backward: saved tensors of a unit come back gathered ------------------------------
 class Saved:
     """A tensor autograd saved from a unit's buffer, with the unit to gather first."""
@@ -433,6 +494,33 @@ def params_reached(loss: torch.Tensor, param_unit: dict[int, tuple[str, Unit]]) 
             reached.add(id(variable))
         stack.extend(next_fn for next_fn, _ in fn.next_functions)
     return reached
+
+
+class Reached:
+    """The parameters of the units (the root's left out), numbered alike on every rank, and
+    the agreement before each backward on which of them get gradients (:func:`agree_backward`).
+
+    Args:
+        units: the units whose parameters are compared; param_unit: ``id(parameter) -> (name, Unit)``.
+    """
+
+    def __init__(self, units: list[Unit], param_unit: dict[int, tuple[str, Unit]]):
+        self.slots = [(b, i, unit.index) for unit in units for b in unit.buckets for i in range(len(b.params))]
+        self.slot_of = {id(b.params[i]): k for k, (b, i, _) in enumerate(self.slots)}
+        self.param_unit = param_unit
+
+    def agree(self, loss: torch.Tensor, units: list[Unit], pg, device) -> bool:
+        """Agree on the parameters ``loss`` reaches; each parameter only other ranks reach is
+        counted as arrived in its bucket (``ready``; its gradient is zeros). True if any was.
+
+        Raises:
+            ConfigError: from :func:`agree_backward`.
+        """
+        mine = sorted(self.slot_of[i] for i in params_reached(loss, self.param_unit) if i in self.slot_of)
+        others = agree_backward(sorted({self.slots[k][2] for k in mine}), mine, units, pg, device)
+        for k in others:
+            self.slots[k][0].ready += 1
+        return bool(others)
 
 
 def agree_backward(reached: list[int], reached_params: list[int], units: list[Unit], pg, device) -> set[int]:

@@ -17,9 +17,6 @@ re-filled before backward reads it: the views autograd saved see the gathered va
 
 Shared parameters (GPT-2's ``lm_head.weight is wte.weight``) go to the root unit, the model
 itself, gathered for all of forward and backward (as FSDP2 and DeepSpeed treat a tied weight).
-
-The four stage files repeat each other where that lets each one read alone: none
-inherits from another, all fill in the contract of :mod:`zerolearn.engines.base`.
 """
 
 from __future__ import annotations
@@ -45,10 +42,13 @@ class Zero3Engine(Engine):
     items in its place): a unit's parameters may be read only inside its own forward, and
     every rank must run the same units in the same order.
 
+    Between steps a parameter holds no elements: a torch op reading it raises a ConfigError
+    naming :meth:`summon_full_params`, which gathers them all (:class:`units.ShardedParameter`).
+
     Raises:
-        ConfigError: a bad ``prefetch_mb``; a unit in ``units=`` is a ModuleList or ModuleDict;
-            the model read a parameter outside its unit's forward; ranks are about to run, or
-            compute gradients for, different units (:mod:`zerolearn.engines.units`).
+        ConfigError: a bad ``prefetch_mb``; a unit in ``units=`` is a ModuleList or ModuleDict
+            without a forward; the model read a parameter outside its unit's forward; ranks are
+            about to run, or compute gradients for, different units (:mod:`zerolearn.engines.units`).
     """
 
     stage = 3
@@ -72,11 +72,7 @@ class Zero3Engine(Engine):
         self._unit_of = {id(b): unit for unit in self.units for b in unit.buckets}
         self._param_unit = {id(p): (name, unit) for unit in self.units for b in unit.buckets
                             for name, p in zip(b.layout.names, b.params)}
-        # Every parameter of the units but the root's, numbered alike on every rank: (bucket,
-        # position in it, unit index); what agree_backward compares.
-        self._slots = [(b, i, unit.index) for unit in self.units if unit.module is not self.model
-                       for b in unit.buckets for i in range(len(b.params))]
-        self._slot_of = {id(b.params[i]): k for k, (b, i, _) in enumerate(self._slots)}
+        self._reached = U.Reached([u for u in self.units if u.module is not self.model], self._param_unit)
         self._position = {id(b): k for k, b in enumerate(buckets)}  # launch order
         self._uneven = False  # this backward counts parameters other ranks alone compute as arrived
         self.schedule = U.Schedule(self.units, self.units[-1].module is self.model, self.pg, self.device,
@@ -96,6 +92,7 @@ class Zero3Engine(Engine):
         b.layout.bind(b.params, full)  # parameters are views of the full buffer, whose storage we free
         self._storage_unit[U.storage_key(full)] = self._unit_of[id(b)]
         b.full.untyped_storage().resize_(0)
+        U.ShardedParameter.adopt(b, self._unit_of[id(b)])  # a read while freed raises, never reads freed memory
 
     # ----- gather and free a unit ----------------------------------------------------
     def _start_gather(self, units: list[U.Unit]) -> None:  # a unit, or a prefetch's window: fused
@@ -181,18 +178,10 @@ class Zero3Engine(Engine):
     def _before_backward(self, loss: torch.Tensor) -> None:
         # Which units a rank gathers in backward follows the gradients it computes: all ranks must
         # compute gradients for the same units (the root, gathered throughout, is left out).
-        self._uneven = False
-        if self.world_size > 1:
-            mine = sorted(self._slot_of[i] for i in U.params_reached(loss, self._param_unit) if i in self._slot_of)
-            reached = sorted({self._slots[k][2] for k in mine})
-            others = U.agree_backward(reached, mine, self.units, self.pg, self.device)
-            # A parameter only other ranks compute a gradient for (an expert no token reached here)
-            # counts as arrived, as zeros: its bucket then completes inside its unit's backward on
-            # every rank, and launches there (_may_launch, _launch_arrived), so reduce_scatters and
-            # all_gathers keep one order on every rank.
-            for k in others:
-                self._slots[k][0].ready += 1
-            self._uneven = bool(others)
+        # A parameter only other ranks compute a gradient for (an expert no token reached here)
+        # counts as arrived, as zeros: its bucket then completes inside its unit's backward on
+        # every rank and launches there (_may_launch, _launch_arrived): one collective order.
+        self._uneven = self.world_size > 1 and self._reached.agree(loss, self.units, self.pg, self.device)
 
     def _pre_backward(self, unit: U.Unit) -> None:
         if unit.backward_gathered:
@@ -203,10 +192,7 @@ class Zero3Engine(Engine):
             self._start_gather(self._previous(unit))
         self._launch_arrived(unit)
 
-    def _launch_arrived(self, unit: U.Unit) -> None:
-        """In an uneven backward (:meth:`_before_backward`): the buckets of ``unit`` no
-        gradient of which this rank computes are complete already; they launch now, where
-        the ranks that compute one launch theirs."""
+    def _launch_arrived(self, unit: U.Unit) -> None:  # uneven: buckets complete before their unit's backward
         if self._uneven:
             for b in unit.buckets:
                 if b.complete and self._position[id(b)] >= self._next:  # not launched yet
@@ -268,6 +254,14 @@ class Zero3Engine(Engine):
         for unit in self.units:
             self._free_unit(unit)
             unit.backward_gathered = False
+
+    def _summon(self) -> None:  # summon_full_params: every unit gathered until _unsummon
+        for unit in self.units:
+            with comm.unit(unit.name, "summon_full_params: gather"):
+                self._gather(unit)
+
+    def _unsummon(self) -> None:
+        self._settle()
 
     # ----- step: the updated shard is all a rank keeps -------------------------------
     def _grad_for_step(self, b: Bucket) -> torch.Tensor:

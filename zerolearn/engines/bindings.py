@@ -1,0 +1,124 @@
+"""The model's parameters stay the engine's: checked when it wraps them and before each step.
+
+An engine makes every trainable parameter a view of a bucket's flat buffer
+(:meth:`zerolearn.flat.FlatLayout.bind`) and trains that buffer. Three things a model
+may do would leave a parameter outside it, so that it never trains or trains wrongly
+without a word; each is named instead:
+
+* a parameter or a whole module replaced after wrapping (``model.head = nn.Linear(...)``,
+  ``layer.weight = nn.Parameter(...)``): the new tensor is not in any bucket;
+* a parameter whose data is replaced, typically a module cast inside its forward
+  (``self.classifier = self.classifier.to(torch.float32)`` in a bf16 run): the
+  parameter object stays, its data no longer views the bucket;
+* kinds of parameters and gradients a flat real buffer cannot hold: complex parameters
+  and sparse gradients (``nn.Embedding(sparse=True)``), refused when the engine wraps
+  the model.
+
+:class:`Bindings` checks the first two in O(parameters) dictionary look-ups, at the
+start of every forward and every step, before anything is computed or communicated.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from zerolearn.errors import ConfigError
+
+
+def refuse_unsupported(model: nn.Module, trainable: list[tuple[str, nn.Parameter]]) -> None:
+    """Refuse, at wrap time, parameters a flat real buffer cannot hold.
+
+    Raises:
+        ConfigError: a complex trainable parameter (named, with the fix: keep it as a
+            real parameter of shape ``(..., 2)`` and view it as complex in forward);
+            a module that makes sparse gradients (``nn.Embedding`` or ``nn.EmbeddingBag``
+            with ``sparse=True``), named with the fix ``sparse=False`` (torch DDP reduces
+            sparse gradients; the engines reduce flat dense buckets).
+    """
+    complex_ = [name for name, p in trainable if p.is_complex()]
+    if complex_:
+        raise ConfigError(
+            f"complex parameters ({', '.join(complex_[:4])}{' and more' if len(complex_) > 4 else ''}): the "
+            "engines keep parameters in flat real buffers. Store such a parameter as its real view, "
+            "nn.Parameter(torch.view_as_real(w)) of shape (..., 2), and use torch.view_as_complex(self.w) in "
+            "forward: the same numbers train exactly (torch's optimizers step a complex parameter as that view)")
+    sparse = [name or "<model>" for name, m in model.named_modules()
+              if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.sparse and m.weight.requires_grad]
+    if sparse:
+        raise ConfigError(
+            f"{', '.join(sparse[:4])}: an embedding with sparse=True makes sparse gradients, and the engines "
+            "reduce dense flat buckets; build it with sparse=False (the gradient is then dense, as DDP's "
+            "buckets hold it too)")
+
+
+def refuse_sparse_grad(name: str) -> None:
+    """Raise the ConfigError for a sparse gradient that reached parameter ``name``."""
+    raise ConfigError(f"parameter {name} received a sparse gradient (F.embedding(..., sparse=True) or a "
+                      "module built with sparse=True): the engines reduce dense flat buckets; use sparse=False")
+
+
+class Bindings:
+    """Where each trainable parameter must be: under which names in the model, viewing
+    which bucket buffer.
+
+    Args:
+        model: the wrapped model.
+        buckets: the engine's buckets, their parameters already bound to ``b.full``.
+        storage: ``bucket -> tensor`` whose storage the bucket's parameters view (``b.full``).
+    """
+
+    def __init__(self, model: nn.Module, buckets: list, storage=lambda b: b.full):
+        self.model = model
+        where = {id(p): (b, i) for b in buckets for i, p in enumerate(b.params)}
+        self.entries = []  # (module path, attribute, parameter, bucket, index)
+        for name, p in model.named_parameters(remove_duplicate=False):
+            if id(p) in where:
+                path, _, attr = name.rpartition(".")
+                self.entries.append((path.split(".") if path else [], attr, p, *where[id(p)]))
+        self.storage = storage
+        self.dtype = {id(b): storage(b).dtype for b in buckets}
+
+    def _module(self, path: list[str]) -> nn.Module | None:
+        m = self.model
+        for part in path:
+            m = m._modules.get(part)
+            if m is None:
+                return None
+        return m
+
+    def check(self, when: str) -> None:
+        """Raise if a parameter was replaced or its data moved out of its bucket.
+
+        Args:
+            when: what is about to happen, for the message ("forward", "step").
+
+        Raises:
+            ConfigError: naming the parameter, what happened and the fix.
+        """
+        keys = {}
+        for path, attr, p, b, i in self.entries:
+            name = ".".join([*path, attr])
+            module = self._module(path)
+            if module is None or module._parameters.get(attr) is not p:
+                what = ("its module was replaced" if module is None or attr in module._parameters
+                        else "it was removed")
+                if module is not None and module._parameters.get(attr) is not None:
+                    what = f"it was replaced by another {'parameter' if isinstance(module._parameters[attr], nn.Parameter) else 'tensor'}"
+                raise ConfigError(
+                    f"parameter {name} is no longer the one the engine wrapped ({what} after the engine was "
+                    f"built), before the {when}: the engine trains the parameters it was given, so the new one "
+                    "would never train. Make every change to the model (a new head, a resized embedding, "
+                    "loaded weights by assignment) before building the engine, and load values with "
+                    "engine.load_state_dict or inside engine.summon_full_params()")
+            if id(b) not in keys:
+                keys[id(b)] = self.storage(b).untyped_storage()._cdata
+            if (p.untyped_storage()._cdata != keys[id(b)] or p.dtype != self.dtype[id(b)]
+                    or p.storage_offset() != b.layout.offsets[i]):
+                raise ConfigError(
+                    f"parameter {name} no longer holds the engine's values (now {str(p.dtype).removeprefix('torch.')}"
+                    f", outside its bucket) before the {when}: its data was replaced after the engine was built, "
+                    "typically by a module that casts itself inside forward (self.classifier = "
+                    "self.classifier.to(torch.float32)) or by param.data = .... Its updates would be lost. Cast "
+                    "the input and output instead of the module (F.linear(x.float(), w.float())), train in that "
+                    "dtype, or change values in place inside engine.summon_full_params()")
