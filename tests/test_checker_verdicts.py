@@ -159,3 +159,99 @@ def test_dpu_step_accepts_a_lambda_on_the_worker_and_its_own_warm_up_test():
 
     result = check("08.dpu_step", dpu_step, quiet=True)
     assert result.passed, str(result)
+
+
+@pytest.mark.parametrize("wait", ["asks_done", "polls_done"])
+def test_dpu_step_accepts_a_future_asked_done_as_concurrent_futures_promises(wait):
+    import time
+
+    def dpu_step(step, params, master, grad, host_step, pending, worker):
+        if step == 0:
+            host_step(grad)
+            params.copy_(master)
+            return None
+        if wait == "asks_done" and pending is not None and not pending.done():
+            pending.result()
+        while wait == "polls_done" and pending is not None and not pending.done():
+            time.sleep(0.005)
+        params.copy_(master)
+        return worker.submit(host_step, grad)
+
+    result = check("08.dpu_step", dpu_step, quiet=True)
+    assert result.passed, str(result)
+
+
+def test_an_error_inside_a_collective_is_named_at_the_readers_line():
+    import inspect
+    import math
+
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    def partition_checkpoint(x, group):
+        nm, rank = dist.get_world_size(group), dist.get_rank(group)
+        shape, numel, c = x.shape, x.numel(), math.ceil(x.numel() / nm)
+        piece = F.pad(x.detach().reshape(-1), (0, c * nm - numel))[rank * c:(rank + 1) * c].clone()
+
+        def restore():
+            full = torch.empty(c * nm + 1)  # one element too many: gloo refuses the all-gather
+            comm.all_gather(full, piece, group=group)
+            return full[:numel].view(shape)
+
+        return restore
+
+    lines, first = inspect.getsourcelines(partition_checkpoint)
+    at = first + next(i for i, line in enumerate(lines) if "comm.all_gather(full" in line)
+    result = check("05.partition_checkpoint", partition_checkpoint, quiet=True)
+    assert not result.passed
+    assert f"(line {at}: comm.all_gather(full, piece, group=group))" in str(result), str(result)
+
+
+def test_a_trials_machinery_is_skipped_when_naming_the_readers_line():
+    def wrapper():  # what a trial puts around a collective
+        return None
+
+    frames = traceback.StackSummary.from_list([
+        traceback.FrameSummary("/home/reader/zero.py", 7, "restore", line="comm.all_gather(full, piece)"),
+        traceback.FrameSummary(wrapper.__code__.co_filename, wrapper.__code__.co_firstlineno + 1, "wrapper",
+                               line="return None"),
+    ])
+    assert core._reader_frames(frames) == f" (line {wrapper.__code__.co_firstlineno + 1}: return None)"
+    core.machinery(wrapper)
+    assert core._reader_frames(frames) == " (line 7: comm.all_gather(full, piece))"
+
+
+def _freed_read(op):
+    t = torch.zeros(3, 4)
+    t.untyped_storage().resize_(0)
+    try:
+        if op == "linear":
+            torch.nn.functional.linear(t, torch.ones(2, 4))
+        else:
+            torch.zeros(12).set_(t.untyped_storage(), 0, (12,))
+    except RuntimeError as e:
+        return e
+    raise AssertionError(f"{op} read a freed storage without an error")
+
+
+@pytest.mark.parametrize("op", ["linear", "set"])
+def test_torchs_words_for_a_freed_storage_are_said_in_the_books(op):
+    message = core._raised(_freed_read(op))
+    assert "storage held 0 bytes, freed (untyped_storage().resize_(0)) or never allocated" in message, message
+    assert "Caffe2" not in message and "torch.compile" not in message
+    assert "(line " in message and "RuntimeError" in message
+
+
+def test_a_line_a_rank_could_not_read_is_filled_in_from_the_readers_source():
+    import inspect
+
+    def reader():
+        def inner():
+            return 1 / 0
+
+        return inner
+
+    inner_line = inspect.getsourcelines(reader)[1] + 2
+    message = f"your function raised ZeroDivisionError: division by zero (line {inner_line} of inner)"
+    assert core._sourced(message, reader).endswith(f"(line {inner_line}: return 1 / 0)")
+    assert core._sourced(" (line 3 of elsewhere)", reader) == " (line 3 of elsewhere)"  # not the reader's: kept

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import linecache
 import re
 import sysconfig
 import textwrap
@@ -51,7 +52,8 @@ import torch
 from zerolearn.errors import ConfigError
 
 __all__ = ["EXERCISES", "PRELUDE", "Bug", "Exercise", "Mistake", "Result", "Wrong", "agree", "check",
-           "first_difference", "register", "reusing_ranks", "skeleton", "solution_source"]
+           "defined_at", "first_difference", "machinery", "readers_line", "register", "reusing_ranks", "skeleton",
+           "solution_source"]
 
 PRELUDE = ("import torch\nimport torch.distributed as dist\nimport torch.nn.functional as F\nfrom torch import nn\n\n"
            "from zerolearn import comm")
@@ -227,19 +229,39 @@ _MACHINERY = ("core.py", "__main__.py", "__init__.py", "helpers.py", "lesson.py"
 
 
 _STDLIB = Path(sysconfig.get_paths()["stdlib"]).resolve()
+_SPANS: set[tuple[Path, int, int]] = set()  # (file, first line, last line) of functions marked by machinery()
+
+
+def machinery(fn: Callable) -> Callable:
+    """Mark ``fn``, a function of a trial (a wrapper it puts around a collective, say), as the
+    checker's machinery: :func:`_reader_frames` then skips its frames, so an error raised
+    through it is named at the reader's line that called it. Returns ``fn``."""
+    code = fn.__code__
+    last = max((line for _, _, line in code.co_lines() if line is not None), default=code.co_firstlineno)
+    _SPANS.add((Path(code.co_filename).resolve(), code.co_firstlineno, last))
+    return fn
+
+
+def _marked(path: Path, lineno: int | None) -> bool:
+    return lineno is not None and any(path == f and first <= lineno <= last for f, first, last in _SPANS)
 
 
 def _reader_frames(tb: traceback.StackSummary) -> str:
     """The last frame of the reader's (or a solution's) code in a traceback, as ' (line N: code)':
     frames in torch and other installed packages, in Python's standard library (contextlib's
-    ``self.gen.throw``, say) and in the package's machinery (here: the checker, the trials'
-    shared helpers and the chapters' lessons, :data:`_MACHINERY`) are skipped; the chapters'
-    exercise modules count, so a raising solution or bug is named at its own line, and an
+    ``self.gen.throw``, say), in the package's machinery (here: the checker, the trials'
+    shared helpers and the chapters' lessons, :data:`_MACHINERY`) and in functions of a
+    trial marked with :func:`machinery` are skipped; the chapters' exercise and check
+    modules count, so a raising solution or known bug is named at its own line, and an
     error in a helper at the trial's line that called it."""
     def theirs(frame) -> bool:
+        if frame.filename == _BY_VALUE:
+            return True  # the reader's function, sent to the rank by value: its line is named on the kernel side
         if frame.filename.startswith("<") and not frame.filename.startswith("<cell"):
             return False  # <frozen ...>, <string>: Python's own
         path = Path(frame.filename).resolve()
+        if _marked(path, frame.lineno):
+            return False
         if any(path.is_relative_to(folder) for folder in _SOLUTIONS):
             return path.name not in _MACHINERY
         return not (path.is_relative_to(_PACKAGE) or path.is_relative_to(_STDLIB) or "site-packages" in path.parts
@@ -247,6 +269,71 @@ def _reader_frames(tb: traceback.StackSummary) -> str:
 
     frame = ([f for f in tb if theirs(f)] or list(tb))[-1]
     return f" (line {frame.lineno}: {frame.line})" if frame.line else f" (line {frame.lineno} of {frame.name})"
+
+
+_BY_VALUE = "<dynamic-code>"  # cloudpickle's file name for the code of a function it sends by value
+_UNSOURCED = re.compile(r" \(line (\d+) of ([A-Za-z_][A-Za-z0-9_]*)\)")
+
+
+def defined_at(fn: Callable) -> str:
+    """Where function ``fn`` is defined, as ' (line N: def ...)'; ' (line N of NAME)' for a function
+    sent to this rank by value, whose source only the kernel side has (:func:`check` fills it in);
+    '' for an object without code."""
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return ""
+    text = linecache.getline(code.co_filename, code.co_firstlineno).strip()
+    return f" (line {code.co_firstlineno}: {text})" if text else f" (line {code.co_firstlineno} of {code.co_name})"
+
+
+def _codes(fn: Callable):
+    """The code objects of ``fn`` and of the functions defined inside it, at any depth."""
+    todo = [getattr(fn, "__code__", None)]
+    while todo:
+        code = todo.pop()
+        if code is not None:
+            yield code
+            todo += [c for c in code.co_consts if inspect.iscode(c)]
+
+
+def _sourced(message: str, fn: Callable) -> str:
+    """``message`` with each ' (line N of NAME)' a rank wrote for the reader's function, whose source
+    a rank does not have (cloudpickle sent it by value), made ' (line N: code)' from the source
+    this process has; left as it is where that source is not found."""
+    def line(match: re.Match) -> str:
+        lineno, name = int(match.group(1)), match.group(2)
+        for code in _codes(fn):
+            if code.co_name == name and code.co_firstlineno <= lineno:
+                text = linecache.getline(code.co_filename, lineno).strip()
+                if text:
+                    return f" (line {lineno}: {text})"
+        return match.group(0)
+
+    return _UNSOURCED.sub(line, message)
+
+
+def readers_line() -> str:
+    """Where the reader's code is now, as ' (line N: code)': the last frame of the reader's
+    function on the current stack (see :func:`_reader_frames`); for a trial's check that runs
+    inside a call the reader made (a collective it called, say)."""
+    return _reader_frames(traceback.extract_stack()[:-1])
+
+
+# torch's words for a tensor read while its storage holds 0 bytes (freed by resize_(0), or never allocated)
+_FREED = ("data is not allocated yet", "for storage of size 0")
+
+
+def _raised(e: Exception) -> str:
+    """The verdict for an exception the reader's function raised: its type, its words and the
+    reader's line; torch's words for a tensor whose storage was freed are said in the book's."""
+    where = _reader_frames(traceback.extract_tb(e.__traceback__))
+    words = str(e)
+    if isinstance(e, RuntimeError) and any(freed in words for freed in _FREED):
+        torch_says = words.strip().split("\n", 1)[0].split(". ", 1)[0]
+        return (f"your function raised {type(e).__name__}{where}: a tensor was read while its storage held 0 "
+                "bytes, freed (untyped_storage().resize_(0)) or never allocated; grow the storage back (or keep "
+                f"a tensor that owns its memory) before reading it (torch: {torch_says})")
+    return f"your function raised {type(e).__name__}: {words}{where}"
 
 
 # ----- ranks agree on the verdict --------------------------------------------------------
@@ -375,9 +462,8 @@ def _run_trial(exercise: Exercise, fn: Callable, token: str | None) -> tuple[str
         return "unwritten", None
     except Exception as e:  # noqa: BLE001 - the reader's error is the verdict
         _post_failure()
-        where = _reader_frames(traceback.extract_tb(e.__traceback__))
         step = _AGREEMENT.step if _AGREEMENT is not None and exercise.stepped else None  # the step it was in
-        return "wrong", (step, f"your function raised {type(e).__name__}: {e}{where}")
+        return "wrong", (step, _raised(e))
     finally:
         if token is not None:
             from zerolearn import comm
@@ -530,6 +616,9 @@ def check(name: str, fn: Callable | None = None, *, solution: bool = False, bug:
             result = _verdict(name, outcomes, world_size, died, cut, exercise.timeout_s)
             if not result.passed:
                 break
+    if result.mistake is not None:
+        mistake = result.mistake
+        object.__setattr__(result, "mistake", Mistake(mistake.rank, mistake.step, _sourced(mistake.message, fn)))
     if not quiet:
         print(result)
         object.__setattr__(result, "shown", True)

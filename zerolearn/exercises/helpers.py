@@ -12,6 +12,10 @@ they train, the batches, and the comparisons that word a mistake in the reader's
   (:func:`located`) and explain a shard that is off by a known factor
   (:func:`compare_shard`); they write bytes as KiB with :func:`zerolearn.tables.kib`.
 * Chapter 06 writes counts and bytes as the paper's code does (:func:`e9`).
+* A trial that hands the reader tensors, or reads the ones the reader returns, asks
+  whether their storage still holds their bytes (:func:`allocated`) and where the
+  reader's code freed it (:func:`watching_frees`), so that a freed buffer is named as
+  such instead of crashing gloo or torch.
 
 The check modules (``zerolearn/chapters/chNN/<exercise>_check.py``) import from here
 and from :mod:`zerolearn.exercises.core`, never from one another. Like ``core``, this
@@ -21,6 +25,7 @@ that called it, not here.
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import torch
@@ -29,7 +34,7 @@ from torch import nn
 
 from zerolearn import comm, data
 from zerolearn import dist as zdist
-from zerolearn.exercises.core import Wrong, first_difference
+from zerolearn.exercises.core import Wrong, first_difference, readers_line
 from zerolearn.flat import FlatLayout
 from zerolearn.models import GPTConfig, build_model
 
@@ -215,3 +220,45 @@ def compare_shard(what: str, got, want: torch.Tensor, layout: FlatLayout | None,
 def e9(x: float) -> str:
     """A count or a byte size as the paper writes it in code: ``"32e9"``, ``"1.5e9"``, ``"10000e9"``."""
     return f"{x / 1e9:g}e9"
+
+
+# ----- freed storage -----------------------------------------------------------------------
+
+def allocated(t: torch.Tensor) -> bool:
+    """Whether ``t``'s storage holds every byte ``t`` views (False once it was resized to 0 bytes,
+    or for a tensor made over a storage never allocated). Anything but a tensor counts as allocated."""
+    if not isinstance(t, torch.Tensor) or t.numel() == 0:
+        return True
+    extent = t.storage_offset() + 1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))
+    return t.untyped_storage().nbytes() >= extent * t.element_size()
+
+
+@contextlib.contextmanager
+def watching_frees():
+    """Inside this block, every ``untyped_storage().resize_(0)`` is recorded with the reader's line
+    that called it: yields a dict from a storage (``t.untyped_storage()._cdata``) to that line,
+    ``" (line N: code)"``, so that a trial can say where a buffer it finds freed was freed."""
+    cls = torch.UntypedStorage
+    had = cls.__dict__.get("resize_")
+    resize = cls.resize_
+    freed: dict[int, str] = {}
+
+    def watched(self, size):
+        if size == 0:
+            freed[self._cdata] = readers_line()
+        return resize(self, size)
+
+    cls.resize_ = watched
+    try:
+        yield freed
+    finally:
+        if had is None:
+            del cls.resize_
+        else:
+            cls.resize_ = had
+
+
+def freed_where(t, freed: dict[int, str]) -> str:
+    """The reader's line that freed ``t``'s storage, from :func:`watching_frees`'s record, as
+    ``" (line N: code)"``; ``""`` when it was not freed inside the watched block."""
+    return freed.get(t.untyped_storage()._cdata, "") if isinstance(t, torch.Tensor) else ""

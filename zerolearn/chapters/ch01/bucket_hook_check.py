@@ -37,6 +37,28 @@ BUCKET_BYTES = 48 * 1024  # 5 buckets for the trials' GPT
 GROWTH_SLACK = 1024  # bytes: what the hooks keep may differ this much between steps, not grow step after step
 
 
+def _one_per_bucket(during: int, calls: int, moved: int, n: int, step: int) -> None:
+    """One all-reduce per bucket in the step (``calls`` of them, ``during`` backward; ``moved``
+    elements), each launched during backward; raises Wrong naming what differs."""
+    if moved == 0 and step > 0:
+        raise Wrong(f"no all_reduce ran in this step, though step 0 made {n}: your hooks stopped launching "
+                    "after the first backward; reset what counts a bucket's arrived gradients when the "
+                    "bucket launches (the hooks stay registered and run again every backward)", step)
+    if moved == 0:
+        raise Wrong("comm.LEDGER saw no collective: call comm.all_reduce (it books what moves), "
+                    "not dist.all_reduce", step)
+    if calls != n:
+        raise Wrong(f"you made {calls} all_reduce calls in one step; the {n} buckets need {n} collectives, "
+                    "one per bucket: every call pays a collective's start-up latency, however small its "
+                    "tensor", step)
+    if during != n:
+        raise Wrong(f"{n - during} of the {n} buckets were not launched during backward: launch each "
+                    "bucket from the hook of its last gradient, so that it travels while backward "
+                    "computes the earlier layers (Sec 5.2)" if during else
+                    f"no all_reduce was launched during backward: all {n} ran in finish(), after it; "
+                    "launch each bucket from the hook of its last gradient (Sec 5.2)", step)
+
+
 def _bucket_trial(fn) -> str:
     """Three Adam steps with the reader's hooks against one process on the whole batch: how
     many all-reduces ran during backward and in all (one per bucket), 2 Psi per step, every
@@ -62,24 +84,8 @@ def _bucket_trial(fn) -> str:
             during = comm.LEDGER.as_dict()["all_reduce"]["calls"]
             finish()
         ledgers.append(ledger)
-        calls, moved = comm.LEDGER.as_dict()["all_reduce"]["calls"], comm.LEDGER.volume_elements()
-        if moved == 0 and step > 0:
-            raise Wrong(f"no all_reduce ran in this step, though step 0 made {n}: your hooks stopped launching "
-                        "after the first backward; reset what counts a bucket's arrived gradients when the "
-                        "bucket launches (the hooks stay registered and run again every backward)", step)
-        if moved == 0:
-            raise Wrong("comm.LEDGER saw no collective: call comm.all_reduce (it books what moves), "
-                        "not dist.all_reduce", step)
-        if calls != n:
-            raise Wrong(f"you made {calls} all_reduce calls in one step; the {n} buckets need {n} collectives, "
-                        "one per bucket: every call pays a collective's start-up latency, however small its "
-                        "tensor", step)
-        if during != n:
-            raise Wrong(f"{n - during} of the {n} buckets were not launched during backward: launch each "
-                        "bucket from the hook of its last gradient, so that it travels while backward "
-                        "computes the earlier layers (Sec 5.2)" if during else
-                        f"no all_reduce was launched during backward: all {n} ran in finish(), after it; "
-                        "launch each bucket from the hook of its last gradient (Sec 5.2)", step)
+        moved = comm.LEDGER.volume_elements()
+        _one_per_bucket(during, comm.LEDGER.as_dict()["all_reduce"]["calls"], moved, n, step)
         for (name, p), q, g in zip(model.named_parameters(), ref.parameters(), local):
             compare_grad(f"the gradient of {name!r}", p.grad, q.grad, g, p, world_size, step)
         if moved != 2 * psi:

@@ -7,7 +7,10 @@ views of a flat buffer whose storage is resized to 0 bytes between uses; each ra
 keeps its shard), trains three SGD steps against one process under the memory ledger,
 and checks every gradient shard, that no more than the shards and one unit (plus one
 prefetched) are held at once, that nothing stays gathered after backward, and that
-every unit is all-gathered twice per step.
+every unit is all-gathered twice per step. It also counts the hooks registered on each
+unit and parameter after every step (torch keeps them in the module's ``_forward_pre_hooks``
+and ``_forward_hooks`` and the tensor's ``_post_accumulate_grad_hooks``): hooks registered
+again in every forward pile up, each one running, while values and traffic stay right.
 
 This module holds the trial, the known bugs and the registration; the reader's function
 (with its reference solution) is in :mod:`zerolearn.chapters.ch04.gather_hooks`.
@@ -23,7 +26,7 @@ import torch.nn.functional as F
 from zerolearn import comm, data
 from zerolearn import dist as zdist
 from zerolearn.chapters.ch04.gather_hooks import gather_hooks
-from zerolearn.exercises.core import Bug, Exercise, Wrong, agree, register
+from zerolearn.exercises.core import Bug, Exercise, Wrong, agree, defined_at, register
 from zerolearn.exercises.helpers import (
     CPU,
     LAYERS,
@@ -41,7 +44,7 @@ BATCH, STEPS = 12, 3
 
 
 def _hooks(unit, flat, shard, world_size, free_after_forward=True, gather_for_backward=True,
-           free_after_backward=True):
+           free_after_backward=True, grad_hooks_in_forward=False):
     params, arrived = list(unit.parameters()), []
 
     def gather(*_):
@@ -53,6 +56,9 @@ def _hooks(unit, flat, shard, world_size, free_after_forward=True, gather_for_ba
             flat.untyped_storage().resize_(0)
         if gather_for_backward and output.requires_grad:
             output.register_hook(gather)
+        if grad_hooks_in_forward:  # one more hook per parameter in every forward
+            for p in params:
+                p.register_post_accumulate_grad_hook(after_grad)
 
     def after_grad(p):
         arrived.append(p)
@@ -63,8 +69,9 @@ def _hooks(unit, flat, shard, world_size, free_after_forward=True, gather_for_ba
 
     unit.register_forward_pre_hook(gather)
     unit.register_forward_hook(after_forward)
-    for p in params:
-        p.register_post_accumulate_grad_hook(after_grad)
+    if not grad_hooks_in_forward:
+        for p in params:
+            p.register_post_accumulate_grad_hook(after_grad)
 
 
 def _frees_before_backward(unit, flat, shard, world_size):
@@ -77,6 +84,10 @@ def _never_frees(unit, flat, shard, world_size):
 
 def _keeps_after_backward(unit, flat, shard, world_size):
     _hooks(unit, flat, shard, world_size, free_after_backward=False)
+
+
+def _grad_hooks_every_forward(unit, flat, shard, world_size):
+    _hooks(unit, flat, shard, world_size, grad_hooks_in_forward=True)
 
 
 @contextlib.contextmanager
@@ -103,6 +114,43 @@ def _held_at_most(held: int, when: str, shard_bytes: int, unit_bytes: int, model
                     "backward)", step)
 
 
+def _hooks_now(model) -> dict[str, list]:
+    """The hooks registered now, by where: per unit, its forward pre-hooks and forward hooks;
+    per parameter, its post-accumulate-grad hooks."""
+    hooks = {}
+    for i, unit in enumerate(model.layers):
+        hooks[f"forward pre-hooks on unit {i}"] = list(unit._forward_pre_hooks.values())
+        hooks[f"forward hooks on unit {i}"] = list(unit._forward_hooks.values())
+        for name, p in unit.named_parameters(prefix=f"layers.{i}"):
+            hooks[f"post-accumulate-grad hooks on parameter {name!r}"] = list(
+                (getattr(p, "_post_accumulate_grad_hooks", None) or {}).values())
+    return hooks
+
+
+def _no_pile_up(hooks: dict[str, list], first: dict[str, int], step: int) -> None:
+    """Hooks registered must not grow from step to step: autograd and the module call every one, every time."""
+    for what, now in hooks.items():
+        if len(now) > first[what]:
+            which = f", the last {getattr(now[-1], '__name__', 'one')}{defined_at(now[-1])}"
+            raise Wrong(f"after step {step}, {len(now)} {what}{which}; after step 0, {first[what]}: your hooks pile "
+                        "up (registered again in every forward?), and every one of them runs each time. Register "
+                        "each hook once, when gather_hooks is called (only the hook on a forward's output is new "
+                        "with each output)", step)
+
+
+def _check_units(model, layouts, shards, ref_grads: dict, step: int, ws: int) -> None:
+    """Each unit's gradient, reduce-scattered, against the reference; SGD on the shards."""
+    for k, (unit, layout, shard) in enumerate(zip(model.layers, layouts, shards)):
+        agree(step, point=f"unit {k}")  # every rank passed the units before: all join this reduce-scatter
+        grad = torch.zeros(layout.shard_numel)
+        comm.reduce_scatter(grad, layout.flatten([p.grad for p in unit.parameters()], torch.float32, CPU))
+        want = layout.flatten([ref_grads[n].grad for n in layout.names], torch.float32, CPU)
+        compare_shard(f"the gradient shard of unit {k}", grad / ws, layout.shard_of(want), layout, step)
+        shard -= SGD_LR * grad / ws
+        for p in unit.parameters():
+            p.grad = None
+
+
 def _gather_trial(fn) -> str:
     """Three SGD steps of the MLP, one unit per layer, the reader's hooks on every unit."""
     ctx = zdist.context()
@@ -113,6 +161,7 @@ def _gather_trial(fn) -> str:
         fn(unit, flat, shard, ws)
     psi, padded = sum(lay.numel for lay in layouts), sum(lay.padded_numel for lay in layouts)
     shard_bytes, unit_bytes = 4 * sum(s.numel() for s in shards), 4 * max(lay.padded_numel for lay in layouts)
+    hooks = None
     for step in range(STEPS):
         x, y = data.mlp_batch(step, BATCH, WIDTH)
         comm.LEDGER.reset()
@@ -127,16 +176,7 @@ def _gather_trial(fn) -> str:
         kept = gathered_units(flats)
         ref.zero_grad()
         F.mse_loss(ref(x), y).backward()
-        ref_grads = dict(ref.named_parameters())
-        for k, (unit, layout, shard) in enumerate(zip(model.layers, layouts, shards)):
-            agree(step, point=f"unit {k}")  # every rank passed the units before: all join this reduce-scatter
-            grad = torch.zeros(layout.shard_numel)
-            comm.reduce_scatter(grad, layout.flatten([p.grad for p in unit.parameters()], torch.float32, CPU))
-            want = layout.flatten([ref_grads[n].grad for n in layout.names], torch.float32, CPU)
-            compare_shard(f"the gradient shard of unit {k}", grad / ws, layout.shard_of(want), layout, step)
-            shard -= SGD_LR * grad / ws
-            for p in unit.parameters():
-                p.grad = None
+        _check_units(model, layouts, shards, dict(ref.named_parameters()), step, ws)
         _held_at_most(peak_forward, "in forward", shard_bytes, unit_bytes, 4 * padded, step)
         if kept:
             raise Wrong(f"after backward, units {kept} are still gathered "
@@ -148,6 +188,8 @@ def _gather_trial(fn) -> str:
             raise Wrong(f"your hooks all-gathered {gathered / psi:.2f} Psi in this step; ZeRO-3 gathers every unit "
                         f"before its forward and again before its backward: {2 * padded / psi:.2f} Psi, 3 Psi per "
                         "step with the gradients' reduce-scatter (Sec 7.2.2)", step)
+        hooks = hooks or {what: len(now) for what, now in _hooks_now(model).items()}
+        _no_pile_up(_hooks_now(model), hooks, step)
         with torch.no_grad():
             for p in ref.parameters():
                 p -= SGD_LR * p.grad
@@ -166,4 +208,7 @@ register(Exercise(
      "never_frees": Bug(_never_frees, "a ZeRO-3 that gathers but never frees: its peak holds the whole model, "
                         "as ZeRO-2 does", "held all"),
      "keeps_after_backward": Bug(_keeps_after_backward, "freeing after forward only: backward's gathers pile up "
-                                 "until the step", "still gathered")}))
+                                 "until the step", "still gathered"),
+     "grad_hooks_every_forward": Bug(_grad_hooks_every_forward, "the post-accumulate-grad hooks registered in every "
+                                     "forward: values, memory and traffic stay right, but the hooks pile up and "
+                                     "every free runs once more each step", "your hooks pile up")}))

@@ -4,8 +4,9 @@ Average many gradients over the ranks through one fused buffer of a fixed size, 
 after fill, so that no buffer grows with the model. The trial reduces each rank's own
 gradients of two MLPs of different sizes (3,095 and 17,201 values) through the same
 1,024-element buffer and checks every value against the average over ranks, that the
-last, partly filled buffer is reduced too, one all-reduce per fill of only the elements
-it holds, and the memory rule (memory ledger): nothing allocated grows with the model,
+last, partly filled buffer is reduced too, that each fill overwrites the buffer (a fill
+added into it holds the previous fill's values too), one all-reduce per fill of only the
+elements it holds, and the memory rule (memory ledger): nothing allocated grows with the model,
 and scratch stays within as much again as the buffer.
 
 This module holds the trial, the known bugs and the registration; the reader's function
@@ -69,6 +70,33 @@ def _gradients(widths, seed: int) -> list[torch.Tensor]:
     return out
 
 
+def _compare_values(model: str, grads, want, before, start: torch.Tensor) -> None:
+    """The averaged tensors against ``want``; a wrong fill is named by what it holds instead: the
+    values as they were (the fill never reduced), or the average plus what the buffer held before
+    the fill (``start`` before the first: the values were added into the buffer, not copied)."""
+    got, avg, old = (torch.cat([t.reshape(-1) for t in ts]) for ts in (grads, want, before))
+    n = got.numel()
+    bad = ~torch.isclose(got, avg)
+    if bad.any():
+        first = int(bad.nonzero()[0])
+        fill, fills = first // BUFFER, math.ceil(n / BUFFER)
+        lo, hi = fill * BUFFER, min(n, (fill + 1) * BUFFER)
+        if torch.isclose(got[first:], old[first:]).all():
+            which = ("the last, partly filled buffer must be reduced too" if fill == fills - 1 else
+                     f"every fill must be reduced and copied back (fills {fill + 1} to {fills} of {fills})")
+            raise Wrong(f"the {model} model's values from element {first:,} of {n:,} on were not averaged: {which}")
+        held = start[:hi - lo] if fill == 0 else got[lo - BUFFER:hi - BUFFER]
+        if torch.allclose(got[lo:hi], avg[lo:hi] + held, rtol=1e-4, atol=1e-5):
+            raise Wrong(f"the {model} model's fill {fill + 1} of {fills} (elements {lo:,} to {hi - 1:,}) came back "
+                        "as their average plus what the buffer held before that fill: your code adds the values "
+                        "into the buffer (+= or add_) instead of overwriting it; copy each run in with copy_")
+    offset = 0
+    for k, (g, w) in enumerate(zip(grads, want)):
+        first_difference(f"the {model} model's tensor {k} (shape {tuple(g.shape)}, elements {offset:,} on)", g, w,
+                         reference="the average over ranks")
+        offset += g.numel()
+
+
 def _buffer_trial(fn) -> str:
     """Each rank's own gradients of two MLPs averaged through one 1,024-element buffer."""
     ctx = zdist.context()
@@ -79,21 +107,12 @@ def _buffer_trial(fn) -> str:
         grads, before = _gradients(widths, rank), _gradients(widths, rank)
         want = [sum(ts) / ws for ts in zip(*(_gradients(widths, r) for r in range(ws)))]
         n = sizes[model] = sum(t.numel() for t in grads)
+        start = buffer.clone()
         comm.LEDGER.reset()
         with MemoryLedger(record_timeline=False) as ledger:
             fn(grads, buffer, ws)
         peaks[model] = ledger.peak
-        offset = 0
-        for k, (got, w, old) in enumerate(zip(grads, want, before)):
-            untouched = torch.isclose(got, old) & ~torch.isclose(got, w)
-            if untouched.any():
-                first = offset + int(untouched.flatten().nonzero()[0])
-                raise Wrong(f"the {model} model's values from element {first:,} of {n:,} on were not averaged "
-                            f"(tensor {k}, shape {tuple(got.shape)}): the last, partly filled buffer must be "
-                            "reduced too")
-            first_difference(f"the {model} model's tensor {k} (shape {tuple(got.shape)})", got, w,
-                             reference="the average over ranks")
-            offset += got.numel()
+        _compare_values(model, grads, want, before, start)
         reduced = comm.LEDGER.as_dict()["all_reduce"]
         calls, elements = reduced["calls"], reduced["elements"]
         fills = math.ceil(n / BUFFER)
@@ -121,9 +140,10 @@ def _buffer_trial(fn) -> str:
             f"{kib(4 * BUFFER, unit=True)} buffer, nothing else allocated")
 
 
-def _fills(tensors, buffer, whole: bool = False, keep: list | None = None, scratch: int = 0):
+def _fills(tensors, buffer, whole: bool = False, keep: list | None = None, scratch: int = 0, add: bool = False):
     """The reference fill loop; ``whole`` reduces the whole buffer at every fill (its stale tail
-    included), ``keep`` collects a copy of every fill, ``scratch`` allocates that many elements."""
+    included), ``keep`` collects a copy of every fill, ``scratch`` allocates that many elements,
+    ``add`` adds each run into the buffer instead of copying it."""
     flats = [t.view(-1) for t in tensors]
     n, size = sum(f.numel() for f in flats), buffer.numel()
     extra = torch.empty(scratch) if scratch else None  # noqa: F841 - held for the whole call
@@ -137,7 +157,7 @@ def _fills(tensors, buffer, whole: bool = False, keep: list | None = None, scrat
                 pieces.append((f[a - offset:b - offset], buffer[a - lo:b - lo]))
             offset += f.numel()
         for part, fused in pieces:
-            fused.copy_(part)
+            fused.add_(part) if add else fused.copy_(part)
         filled = buffer if whole else buffer[:hi - lo]
         comm.all_reduce(filled)
         filled.div_(world_size)
@@ -145,6 +165,10 @@ def _fills(tensors, buffer, whole: bool = False, keep: list | None = None, scrat
             keep.append(buffer.clone())
         for part, fused in pieces:
             part.copy_(fused)
+
+
+def _adds_into_buffer(tensors, buffer, world_size):
+    _fills(tensors, buffer, add=True)
 
 
 def _whole_last_fill(tensors, buffer, world_size):
@@ -167,6 +191,8 @@ register(Exercise(
                              "grows with the model"),
      "drops_tail": Bug(_drops_tail, "a fill loop over whole buffers only (range(0, n - B + 1, B)): the "
                        "shorter last fill is never reduced", "were not averaged"),
+     "adds_into_buffer": Bug(_adds_into_buffer, "each run added into the buffer (add_) instead of copied: from the "
+                             "second fill on, the previous fill's values travel too", "instead of overwriting it"),
      "whole_last_fill": Bug(_whole_last_fill, "all_reduce(buffer) at every fill: the short last fill's stale "
                             "tail travels too (right values, more traffic)", "more than it has"),
      "keeps_every_fill": Bug(_keeps_every_fill, "a copy of every fill kept (for a later copy-back, a log): "

@@ -9,6 +9,9 @@ nor in rank order ([2, 0] and [3, 1]), so a rank's place in its group is not its
 rank. It trains two SGD steps and checks every restored checkpoint against the block's
 input, the gradients against plain training in one process, the bytes kept after forward
 (memory ledger), and one all-gather per block, over the group, of this rank's own piece.
+A buffer freed too early (its storage resized to 0 bytes) is named before anything reads
+it, with the reader's line that freed it: x itself (the caller still reads it), a piece
+that is a view of a freed buffer, an all-gather's output, or what restore() returns.
 
 This module holds the trial, the known bugs and the registration; the reader's function
 (with its reference solution) is in :mod:`zerolearn.chapters.ch05.partition_checkpoint`.
@@ -16,8 +19,8 @@ This module holds the trial, the known bugs and the registration; the reader's f
 
 from __future__ import annotations
 
-import functools
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -27,7 +30,8 @@ from torch import nn
 from zerolearn import comm
 from zerolearn import dist as zdist
 from zerolearn.chapters.ch05.partition_checkpoint import partition_checkpoint
-from zerolearn.exercises.core import Bug, Exercise, Wrong, agree, first_difference, register
+from zerolearn.exercises.core import Bug, Exercise, Wrong, agree, first_difference, machinery, readers_line, register
+from zerolearn.exercises.helpers import allocated, freed_where, watching_frees
 from zerolearn.memory.ledger import MemoryLedger, category
 from zerolearn.tables import kib
 
@@ -114,15 +118,78 @@ def _world_gather(x, group):
     return restore
 
 
+def _frees_x(x, group):
+    nm, rank = dist.get_world_size(group), dist.get_rank(group)
+    shape, numel, c = x.shape, x.numel(), math.ceil(x.numel() / nm)
+    piece = F.pad(x.detach().reshape(-1), (0, c * nm - numel))[rank * c:(rank + 1) * c].clone()
+    x.untyped_storage().resize_(0)  # frees the caller's tensor, which the block's forward still reads
+
+    def restore():
+        full = torch.empty(c * nm)
+        comm.all_gather(full, piece, group=group)
+        return full[:numel].view(shape)
+
+    return restore
+
+
+def _frees_under_the_piece(x, group):
+    nm, rank = dist.get_world_size(group), dist.get_rank(group)
+    shape, numel, c = x.shape, x.numel(), math.ceil(x.numel() / nm)
+    padded = F.pad(x.detach().reshape(-1), (0, c * nm - numel))
+    piece = padded[rank * c:(rank + 1) * c]  # a view: it shares padded's storage
+    padded.untyped_storage().resize_(0)  # frees the piece with it
+
+    def restore():
+        full = torch.empty(c * nm)
+        comm.all_gather(full, piece, group=group)
+        return full[:numel].view(shape)
+
+    return restore
+
+
+@dataclass(frozen=True)
+class _Block:
+    """What the trial checks around block ``k``'s checkpoint in ``step``: ``c`` elements a piece;
+    ``freed``: where the reader's code freed storage (:func:`watching_frees`)."""
+
+    k: int
+    step: int
+    c: int
+    freed: dict
+
+    def kept(self, x: torch.Tensor) -> None:
+        """x, the caller's tensor, must still hold its bytes when partition_checkpoint returns."""
+        if not allocated(x):
+            raise Wrong(f"partition_checkpoint freed x, block {self.k}'s input{freed_where(x, self.freed)}: x "
+                        "belongs to the caller, whose forward reads it again once your function returns (the "
+                        "block runs on it); keep a copy of your piece and drop your references to x instead, "
+                        "and x is freed when its last user lets go of it", self.step)
+
+    def restored(self, got, want: torch.Tensor) -> None:
+        """Block ``k``'s restored checkpoint must equal its input in forward; the message names the rank's piece."""
+        if not allocated(got):
+            raise Wrong(f"your restore() returned block {self.k}'s checkpoint in a tensor whose storage holds 0 "
+                        f"bytes{freed_where(got, self.freed)}: the block is recomputed from it after restore() "
+                        "returns; free a buffer only once nothing reads it (return a tensor that owns its "
+                        "memory)", self.step)
+        what = f"block {self.k}'s checkpoint as your restore() returns it"
+        if isinstance(got, torch.Tensor) and got.shape == want.shape and not torch.equal(got, want):
+            i = int((got != want).flatten().nonzero()[0])
+            what += f" (token {i // HIDDEN}, feature {i % HIDDEN}: in rank {i // self.c}'s piece)"
+        first_difference(what, got, want, step=self.step, rtol=0, atol=0,
+                         reference="the block's input in forward")
+
+
 class _Checkpointed(torch.autograd.Function):
     """``block(x)`` keeping only what the reader's function keeps; backward restores, checks, recomputes."""
 
     @staticmethod
-    def forward(ctx, block, fn, group, check, x):
+    def forward(ctx, block, fn, group, check: _Block, x):
         ctx.block, ctx.check = block, check
         with category("params"):  # the trial's own copy, to check restore(); kept out of the reader's bytes
             ctx.original = x.clone()
         ctx.restore = fn(x, group)
+        check.kept(x)
         with torch.no_grad():
             return block(x)
 
@@ -130,21 +197,12 @@ class _Checkpointed(torch.autograd.Function):
     def backward(ctx, grad):
         _RESTORING["x"] = ctx.original  # what the all-gather's piece is checked against
         x = ctx.restore()
-        ctx.check(x, ctx.original)
+        ctx.check.restored(x, ctx.original)
         x = x.detach().requires_grad_()
         with torch.enable_grad():
             y = ctx.block(x)
         torch.autograd.backward(y, grad)
         return None, None, None, None, x.grad
-
-
-def _check_restored(k: int, step: int, c: int, got, want: torch.Tensor) -> None:
-    """Block ``k``'s restored checkpoint must equal its input in forward; the message names the rank's piece."""
-    what = f"block {k}'s checkpoint as your restore() returns it"
-    if isinstance(got, torch.Tensor) and got.shape == want.shape and not torch.equal(got, want):
-        i = int((got != want).flatten().nonzero()[0])
-        what += f" (token {i // HIDDEN}, feature {i % HIDDEN}: in rank {i // c}'s piece)"
-    first_difference(what, got, want, step=step, rtol=0, atol=0, reference="the block's input in forward")
 
 
 def _stack() -> tuple[nn.Module, nn.ModuleList]:
@@ -171,18 +229,36 @@ def _mp_group(world_size: int):
     return groups[mine], members[mine]
 
 
-def _checked_all_gather(original, group, members: list[int], step_of):
-    """``comm.all_gather`` that first checks the reader's call: over ``group``, and with this rank's
-    piece of the checkpoint being restored (its place in the group, not its global rank)."""
+def _checked_all_gather(original, group, members: list[int], step_of, freed: dict):
+    """``comm.all_gather`` that first checks the reader's call: buffers that hold their bytes, over
+    ``group``, and with this rank's piece of the checkpoint being restored (its place in the
+    group, not its global rank). An error inside the collective is the reader's, at its line."""
     calls = {"n": 0}
 
+    @machinery
     def all_gather(output, input, group=None, async_op=False, **kwargs):
         step = step_of()
         calls["n"] += 1
+        _check_buffers(output, input, step)
         _check_call(group, input)
         agree(step, point=f"all_gather {calls['n']}")  # every rank's call was right: none waits for a stopped one
         return original(output, input, group=group, async_op=async_op, **kwargs)
 
+    @machinery
+    def _check_buffers(output, input, step):
+        line = readers_line()
+        if not allocated(input):
+            raise Wrong(f"your restore() all-gathers a piece whose storage holds 0 bytes{line}: it is a view of "
+                        f"a buffer that was freed{freed_where(input, freed)}; keep a copy of your piece "
+                        "(.clone()), which owns its memory, and free or drop the rest", step)
+        if not allocated(output):
+            where = freed_where(output, freed)
+            raise Wrong(f"your restore() all-gathers into an output whose storage holds 0 bytes{line}: "
+                        f"{f'it was freed{where}' if where else 'it was freed or never allocated'}; allocate it "
+                        "(torch.empty) or grow its storage back (untyped_storage().resize_(bytes)) before the "
+                        "all-gather writes into it", step)
+
+    @machinery
     def _check_call(group, input):
         step = step_of()
         if group is not wanted:
@@ -216,15 +292,16 @@ def _partition_trial(fn) -> str:
     group, members = _mp_group(ctx.world_size)
     nm = len(members)
     original, now = comm.all_gather, {"step": 0}
-    comm.all_gather = _checked_all_gather(original, group, members, lambda: now["step"])
     try:
-        return _partition_steps(fn, group, nm, now)
+        with watching_frees() as freed:
+            comm.all_gather = _checked_all_gather(original, group, members, lambda: now["step"], freed)
+            return _partition_steps(fn, group, nm, now, freed)
     finally:
         comm.all_gather = original
         _RESTORING.clear()
 
 
-def _partition_steps(fn, group, nm: int, now: dict) -> str:
+def _partition_steps(fn, group, nm: int, now: dict, freed: dict) -> str:
     (stem, blocks), (ref_stem, ref_blocks) = _stack(), _stack()
     numel = TOKENS * HIDDEN
     c = math.ceil(numel / nm)
@@ -237,7 +314,7 @@ def _partition_steps(fn, group, nm: int, now: dict) -> str:
             with ledger.phase("forward"):
                 h = stem(x)
                 for k, block in enumerate(blocks):
-                    h = _Checkpointed.apply(block, fn, group, functools.partial(_check_restored, k, step, c), h)
+                    h = _Checkpointed.apply(block, fn, group, _Block(k, step, c, freed), h)
                 loss = (h * target).sum()  # saves target only, not h
                 del h
             held = ledger.live["activations"] - 4  # the loss itself: one fp32 value
@@ -287,5 +364,10 @@ register(Exercise(
      "global_rank": Bug(_global_rank, "dist.get_rank() for the piece: right while the model-parallel group is "
                         "the world in rank order, wrong in a 2 x 2 layout", "use dist.get_rank(group)"),
      "world_gather": Bug(_world_gather, "comm.all_gather without group=: the default group, every rank",
-                         "pass group=group")},
+                         "pass group=group"),
+     "frees_x": Bug(_frees_x, "x's storage resized to 0 bytes to free the checkpoint: x is the caller's, and "
+                    "the block's forward still reads it", "partition_checkpoint freed x"),
+     "frees_under_the_piece": Bug(_frees_under_the_piece, "the padded copy freed while the piece is a view of it: "
+                                  "the all-gather reads freed memory (gloo would crash the rank)",
+                                  "a view of a buffer that was freed (line")},
     world_sizes=(2, 4, 3)))

@@ -9,13 +9,17 @@ the update on a real thread and returns once the update has written the first ha
 ``master`` and paused; the second half is written when the future's ``result()`` is
 called (or when the next update must start, as a single worker thread would run them
 in order). So an update that was not waited for is seen, every time, as a master
-copy torn in half, the race a real CPU step makes one time in many.
+copy torn in half, the race a real CPU step makes one time in many. The future is a
+``concurrent.futures.Future`` (``done()``, ``result()``, ``exception()``, callbacks);
+its ``done()`` says False while the update is paused, until polled for a while.
 
 Before each forward the trial reads the published parameters and names which update
 they hold against what DPU promises: step 0 synchronous, then one step behind (the
 forward of step t reads the update of step t - 2's gradient). It also checks that
 each update got its own step's gradient and was still running when ``dpu_step``
-returned (overlap), in this process (no ranks).
+returned (overlap), that what it returned is that update's future (the next call waits
+for it), and that ``params`` still has memory of its own, not ``master``'s, in this
+process (no ranks).
 
 This module holds the trial, the known bugs and the registration; the reader's function
 (with its reference solution) is in :mod:`zerolearn.chapters.ch08.dpu_step`.
@@ -24,6 +28,8 @@ This module holds the trial, the known bugs and the registration; the reader's f
 from __future__ import annotations
 
 import threading
+import time
+from concurrent.futures import Future
 
 import torch
 
@@ -35,26 +41,33 @@ HALF = N // 2
 _JOB = threading.local()  # on a worker thread: the job it runs
 
 
-class _Job:
-    """One update on its own thread; ``result()`` lets it finish and waits for it."""
+POLLED_S = 0.2  # seconds of done() answering False after which the paused update finishes
+
+
+class _Job(Future):
+    """One update on its own thread, a ``concurrent.futures.Future``: ``result()`` (and
+    ``exception()``) let it finish and wait for it; ``done()`` answers without waiting, False
+    while it is paused, until it has been asked for :data:`POLLED_S` seconds (a loop that polls
+    it sees it finish, as it would a real CPU step)."""
 
     def __init__(self, fn, args):
-        self.midway, self.release, self.done = threading.Event(), threading.Event(), threading.Event()
-        self.error: BaseException | None = None
-        self.value = None
+        super().__init__()
+        self.midway, self.release = threading.Event(), threading.Event()
+        self.asked: float | None = None
+        self.set_running_or_notify_cancel()
         self.thread = threading.Thread(target=self._run, args=(fn, args), daemon=True)
         self.thread.start()
-        while not (self.midway.wait(0.01) or self.done.is_set()):  # until it has written half, or finished
+        while not (self.midway.wait(0.01) or super().done()):  # until it has written half, or finished
             pass
 
     def _run(self, fn, args) -> None:
         _JOB.job = self
         try:
-            self.value = fn(*args)
+            value = fn(*args)
         except BaseException as e:  # noqa: BLE001 - handed to whoever waits for the result
-            self.error = e
-        finally:
-            self.done.set()
+            self.set_exception(e)
+        else:
+            self.set_result(value)
 
     def pause(self) -> None:
         self.midway.set()
@@ -62,13 +75,19 @@ class _Job:
 
     def result(self, timeout=None):
         self.release.set()
-        self.thread.join(30)
-        if self.error is not None:
-            raise self.error
-        return self.value
+        return super().result(timeout)
 
-    def running(self) -> bool:
-        return not self.done.is_set()
+    def exception(self, timeout=None):
+        self.release.set()
+        return super().exception(timeout)
+
+    def done(self) -> bool:
+        if not super().done():
+            now = time.monotonic()
+            self.asked = now if self.asked is None else self.asked
+            if now - self.asked > POLLED_S:
+                self.release.set()
+        return super().done()
 
 
 class _HostWorker:
@@ -87,6 +106,10 @@ class _HostWorker:
 
     def running(self) -> bool:
         return any(job.running() for job in self.jobs)
+
+    def in_flight(self) -> _Job | None:
+        """The update still running, if any."""
+        return next((job for job in self.jobs if job.running()), None)
 
     def close(self) -> None:
         for job in self.jobs:
@@ -155,6 +178,37 @@ def _name_what_it_read(step: int, seen: torch.Tensor, adam: _HostAdam) -> None:
         adam.history) - 1)], step=step, rtol=0, atol=0, reference="DPU")
 
 
+def _after_call(step: int, returned, params: torch.Tensor, master: torch.Tensor, adam: _HostAdam,
+                worker: _HostWorker) -> None:
+    """What must hold when ``dpu_step`` returns at ``step``; raises Wrong naming what does not."""
+    if params.untyped_storage().data_ptr() == master.untyped_storage().data_ptr():
+        raise Wrong(f"after dpu_step at step {step}, params shares its memory with master (params.set_(master), "
+                    "params.data = master): the update running on the worker then writes into the parameters the "
+                    "device reads. Publish a copy into params' own memory: params.copy_(master)", step)
+    started = len(adam.got)
+    if started < step + 1:
+        raise Wrong(f"dpu_step returned without starting the update of step {step}'s gradient "
+                    f"({started} updates started, {step + 1} expected): submit host_step(grad)", step)
+    if started > step + 1:
+        raise Wrong(f"{started} updates started after step {step}, {step + 1} expected: one host_step per step", step)
+    if adam.got[step] != step:
+        raise Wrong(f"update {step} got {'no step' if adam.got[step] is None else f'step {adam.got[step]}'}"
+                    f"'s gradient: each update applies the gradient of its own step", step)
+    running = worker.in_flight()
+    if step >= 1 and running is None:
+        raise Wrong(f"the update of step {step}'s gradient had finished when dpu_step returned: no overlap, the "
+                    "device waited for the CPU (a synchronous step). Start it on the worker and return its future "
+                    "without waiting", step)
+    if step == 0 and running is not None:
+        raise Wrong("step 0's update was still running when dpu_step returned: step 0 runs synchronously (the "
+                    "warm-up)", step)
+    if running is not None and returned is not running:
+        what = "None" if returned is None else f"a {type(returned).__name__}"
+        raise Wrong(f"dpu_step returned {what} at step {step}, not the future of the update it started, which "
+                    "still runs: the next call gets what you return as pending and can wait only for that. Return "
+                    "the future worker.submit gave you", step)
+
+
 def _dpu_trial(fn) -> str:
     """7 steps of a quadratic loss under DPU; see the module docstring for what is checked."""
     g = torch.Generator().manual_seed(8)
@@ -171,23 +225,7 @@ def _dpu_trial(fn) -> str:
             _name_what_it_read(step, seen, adam)
             grads.append(weight * (seen - target - batches[step]))
             pending = fn(step, params, master, grads[-1].clone(), adam, pending, worker)
-            started = len(adam.got)
-            if started < step + 1:
-                raise Wrong(f"dpu_step returned without starting the update of step {step}'s gradient "
-                            f"({started} updates started, {step + 1} expected): submit host_step(grad)", step)
-            if started > step + 1:
-                raise Wrong(f"{started} updates started after step {step}, {step + 1} expected: one "
-                            "host_step per step", step)
-            if adam.got[step] != step:
-                raise Wrong(f"update {step} got {'no step' if adam.got[step] is None else f'step {adam.got[step]}'}"
-                            f"'s gradient: each update applies the gradient of its own step", step)
-            if step >= 1 and not worker.running():
-                raise Wrong(f"the update of step {step}'s gradient had finished when dpu_step returned: no "
-                            "overlap, the device waited for the CPU (a synchronous step). Start it on the worker "
-                            "and return its future without waiting", step)
-            if step == 0 and worker.running():
-                raise Wrong("step 0's update was still running when dpu_step returned: step 0 runs "
-                            "synchronously (the warm-up)", step)
+            _after_call(step, pending, params, master, adam, worker)
     finally:
         worker.close()
     return (f"{STEPS} steps: step 0 synchronous, then every forward read the update of the gradient two steps "
@@ -241,11 +279,42 @@ def _first_step_async(step, params, master, grad, host_step, pending, worker):
     return worker.submit(host_step, grad)
 
 
+def _future_not_returned(step, params, master, grad, host_step, pending, worker):
+    """The update started on the worker but its future dropped: the next call gets None as
+    pending, has nothing to wait for, and copies master while the update still writes it."""
+    if step == 0:
+        host_step(grad)
+        params.copy_(master)
+        return None
+    if pending is not None:
+        pending.result()
+    params.copy_(master)
+    worker.submit(host_step, grad)
+    return None
+
+
+def _aliases_master(step, params, master, grad, host_step, pending, worker):
+    """params made a view of master's memory instead of a copy of it: the update running on the
+    worker writes into what the device reads."""
+    if step == 0:
+        host_step(grad)
+        params.set_(master)
+        return None
+    if pending is not None:
+        pending.result()
+    params.set_(master)
+    return worker.submit(host_step, grad)
+
+
 register(Exercise(
     "08.dpu_step", "ZeRO-Offload's delayed parameter update: publish the last update, start this one",
     dpu_step, _dpu_trial,
     {"publish_before_wait": Bug(_publish_before_wait, "a race between the CPU step and the copy", "torn"),
      "no_delay": Bug(_no_delay, "a synchronous host step", "no overlap"),
      "two_steps_late": Bug(_two_steps_late, "a staging buffer published one call late", "2 steps of delay"),
-     "first_step_async": Bug(_first_step_async, "DPU without the warm-up step", "step 0 runs synchronously")},
+     "first_step_async": Bug(_first_step_async, "DPU without the warm-up step", "step 0 runs synchronously"),
+     "future_not_returned": Bug(_future_not_returned, "the update's future dropped: the next call cannot wait",
+                                "Return the future worker.submit gave you"),
+     "aliases_master": Bug(_aliases_master, "params.set_(master): the device reads the memory the worker writes",
+                           "params shares its memory with master")},
     world_sizes=()))

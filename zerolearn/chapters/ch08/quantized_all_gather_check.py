@@ -4,7 +4,12 @@ The trial runs the reader's function on 2 and then 3 gloo ranks, twice: 150 elem
 a rank in blocks of 64 (two whole blocks and a partial one of 22) and in blocks of 50.
 Each rank's shard is drawn from a seed of its own and scaled by rank + 1, and its first
 50 elements are a thousand times smaller than the rest, so that one scale for the whole
-tensor, a forgotten padding or another rank's scales each show.
+tensor, a forgotten padding or another rank's scales each show. On rank 1, elements 50
+to 127 are zeros: a whole block of zeros in blocks of 64 and in blocks of 50, whose
+max |x| / 127 is 0, so that a division by that scale (0 / 0, NaN) shows. Casting NaN to
+int8 is undefined (this CPU happens to give 0, and 0 times a scale of 0 is the right
+value), so the trial watches the reader's casts to an integer type and names one fed a
+NaN, with its line, once the values are right.
 
 Every element of ``out`` must lie within half a quantization step of the value the
 rank sent: round to nearest errs by at most ``scale / 2`` for that block's scale,
@@ -20,21 +25,50 @@ This module holds the trial, the known bugs and the registration; the reader's f
 from __future__ import annotations
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from zerolearn import comm
 from zerolearn import dist as zdist
 from zerolearn.chapters.ch08.quantized_all_gather import quantized_all_gather
-from zerolearn.exercises.core import Bug, Exercise, Wrong, agree, register
+from zerolearn.exercises.core import Bug, Exercise, Wrong, agree, machinery, readers_line, register
 
 N = 150
 BLOCKS = (64, 50)
 
 
+ZEROS = (1, slice(50, 128))  # the rank and the elements that are zeros: block 1 in blocks of 64 and of 50
+
+
 def shard_of(rank: int) -> torch.Tensor:
-    """Rank ``rank``'s shard: N fp32 values, its first block 1000x smaller, scaled by rank + 1."""
+    """Rank ``rank``'s shard: N fp32 values, its first 50 1000x smaller, scaled by rank + 1; on
+    rank 1, elements 50 to 127 zeros (:data:`ZEROS`)."""
     x = torch.randn(N, generator=torch.Generator().manual_seed(800 + rank)) * (rank + 1)
     x[:50] *= 1e-3
+    if rank == ZEROS[0]:
+        x[ZEROS[1]] = 0.0
     return x
+
+
+_CASTS = (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default)
+
+
+class _NaNCasts(TorchDispatchMode):
+    """While active, records the reader's line of every cast to an integer type fed a NaN
+    (``.to(torch.int8)``, ``.char()``, ``q.copy_(x)``): ``lines``, first first."""
+
+    def __init__(self):
+        super().__init__()
+        self.lines: list[str] = []
+
+    @machinery
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in _CASTS and isinstance(out, torch.Tensor) and not out.dtype.is_floating_point and \
+                out.dtype != torch.bool:
+            source = args[1] if func is torch.ops.aten.copy_.default else args[0]
+            if isinstance(source, torch.Tensor) and source.dtype.is_floating_point and bool(source.isnan().any()):
+                self.lines.append(readers_line())
+        return out
 
 
 def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
@@ -87,6 +121,22 @@ def _diagnose(part: torch.Tensor, rank: int, world_size: int, block: int) -> str
     return ""
 
 
+def _check_part(out: torch.Tensor, r: int, world_size: int, block: int, step: int) -> None:
+    """Rank ``r``'s part of ``out`` within half a quantization step of what it sent, or Wrong naming why not."""
+    part, x = out[r * N:(r + 1) * N], shard_of(r)
+    scales = _scales(x, block)
+    bound = scales.repeat_interleave(block)[:N] / 2
+    err = (part - x).abs()
+    bad = ~(err <= bound * (1 + 1e-4) + 1e-12)  # NaN (never written) counts as wrong
+    if bad.any():
+        i = int(bad.nonzero()[0])
+        why = _diagnose(part, r, world_size, block)
+        why = f". {why[0].upper()}{why[1:]}" if why else ""
+        raise Wrong(f"blocks of {block}: rank {r}'s part of out, element {i} (block {i // block}): you have "
+                    f"{part[i].item():.6g}, rank {r} sent {x[i].item():.6g}; rounding to nearest with that "
+                    f"block's scale errs by at most {bound[i].item():.3g}{why}", step)
+
+
 def _qwz_trial(fn) -> str:
     """The reader's function on this rank's shard, in blocks of 64 and of 50; see the module docstring."""
     ctx = zdist.context()
@@ -94,7 +144,8 @@ def _qwz_trial(fn) -> str:
     for step, block in enumerate(BLOCKS):
         out = torch.full((world_size * N,), float("nan"))
         comm.LEDGER.reset()
-        fn(out, shard_of(rank).clone(), block, world_size)
+        with _NaNCasts() as casts:
+            fn(out, shard_of(rank).clone(), block, world_size)
         gathered = comm.LEDGER.as_dict()["all_gather"]
         nb = -(-N // block)
         if gathered["calls"] == 0:
@@ -106,19 +157,13 @@ def _qwz_trial(fn) -> str:
                         f"one fp32 scale per block are {budget:,} bytes (fp32 values alone would be "
                         f"{world_size * N * 4:,}): send the int8 values, not the fp32 ones", step)
         for r in range(world_size):
-            part, x = out[r * N:(r + 1) * N], shard_of(r)
-            scales = _scales(x, block)
-            bound = scales.repeat_interleave(block)[:N] / 2
-            err = (part - x).abs()
-            bad = ~(err <= bound * (1 + 1e-4) + 1e-12)  # NaN (never written) counts as wrong
-            if bad.any():
-                i = int(bad.nonzero()[0])
-                why = _diagnose(part, r, world_size, block)
-                why = f". {why[0].upper()}{why[1:]}" if why else ""
-                raise Wrong(f"blocks of {block}: rank {r}'s part of out, element {i} (block {i // block}): you have "
-                            f"{part[i].item():.6g}, rank {r} sent {x[i].item():.6g}; rounding to nearest with that "
-                            f"block's scale errs by at most {bound[i].item():.3g}{why}",
-                            step)
+            _check_part(out, r, world_size, block, step)
+        if casts.lines:
+            zero = f"block {-(-ZEROS[1].start // block)}" if rank == ZEROS[0] else "a block"
+            raise Wrong(f"blocks of {block}: rank {rank}'s {zero}, all zeros, got scale max |x| / 127 = 0, and your "
+                        f"function cast NaN to int8{casts.lines[0]}: x / scale is 0 / 0 = NaN there, and a cast of "
+                        "NaN to an integer is undefined (this CPU gives 0, others need not). Give a block of zeros "
+                        "scale 1 (any scale gives q = 0)", step)
         agree(step)
     return ("every element within half a quantization step of the value sent, in blocks of 64 (padded) and 50; "
             "int8 values and fp32 scales through comm.all_gather")
@@ -169,6 +214,23 @@ def _truncated(out, shard, block, world_size):
     out.copy_(values.view(world_size, nb * block)[:, :n].reshape(-1))
 
 
+def _no_zero_guard(out, shard, block, world_size):
+    """``scale = max |x| / 127`` without the guard for a block of zeros: its scale is 0 and
+    ``x / scale`` is 0 / 0, NaN, cast to int8 (undefined)."""
+    n = shard.numel()
+    nb = -(-n // block)
+    x = torch.zeros(nb * block)
+    x[:n] = shard
+    x = x.view(nb, block)
+    scales = x.abs().amax(dim=1) / 127
+    q = torch.round(x / scales[:, None]).clamp(-127, 127).to(torch.int8)
+    all_q, all_s = torch.empty(world_size * nb * block, dtype=torch.int8), torch.empty(world_size * nb)
+    comm.all_gather(all_q, q.view(-1))
+    comm.all_gather(all_s, scales)
+    values = all_q.view(world_size, nb, block).float() * all_s.view(world_size, nb, 1)
+    out.copy_(values.view(world_size, nb * block)[:, :n].reshape(-1))
+
+
 def _own_scales(out, shard, block, world_size):
     """Every rank's int8 values dequantized with this rank's own scales (the scales never gathered)."""
     n = shard.numel()
@@ -190,5 +252,7 @@ register(Exercise(
     {"one_scale": Bug(_one_scale, "per-tensor quantization", "one scale for the whole tensor"),
      "no_padding": Bug(_no_padding, "n // block blocks: the partial block dropped", "pad the shard"),
      "truncated": Bug(_truncated, "a cast to int8 without rounding", "truncates"),
-     "own_scales": Bug(_own_scales, "dequantizing with this rank's scales", "scales")},
+     "own_scales": Bug(_own_scales, "dequantizing with this rank's scales", "scales"),
+     "no_zero_guard": Bug(_no_zero_guard, "no scale 1 for a block of zeros: 0 / 0 cast to int8",
+                          "cast NaN to int8")},
     stepped=False))
