@@ -117,6 +117,8 @@ class NanoZero:
         if unknown:
             raise ConfigError(f"parts: {', '.join(map(repr, unknown))} unknown; allowed are {', '.join(PARTS)}")
         self.fn = {**reference_parts(), **(parts or {})}
+        # Stage 0 averages after backward (chapter 1's naive DP) when that is the part given.
+        self.naive = "average_gradients" in (parts or {}) and "bucket_hook" not in (parts or {})
         ctx = zdist.context()
         self.model, self.stage, self.lr, self.dtype, self.prefetch = model, stage, lr, DTYPES[dtype], prefetch
         self.nd, self.rank = ctx.world_size, ctx.rank
@@ -132,9 +134,8 @@ class NanoZero:
             self.states = [{}]
         if stage == 0:
             # Gradients are views of one flat buffer that autograd accumulates into.
-            self.finish = (self.fn["bucket_hook"]([params], self.nd)
-                           if "average_gradients" not in (parts or {}) or "bucket_hook" in (parts or {}) else
-                           lambda: self.fn["average_gradients"](model, self.nd))
+            self.finish = (lambda: self.fn["average_gradients"](model, self.nd)) if self.naive else \
+                self.fn["bucket_hook"]([params], self.nd)
         if stage == 2:
             flat = self.flats[0]
             with category("grads"):

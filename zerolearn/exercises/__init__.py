@@ -15,7 +15,7 @@ from zerolearn.chapters.ch00 import max_batch_check, model_state_bytes_check  # 
 from zerolearn.chapters.ch01 import average_gradients_check, bucket_hook_check  # noqa: F401
 from zerolearn.chapters.ch02 import shard_range_check, zero1_step_check  # noqa: F401
 from zerolearn.chapters.ch03 import accumulate_check, reduce_scatter_hook_check  # noqa: F401
-from zerolearn.chapters.ch04 import gather_hooks_check, prefetch_check  # noqa: F401
+from zerolearn.chapters.ch04 import gather_hooks_check, nano_engine_check, prefetch_check  # noqa: F401
 from zerolearn.chapters.ch05 import constant_buffer_check, partition_checkpoint_check  # noqa: F401
 from zerolearn.chapters.ch06 import fewest_gpus_check, max_psi_check  # noqa: F401
 from zerolearn.chapters.ch07 import choose_stage_check, stage_from_bytes_check  # noqa: F401

@@ -7,13 +7,18 @@
   :mod:`.gather_hooks_check`): module and gradient hooks that all-gather a unit's
   parameters before its forward and again before its backward, and free them after each;
 * exercise ``04.prefetch`` (:mod:`.prefetch`, checked by :mod:`.prefetch_check`): while
-  one unit computes, the next unit's all-gather is in flight.
+  one unit computes, the next unit's all-gather is in flight, in forward (the unit after)
+  and in backward (the unit before);
+* exercise ``04.nano_engine`` (:mod:`.nano_engine`, checked by :mod:`.nano_engine_check`):
+  the reader's functions of chapters 1-4 assembled into :class:`zerolearn.nano.NanoZero`,
+  trained at stages 0-3 against one process, with Fig 1's bytes and 2 / 2 / 2 / 3 Psi per
+  step; a wrong part is named with its own exercise's words.
 
 The trials cut the book's MLP (4 Linear layers of width 64, 4,160 parameters each, fp32)
 into one unit per layer, laid out as the engine lays them
 (:func:`zerolearn.exercises.helpers.sharded_units`): each unit's parameters are views of
 a flat buffer whose storage is resized to 0 bytes between uses, and each rank keeps its
 shard. ``04.gather_hooks`` trains three SGD steps against one process under the memory
-ledger; ``04.prefetch`` runs evaluation forwards and logs the order of launches, waits
-and computes.
+ledger; ``04.prefetch`` runs evaluation and training passes and logs the order of
+launches, waits and computes; ``04.nano_engine`` trains the MLP with Adam.
 """
