@@ -16,7 +16,7 @@ from zerolearn.chapters.ch01 import average_gradients_check, bucket_hook_check  
 from zerolearn.chapters.ch02 import shard_range_check, zero1_step_check  # noqa: F401
 from zerolearn.chapters.ch03 import accumulate_check, reduce_scatter_hook_check  # noqa: F401
 from zerolearn.chapters.ch04 import gather_hooks_check, nano_engine_check, prefetch_check  # noqa: F401
-from zerolearn.chapters.ch05 import constant_buffer_check, partition_checkpoint_check  # noqa: F401
+from zerolearn.chapters.ch05 import constant_buffer_check, partition_checkpoint_check, tensor_parallel_check  # noqa: F401
 from zerolearn.chapters.ch06 import fewest_gpus_check, max_psi_check  # noqa: F401
 from zerolearn.chapters.ch07 import choose_stage_check, stage_from_bytes_check  # noqa: F401
 from zerolearn.chapters.ch08 import dpu_step_check, quantized_all_gather_check  # noqa: F401
