@@ -162,7 +162,9 @@ def _readers_line(tb, fn) -> str:
                     or path.is_relative_to(Path(contextlib.__file__).resolve().parent))
 
     mine = [f for f in tb if theirs(f)]
-    return f" (your line {mine[-1].lineno}: {mine[-1].line})" if mine else ""
+    if not mine:
+        return ""
+    return f" (your line {mine[-1].lineno}: {mine[-1].line})" if mine[-1].line else f" (your line {mine[-1].lineno})"
 
 
 @contextlib.contextmanager
