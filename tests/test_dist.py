@@ -57,3 +57,34 @@ def test_backend_and_device_without_cuda_are_refused(backend, device, message):
 def test_auto_picks_gloo_on_cpu_and_nccl_on_cuda():
     expected = ("nccl", "cuda") if torch.cuda.is_available() else ("gloo", "cpu")
     assert zdist.resolve_backend_device("auto", "auto") == expected
+
+
+def test_a_clean_teardown_returns_only_once_every_rank_has_left_its_group():
+    # Rank 1 is slow to leave (a loaded machine): rank 0, which holds the store under launch(),
+    # must not go on to exit while rank 1 still has its process group.
+    def leave():
+        import gc
+        import time
+
+        import torch.distributed as dist
+
+        from zerolearn import dist as zdist
+
+        left = {}
+        if zdist.context().rank == 1:
+            collect, destroy = gc.collect, dist.destroy_process_group
+
+            def slow_collect(*args):
+                time.sleep(1.5)
+                return collect(*args)
+
+            def timed_destroy(*args):
+                destroy(*args)
+                left["at"] = time.monotonic()
+
+            gc.collect, dist.destroy_process_group = slow_collect, timed_destroy
+        zdist.teardown()
+        return time.monotonic(), left.get("at")
+
+    (rank0_done, _), (_, rank1_left) = launch(leave, 2, timeout_s=120)
+    assert rank1_left is not None and rank0_done >= rank1_left

@@ -216,3 +216,86 @@ def test_bad_launcher_options_exit_2_before_any_worker_starts(args, message, cap
         launcher.main(args if "--" in args else [*args, "--", "--steps", "1"])
     err = capsys.readouterr().err
     assert info.value.code == 2 and message in err, err
+
+
+# ----- the launcher's exit code, whatever order the workers end in -----------------------
+
+@pytest.mark.parametrize("codes, want", [
+    ([2, 143], 2),  # the other worker answered torchrun's SIGTERM with 143 before it could exit 2 itself
+    ([143, 2], 2),
+    ([2, -15], 2),  # ... or died of it
+    ([2, 2], 2),
+    ([1, 143], 1),
+    ([2, 1], 2),  # bad input on one worker; nothing else exits 2
+    ([3, -9], 1),
+    ([143, -15], 143),  # SIGTERM reached the workers themselves
+    ([130], 130),
+    ([130, 143], 1),
+    ([-6, -15], 1),
+])
+def test_the_exit_code_is_the_failing_workers_not_the_stopped_ones(codes, want):
+    from types import SimpleNamespace
+
+    from zerolearn import launch as launcher
+
+    assert launcher.exit_code({r: SimpleNamespace(exitcode=c) for r, c in enumerate(codes)}) == want
+
+
+# Rank 0 exits 2 after 0.2 s; rank 1 answers SIGTERM with 143 (as zerolearn.train does) and exits 2 itself
+# after a delay: before torchrun stops it, while it does, or long after (it is stopped first).
+WORKER = """
+import os, signal, sys, time
+signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+time.sleep(0.2 if os.environ["RANK"] == "0" else float(sys.argv[1]))
+sys.exit(2)
+"""
+
+RACE = """
+import sys
+from torch.distributed import run as torchrun
+from zerolearn import launch as launcher
+from zerolearn.ranks import free_port
+
+codes = []
+for delay in sys.argv[1:]:
+    args, _ = launcher._parse(["--nproc-per-node", "2", "--master-port", str(free_port())], [])
+    config, cmd, _ = torchrun.config_from_args(args)
+    codes.append(launcher.run(config, cmd, ["-c", WORKER, delay]))
+print(codes)
+"""
+
+
+def test_a_workers_exit_2_is_the_launchers_whichever_worker_ends_first():
+    delays = ["0", "0.15", "0.25", "0.4", "2"]
+    done = subprocess.run([sys.executable, "-c", f"WORKER = {WORKER!r}\n{RACE}", *delays], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == str([2] * len(delays)), done.stdout + done.stderr[-2000:]
+
+
+def test_sigterm_during_rendezvous_is_named_in_one_line_and_exits_143():
+    import signal
+    import socket
+
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "zerolearn.launch", "--nnodes", "2", "--nproc-per-node", "1",
+                             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--",
+                             "--steps", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:  # the launcher hosts the rendezvous store: it waits for node 2 now
+            with socket.socket() as s:
+                if s.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            time.sleep(0.1)
+        else:
+            pytest.fail("the launcher never opened its rendezvous store")
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, err
+    named = [line for line in err.splitlines() if "stopped by SIGTERM during rendezvous" in line]
+    assert len(named) == 1 and named[0].startswith("python -m zerolearn.launch: "), err
+    assert "Traceback" not in err

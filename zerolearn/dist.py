@@ -234,22 +234,51 @@ def _init_simulated(world_size: int, device_type: str, under_torchrun: bool) -> 
     return _CONTEXT
 
 
-def teardown(clean: bool = True) -> None:
-    """Leave the process group (safe to call when none exists).
+LEAVE_S = 10.0
+"""Seconds a rank waits, at a clean :func:`teardown`, for its peers to have left their process
+group too, before it may go on to exit (see :func:`teardown`)."""
+_TEARDOWNS = 0  # clean teardowns in this process: each one's keys on the store are its own
 
-    ``clean=True`` (the normal end of a job) first waits at a barrier, so no rank
-    closes its connections while a peer is still finishing the last collective;
-    gloo aborts the peer's process if that happens. After a failure, pass False.
+
+def teardown(clean: bool = True) -> None:
+    """Leave the process group (safe to call when none exists), in an order that lets no rank
+    close what a peer still uses.
+
+    ``clean=True`` (the normal end of a job): a barrier, so that no rank closes its
+    connections while a peer is still finishing the last collective (gloo aborts the peer's
+    process if that happens); the last references to finished collectives dropped while
+    gloo's threads still run (left to interpreter shutdown, freeing them can abort the
+    process); the group destroyed, and what only a reference cycle still held collected now,
+    not at interpreter exit; then every rank posts on the store that it has left, and waits
+    (at most :data:`LEAVE_S` seconds) until all have: the store lives in one of the ranks'
+    processes (rank 0's, or torchrun's agent), which must not exit, taking the store with
+    it, while a slower peer is still leaving. After a failure, pass False: the group is
+    destroyed at once, without waiting for peers that may be gone.
     """
-    global _CONTEXT
+    global _CONTEXT, _STORE, _TEARDOWNS
+    store, world = _STORE, dist.get_world_size() if dist.is_initialized() else 1
     if dist.is_initialized():
-        if clean and dist.get_world_size() > 1 and dist.get_backend() != "fake":
+        real = world > 1 and dist.get_backend() != "fake"
+        if clean and real:
             dist.barrier()
-        # Drop finished collectives' last references while gloo's threads still run;
-        # left to interpreter shutdown, freeing them can abort the process.
         gc.collect()
         dist.destroy_process_group()
-    _CONTEXT = None
+        gc.collect()
+        if clean and real and store is not None:
+            _leave_together(store, _CONTEXT.rank if _CONTEXT is not None else 0, world, _TEARDOWNS)
+            _TEARDOWNS += 1
+    _CONTEXT, _STORE = None, None
+
+
+def _leave_together(store: dist.Store, rank: int, world: int, epoch: int) -> None:
+    """Post that ``rank`` has left its process group; wait until all ``world`` ranks have, at most
+    :data:`LEAVE_S` seconds (a peer that never posts only delays this rank's exit)."""
+    key = f"zerolearn/teardown/{epoch}"
+    try:
+        store.set(f"{key}/{rank}", "left")
+        store.wait([f"{key}/{r}" for r in range(world)], datetime.timedelta(seconds=LEAVE_S))
+    except Exception:  # noqa: BLE001 - a peer or the store already gone: nothing left to wait for
+        pass
 
 
 def _worker(rank, world_size, port, backend, call: bytes, timeout_s, queue) -> None:

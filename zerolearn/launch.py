@@ -14,10 +14,12 @@ given). It checks the launcher's and the training options for the whole world
 (``--nnodes`` x ``--nproc-per-node`` ranks) before starting any worker, starts them
 with torchrun's machinery (``torch.distributed.run``), and exits with the workers'
 code: 0 done, 2 bad input, 130 Ctrl-C (SIGINT), 143 SIGTERM, 1 anything else
-(workers that torchrun stops by a signal after another failed do not count). On
-SIGINT or SIGTERM torchrun passes the signal on to the workers, whose rank 0 prints
-one line naming it and the last checkpoint. See ``zerolearn.cli.main`` for what
-each code means.
+(workers that torchrun stops by a signal after another failed do not count, whether
+they die of it or answer it with 143: :func:`exit_code`). On SIGINT or SIGTERM
+torchrun passes the signal on to the workers, whose rank 0 prints one line naming it
+and the last checkpoint; before any worker has started (a rendezvous waiting for the
+other nodes) the launcher prints that line itself. See ``zerolearn.cli.main`` for
+what each code means.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from __future__ import annotations
 import logging
 import signal
 import sys
+import threading
 import uuid
 
 from torch.distributed import run as torchrun
@@ -96,6 +99,66 @@ def _parse(run_argv: list[str], train_argv: list[str]):
     return args, options
 
 
+class _StoppedEarly(BaseException):  # noqa: N818 - like KeyboardInterrupt: no "except Exception" in torch keeps it
+    def __init__(self, sigval: signal.Signals):
+        super().__init__(sigval.name)
+        self.sigval = sigval
+
+
+def _before_workers(signum, frame) -> None:
+    """SIGINT and SIGTERM before torchrun starts the workers (during the rendezvous with the
+    other nodes): torchrun installs its own handler only when it starts them, and the
+    default action would end this process without a word."""
+    raise _StoppedEarly(signal.Signals(signum))
+
+
+def exit_code(failures: dict) -> int:
+    """The launcher's exit code from torchrun's failed workers (``ChildFailedError.failures``:
+    each with its ``exitcode``): 2 when some worker refused bad input (exit 2: nothing else
+    exits 2, so that is the cause, whatever the others did), 1 when some worker failed in
+    any other way, else the 130 or 143 the workers answered a signal with. Workers that torchrun
+    stopped once one had failed exit by a signal (a negative code) or, zerolearn.train's
+    answer to SIGTERM, 143: they do not decide, however the race between their own exit and
+    torchrun's signal went."""
+    codes = [failure.exitcode for failure in failures.values()]
+    own = {code for code in codes if code > 0 and code not in EXIT_ON_SIGNAL.values()}
+    if 2 in own:
+        return 2
+    if own:
+        return 1
+    stopped = {code for code in codes if code in EXIT_ON_SIGNAL.values()}
+    return stopped.pop() if len(stopped) == 1 else 1
+
+
+def run(config, cmd, cmd_args: list[str]) -> int:
+    """Run torchrun's agent with ``config`` on the workers ``cmd cmd_args``; the exit code
+    (:func:`exit_code`). SIGINT or SIGTERM before the workers start prints one line naming
+    the signal and exits 130 or 143."""
+    # torchrun's agent logs each worker it stops by a signal; the exit code and the
+    # workers' own line say what happened.
+    for name in [n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed.elastic")]:
+        logging.getLogger(name).setLevel(logging.ERROR)
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = {sig: signal.signal(sig, _before_workers) for sig in EXIT_ON_SIGNAL} if main_thread else {}
+    try:
+        elastic_launch(config, cmd)(*cmd_args)
+    except _StoppedEarly as e:
+        print(f"{PROG}: stopped by {e.sigval.name} during rendezvous, before any worker started "
+              f"(--nnodes {config.min_nodes}:{config.max_nodes}, --rdzv-endpoint "
+              f"{config.rdzv_endpoint or 'none'})", file=sys.stderr)
+        return EXIT_ON_SIGNAL[e.sigval]
+    except ChildFailedError as e:
+        return exit_code(e.failures)
+    except SignalException as e:
+        return EXIT_ON_SIGNAL.get(e.sigval, 128 + int(e.sigval))
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     split = argv.index("--") if "--" in argv else len(argv)
@@ -105,21 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         config, cmd, cmd_args = torchrun.config_from_args(args)
     except (AssertionError, ValueError) as e:
         _refuse(str(e))
-    # torchrun's agent logs each worker it stops by a signal; the exit code and the
-    # workers' own line say what happened.
-    for name in [n for n in logging.root.manager.loggerDict if n.startswith("torch.distributed.elastic")]:
-        logging.getLogger(name).setLevel(logging.ERROR)
-    try:
-        elastic_launch(config, cmd)(*cmd_args)
-    except ChildFailedError as e:
-        # Workers that exited decide; torchrun stops the rest by a signal (negative codes).
-        exited = {failure.exitcode for failure in e.failures.values() if failure.exitcode >= 0}
-        return exited.pop() if len(exited) == 1 and exited <= {2, 130, 143} else 1
-    except SignalException as e:
-        return EXIT_ON_SIGNAL.get(e.sigval, 128 + int(e.sigval))
-    except KeyboardInterrupt:
-        return 130
-    return 0
+    return run(config, cmd, cmd_args)
 
 
 if __name__ == "__main__":
