@@ -205,8 +205,7 @@ class Engine(EngineStateMixin, abc.ABC):
         self.optimizer_name, self.max_grad_norm = optimizer, max_grad_norm
         self.first_bucket_bytes, self.bucket_bytes = bucket_caps(bucket_mb, self.device.type)
         self.scaler = LossScaler(enabled=self.dtype == torch.float16)
-        self.mixed = needs_master(self.dtype)
-        self.offload, self.dpu = offload, dpu
+        self.mixed, self.offload, self.dpu = needs_master(self.dtype), offload, dpu
         # An fp32 master of its own; else (fp32, no offload) a view of the working parameters.
         self.separate_master = self.mixed or offload is not None
         check_param_dtypes(model, self.dtype)

@@ -20,7 +20,6 @@ start of every forward and every step, before anything is computed or communicat
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
 from zerolearn.errors import ConfigError
@@ -101,10 +100,9 @@ class Bindings:
             name = ".".join([*path, attr])
             module = self._module(path)
             if module is None or module._parameters.get(attr) is not p:
-                what = ("its module was replaced" if module is None or attr in module._parameters
-                        else "it was removed")
-                if module is not None and module._parameters.get(attr) is not None:
-                    what = f"it was replaced by another {'parameter' if isinstance(module._parameters[attr], nn.Parameter) else 'tensor'}"
+                now = None if module is None else module._parameters.get(attr)
+                what = ("its module was replaced" if module is None else "it was removed" if now is None
+                        else "it was replaced by another parameter")
                 raise ConfigError(
                     f"parameter {name} is no longer the one the engine wrapped ({what} after the engine was "
                     f"built), before the {when}: the engine trains the parameters it was given, so the new one "
