@@ -29,16 +29,19 @@
 # (0 to `world_size` − 1), `k` (K) optimizer bytes per parameter.
 
 # %%
+# %matplotlib inline
 import inspect
 
 import matplotlib.pyplot as plt
 import numpy as np
+from IPython.display import HTML
 
 from zerolearn.chapters.ch01 import lesson as ch01
 from zerolearn.config import TrainConfig
 from zerolearn.dist import launch
 from zerolearn.engines.base import Engine
 from zerolearn.engines.ddp import DDPEngine
+from zerolearn.figures import schematics
 from zerolearn.memory import model as analytic
 from zerolearn.models import build_model
 from zerolearn.report import kib, volume_per_step
@@ -46,6 +49,19 @@ from zerolearn.train import train
 
 # %% [markdown]
 # ## 1. Collectives on four ranks
+#
+# A *collective* is one call that every rank makes together. The five that ZeRO is built
+# from, drawn on four ranks holding four numbers each: the left column is what each rank
+# holds before the call, the right what it holds after. A number's colour is the rank it
+# came from; grey is a sum over ranks. Compare the last three rows.
+
+# %%
+schematics.collectives_figure(nd=4)
+
+# %% [markdown]
+# *Broadcast* copies the root's data to every rank, *reduce* sums onto the root,
+# *all-reduce* sums onto every rank, *reduce-scatter* leaves rank r chunk r of the sum, and
+# *all-gather* hands every rank all the chunks. Now the same calls on real ranks.
 #
 # `zerolearn.dist.launch(fn, world_size, *args)` spawns `world_size` processes, joins them into a
 # gloo process group, runs `fn(*args)` on each and returns the results in rank order. This
@@ -96,11 +112,21 @@ fig.suptitle("All-reduce = reduce-scatter + all-gather, measured on 4 gloo ranks
 plt.show()
 
 # %% [markdown]
-# **How much does an all-reduce move?** A ring all-reduce runs exactly these two phases. In the
+# **How much does an all-reduce move?** Step through a ring all-reduce on four ranks, with
+# the buttons under the picture (in JupyterLab, `ring.widget()` gives a play button and a
+# slider). Watch which chunk each rank sends, and that every message is one chunk:
+
+# %%
+ring = schematics.ring_animation(nd=4)
+HTML(ring.html)
+
+# %% [markdown]
+# A ring all-reduce runs exactly the two phases measured above. In the
 # reduce-scatter, each of N<sub>d</sub> − 1 steps passes one chunk of Ψ/N<sub>d</sub> elements to
 # the next rank, which adds its own; in the all-gather, N<sub>d</sub> − 1 more steps pass the
 # finished chunks around. Each rank sends 2 (N<sub>d</sub> − 1)/N<sub>d</sub> · Ψ elements, which
-# the paper rounds to **2 Ψ** per rank (Sec 7.1), independent of N<sub>d</sub>.
+# the paper rounds to **2 Ψ** per rank (Sec 7.1), independent of N<sub>d</sub>. On four ranks
+# that is 3 + 3 = 6 steps, the frames after the first.
 #
 # The ledger counts each call's full logical tensor (the input of a reduce-scatter, the output of
 # an all-gather, the tensor of an all-reduce), so the paper's volume is
@@ -187,6 +213,17 @@ print(inspect.getsource(ch01.naive_dp_step))
 # pays a collective's fixed start-up cost, however small it is: a LayerNorm bias of 64 elements
 # waits for its own round trip just like a weight matrix.
 #
+# The fix is a schedule. Below is one DP backward of chapter 2's GPT (width 128, 2 blocks, fp32,
+# 2 ranks), its gradients cut into 12 buckets of at most 0.25 MiB, one colour per bucket. The
+# top panel is the ideal, from the cost model: backward computes the last layers' gradients
+# first, and each bucket's all-reduce starts the moment its last gradient is in. The bottom
+# panel is what this machine recorded; the timeline at the end of this section reads it.
+# Look at the top panel: the reductions start long before backward ends.
+
+# %%
+schematics.bucket_schedule_figure(stage=0)
+
+# %% [markdown]
 # **Buckets from autograd hooks.** Real implementations (PyTorch DDP, DeepSpeed, and our engines)
 # lay the gradients out in a few flat *buckets* of bounded size, fill them as backward produces
 # gradients, and launch each bucket's reduction asynchronously the moment it is complete, while
@@ -301,10 +338,13 @@ plt.show()
 # The ledger counts what the all-reduces moved, not when. `zerolearn.timeline` records one
 # training step on each rank with `torch.profiler`: compute (forward, backward, optimizer
 # step), each collective from launch to completion (gloo runs it on a thread of its own, so
-# an asynchronous all-reduce runs *under* backward), and the time the main thread blocks
-# waiting. The results were stored by `python -m zerolearn.timeline --out
-# notebooks/data/timeline/` (its `--traces DIR` also writes Chrome/Perfetto trace files);
-# the counts are the same on every machine, the times are not.
+# an asynchronous all-reduce can run *under* backward), and the time the main thread blocks
+# waiting. The run is the one drawn in the bucket schedule above: chapter 2's GPT (width 128,
+# 2 blocks, fp32 Adam, 12 buckets of at most 0.25 MiB) on 2 ranks, a larger model than this
+# chapter's 3 buckets, so that backward has enough buckets to show their order. The results
+# were stored by `python -m zerolearn.timeline --out notebooks/data/timeline/` (its
+# `--traces DIR` also writes Chrome/Perfetto trace files); the counts are the same on every
+# machine, the times are not.
 
 # %%
 from zerolearn import figures
@@ -321,9 +361,29 @@ for rank, ledger in enumerate(stage0["ledger"]):
 figures.stage_timelines_figure(TL, stages=(0,))
 
 # %% [markdown]
-# Each bucket's all-reduce starts while backward still computes earlier layers. The
-# *overlap* is the fraction of communication time during which the main thread was
-# computing (defined in `zerolearn.timeline.intervals`):
+# **What two CPU cores with gloo can show, and what they cannot.** The order is real: every
+# bucket is launched from a hook during backward, last layers first, 12 all-reduces per step.
+# The overlap a GPU gets is not. With NCCL, a GPU's compute units run backward while the
+# transfers run on links of their own. Here two ranks and gloo's communication threads share
+# two cores: an all-reduce's copies and sums (gloo's TCP transport, inside one machine) take CPU
+# time from backward, and they take longer than backward itself. So even the ideal schedule,
+# which launches each bucket the moment it is full, can hide only part of the reductions:
+
+# %%
+sched = schematics.bucket_schedule(TL, stage=0)
+compute_end = sched.ideal[-1][1]
+reduced = sum(end - start for *_, start, end in sched.ideal)
+hidden = sum(max(0.0, min(end, compute_end) - start) for *_, start, end in sched.ideal)
+print(f"backward compute {sched.compute_s * 1e3:.1f} ms, its all-reduces {sched.comm_s * 1e3:.1f} ms (rank 0)")
+print(f"ideal: {hidden * 1e3:.1f} ms of {reduced * 1e3:.1f} ms hidden ({hidden / reduced:.0%}); "
+      f"backward ends at {sched.ideal[-1][3] * 1e3:.1f} ms")
+print(f"measured: backward ends at {sched.backward_s * 1e3:.1f} ms")
+
+# %% [markdown]
+# The *overlap* measured is the fraction of communication time during which the main thread
+# was computing (defined in `zerolearn.timeline.intervals`). It is below the ideal's, and it
+# differs between the ranks: the reductions pair up, so a rank that reaches one first blocks
+# until the other rank's part arrives.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
@@ -427,6 +487,8 @@ plt.show()
 # * Naive DP, our bucketed engine and PyTorch's DDP all reproduce single-process training on the
 #   global batch, step by step, to within 1e-5 (sums over ranks add in another order, so
 #   the last bits differ).
+# * On two CPU cores the recorded timeline shows the buckets' order, not a GPU's overlap: the
+#   ranks and gloo share the cores, and the reductions take longer than backward's compute.
 # * Every DP rank holds all (2 + 2 + K) Ψ = 16 Ψ bytes of model states, measured at
 #   N<sub>d</sub> = 1, 2 and 4: adding GPUs adds copies, not room.
 #

@@ -32,12 +32,22 @@ from zerolearn.chapters.ch08 import lesson as ch08
 from zerolearn.costmodel import HostSide, Job, offload_step_time, zeropp_cross_node_bytes
 from zerolearn.experiments import offload as offload_runs
 from zerolearn.experiments import zeropp as zeropp_runs
+from zerolearn.figures import schematics
 from zerolearn.memory.model import offload_state_bytes
 from zerolearn.tables import kib, text_table
 
 # %% [markdown]
 # ## 1. Where the states go: offload
 #
+# First the picture, at Fig 1's setting (Ψ = 7.5B, N<sub>d</sub> = 64, ZeRO-2, bf16, K = 12):
+# one panel per option, the bytes per GPU that each place holds, stacked by category.
+# Look at what leaves the device: with `"cpu"` the gradient shard and the optimizer
+# states move to host memory; with `"disk"` the optimizer states go on to disk.
+
+# %%
+schematics.offload_figure(psi=7.5e9, nd=64, stage=2)
+
+# %% [markdown]
 # ZeRO-Offload builds on ZeRO-2. The 2-byte working parameters stay on the GPU, where
 # forward and backward run. The fp32 master copy, Adam's two moments and the gradients
 # move to host memory, and the optimizer step runs on the CPU: each step the GPU sends
@@ -256,6 +266,15 @@ HTML(explorer.summary.value)  # the default view, for the book
 #
 # ## 4. ZeRO++: less traffic between nodes
 #
+# First the paths, for one unit of 4,096 parameters on 4 ranks in 2 nodes of 2, as our
+# engine sends them: every message an arrow, green inside a node, red across nodes, with
+# the bytes rank 0 receives on each kind of link. Look at the red arrows: hpZ has none,
+# and qgZ's cross the nodes only in its second hop.
+
+# %%
+schematics.zeropp_figure(psi=4096, world_size=4, node_ranks=2)
+
+# %% [markdown]
 # Stage 3 moves 3 Psi a step (Sec 7.2.2): the parameters gathered before forward, again
 # before backward, and the gradients reduce-scattered. On a cluster, most of it crosses
 # the slow links between nodes. ZeRO++ cuts each of the three:
