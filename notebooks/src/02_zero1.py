@@ -181,6 +181,20 @@ for rank in range(3):
 # %% [markdown]
 # ## 4. Reduce-scatter, update, all-gather
 #
+# First the whole step, on seven numbers over three ranks (padded to nine, so each shard
+# has three), with SGD at learning rate 1. A colour marks the rank that owns a slice; the
+# hatched slots are padding. Step through the four frames and follow rank 1's orange
+# shard: it is the only gradient rank 1 keeps and the only part it updates.
+
+# %%
+from IPython.display import HTML
+
+from zerolearn.figures import schematics
+
+step = schematics.zero1_animation(nd=3)  # in JupyterLab, step.widget(): play button and slider
+HTML(step.html)
+
+# %% [markdown]
 # With equal flat shards the ZeRO-1 step is three moves (Sec 5.1, Sec 7.2.1):
 #
 # 1. **reduce-scatter** the gradient buffer: rank $r$ receives the sum over ranks of
@@ -485,8 +499,11 @@ for nd in (3, 4):
 # ### 5.5 The same step on a timeline
 #
 # ZeRO-1 launches a reduce-scatter from the same backward hooks where DP all-reduced, and
-# publishes each group's updated shard with an all-gather that runs while the next group's
-# shard is updated (recorded as in chapter 1, `zerolearn.timeline`):
+# publishes each group's updated shard with an all-gather that can run while the next group's
+# shard is updated (recorded as in chapter 1, `zerolearn.timeline`, the same GPT on 2 ranks).
+# As in chapter 1, two CPU cores shared by the ranks and gloo show the order of these calls
+# and in which phase each runs; how much of them hides behind compute is this machine's,
+# not a GPU's:
 
 # %%
 from zerolearn import figures
