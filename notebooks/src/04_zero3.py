@@ -125,7 +125,26 @@ for moment, value in ch04.free_by_resizing_storage().items():
 #
 # ## 3. Gather and free around forward and backward, with prefetch
 #
-# Module hooks place the gathers (Sec 5.3):
+# First the schedule itself, recorded from a real `Zero3Engine` training a 4-layer MLP
+# (width 8) whose units are its 4 Linear layers, on one rank so that it runs in this
+# process. Each lane is a unit; the marks are the engine's gathers, prefetches, computes
+# and frees in the order they happened, forward then backward (hatched). Below them, the
+# bytes of full parameters alive. Step through it and watch the lower panel: above the
+# shards it never holds more than two gathered units (the one computing and the one
+# prefetched), and nothing at the end of forward and of backward.
+
+# %%
+from IPython.display import HTML
+
+from zerolearn.figures import schematics
+
+schedule = schematics.zero3_schedule()  # one rank: a gather is a copy, the order is the engine's
+units = schematics.zero3_animation(schedule)  # in JupyterLab, units.widget(): play button and slider
+HTML(units.html)
+
+# %% [markdown]
+# That is the sawtooth section 5 measures on two ranks of the GPT. The order comes from
+# module hooks (Sec 5.3):
 #
 # * **forward**: a forward *pre*-hook gathers the unit and starts the all-gather of the
 #   next unit (prefetch), so the next unit's data is on its way while this one
