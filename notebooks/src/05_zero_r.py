@@ -21,6 +21,7 @@
 #    pools (MD, Sec 6.3).
 
 # %%
+# %matplotlib inline
 import inspect
 
 import matplotlib.pyplot as plt
@@ -37,6 +38,18 @@ print(f"GPT: {cfg.n_layer} blocks, hidden {cfg.d_model}, {cfg.n_head} heads, seq
 # %% [markdown]
 # ## 1. Tensor parallelism in two layers
 #
+# First the picture, drawn from the package's own layers: one 6 × 4 weight split over
+# N<sub>m</sub> = 2 ranks, coloured by the rank that keeps each block. Look at the direction
+# of the cut, rows in the left panel, columns in the middle one, and at the autograd function
+# under each: it says where that layer communicates. The right panel is $P_a$, section 2's
+# subject: a checkpoint cut into N<sub>m</sub> pieces, gathered again before recomputation.
+
+# %%
+from zerolearn.figures import schematics
+
+schematics.megatron_figure(nm=2)
+
+# %% [markdown]
 # Model parallelism splits each layer across $N_m$ ranks. Megatron-LM's recipe needs two
 # kinds of Linear layer. A *column-parallel* layer keeps $1/N_m$ of the output features:
 # every rank sees the same input, so forward needs no communication, and backward sums
