@@ -13,8 +13,9 @@ they must be the paper's formulas, written out in the test. The others build the
 from the stored notebooks (as ``make book`` does, ``-W``) and open chapter 3, the
 chapters with explorers and appendix 6a from ``file://`` URLs with every network
 request refused: every figure must load and the math be typeset, no page may ask the
-network for anything, chapter 3's tables must be on the page, and every explorer must
-be shown in its chapter with a static figure under it.
+network for anything, chapter 3's tables must be on the page, every explorer must
+be shown in its chapter with a static figure under it, and every step-through player
+(the schematics' animations) must move to its next frame when its button is pressed.
 
 Screenshots go to ``artifacts/screenshots/`` (gitignored), for people to look at.
 
@@ -72,6 +73,8 @@ EXPLORER_PAGES = {"06_at_scale": ["FitSolver", "MemoryExplorer", "TradeOff", "Ti
                                   "FragmentationSimulator"],
                   "02_zero1": ["StageExplorer"], "03_zero2": ["StageExplorer"], "04_zero3": ["StageExplorer"],
                   "05_zero_r": ["ResidualExplorer"], "08_beyond": ["BeyondExplorer"]}
+# The chapters with a step-through player (a schematic's frames, matplotlib's to_jshtml): its frames.
+STEP_THROUGHS = {"01_data_parallelism": 7, "02_zero1": 4, "04_zero3": 8}
 TABLE_EXPLORERS = {"BeyondExplorer"}  # their view is an HTML table, no figure: the book shows that table
 # Chromium on a machine with a closed network: no first-run, sync, update or
 # background connections (each would be refused, many at a time), no GPU, and no
@@ -468,9 +471,11 @@ def open_page(page, path: Path) -> list[dict]:
     page.goto(path.as_uri())
     page.locator("article h1").first.wait_for()
     page.wait_for_function("() => Array.from(document.images).every(i => i.complete)")
-    # MathJax (from the book's own _static) typesets after load: wait for it, then no raw TeX may be left.
-    page.wait_for_function("() => window.MathJax && MathJax.startup && MathJax.startup.document")
-    page.evaluate("() => MathJax.startup.promise")
+    # MathJax (from the book's own _static, on pages with math) typesets after load: wait for it,
+    # then no raw TeX may be left.
+    if page.locator("script[src*='mathjax']").count():
+        page.wait_for_function("() => window.MathJax && MathJax.startup && MathJax.startup.document")
+        page.evaluate("() => MathJax.startup.promise")
     text = page.locator("article").inner_text()
     assert "\\(" not in text and "$$" not in text, "TeX left untypeset"
     return page.eval_on_selector_all(
@@ -484,7 +489,7 @@ def test_book_chapter_3_shows_its_figures_and_tables(browser, book):
         assert "Chapter 3" in page.locator("article h1").first.inner_text()
         assert page.locator("article h1 mjx-container").count() == 1  # P_{os+g} in the title, typeset
         shot(page, "book_ch03_top.png")
-        assert len(images) >= 3, images  # the timeline, the peaks by version, the bucket sweep
+        assert len(images) >= 3, images  # the bucket schedule, the gradient timeline, the peaks by version
         assert all(i["w"] > 0 and i["h"] > 0 for i in images), images
         for n, img in enumerate(page.locator("article img").all()):
             img.scroll_into_view_if_needed()
@@ -543,5 +548,29 @@ def test_book_appendix_shows_the_memory_explorers_static_figure(browser, book):
         table = page.locator("article table")  # the formulas of Sec 5, typeset
         assert table.count() == 1 and table.locator("mjx-container").count() >= 8
         shot(page, "book_06a_top.png")
+        assert not refused, f"the page asked the network for {refused}"
+        assert not book_errors(errors), errors
+
+
+@pytest.mark.parametrize("chapter", list(STEP_THROUGHS))
+def test_book_step_through_moves_to_the_next_frame(browser, book, chapter):
+    with opened(browser, f"book_{chapter}_player", width=1600) as (page, errors):
+        refused = offline(page)
+        open_page(page, book / "notebooks" / f"{chapter}.html")
+        player = page.locator("article div.animation").first
+        player.scroll_into_view_if_needed()
+        frame, slider = player.locator("img").first, player.locator("input.anim-slider")
+        assert slider.get_attribute("max") == str(STEP_THROUGHS[chapter] - 1)  # set by the player's script
+        before = frame.get_attribute("src")
+        assert before.startswith("data:image/png;base64,") and slider.input_value() == "0"
+        forward = player.locator('button[title="Next frame"]')
+        forward.locator("svg").wait_for()  # its icon, drawn by the theme's own Font Awesome
+        shot(player, f"book_{chapter}_frame0.png")
+        forward.click()
+        assert slider.input_value() == "1"
+        after = frame.get_attribute("src")
+        assert after.startswith("data:image/png;base64,") and after != before, "the frame did not change"
+        assert frame.evaluate("i => i.complete ? i.naturalWidth : 0") > 0
+        shot(player, f"book_{chapter}_frame1.png")
         assert not refused, f"the page asked the network for {refused}"
         assert not book_errors(errors), errors
