@@ -120,6 +120,21 @@ for nd in (3, 4):
 #
 # ## 3. Flat padded shards
 #
+# First what ZeRO-1 keeps, drawn from the package's flat buffers for a toy model of Ψ = 26
+# parameters over N<sub>d</sub> = 3 ranks: DP above, ZeRO-1 below, a solid slice held, a
+# faint one another rank's. Look at the optimizer states: each rank holds one solid third,
+# and the last third ends in a hatched padding element.
+
+# %%
+from IPython.display import HTML
+
+from zerolearn.figures import schematics
+
+fig = schematics.model_states_figure(nd=3, stages=(0, 1))
+fig.suptitle("What a rank keeps: Nd = 3 ranks, 2 + 2 + K bytes per element, K = 12", fontsize=9)
+fig
+
+# %% [markdown]
 # ZeRO partitions by *element*, not by tensor (Sec 5): lay a group of parameters end to
 # end in one 1-D buffer, pad it with zeros to a multiple of the number of shards, and give
 # rank $r$ the $r$-th equal slice. Every rank then holds the same number of elements,
@@ -187,10 +202,6 @@ for rank in range(3):
 # shard: it is the only gradient rank 1 keeps and the only part it updates.
 
 # %%
-from IPython.display import HTML
-
-from zerolearn.figures import schematics
-
 step = schematics.zero1_animation(nd=3)  # in JupyterLab, step.widget(): play button and slider
 HTML(step.html)
 
