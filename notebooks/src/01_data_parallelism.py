@@ -126,7 +126,7 @@ HTML(ring.html)
 # the next rank, which adds its own; in the all-gather, N<sub>d</sub> − 1 more steps pass the
 # finished chunks around. Each rank sends 2 (N<sub>d</sub> − 1)/N<sub>d</sub> · Ψ elements, which
 # the paper rounds to **2 Ψ** per rank (Sec 7.1), independent of N<sub>d</sub>. On four ranks
-# that is 3 + 3 = 6 steps, the frames after the first.
+# that is 3 + 3 = 6 steps, one frame each, and a last frame with the result.
 #
 # The ledger counts each call's full logical tensor (the input of a reduce-scatter, the output of
 # an all-gather, the tensor of an all-reduce), so the paper's volume is
