@@ -632,15 +632,16 @@ class Engine(EngineStateMixin, abc.ABC):
         """Elements of ``b``'s working parameters that differ from the master (rounded to the
         working dtype) were changed outside the engine: they become the master's values."""
         work = b.full if b.master.numel() == b.layout.padded_numel else b.layout.shard_of(b.full)
+        if b.shard is not None:  # ZeRO-3 keeps a working shard (in fp32 without offload, the master)
+            b.shard.copy_(work)
+            work = b.shard
         master = b.master.data
         if work.untyped_storage()._cdata == master.untyped_storage()._cdata:
-            return  # fp32 stage 0: the master is the working buffer itself
+            return  # the master is the working buffer (fp32 stage 0) or the shard itself
         work = work.to(master.device)
         changed = work != master.to(work.dtype)
         if bool(changed.any()):
             master[changed] = work[changed].to(master.dtype)
-        if b.shard is not None:  # ZeRO-3 keeps a working shard: the block's values too
-            b.shard.copy_(b.layout.shard_of(b.full))
 
     def _full_versions(self) -> list[int] | None:
         """Version counters of the working buffers (stages 0-2 without offload; else None)."""

@@ -69,21 +69,28 @@ def _kept_bytes(state, skip: set[int]) -> int:
     return total
 
 
-def _optimizers(state) -> list[torch.optim.Optimizer]:
-    """The torch optimizers reachable from ``state`` (dicts, lists and tuples searched)."""
-    found, stack, seen = [], [state], set()
+def _reachable(state, into_optimizers: bool = False):
+    """Every object reachable from ``state`` through dicts, lists and tuples, each once
+    (``into_optimizers``: also an optimizer's parameters and state tensors)."""
+    stack, seen = [state], set()
     while stack:
         obj = stack.pop()
         if id(obj) in seen:
             continue
         seen.add(id(obj))
-        if isinstance(obj, torch.optim.Optimizer):
-            found.append(obj)
+        yield obj
+        if into_optimizers and isinstance(obj, torch.optim.Optimizer):
+            stack += [v for s in obj.state.values() for v in s.values()]
+            stack += [p for g in obj.param_groups for p in g["params"]]
         elif isinstance(obj, dict):
             stack += list(obj.values())
         elif isinstance(obj, (list, tuple)):
             stack += list(obj)
-    return found
+
+
+def _optimizers(state) -> list[torch.optim.Optimizer]:
+    """The torch optimizers reachable from ``state`` (dicts, lists and tuples searched)."""
+    return [obj for obj in _reachable(state) if isinstance(obj, torch.optim.Optimizer)]
 
 
 def _check_optimizers(state, step: int) -> None:
@@ -110,23 +117,8 @@ def _check_optimizers(state, step: int) -> None:
 def _masters(state, n: int) -> list[torch.Tensor]:
     """The fp32 tensors of ``n`` elements reachable from ``state`` (optimizers' parameters and
     state included): the candidates for the fp32 master of a shard of ``n`` elements."""
-    found, stack, seen = [], [state], set()
-    while stack:
-        obj = stack.pop()
-        if id(obj) in seen:
-            continue
-        seen.add(id(obj))
-        if isinstance(obj, torch.Tensor):
-            if obj.dtype == torch.float32 and obj.numel() == n:
-                found.append(obj.detach())
-        elif isinstance(obj, torch.optim.Optimizer):
-            stack += [v for s in obj.state.values() for v in s.values()]
-            stack += [p for g in obj.param_groups for p in g["params"]]
-        elif isinstance(obj, dict):
-            stack += list(obj.values())
-        elif isinstance(obj, (list, tuple)):
-            stack += list(obj)
-    return found
+    return [obj.detach() for obj in _reachable(state, into_optimizers=True)
+            if isinstance(obj, torch.Tensor) and obj.dtype == torch.float32 and obj.numel() == n]
 
 
 def _check_mixed_precision(state, want_master: torch.Tensor, step: int) -> None:

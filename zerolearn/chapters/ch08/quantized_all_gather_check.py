@@ -214,16 +214,22 @@ def _truncated(out, shard, block, world_size):
     out.copy_(values.view(world_size, nb * block)[:, :n].reshape(-1))
 
 
-def _no_zero_guard(out, shard, block, world_size):
-    """``scale = max |x| / 127`` without the guard for a block of zeros: its scale is 0 and
-    ``x / scale`` is 0 / 0, NaN, cast to int8 (undefined)."""
+def _unguarded_int8(shard, block):
+    """``(n, blocks, scales, q)``: the shard padded to whole blocks and rounded to int8 with
+    ``scale = max |x| / 127``, without the guard for a block of zeros."""
     n = shard.numel()
     nb = -(-n // block)
     x = torch.zeros(nb * block)
     x[:n] = shard
     x = x.view(nb, block)
     scales = x.abs().amax(dim=1) / 127
-    q = torch.round(x / scales[:, None]).clamp(-127, 127).to(torch.int8)
+    return n, nb, scales, torch.round(x / scales[:, None]).clamp(-127, 127).to(torch.int8)
+
+
+def _no_zero_guard(out, shard, block, world_size):
+    """``scale = max |x| / 127`` without the guard for a block of zeros: its scale is 0 and
+    ``x / scale`` is 0 / 0, NaN, cast to int8 (undefined)."""
+    n, nb, scales, q = _unguarded_int8(shard, block)
     all_q, all_s = torch.empty(world_size * nb * block, dtype=torch.int8), torch.empty(world_size * nb)
     comm.all_gather(all_q, q.view(-1))
     comm.all_gather(all_s, scales)
@@ -233,13 +239,7 @@ def _no_zero_guard(out, shard, block, world_size):
 
 def _own_scales(out, shard, block, world_size):
     """Every rank's int8 values dequantized with this rank's own scales (the scales never gathered)."""
-    n = shard.numel()
-    nb = -(-n // block)
-    x = torch.zeros(nb * block)
-    x[:n] = shard
-    x = x.view(nb, block)
-    scales = x.abs().amax(dim=1) / 127
-    q = torch.round(x / scales[:, None]).clamp(-127, 127).to(torch.int8)
+    n, nb, scales, q = _unguarded_int8(shard, block)
     all_q = torch.empty(world_size * nb * block, dtype=torch.int8)
     comm.all_gather(all_q, q.view(-1))
     values = all_q.view(world_size, nb, block).float() * scales.view(1, nb, 1)

@@ -166,8 +166,9 @@ def model_states_figure(nd: int = 3, shapes: dict[str, tuple[int, ...]] | None =
     handles.append(Patch(facecolor="white", edgecolor="0.3", hatch=PADDING_HATCH, label="padding (zeros)"))
     fig.legend(handles=handles, loc="outside lower center", ncols=min(len(handles), 5), fontsize=7)
     fig.suptitle(f"Model states held by each of Nd = {nd} ranks (solid: held; faint: another rank's), "
-                 f"{data.bytes_per_element['params']:g} + {data.bytes_per_element['grads']:g} + K = {k:g} bytes "
-                 "per element", fontsize=9)
+                 f"{data.bytes_per_element['params']:g} + {data.bytes_per_element['grads']:g} + K (K = {k:g}) = "
+                 f"{data.bytes_per_element['params'] + data.bytes_per_element['grads'] + k:g} bytes per parameter",
+                 fontsize=9)
     return fig
 
 
