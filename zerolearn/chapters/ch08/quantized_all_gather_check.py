@@ -113,11 +113,12 @@ def _diagnose(part: torch.Tensor, rank: int, world_size: int, block: int) -> str
         return "its values were rounded toward zero (.to(torch.int8) truncates): round to nearest first (torch.round)"
     for other in range(world_size):
         if other != rank:
-            theirs = _scales(shard_of(other), block)
-            wrong = _dequantized(x, block, own, dequantize_with=theirs)
-            if _within(part, wrong, theirs.repeat_interleave(block)[:N]):
-                return (f"rank {rank}'s int8 values were dequantized with rank {other}'s scales: each rank's "
-                        "values go with the scales that rank sent")
+            raw = _blocks(shard_of(other), block).abs().amax(dim=1) / 127  # their scales, with or without
+            for theirs in (_scales(shard_of(other), block), raw):     # the guard for a block of zeros
+                wrong = _dequantized(x, block, own, dequantize_with=theirs)
+                if _within(part, wrong, theirs.repeat_interleave(block)[:N]):
+                        return (f"rank {rank}'s int8 values were dequantized with rank {other}'s scales: each rank's "
+                            "values go with the scales that rank sent")
     return ""
 
 
