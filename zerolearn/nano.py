@@ -109,13 +109,7 @@ class NanoZero:
 
     def __init__(self, model: nn.Module, stage: int, lr: float, *, dtype: str = "fp32",
                  parts: dict[str, Callable] | None = None, prefetch: bool = False):
-        if stage not in (0, 1, 2, 3):
-            raise ConfigError(f"stage={stage!r}: allowed are 0, 1, 2 and 3")
-        if dtype not in DTYPES or (dtype != "fp32" and stage >= 2):
-            raise ConfigError(f"dtype={dtype!r} at stage {stage}: allowed are 'fp32', and 'bf16' at stages 0-1")
-        unknown = sorted(set(parts or {}) - set(PARTS))
-        if unknown:
-            raise ConfigError(f"parts: {', '.join(map(repr, unknown))} unknown; allowed are {', '.join(PARTS)}")
+        self.check_options(stage, dtype, parts)
         self.fn = {**reference_parts(), **(parts or {})}
         # Stage 0 averages after backward (chapter 1's naive DP) when that is the part given.
         self.naive = "average_gradients" in (parts or {}) and "bucket_hook" not in (parts or {})
@@ -146,6 +140,17 @@ class NanoZero:
             self._build_units(model, params)
         self.padding = sum(f.padding for f in self.flats)
         self.zero_grad()
+
+    @staticmethod
+    def check_options(stage: int, dtype: str, parts: dict[str, Callable] | None) -> None:
+        """Raise the ConfigError of :class:`NanoZero` for these options, before any work."""
+        if stage not in (0, 1, 2, 3):
+            raise ConfigError(f"stage={stage!r}: allowed are 0, 1, 2 and 3")
+        if dtype not in DTYPES or (dtype != "fp32" and stage >= 2):
+            raise ConfigError(f"dtype={dtype!r} at stage {stage}: allowed are 'fp32', and 'bf16' at stages 0-1")
+        unknown = sorted(set(parts or {}) - set(PARTS))
+        if unknown:
+            raise ConfigError(f"parts: {', '.join(map(repr, unknown))} unknown; allowed are {', '.join(PARTS)}")
 
     def _build_units(self, model: nn.Module, params: list[nn.Parameter]) -> None:
         """Stage 3: a flat buffer, a shard and a gradient shard per unit, and their hooks (Sec 5.3)."""
