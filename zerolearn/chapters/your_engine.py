@@ -54,7 +54,7 @@ def _train(engine, steps: int) -> dict:
             "padding": engine.padding}
 
 
-def _on_rank(stage: int, parts: dict[str, Callable], steps: int) -> dict:
+def _on_rank(stage: int, parts: dict[str, Callable], steps: int, prefetch: bool) -> dict:
     """Both engines on this rank, the reader's first; a part that still raises
     NotImplementedError is reported by name instead of training."""
     from zerolearn.engines import make_engine
@@ -63,7 +63,7 @@ def _on_rank(stage: int, parts: dict[str, Callable], steps: int) -> dict:
     out = {}
     try:
         model = build_model("gpt", 0, gpt=GPT)
-        out["yours"] = _train(NanoZero(model, stage, ADAM_LR, parts=parts), steps)
+        out["yours"] = _train(NanoZero(model, stage, ADAM_LR, parts=parts, prefetch=prefetch), steps)
     except NotImplementedError as e:
         tb = e.__traceback__
         while tb.tb_next is not None:
@@ -144,7 +144,8 @@ class Trained:
         p.text(str(self))
 
 
-def your_engine(stage: int, parts: dict[str, Callable], *, nd: int = 2, steps: int = STEPS) -> Trained:
+def your_engine(stage: int, parts: dict[str, Callable], *, nd: int = 2, steps: int = STEPS,
+                prefetch: bool = False) -> Trained:
     """Train the exercises' GPT with the reader's ``parts`` in ``NanoZero`` at ``stage`` on
     ``nd`` gloo ranks, beside one process and the package's engine; print the result with
     ``print(...)`` or let the notebook show it.
@@ -154,6 +155,7 @@ def your_engine(stage: int, parts: dict[str, Callable], *, nd: int = 2, steps: i
         parts: the reader's functions by name (``zerolearn.nano.PARTS``); the rest are the
             book's solutions.
         nd: ranks (2 or more); steps: Adam steps (lr 1e-3, global batch 12 sequences of 16 bytes).
+        prefetch: stage 3 gathers with the ``prefetch`` part instead of ``gather_hooks``.
 
     Raises:
         ConfigError: a bad stage or part name (from ``NanoZero``).
@@ -164,7 +166,7 @@ def your_engine(stage: int, parts: dict[str, Callable], *, nd: int = 2, steps: i
 
     NanoZero.check_options(stage, "fp32", parts)
     try:
-        results = zdist.launch(_on_rank, nd, stage, parts, steps)
+        results = zdist.launch(_on_rank, nd, stage, parts, steps, prefetch)
     except RankError as e:
         raise RankError(e.rank, f"your engine failed (the part's own exercises.check names the bug): "
                                 f"{str(e).split(': ', 1)[-1]}") from None
