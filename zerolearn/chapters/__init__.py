@@ -5,17 +5,20 @@ A chapter's notebook is built from its source in ``notebooks/src/`` (``NN_name.p
 see ``notebooks/build.py``); its folder here holds the rest, and its ``__init__``
 names every file:
 
-* ``lesson.py``: what the chapter builds and runs on spawned ranks, naive versions
-  included. Spawned processes import the function they run by name, so what a
-  notebook launches lives here, and the notebook shows it with ``inspect.getsource``.
-  The naive versions are lessons, not engines: the package's engines
-  (``zerolearn.engines``) keep only the real ones.
+* ``lesson.py``: only what other code reuses (a simulation a later chapter runs again, a
+  list the tests import). What a chapter runs once, its experiments and naive versions,
+  is defined in the notebook's own cells, where the reader reads it; ``launch`` sends
+  such functions to the spawned ranks by value. Package code is shown as an excerpt of
+  at most 15 lines (:func:`zerolearn.chapters.source.excerpt`), never printed whole.
 * one pair of files per exercise. The reader's part, ``<name>.py``, is exactly what the
   reader writes: the function's signature and docstring and, between ``# BEGIN
   SOLUTION`` and ``# END SOLUTION``, the reference solution (the reader's copy of the
   chapter has ``raise NotImplementedError`` there). Its check, ``<name>_check.py``,
   holds the trial that runs the reader's function, the known bugs of its kind and the
   exercise's registration. The checker, :mod:`zerolearn.exercises`, imports every check.
+
+Shared by chapters 1-4: :mod:`zerolearn.chapters.your_engine`, where the reader's
+functions, assembled into :class:`zerolearn.nano.NanoZero`, train beside one process.
 
 The results some chapters draw instead of measuring them again (DeepSpeed's stages,
 the benchmarks) are recorded under ``notebooks/data/`` and read with :func:`stored`.
