@@ -53,6 +53,7 @@ from zerolearn.checkpoint import lock as checkpoint_lock
 from zerolearn.config import TrainConfig, build_parser
 from zerolearn.errors import ConfigError
 from zerolearn.faults import say
+from zerolearn.tables import kib
 
 _CTRL_C = {"interrupted": False, "cleaning": False, "signal": signal.SIGINT}  # main()'s SIGINT/SIGTERM state
 SIGNALS = {signal.SIGINT: ("interrupted (Ctrl-C)", 130), signal.SIGTERM: ("terminated (SIGTERM)", 143)}
@@ -181,6 +182,18 @@ def _finish(config: TrainConfig, report: dict, world_size: int) -> None:
           f"over steps {first}-{config.steps - 1} on {world_size} rank(s)"
           f"{' (simulated: rank 0 only, losses not meaningful)' if report['simulated'] else ''}, "
           f"{report['step_seconds_median'] * 1e3:.1f} ms/step (median)")
+    if config.node_size is not None:
+        print(link_summary(report))
+
+
+def link_summary(report: dict) -> str:
+    """One line per node boundary: bytes per step each rank moved inside its node and
+    across nodes (the report's ``comm_by_link``, :mod:`zerolearn.comm`'s link model),
+    as KiB, for the ranks measured (rank 0 only in a simulated world)."""
+    steps, k = len(report["losses"]), report["node_size"]
+    per_rank = ", ".join(f"rank {e['rank']} {kib(e['comm_by_link']['intra'] / steps)} / "
+                         f"{kib(e['comm_by_link']['inter'] / steps)}" for e in report["ranks"])
+    return (f"nodes of {k} rank(s): KiB per step intra-node / inter-node: {per_rank}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -15,7 +15,7 @@ what is allowed, before any work starts:
   options that need another one, the width the heads divide, the corpus length; a
   misspelled field is a ``TypeError`` from the dataclass, in the caller's process;
 * :meth:`TrainConfig.validate` with the world size, on every rank before training:
-  batch divisibility by Nd x K, ``fail_rank``, Nm dividing the world, output paths,
+  batch divisibility by Nd x K, ``fail_rank``, Nm and the node size dividing the world, output paths,
   the batch fitting this machine's memory, CUDA-only options.
 """
 
@@ -34,6 +34,7 @@ from zerolearn.errors import ConfigError, require_choice, require_count, require
 from zerolearn.memory import model as analytic
 from zerolearn.models import MODELS, GPTConfig
 from zerolearn.precision import DTYPES
+from zerolearn.zeropp import DEFAULT_BLOCK
 
 
 def _opt(default, help: str, **argparse_kw):
@@ -47,7 +48,7 @@ class TrainConfig:
 
     Units: ``bucket_mb``, ``prefetch_mb`` and ``cb_mb`` in MiB, ``timeout`` in seconds, ``seq_len`` in
     tokens (bytes of the corpus), ``global_batch_size`` in sequences (GPT) or rows (MLP)
-    over all ranks. Stage numbers follow DeepSpeed: 0 DP, 1 P_os, 2 P_os+g, 3 P_os+g+p
+    over all ranks, ``node_size`` in ranks, ``qwz_block`` in elements per fp32 scale. Stage numbers follow DeepSpeed: 0 DP, 1 P_os, 2 P_os+g, 3 P_os+g+p
     (paper Sec 5).
 
     Raises:
@@ -116,6 +117,17 @@ class TrainConfig:
                                    metavar="D")
     dpu: bool = _opt(False, "with --offload: one-step delayed parameter update, the host step overlaps the next "
                             "forward and backward")
+    # ZeRO++ (Wang et al., arXiv 2306.10209, Sec 3): zerolearn.zeropp, zerolearn.engines.zeropp_units.
+    node_size: int | None = _opt(None, "ranks per node (consecutive global ranks; must divide the world size): the "
+                                       "report splits each rank's bytes intra / inter node", metavar="K")
+    qwz: bool = _opt(False, "stage 3, ZeRO++ qwZ (Sec 3.1): weight all_gathers in int8, one fp32 scale per "
+                            "--qwz-block elements")
+    qwz_block: int = _opt(DEFAULT_BLOCK, "with --qwz: elements per fp32 scale of the int8 weights (and of --qgz's "
+                                         "int4 gradients)", metavar="B")
+    hpz: bool = _opt(False, "stage 3, ZeRO++ hpZ (Sec 3.2): a secondary shard per node, backward's gathers stay "
+                            "inside the node; needs --node-size")
+    qgz: bool = _opt(False, "stage 3, ZeRO++ qgZ (Sec 3.3): gradients reduced by an int4 all-to-all in two hops, "
+                            "inside the node then across; needs --node-size")
     report: str | None = _opt(None, "write the JSON report here (rank 0)")
     quiet: bool = _opt(False, "no progress bar")
 
@@ -136,7 +148,7 @@ class TrainConfig:
         """The checks that need the world size or this machine; return Nd (world / Nm).
 
         Raises:
-            ConfigError: batch not divisible by Nd x K, Nm not dividing the world,
+            ConfigError: batch not divisible by Nd x K, Nm or ``node_size`` not dividing the world,
                 ``fail_rank`` outside the world, an output path that cannot be
                 written, a batch larger than this machine's free memory, a CUDA-only
                 option on CPU.
@@ -145,6 +157,10 @@ class TrainConfig:
         if self.fail_at_step is not None and not 0 <= self.fail_rank < world_size:
             raise ConfigError(f"--fail-rank {self.fail_rank}: allowed are 0 to {world_size - 1} "
                               f"(world size {world_size})")
+        if self.node_size is not None and world_size % self.node_size:
+            divisors = ", ".join(str(d) for d in range(1, world_size + 1) if world_size % d == 0)
+            raise ConfigError(f"--node-size {self.node_size}: must divide the world size {world_size} (every node "
+                              f"holds the same number of ranks); allowed are {divisors}")
         nm = self.tensor_parallel
         if world_size % nm:
             raise ConfigError(f"--tensor-parallel {nm}: must be >= 1 and divide the world size {world_size}")
@@ -222,13 +238,13 @@ def _check_numbers(c: TrainConfig) -> None:
     """Counts >= 1 (and in 64 bits), finite positive reals, a width the heads divide, a
     sequence the corpus holds."""
     for name in ("steps", "global_batch_size", "seq_len", "grad_accum_steps", "loss_scale_window", "n_layer",
-                 "d_model", "n_head", "mlp_width", "mlp_layers", "tensor_parallel", "seed"):
+                 "d_model", "n_head", "mlp_width", "mlp_layers", "tensor_parallel", "seed", "qwz_block"):
         require_count(_flag(name), getattr(c, name), minimum=0 if name == "seed" else 1)
     for name in ("checkpoint_every", "checkpoint_keep", "fail_rank"):
         require_count(_flag(name), getattr(c, name), minimum=0)
-    for name in ("simulate_world_size", "fail_at_step"):
+    for name in ("simulate_world_size", "fail_at_step", "node_size"):
         if getattr(c, name) is not None:
-            require_count(_flag(name), getattr(c, name), minimum=1 if name == "simulate_world_size" else 0)
+            require_count(_flag(name), getattr(c, name), minimum=0 if name == "fail_at_step" else 1)
     for name in ("lr", "timeout", "bucket_mb", "max_grad_norm"):
         if getattr(c, name) is not None:
             require_real(_flag(name), getattr(c, name))
@@ -273,6 +289,29 @@ def _check_needs(c: TrainConfig) -> None:
         raise ConfigError("--dpu needs --offload cpu or --offload disk")
     if c.offload_dir is not None and c.offload != "disk":
         raise ConfigError(f"--offload-dir {c.offload_dir} needs --offload disk")
+    _check_zeropp(c)
+
+
+def _check_zeropp(c: TrainConfig) -> None:
+    """ZeRO++'s options (arXiv 2306.10209 Sec 3) as the stage-3 engine takes them
+    (:class:`zerolearn.engines.zeropp_units.ZeroPP`): stage 3 only, hpZ and qgZ per node,
+    nodes cut from every rank of the job (not from a tensor-parallel run's data-parallel
+    group), a block size only where qwZ uses it."""
+    used = [_flag(name) for name in ("qwz", "hpz", "qgz") if getattr(c, name)]
+    if used and c.stage != 3:
+        raise ConfigError(f"{' '.join(used)} with --stage {c.stage}: ZeRO++ options apply to --stage 3 only "
+                          "(they change ZeRO-3's parameter gathers and gradient reduce_scatter)")
+    for flag in ("--hpz", "--qgz"):
+        if flag in used and c.node_size is None:
+            raise ConfigError(f"{flag} needs --node-size K (ranks per node, dividing the world size): ZeRO++'s "
+                              f"{flag[2:]} works per node")
+        if flag in used and c.tensor_parallel > 1:
+            raise ConfigError(f"{flag} with --tensor-parallel {c.tensor_parallel}: ZeRO++'s nodes are cut from "
+                              "all ranks of the job, the engine's group is one data-parallel group (allowed: "
+                              "--tensor-parallel 1)")
+    if c.qwz_block != DEFAULT_BLOCK and not c.qwz:
+        raise ConfigError(f"--qwz-block {c.qwz_block} needs --qwz (without it qgZ quantizes with blocks of "
+                          f"{DEFAULT_BLOCK})")
 
 
 def _check_paths(c: TrainConfig) -> None:

@@ -59,7 +59,19 @@ def rank_entry(run: Run, record: Watched) -> dict:
             "peak_grad_bytes": engine.peak_grad_bytes,
             "residual": residual_setup.report_entry(run.zero_r, record.checkpoints, engine.temp_buffer_peak_bytes,
                                                     record.activations, ctx.device),
-            "comm_by_tag": comm.LEDGER.by_tag()}
+            "comm_by_tag": comm.LEDGER.by_tag(),
+            **({"comm_by_link": link_entry()} if comm.node_ranks() is not None else {})}
+
+
+def link_entry() -> dict:
+    """This rank's bytes per node boundary since the ledger's reset (every step of the run):
+    ``{"intra": bytes, "inter": bytes, "by_work": {doing: {"intra": bytes, "inter": bytes}}}``,
+    under :mod:`zerolearn.comm`'s link model (:func:`zerolearn.comm.set_nodes`: a call on p
+    ranks of B bytes exchanges B / p with each peer; ZeRO++, arXiv 2306.10209 Sec 3, counts
+    the inter-node part). ``doing`` is the kind of work of :func:`zerolearn.comm.unit`
+    (``"forward: gather"``, ``"backward: gather"``, ``"backward: reduce"``, ...)."""
+    by_work = {doing: dict(moved) for doing, moved in sorted(comm.LEDGER.links.items())}
+    return {**comm.LEDGER.by_link(), "by_work": by_work}
 
 
 def make_report(run: Run, record: Watched) -> dict:
@@ -74,7 +86,7 @@ def make_report(run: Run, record: Watched) -> dict:
             "simulated": simulated,
             # Simulated: this process is rank 0 and the only one measured.
             "losses": record.losses, "ranks": [mine] if simulated else comm.gather_objects(mine),
-            "data_parallel": nd, "tensor_parallel": c.tensor_parallel,
+            "data_parallel": nd, "tensor_parallel": c.tensor_parallel, "node_size": c.node_size,
             "analytic": {"model_state_bytes": analytic_bytes(c, run.engine.psi, nd),
                          "residual": residual_setup.analytic_entry(c, nd)},
             "step_seconds_median": statistics.median(record.seconds) if record.seconds else 0.0}

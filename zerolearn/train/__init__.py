@@ -52,7 +52,8 @@ RESUME_MUST_MATCH = ("model", "seed", "global_batch_size", "seq_len", "n_layer",
                      "mlp_layers", "optimizer", "lr")
 # Options of the optimisation that a resumed run may change; each change is printed.
 RESUME_MAY_CHANGE = ("weight_decay", "max_grad_norm", "momentum", "dtype", "grad_accum_steps", "loss_scale_window",
-                     "bucket_mb", "prefetch_mb", "offload", "offload_dir", "dpu")
+                     "bucket_mb", "prefetch_mb", "offload", "offload_dir", "dpu", "node_size", "qwz", "qwz_block", "hpz",
+                     "qgz")
 
 
 def batch(config: TrainConfig, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -139,7 +140,7 @@ def setup(config: TrainConfig, engine_factory=make_engine) -> Run:
                             momentum=config.momentum, weight_decay=config.weight_decay, dtype=config.dtype,
                             bucket_mb=config.bucket_mb, max_grad_norm=config.max_grad_norm, group=groups.dp_group,
                             mp_group=groups.mp_group if groups.nm > 1 else None,
-                            **offload_options(config), **prefetch_options(config))
+                            **offload_options(config), **prefetch_options(config), **zeropp_options(config))
     engine.scaler.growth_interval = config.loss_scale_window
     first = checkpoint.resume(engine, config.checkpoint_dir, config.as_dict(), RESUME_MUST_MATCH, RESUME_MAY_CHANGE)
     if first > config.steps:  # equal is a finished run started again: nothing left, exit 0
@@ -160,6 +161,18 @@ def prefetch_options(config: TrainConfig) -> dict:
     """ZeRO-3's ``prefetch_mb`` when set (other stages prefetch nothing; an ``engine_factory``
     that knows no such option still builds its engine with the default)."""
     return {"prefetch_mb": config.prefetch_mb} if config.stage == 3 and config.prefetch_mb is not None else {}
+
+
+def zeropp_options(config: TrainConfig) -> dict:
+    """The stage-3 engine's ZeRO++ keywords for ``config`` (arXiv 2306.10209 Sec 3;
+    :class:`zerolearn.engines.zeropp_units.ZeroPP`): ``qwz_block`` with ``--qwz``,
+    ``node_ranks`` and ``hpz`` / ``qgz`` with ``--hpz`` / ``--qgz``. None when no option is
+    on, so an ``engine_factory`` that knows no ZeRO++ still builds its engine; a node size
+    alone changes no collective, only how the ledger splits bytes (:func:`zerolearn.comm.set_nodes`)."""
+    options = {"qwz_block": config.qwz_block} if config.qwz else {}
+    if config.hpz or config.qgz:
+        options.update(node_ranks=config.node_size, hpz=config.hpz, qgz=config.qgz)
+    return options
 
 
 def offload_entry(run: Run) -> dict:
@@ -310,36 +323,41 @@ def train(config: TrainConfig, progress: bool = False, engine_factory=make_engin
         torch.cuda.reset_peak_memory_stats(run.ctx.device)
         if config.cuda_memory_snapshot:
             compat.record_cuda_memory_history(True)
-    comm.LEDGER.reset()
-    record, steps = Watched(), _steps(run, progress)
-    for step in steps:
-        watched = record if step == config.steps - 1 else None
-        if watched:
-            record.ledger = MemoryLedger(record_timeline=config.memory_timeline)
-        t0 = time.perf_counter()
-        with record.ledger if watched else contextlib.nullcontext():
+    previous_nodes = comm.node_ranks()
+    comm.set_nodes(config.node_size)  # None: no split by link (the report then has none)
+    try:
+        comm.LEDGER.reset()
+        record, steps = Watched(), _steps(run, progress)
+        for step in steps:
+            watched = record if step == config.steps - 1 else None
             if watched:
-                record.ledger.track_engine(run.engine)
-            local, stepped = train_step(run, step, watched)
-        if cuda:
-            torch.cuda.synchronize(run.ctx.device)
-        record.seconds.append(time.perf_counter() - t0)
-        record.losses.append(comm.monitor_mean(local))
-        check_finite(record.losses[-1], run.engine.scaler.enabled and not stepped, step)
-        if hasattr(steps, "set_postfix"):
-            steps.set_postfix(loss=f"{record.losses[-1]:.4f}")
-        maybe_save(run, step + 1)
-    if config.offload is not None:
-        run.engine.finish_dpu()  # DPU: the last update lands in the working parameters
-    if cuda and config.cuda_memory_snapshot:
-        compat.dump_cuda_memory_snapshot(snapshot_path(config.cuda_memory_snapshot, run.ctx.rank,
-                                                       run.ctx.world_size))
-        compat.record_cuda_memory_history(False)
-    report = make_report(run, record)
-    if config.offload is not None:
-        report["offload"] = offload_entry(run)
-        run.engine.close()  # the disk files, the DPU thread
-    return report
+                record.ledger = MemoryLedger(record_timeline=config.memory_timeline)
+            t0 = time.perf_counter()
+            with record.ledger if watched else contextlib.nullcontext():
+                if watched:
+                    record.ledger.track_engine(run.engine)
+                local, stepped = train_step(run, step, watched)
+            if cuda:
+                torch.cuda.synchronize(run.ctx.device)
+            record.seconds.append(time.perf_counter() - t0)
+            record.losses.append(comm.monitor_mean(local))
+            check_finite(record.losses[-1], run.engine.scaler.enabled and not stepped, step)
+            if hasattr(steps, "set_postfix"):
+                steps.set_postfix(loss=f"{record.losses[-1]:.4f}")
+            maybe_save(run, step + 1)
+        if config.offload is not None:
+            run.engine.finish_dpu()  # DPU: the last update lands in the working parameters
+        if cuda and config.cuda_memory_snapshot:
+            compat.dump_cuda_memory_snapshot(snapshot_path(config.cuda_memory_snapshot, run.ctx.rank,
+                                                           run.ctx.world_size))
+            compat.record_cuda_memory_history(False)
+        report = make_report(run, record)
+        if config.offload is not None:
+            report["offload"] = offload_entry(run)
+            run.engine.close()  # the disk files, the DPU thread
+        return report
+    finally:
+        comm.set_nodes(previous_nodes)
 
 
 def train_here(config: TrainConfig, progress: bool = False) -> dict:
