@@ -44,12 +44,13 @@ def _opt(default, help: str, **argparse_kw):
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """One training run: model, data, optimizer, stage, ZeRO-R, checkpoints, testing hooks.
+    """One training run: model, data, optimizer, stage, ZeRO-R, offload, ZeRO++, checkpoints, testing hooks.
 
     Units: ``bucket_mb``, ``prefetch_mb`` and ``cb_mb`` in MiB, ``timeout`` in seconds, ``seq_len`` in
     tokens (bytes of the corpus), ``global_batch_size`` in sequences (GPT) or rows (MLP)
-    over all ranks, ``node_size`` in ranks, ``qwz_block`` in elements per fp32 scale. Stage numbers follow DeepSpeed: 0 DP, 1 P_os, 2 P_os+g, 3 P_os+g+p
-    (paper Sec 5).
+    over all ranks, ``node_size`` in ranks, ``qwz_block`` in elements per fp32 scale. Stage
+    numbers follow DeepSpeed: 0 DP, 1 P_os, 2 P_os+g, 3 P_os+g+p (paper Sec 5). ZeRO++ (qwZ,
+    hpZ, qgZ: Wang et al., arXiv 2306.10209 Sec 3) applies to stage 3.
 
     Raises:
         ConfigError: a value outside what is allowed (the message names the option as

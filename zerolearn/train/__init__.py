@@ -52,8 +52,8 @@ RESUME_MUST_MATCH = ("model", "seed", "global_batch_size", "seq_len", "n_layer",
                      "mlp_layers", "optimizer", "lr")
 # Options of the optimisation that a resumed run may change; each change is printed.
 RESUME_MAY_CHANGE = ("weight_decay", "max_grad_norm", "momentum", "dtype", "grad_accum_steps", "loss_scale_window",
-                     "bucket_mb", "prefetch_mb", "offload", "offload_dir", "dpu", "node_size", "qwz", "qwz_block", "hpz",
-                     "qgz")
+                     "bucket_mb", "prefetch_mb", "offload", "offload_dir", "dpu", "node_size", "qwz", "qwz_block",
+                     "hpz", "qgz")
 
 
 def batch(config: TrainConfig, step: int) -> tuple[torch.Tensor, torch.Tensor]:
