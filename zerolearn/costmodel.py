@@ -379,8 +379,9 @@ def offload_step_time(job: Job, hw: Hardware, host: HostSide, offload: str | Non
     I/O) while the device runs the next forward and backward, so the longer of the two
     sets the pace. The copies stay on the critical path here (ZeRO-Offload overlaps the
     gradients' copy with backward, so this is an upper bound), and so does the disk I/O
-    without DPU (ZeRO-Infinity overlaps it with compute, Rajbhandari et al. SC'21: also
-    an upper bound). ``offload=None`` gives ``step_time``'s step and zeros. The grad
+    without DPU (ZeRO-Infinity's overlap-centric design prefetches *parameters* under
+    compute; its optimizer states are read and written in the step, which DeepSpeed
+    pipelines with the CPU's Adam: also an upper bound). ``offload=None`` gives ``step_time``'s step and zeros. The grad
     dtype of ``job`` is the dtype of the copies.
 
     Raises:

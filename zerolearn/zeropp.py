@@ -41,7 +41,13 @@ from zerolearn import comm, guard
 from zerolearn.errors import ConfigError, require_choice, require_count
 
 BITS = (4, 8)
-DEFAULT_BLOCK = 256  # elements per scale (DeepSpeed's ZeRO++ default group size is of this order)
+DEFAULT_BLOCK = 256
+"""Elements per scale: the package's choice, not DeepSpeed's. DeepSpeed's ZeRO++ quantizer
+aims at groups of a few thousand elements (its CUDA quantizer targets under 8,000), where
+one fp32 scale costs about 0.05% of the bytes; 256 gives the small models of chapter 8,
+whose units hold a few thousand parameters, many blocks each, so that what block scales
+buy (one large value spoils only its block) and what they cost (one fp32 scale per 256
+int8 values: 1.6% of the int8 bytes) both show."""
 
 
 def levels(bits: int) -> int:

@@ -36,12 +36,19 @@ to disk too (ZeRO-Infinity's parameter offload, Sec 5): a shard is read from its
 just before its unit's all_gather (forward, backward, each prefetch), released once the
 gather has finished, and written back after the step updates it, so between uses a rank
 holds no parameter memory at all. The reads are synchronous, on the calling thread;
-ZeRO-Infinity overlaps them with compute (its overlap-centric design), which this
-teaching engine does not.
+ZeRO-Infinity prefetches parameters layer by layer under compute (its overlap-centric
+design), which this teaching engine does not.
+
+Where this differs from DeepSpeed's NVMe path: DeepSpeed also swaps the fp32 gradients
+to NVMe, and pipelines the optimizer states' swaps with the CPU's step; here, under
+``offload="disk"``, the fp32 gradient shard stays in host memory (4 Psi / Nd bytes
+per rank) and a bucket's states are read, stepped and written in turn,
+so that the bytes on disk are exactly the optimizer states (and the stage-3 shards).
 
 ``dpu=True`` (with either offload) runs the host step of step t on a background thread
 (:class:`DelayedUpdate`) and publishes it at the start of step t + 1; the first step
-is synchronous, as DeepSpeed warms up before delaying.
+is synchronous: a warm-up, as in the paper (ZeRO-Offload turns DPU on only after the
+first steps, whose gradients change the parameters the most).
 """
 
 from __future__ import annotations

@@ -25,6 +25,9 @@ from zerolearn.papermap.text import _gb, _sig
 
 __all__ = ["CH8", "successor_rows"]
 
+DGX2_HOST_BYTES = 1.5e12
+"""Host memory of one DGX-2 node (1.5 TB, NVIDIA's datasheet; ZeRO-Infinity's testbed)."""
+
 CH8 = "ch. 8 on 2 ranks"
 CH8_NODES = "ch. 8 on 4 ranks as 2 nodes of 2"
 
@@ -78,18 +81,24 @@ def _infinity() -> list[Row]:
         Row("infinity-1t", "ZeRO-Infinity", "a trillion parameters fine-tuned on one DGX-2 node (16 GPUs)",
             f"`model_state_bytes(1e12, 16, 3)`: {_tb(node)} per GPU; `offload_state_bytes(1e12, 16, 3, 'disk')`: "
             f"{_gb(ours['device'])} of model states on each GPU between uses, {_gb(ours['host'])} in host memory "
-            f"(the fp32 gradient shard), {_gb(ours['disk'])} on disk", "ch. 8 on 2 ranks (stage 3 with disk "
-            "offload, bytes per location measured)", NOT_REPRODUCIBLE, "needs a DGX-2 node and its NVMe drives; "
-            "the gathered units, activations and the host's gradient shard must fit beside them",
+            f"(the fp32 gradient shard), {_gb(ours['disk'])} on disk; 16 GPUs' gradient shards make "
+            f"{_tb(16 * ours['host'])} of host memory, where a DGX-2 has {_tb(DGX2_HOST_BYTES)}",
+            "ch. 8 on 2 ranks (stage 3 with disk offload, bytes per location measured)", NOT_REPRODUCIBLE,
+            "needs a DGX-2 node and its NVMe drives; DeepSpeed's NVMe path swaps the fp32 gradients to NVMe too, "
+            "while the package's disk offload keeps them in host memory, which one node's 1.5 TB could not hold",
             {"device_gb": ours["device"] / GB, "host_gb": ours["host"] / GB, "disk_gb": ours["disk"] / GB}),
         Row("infinity-bandwidth", "ZeRO-Infinity", "bandwidth-centric partitioning: each rank reads and writes its "
             "own partition of the offloaded states, so the aggregate host and NVMe bandwidth grows with the GPUs",
             f"`offload_traffic_bytes(1e12, 512, 3, 'disk')`: {_gb(disk_per_gpu)} read and written per GPU a step "
-            "(2 K Psi / Nd, falling as 1/Nd)", f"{CH8} (bytes each rank reads and writes measured)", SHAPE_ONLY,
+            "((2 K + 3 w) Psi / Nd: the optimizer states read and written, and stage 3's parameter shard read "
+            "for forward and for backward and written after the step, w = 2 bytes; falling as 1/Nd)",
+            f"{CH8} (bytes each rank reads and writes measured)", SHAPE_ONLY,
             "the ranks of one machine share one disk here, so their bandwidth does not add up"),
-        Row("infinity-overlap", "ZeRO-Infinity", "overlap-centric design (prefetching the next states while "
-            "computing) and memory-centric tiling (splitting an operator too large for the GPU)", "not built: the "
-            "engines read a bucket's states from disk just before its step and do not tile operators", "-",
+        Row("infinity-overlap", "ZeRO-Infinity", "overlap-centric design (prefetching the next layers' "
+            "parameters from CPU and NVMe while computing) and memory-centric tiling (splitting an operator too large "
+            "for the GPU)", "not built: the "
+            "engines read a unit's parameter shard just before its gather, and a bucket's optimizer states just "
+            "before its step, without prefetching, and do not tile operators", "-",
             NOT_REPRODUCIBLE, "not implemented in the package"),
     ]
 
@@ -116,9 +125,13 @@ def _zeropp() -> list[Row]:
             REPRODUCED, values={"extra": hpz["hpz_extra_bytes"] / (2 * psi)}),
         Row("zeropp-qgz", "ZeRO++", "qgZ: the gradient reduce-scatter replaced by an int4 all-to-all in two hops, "
             "inside the node then across nodes: a quarter of fp16's gradient bytes cross nodes",
-            f"{_sig(qgz['gradients'] / plain['gradients'])} of fp16's gradient bytes (int4 plus fp32 scales)",
-            f"{CH8_NODES} (bytes measured; error measured on a GPT's gradients)", REPRODUCED,
-            values={"ratio": qgz["gradients"] / plain["gradients"]}),
+            f"{_sig(qgz['gradients'] / plain['gradients'])} of fp16's gradient bytes (int4 plus fp32 scales), the "
+            "paper's quarter", f"{CH8_NODES} (bytes measured on the ledger's link model: about half the quarter "
+            "on nodes of 2, since the first hop sums the node's 2 partial gradients before anything crosses; "
+            "error measured on a GPT's gradients)", SHAPE_ONLY,
+            "the ledger models each link (a rank sends each peer its piece), "
+            "so it counts the first hop's sum over the node's N GPUs, M / (Z N) per GPU with Z = 4, that the "
+            "headline quarter leaves out", values={"ratio": qgz["gradients"] / plain["gradients"]}),
         Row("zeropp-4x", "ZeRO++", "together, ZeRO-3's cross-node traffic falls from 3M to 0.75M (M: the model in "
             "fp16), 4x less, for up to 2.16x the throughput on 384 GPUs",
             f"{_sig(plain['total'] / rounded['total'])}x counting codes only, {_sig(plain['total'] / both['total'])}x "
