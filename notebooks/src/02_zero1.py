@@ -36,23 +36,27 @@
 # below is compared with them.
 
 # %%
-import inspect
 import time
 
 import matplotlib.pyplot as plt
+import torch
+import torch.distributed as dist
 
-from zerolearn import flat
+from zerolearn import comm, flat
 from zerolearn.chapters.ch02 import lesson as ch02
+from zerolearn.chapters.source import excerpt
 from zerolearn.config import TrainConfig
 from zerolearn.dist import launch
 from zerolearn.engines import zero1
 from zerolearn.memory import model as analytic
+from zerolearn.models import GPTConfig, build_model
 
 # The chapter's model: the package's byte-level GPT, small enough for 4 ranks on 2 cores.
 D_MODEL, SEQ_LEN, N_LAYER = 128, 16, 2
 GPT = TrainConfig(model="gpt", d_model=D_MODEL, seq_len=SEQ_LEN, n_layer=N_LAYER,
                   global_batch_size=12, steps=3, bucket_mb=0.25)  # 12 sequences: divisible by Nd = 2, 3, 4
-sizes = ch02.gpt_tensor_sizes(D_MODEL, SEQ_LEN, N_LAYER)
+gpt = build_model("gpt", 0, gpt=GPTConfig(seq_len=SEQ_LEN, n_layer=N_LAYER, d_model=D_MODEL))
+sizes = [p.numel() for p in gpt.parameters()]
 psi = sum(sizes)
 print(f"GPT: Psi = {psi:,} parameters in {len(sizes)} tensors; "
       f"largest tensor {max(sizes):,} elements, smallest {min(sizes):,} elements")
@@ -83,11 +87,21 @@ formulas.stage_figure(stage=1)  # the default view, drawn for the book
 # reproduction this book starts from does exactly that, splitting the list of tensors
 # into equal *counts*. Each rank builds Adam over its own tensors only, so Adam keeps
 # state only for them. A smarter whole-tensor split deals the largest tensor first to
-# the emptiest rank. Both are in `zerolearn/chapters/ch02/lesson.py`:
+# the emptiest rank. Each returns the owning rank of every tensor:
 
 # %%
-print(inspect.getsource(ch02.owners_by_count))
-print(inspect.getsource(ch02.owners_by_size))
+def owners_by_count(n_tensors, world_size):  # the blog's split: equal numbers of tensors, in order
+    per_rank, extra = divmod(n_tensors, world_size)
+    return [r for r in range(world_size) for _ in range(per_rank + (r < extra))]
+
+def owners_by_size(sizes, world_size):  # largest tensor first, to the emptiest rank
+    load, owners = [0] * world_size, [0] * len(sizes)
+    for i in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        r = min(range(world_size), key=lambda r: (load[r], r))
+        owners[i], load[r] = r, load[r] + sizes[i]
+    return owners
+
+OWNERS = {"count": lambda sizes, nd: owners_by_count(len(sizes), nd), "size": owners_by_size}
 
 # %% [markdown]
 # The naive optimizer around them all-reduces every gradient, steps Adam on the owned
@@ -95,7 +109,22 @@ print(inspect.getsource(ch02.owners_by_size))
 # same parameters. It is correct; the rest of this chapter measures what it costs.
 
 # %%
-print(inspect.getsource(ch02.NaiveZero1))
+class NaiveZero1:
+    def __init__(self, model, lr=1e-3, owners="count"):
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.owners = OWNERS[owners]([p.numel() for p in self.params], self.world_size)
+        mine = [p for p, r in zip(self.params, self.owners) if r == self.rank]
+        self.optimizer = torch.optim.Adam(mine, lr=lr)  # state only for the tensors this rank owns
+
+    @torch.no_grad()
+    def step(self):
+        for p in self.params:  # every rank gets every averaged gradient: 2 Psi
+            comm.all_reduce(p.grad)
+            p.grad /= self.world_size
+        self.optimizer.step()  # updates only the owned tensors
+        for p, owner in zip(self.params, self.owners):  # each owner sends its new values: Psi
+            comm.broadcast(p.data, src=owner)
 
 # %% [markdown]
 # Before running anything we can already see the problem in the layout. A rank keeps
@@ -106,9 +135,15 @@ print(inspect.getsource(ch02.NaiveZero1))
 # column is the largest rank's share relative to a perfect $\Psi/N_d$.
 
 # %%
+def owned_elements(sizes, owners, world_size):  # elements each rank keeps Adam state for
+    per_rank = [0] * world_size
+    for size, r in zip(sizes, owners):
+        per_rank[r] += size
+    return per_rank
+
 for nd in (3, 4):
     for policy in ("count", "size"):
-        owned = ch02.owned_elements(sizes, ch02.OWNERS[policy](sizes, nd), nd)
+        owned = owned_elements(sizes, OWNERS[policy](sizes, nd), nd)
         cells = "  ".join(f"{n:>8,}" for n in owned)
         print(f"Nd = {nd}, split by {policy:<5}: {cells}   largest / (Psi/Nd) = {max(owned) / (psi / nd):.3f}")
 
@@ -152,15 +187,13 @@ fig
 # owns, elements two ranks own, shards of unequal size or out of rank order, and more
 # padding than needed, for buffers of 1 to 42,368 elements. Your functions may use
 # `torch`, `nn`, `F`, `dist` and `comm` besides their arguments; the next cell imports
-# them and the checker.
+# the ones not imported yet, and the checker.
 
 # %%
-import torch
-import torch.distributed as dist  # noqa: F401 - for the exercises' functions
-import torch.nn.functional as F  # noqa: F401
+import torch.nn.functional as F  # noqa: F401 - for the exercises' functions
 from torch import nn
 
-from zerolearn import comm, exercises  # noqa: F401
+from zerolearn import exercises
 
 # %% tags=["exercise"]
 # exercise: 02.shard_range
@@ -171,12 +204,11 @@ exercises.check("02.shard_range", shard_range)
 # %% [markdown]
 # `zerolearn.flat` does this arithmetic for the engines. A `FlatLayout` is only that
 # arithmetic, fixed once built (what an engine keeps per bucket from step to step lives in
-# `zerolearn.engines.base.Bucket`):
+# `zerolearn.engines.base.Bucket`). Its core is the padding line: round the total up to a
+# multiple of the number of shards, and every shard has `padded // num_shards` elements.
 
 # %%
-print(inspect.getsource(flat.FlatLayout.of))
-print(inspect.getsource(flat.FlatLayout.shard_of))
-print(inspect.getsource(flat.FlatLayout.views))
+excerpt(flat.FlatLayout.of)
 
 # %% [markdown]
 # Parameters keep their shapes as *views* into the buffer, so the model computes as
@@ -220,26 +252,32 @@ HTML(step.html)
 # ### Exercise 2 · one ZeRO-1 step
 #
 # Write `zero1_step(flat_params, flat_grad, state, world_size, rank, lr)`, the three moves
-# on one flat buffer of `n` elements (a multiple of `world_size`), after backward:
+# on one flat buffer of `n` elements (a multiple of `world_size`), after backward, in mixed
+# precision as Sec 3.1 describes it:
 #
-# - `flat_params` holds every parameter end to end, then zeros; the model's parameters are
-#   views into it, so it must hold the updated parameters on return;
-# - `flat_grad` is this rank's gradient laid out the same way;
+# - `flat_params` holds the working parameters, fp32 or bf16, end to end, then zeros; the
+#   model's parameters are views into it, so it must hold the updated parameters, in its
+#   own dtype, on return;
+# - `flat_grad` is this rank's gradient laid out the same way, in the same dtype;
 # - `state` is a dict kept from step to step (empty at the first step): keep in it an
-#   fp32 master copy of this rank's shard and a `torch.optim.Adam(..., lr=lr)` over that
-#   shard alone.
+#   **fp32** master copy of this rank's shard and a `torch.optim.Adam(..., lr=lr)` over
+#   that master alone. Adam steps the master, never the bf16 parameters: an update smaller
+#   than a bf16 parameter's last bit would be lost.
 #
-# Reduce-scatter `flat_grad` into this rank's shard and average it, step Adam on the master
-# shard, all-gather the updated shards into `flat_params`, and return the averaged gradient
-# shard you stepped with. Use `comm.reduce_scatter(output, input)` and
-# `comm.all_gather(output, input)`.
+# Reduce-scatter `flat_grad` into this rank's shard and average it in fp32, step Adam on
+# the master, cast the master to the working dtype and all-gather it into `flat_params`,
+# and return the fp32 averaged gradient shard you stepped with. Use
+# `comm.reduce_scatter(output, input)` and `comm.all_gather(output, input)`. Two keywords,
+# `reduced` and `gather`, let chapters 3 and 4 call the same step on a gradient already
+# reduced and on a parameter shard alone; the stub's docstring says what they do.
 #
 # The checker trains the chapter's kind of GPT (here Ψ = 42,368, so 3 ranks need one
-# padding element) for three steps on 2 and then 3 ranks, and compares the gradient shard
-# you return and every parameter with single-process Adam on the whole batch; then the
-# ledger (ZeRO-1 moves 2 Ψ per step) and the tensors you keep in `state` (at most
-# $K\Psi/N_d$ bytes, $K = 12$: a 4-byte master copy and Adam's two 4-byte moments per
-# shard element).
+# padding element) on 2 and then 3 ranks: three fp32 steps against single-process Adam on
+# the whole batch (the gradient shard you return and every parameter), one step each as
+# chapters 3 and 4 call it, then three bf16 steps, where your fp32 master must equal fp32
+# Adam stepped with your gradient. It also reads the ledger (ZeRO-1 moves 2 Ψ per step)
+# and the tensors you keep in `state`: at most $K\Psi/N_d$ bytes, $K = 12$, a 4-byte
+# master and Adam's two 4-byte moments per shard element, in fp32 as in bf16.
 
 # %% tags=["exercise"]
 # exercise: 02.zero1_step
@@ -251,11 +289,12 @@ exercises.check("02.zero1_step", zero1_step)
 # The package's engine does the same for each flat group (a bucket). It is short because the
 # shared base class (`engines/base.py`) launches a bucket's reduction from autograd hooks as
 # soon as its gradients are complete; the stage says only what it keeps, how it reduces and
-# how it publishes:
+# how it publishes. Its two collectives are your exercise's: a reduce-scatter into a shard
+# during backward, and after the step an all-gather that runs in place, every rank's slice
+# landing around this rank's updated one:
 
 # %%
-print(inspect.getsource(zero1.Zero1Engine))
-
+excerpt(zero1.Zero1Engine, ("def _reduce", "return comm.reduce_scatter"), ("def _publish", "self._publishing"))
 
 # %% [markdown]
 # ### 4.1 The three moves, one cell at a time, on live ranks
@@ -301,42 +340,30 @@ print(full[:psi].tolist())
 # %ranks stop
 
 # %% [markdown]
-# To see the two collectives act on numbers you can follow, `ch02.collectives_demo`
-# gives rank $r$ the "gradient" $(r+1)\cdot[0, 1, \dots, 5]$ on 3 ranks. The sum is
-# $6\cdot[0, \dots, 5]$; reduce-scatter hands each rank two elements of it; each rank
-# subtracts 0.5 from its slice ("the update"); all-gather puts the six updated values on
-# every rank.
-#
 # ## 5. Running it on real ranks
 #
 # One cell runs every experiment of this chapter, since starting ranks costs seconds:
 # for $N_d = 2, 3, 4$ the package's ZeRO-1 engine (`train`, stage 1, fp32 and bf16,
 # 3 steps), and for $N_d = 3, 4$ the naive version with both splits, on the same model,
-# seed and global batches. The demo runs on the 3 ranks.
+# seed and global batches. The `NaiveZero1` above travels to the ranks by value, its code with it.
 
 # %%
 # NBVAL_IGNORE_OUTPUT
 def specs(nd):
     jobs = [("train", GPT.replace(stage=1, dtype=dtype)) for dtype in ("fp32", "bf16")]
     if nd > 2:
-        jobs += [("naive", ch02.NaiveZero1, GPT, {"owners": policy}) for policy in ("count", "size")]
-    return jobs + ([("demo",)] if nd == 3 else [])
+        jobs += [("naive", NaiveZero1, GPT, {"owners": policy}) for policy in ("count", "size")]
+    return jobs
 
 t0 = time.perf_counter()
 results = {nd: launch(ch02.jobs, nd, specs(nd)) for nd in (2, 3, 4)}  # results[nd][rank][job]
 print(f"{sum((2, 3, 4))} ranks in 3 launches: {time.perf_counter() - t0:.0f} s")
 
-# %%
-for rank, per_rank in enumerate(results[3]):
-    d = per_rank[-1]
-    print(f"rank {rank}: gradient {d['grad']} -> reduce-scatter {d['shard']} -> all-gather {d['full']}")
-
-
 # %% [markdown]
 # ### 5.1 Optimizer memory per rank: whole tensors against flat shards
 #
-# `NaiveZero1` reports the bytes of Adam state it really holds (the tensors in
-# `optimizer.state`); the engine's report measures its tensors the same way. Both train
+# The naive runs report the bytes of Adam state each rank really holds (the tensors in
+# its `optimizer.state`); the engine's report measures its tensors the same way. Both train
 # in fp32, so Adam keeps 8 bytes per element it updates.
 
 # %%
@@ -362,13 +389,14 @@ for nd in (3, 4):
 # %%
 nds = list(range(1, 17))
 bucket = int(0.25 * 2**20)  # the train CLI's default --bucket-mb 0.25
+named = list(gpt.named_parameters())[::-1]  # the engines lay parameters out in reverse order
 curves = {
     "whole tensors, by count (the blog's split)":
-        [max(ch02.owned_elements(sizes, ch02.owners_by_count(len(sizes), n), n)) / (psi / n) for n in nds],
+        [max(owned_elements(sizes, owners_by_count(len(sizes), n), n)) / (psi / n) for n in nds],
     "whole tensors, by size (largest first)":
-        [max(ch02.owned_elements(sizes, ch02.owners_by_size(sizes, n), n)) / (psi / n) for n in nds],
-    "flat padded shards (zerolearn.flat)":
-        [max(ch02.flat_shard_elements(sizes, n, bucket)) / (psi / n) for n in nds],
+        [max(owned_elements(sizes, owners_by_size(sizes, n), n)) / (psi / n) for n in nds],
+    "flat padded shards (zerolearn.flat)":  # every rank's shards hold the same number of elements
+        [sum(g.shard_numel for g in flat.make_buckets(named, bucket, 4, n, 0)) / (psi / n) for n in nds],
 }
 fig, ax = plt.subplots(figsize=(7, 4))
 for (label, ys), marker in zip(curves.items(), ("o", "s", "^")):
@@ -537,6 +565,45 @@ for r in TL["stages"][1]["summary"]:
     b, s = r["phases"]["backward"], r["phases"]["step"]
     print(f"rank {r['rank']}: reduce-scatters {b['overlap']:.0%} hidden behind backward, "
           f"all-gathers {s['overlap']:.0%} hidden behind the optimizer step; blocked {r['wait_s'] * 1e3:.1f} ms")
+
+# %% [markdown]
+# ## 6. Your engine trains
+#
+# Your two functions are the whole of a ZeRO-1 engine. `zerolearn/nano.py` (under 300
+# lines, read top to bottom) assembles the four stages from the book's exercises;
+# at stage 1 it lays the parameters out in one flat buffer with your `shard_range`, and
+# its step is your `zero1_step`:
+
+# %%
+from zerolearn.chapters.your_engine import your_engine
+from zerolearn.nano import Flat, NanoZero
+
+excerpt(Flat, ("self.start, self.end", "self.full = torch.zeros"))
+
+# %%
+excerpt(NanoZero.step, ("elif self.stage == 1:", "args, kwargs ="), ("self.fn[\"zero1_step\"]", "zero1_step"))
+
+# %% [markdown]
+# The next cell trains the exercises' GPT (Ψ = 42,368) for four steps on 2 ranks with your
+# parts, beside one process on the whole batch and beside the package's `Zero1Engine`. Look
+# at three columns: your losses must equal one process's; a rank holds Fig 1's formula with
+# fp32's 4-byte parameters and gradients, $(4 + 4 + K/N_d)\Psi$ bytes, $K = 12$ since your
+# step keeps an fp32 master; and the traffic is $2\Psi$ per step (Sec 7.2.1).
+
+# %%
+your_engine(1, {"shard_range": shard_range, "zero1_step": zero1_step})
+
+# %% [markdown]
+# What the package's engine adds to these few lines:
+#
+# | the package's engine adds | why | where |
+# |---|---|---|
+# | buckets of a fixed size, reduced from hooks | overlap with backward; bounded buffers | ch. 1, ch. 3 §2 |
+# | the all-gather in place, asynchronous | no copy; overlaps the next bucket's update | §4, §5.5 above |
+# | in fp32, the master *is* the rank's slice | $K = 8$, not 12: no separate copy | §1, §5.2 above |
+# | fp16 with a loss scale; gradient clipping | fp16 underflow; a norm over all shards | `engines/base.py` |
+# | gradient accumulation (`no_sync`) | larger batches in the same memory | ch. 3 §6 |
+# | optimizer state and step on the CPU | the $K\Psi/N_d$ bytes leave the GPU | ch. 8 §1 |
 
 # %% [markdown]
 # ## Summary

@@ -2,7 +2,9 @@
 
 * notebook: ``notebooks/src/02_zero1.py``, built into ``notebooks/02_zero1.ipynb`` and
   the reader's copy ``notebooks/exercises/02_zero1.ipynb``;
-* lesson: :mod:`.lesson`, the code the chapter runs and shows;
+* lesson: :mod:`.lesson`, the runner of the chapter's comparisons on spawned ranks
+  (``jobs``, ``train_naive``) and the naive ZeRO-1 that chapter 3 compares with (the
+  chapter writes its own copy, and the whole-tensor splits, in its cells);
 * exercise ``02.shard_range`` (:mod:`.shard_range`, checked by
   :mod:`.shard_range_check`): which elements of a flat buffer padded to a multiple of Nd
   a rank owns; checked on real ranks by gathering every rank's answer;

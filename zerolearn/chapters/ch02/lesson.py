@@ -1,6 +1,8 @@
-"""Chapter 2, ZeRO-1 (P_os): the version many write first, beside the real one.
+"""Chapter 2, ZeRO-1 (P_os): the version many write first, and the runner of the comparisons.
 
-The naive ZeRO-1 below is the one found in many tutorials (and in the blog this
+Chapter 2 writes its naive ZeRO-1 and the two whole-tensor splits in its own cells;
+:class:`NaiveZero1` here is the same class, kept for chapter 3, which compares the
+blog's ZeRO-2 with it. It is the one found in many tutorials (and in the blog this
 book starts from): each rank *owns whole tensors*, every gradient is all-reduced,
 each rank steps Adam on the tensors it owns, then every owner broadcasts its
 updated tensors. It trains correctly, but
@@ -25,9 +27,7 @@ from torch import nn
 from zerolearn import comm, data
 from zerolearn import dist as zdist
 from zerolearn.config import TrainConfig
-from zerolearn.flat import make_buckets
 from zerolearn.memory.ledger import MemoryLedger, retag
-from zerolearn.models import GPTConfig, build_model
 from zerolearn.train import batch, build, loss_fn, train
 
 
@@ -59,35 +59,6 @@ def owners_by_size(sizes: list[int], world_size: int) -> list[int]:
 
 
 OWNERS = {"count": lambda sizes, nd: owners_by_count(len(sizes), nd), "size": owners_by_size}
-
-
-def owned_elements(sizes: list[int], owners: list[int], world_size: int) -> list[int]:
-    """Elements each rank owns (and keeps optimizer state for) under ``owners``."""
-    per_rank = [0] * world_size
-    for size, r in zip(sizes, owners):
-        per_rank[r] += size
-    return per_rank
-
-
-def flat_shard_elements(sizes: list[int], world_size: int, bucket_bytes: int, element_size: int = 4) -> list[int]:
-    """Elements per rank under flat padded shards (``zerolearn.flat``), as the engines lay them out.
-
-    Every group is padded to a multiple of ``world_size`` and split equally, so all
-    ranks get the same count: (Psi + padding) / Nd.
-    """
-    params = [nn.Parameter(torch.empty(s)) for s in sizes][::-1]  # engines: reverse order
-    names = [str(i) for i in range(len(params))]
-    per_rank = [0] * world_size
-    for r in range(world_size):
-        groups = make_buckets(list(zip(names, params)), bucket_bytes, element_size, world_size, r)
-        per_rank[r] = sum(g.shard_numel for g in groups)
-    return per_rank
-
-
-def gpt_tensor_sizes(d_model: int = 64, seq_len: int = 32, n_layer: int = 2, n_head: int = 4) -> list[int]:
-    """Element counts of the GPT's trainable tensors, in ``model.parameters()`` order."""
-    cfg = GPTConfig(seq_len=seq_len, n_layer=n_layer, n_head=n_head, d_model=d_model)
-    return [p.numel() for p in build_model("gpt", 0, gpt=cfg).parameters()]
 
 
 # ----- the naive ZeRO-1 ---------------------------------------------------------
@@ -122,17 +93,6 @@ class NaiveZero1:
         for p, owner in zip(self.params, self.owners):  # owners send the new values: Psi
             comm.broadcast(p.data, src=owner)
 
-    def zero_grad(self) -> None:
-        for p in self.params:
-            p.grad = None
-
-    def state_tensors(self) -> list[torch.Tensor]:
-        """Adam's per-element state on this rank (its two moments per owned tensor)."""
-        return [v for s in self.optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
-
-    def optimizer_state_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.state_tensors())
-
 
 def _tag_grads_as_they_arrive(params: list[nn.Parameter]) -> None:
     # Ledger bookkeeping only: autograd creates p.grad during backward (booked as
@@ -145,10 +105,10 @@ def train_naive(cls: type, config: TrainConfig, **options) -> dict:
     """Train with a naive optimizer class on this rank; the same job as ``train(config)``.
 
     ``config`` sets the model, steps, batch, lr and seed (fp32 only);
-    ``cls(model, lr=..., **options)`` must have ``step``, ``zero_grad``
-    and ``state_tensors``. The same model, batches and loss as the engines, so the
-    losses can be compared. The last step runs under a :class:`MemoryLedger`
-    (``config.memory_timeline`` keeps its timeline).
+    ``cls(model, lr=..., **options)`` must have ``params`` (the trainable parameters),
+    ``optimizer`` (the torch optimizer over what this rank updates) and ``step()``. The
+    same model, batches and loss as the engines, so the losses can be compared. The last
+    step runs under a :class:`MemoryLedger` (``config.memory_timeline`` keeps its timeline).
 
     Returns this rank's ``{"losses", "optimizer_state_bytes", "grads_bytes" (held after
     backward), "comm", "peak_bytes", "memory", "num_params"}`` (bytes; ``comm`` as in
@@ -160,6 +120,10 @@ def train_naive(cls: type, config: TrainConfig, **options) -> dict:
         raise ValueError("the naive versions train in fp32 only")
     model = build(config)
     opt = cls(model, lr=config.lr, **options)
+
+    def state_tensors() -> list[torch.Tensor]:  # Adam's per-element state on this rank
+        return [v for s in opt.optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
+
     _tag_grads_as_they_arrive(opt.params)
     comm.LEDGER.reset()
     losses, ledger = [], None
@@ -168,7 +132,7 @@ def train_naive(cls: type, config: TrainConfig, **options) -> dict:
         with ledger or contextlib.nullcontext():
             if ledger is not None:
                 ledger.track(opt.params, "params")
-                ledger.track(opt.state_tensors(), "optimizer_states")
+                ledger.track(state_tensors(), "optimizer_states")
             x, y = (data.rank_slice(t, ctx.rank, ctx.world_size) for t in batch(config, step))
             with ledger.phase("forward") if ledger else contextlib.nullcontext():
                 loss = loss_fn(config, model(x), y)
@@ -177,33 +141,16 @@ def train_naive(cls: type, config: TrainConfig, **options) -> dict:
             grads_bytes = sum(p.grad.numel() * p.grad.element_size() for p in opt.params if p.grad is not None)
             with ledger.phase("step") if ledger else contextlib.nullcontext():
                 opt.step()
-                opt.zero_grad()
+                for p in opt.params:
+                    p.grad = None
         losses.append(comm.monitor_mean(loss.item()))
         del loss
     memory = ledger.summary()
     if config.memory_timeline:
         memory["timeline"] = [[e.index, e.phase, e.total, e.by_category] for e in ledger.timeline]
-    return {"losses": losses, "optimizer_state_bytes": sum(t.numel() * t.element_size() for t in opt.state_tensors()),
+    return {"losses": losses, "optimizer_state_bytes": sum(t.numel() * t.element_size() for t in state_tensors()),
             "grads_bytes": grads_bytes, "comm": comm.LEDGER.as_dict(), "peak_bytes": memory["peak_bytes"],
             "memory": memory, "num_params": sum(p.numel() for p in opt.params)}
-
-
-# ----- the two collectives of ZeRO-1, on tiny tensors ---------------------------------
-def collectives_demo(n: int = 6) -> dict:
-    """Reduce-scatter then all-gather on this rank, with small numbers to read.
-
-    Rank r's "gradient" is ``(r + 1) * [0, 1, ..., n-1]``; reduce-scatter gives rank r
-    the r-th slice of the sum; each rank "updates" its slice (subtracts 0.5) and
-    all-gather rebuilds the full vector everywhere. ``n`` must divide by the world size.
-    """
-    ctx = zdist.context()
-    grad = torch.arange(n, dtype=torch.float32) * (ctx.rank + 1)
-    shard = torch.empty(n // ctx.world_size)
-    comm.reduce_scatter(shard, grad)
-    updated = shard - 0.5
-    full = torch.empty(n)
-    comm.all_gather(full, updated)
-    return {"grad": grad.tolist(), "shard": shard.tolist(), "full": full.tolist()}
 
 
 def jobs(specs: list[tuple]) -> list:
@@ -211,7 +158,7 @@ def jobs(specs: list[tuple]) -> list:
 
     Each spec is ``("train", config)`` (the package's engines: the report of
     :func:`zerolearn.train.train`), ``("naive", cls, config, options)``
-    (:func:`train_naive`) or ``("demo",)`` (:func:`collectives_demo`).
+    (:func:`train_naive`).
     """
     out = []
     for kind, *rest in specs:
@@ -219,8 +166,6 @@ def jobs(specs: list[tuple]) -> list:
             out.append(train(rest[0]))
         elif kind == "naive":
             out.append(train_naive(rest[0], rest[1], **(rest[2] if len(rest) > 2 else {})))
-        elif kind == "demo":
-            out.append(collectives_demo(*rest))
         else:
             raise ValueError(f"unknown job kind {kind!r}")
     return out
