@@ -154,7 +154,7 @@ def test_the_link_split_follows_the_paper(cli_reports):
     for entry in plain["ranks"]:
         # Plain ZeRO-3 (Sec 7.2.2): every byte moves in all_gather and reduce_scatter over all W
         # ranks of padded buckets, a piece of B / W per peer: k - 1 peers inside the node,
-        # W - k outside (equal here), (W - 1) / W of the ledger's bytes in all.
+        # W - k outside (1 and 2 here), (W - 1) / W of the ledger's bytes in all.
         moved, link = entry["comm"], entry["comm_by_link"]
         assert link["intra"] * (WORLD - NODE) == link["inter"] * (NODE - 1)
         assert (link["intra"] + link["inter"]) * WORLD == (WORLD - 1) * (
