@@ -30,17 +30,17 @@
 
 # %%
 # %matplotlib inline
-import inspect
-
 import matplotlib.pyplot as plt
 import numpy as np
+import torch
+import torch.distributed as dist
 from IPython.display import HTML
 
-from zerolearn.chapters.ch01 import lesson as ch01
+from zerolearn import comm
+from zerolearn.chapters.source import excerpt
 from zerolearn.config import TrainConfig
 from zerolearn.dist import launch
 from zerolearn.engines.base import Engine
-from zerolearn.engines.ddp import DDPEngine
 from zerolearn.figures import schematics
 from zerolearn.memory import model as analytic
 from zerolearn.models import build_model
@@ -64,19 +64,31 @@ schematics.collectives_figure(nd=4)
 # *all-gather* hands every rank all the chunks. Now the same calls on real ranks.
 #
 # `zerolearn.dist.launch(fn, world_size, *args)` spawns `world_size` processes, joins them into a
-# gloo process group, runs `fn(*args)` on each and returns the results in rank order. This
-# chapter's longer functions are in `zerolearn/chapters/ch01/lesson.py`. Every collective goes
-# through `zerolearn.comm`, whose ledger counts calls and elements.
+# gloo process group, runs `fn(*args)` on each and returns the results in rank order. Every
+# collective goes through `zerolearn.comm`, whose ledger counts calls and elements.
 #
 # Each rank starts from a different 8-element "gradient". All-reduce sums them on every rank.
 # Reduce-scatter also sums them, but leaves rank r only the r-th quarter of the sum; all-gather
 # then hands every quarter to every rank.
 
 # %%
-print(inspect.getsource(ch01.collectives))
+def collectives(numel=8):
+    """This rank's gradient [8r, ..., 8r + 7] before and after each collective, and the ledger."""
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    grad = torch.arange(numel, dtype=torch.float32) + numel * rank
+    comm.LEDGER.reset()
+    summed = grad.clone()
+    comm.all_reduce(summed)  # in place: every rank gets the sum
+    chunk = torch.empty(numel // world_size)
+    comm.reduce_scatter(chunk, grad.clone())  # rank r gets chunk r of the sum
+    gathered = torch.empty(numel)
+    comm.all_gather(gathered, chunk)  # every rank gets every chunk
+    return {"grad": grad, "all_reduce": summed, "reduce_scatter": chunk, "all_gather": gathered,
+            "ledger": comm.LEDGER.as_dict()}
+
 
 # %%
-res = launch(ch01.collectives, 4)
+res = launch(collectives, 4)
 print(f"{'rank':>4} | {'gradient (before)':<34} | {'reduce_scatter':<12} | {'all_gather':<34} | all_reduce")
 for rank, r in enumerate(res):
     print(f"{rank:>4} | {str(r['grad'].int().tolist()):<34} | {str(r['reduce_scatter'].int().tolist()):<12}"
@@ -145,16 +157,11 @@ print(f"volume of reduce_scatter + all_gather:     {ledger['reduce_scatter']['el
       f"{ledger['reduce_scatter']['elements'] + ledger['all_gather']['elements']} elements")
 
 # %% [markdown]
-# `fn` need not live in the package. A function written in a cell travels to the ranks by
+# `collectives` is written in a cell, not in the package: a function travels to the ranks by
 # value (cloudpickle), closures and lambdas included. This one reads `scale`, a variable
 # of this notebook:
 
 # %%
-import torch
-import torch.distributed as dist
-
-from zerolearn import comm
-
 scale = 10.0
 
 
@@ -202,10 +209,30 @@ from zerolearn import exercises  # noqa: F401
 exercises.check("01.average_gradients", average_gradients)
 
 # %% [markdown]
-# The chapter's `naive_dp_step` does this inside a whole training step:
+# `naive_dp_step` does this inside a whole training step, on this chapter's GPT (Ψ = 134,912 in
+# 29 tensors), which the rest of the chapter trains:
 
 # %%
-print(inspect.getsource(ch01.naive_dp_step))
+from zerolearn.models import GPTConfig
+
+GPT = GPTConfig(seq_len=32, n_layer=2, n_head=4, d_model=64)
+BATCH, LR = 16, 1e-3  # global batch (sequences per step), Adam's learning rate
+
+
+def gpt_loss(logits, targets):
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def naive_dp_step(model, optimizer, x, y, world_size):
+    """One step on this rank's slice x, y of the global batch; returns this rank's loss."""
+    loss = gpt_loss(model(x), y)
+    loss.backward()
+    for p in model.parameters():  # one blocking collective per tensor, after backward
+        comm.all_reduce(p.grad)
+        p.grad.div_(world_size)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.item()
 
 # %% [markdown]
 # Naive DP is correct but wasteful twice over. Communication starts only after the whole backward
@@ -253,45 +280,124 @@ exercises.check("01.bucket_hook", bucket_hook)
 
 # %% [markdown]
 # The engine does the same with the bookkeeping a library needs (gradient accumulation, shared
-# parameters, a bound on the buffers in flight). Its constructor puts a hook on every parameter:
+# parameters, a bound on the buffers in flight). Its constructor registers
+# `functools.partial(self._on_grad, b, i)` on every parameter (bucket `b`, position `i`), and
+# autograd calls `_on_grad` once the parameter's gradient for this backward is complete. The
+# lines that matter:
 
 # %%
-source = inspect.getsource(Engine.__init__).splitlines()
-at = next(i for i, line in enumerate(source) if "register_post_accumulate_grad_hook" in line)
-print("\n".join(source[at - 2:at + 1]))
+excerpt(Engine._on_grad, ("def _on_grad", "def _on_grad"), ("start = b.layout", "self._on_bucket_ready(b)"))
 
 # %% [markdown]
-# Autograd calls `_on_grad` once a parameter's gradient for this backward is complete (the hook
-# receives the *parameter*; its `.grad` holds the gradient). The gradient is copied into its
-# bucket's flat buffer and autograd's copy is dropped. When a bucket has all its gradients,
-# `_on_bucket_ready` launches it, and every earlier bucket that is also complete, in one fixed
-# order: collectives must be issued in the same order on every rank, or they pair up wrongly.
+# The gradient is copied into its bucket's flat buffer (added, when accumulating) and
+# autograd's copy is dropped. When a bucket has all its gradients, `_on_bucket_ready` launches
+# it, and every earlier bucket that is also complete, in one fixed order: collectives must be
+# issued in the same order on every rank, or they pair up wrongly. The launch:
 
 # %%
-for method in (Engine._on_grad, Engine._on_bucket_ready, Engine._launch, Engine._finish_oldest):
-    print(inspect.getsource(method))
-print(inspect.getsource(DDPEngine))
+excerpt(Engine._launch)
 
 # %% [markdown]
 # `_launch` divides by N<sub>d</sub> before the sum (so fp16 gradients cannot overflow in the sum)
-# and keeps at most two reductions in flight, which bounds the gradient buffers alive at once. For
-# DP, `_reduce` is one asynchronous `all_reduce` of the bucket. The same hooks, with a
+# and keeps at most two reductions in flight (`MAX_IN_FLIGHT`; `_finish_oldest` waits for the
+# oldest), which bounds the gradient buffers alive at once. For DP, `_reduce` is one line,
+# `comm.all_reduce(b.grad_full, group=self.pg, async_op=True)`. The same hooks, with a
 # reduce-scatter instead, are what ZeRO-2 uses to drop gradients it does not own (Sec 5.2).
 #
 # ### Three DP implementations against one process
 #
-# `ch01.compare_dp` trains the same GPT for five steps with naive DP, with the book's stage-0
+# `compare_dp` trains the same GPT for five steps with naive DP, with the book's stage-0
 # engine (buckets of at most 0.25 MiB) and with PyTorch's `DistributedDataParallel`, each on 4
-# ranks with a global batch of 16 sequences of 32 bytes, fp32 Adam. `ch01.single_process` trains
-# it in this process on the whole global batch.
+# ranks with a global batch of 16 sequences of 32 bytes, fp32 Adam. `single_process` trains
+# it in this process on the whole global batch. First a step of each kind:
 
 # %%
-print(inspect.getsource(ch01.compare_dp))
+def plain_step(model, optimizer, x, y):
+    """Forward, backward, Adam: one process, or torch's DDP (its hooks reduce during backward)."""
+    loss = gpt_loss(model(x), y)
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.item()
+
+
+def engine_step(engine, x, y):
+    loss = gpt_loss(engine(x), y)
+    engine.backward(loss)  # buckets are all-reduced from hooks during backward
+    engine.step()
+    engine.zero_grad()
+    return loss.item()
+
+
+# %% [markdown]
+# Every run starts from the same seed; each rank trains on its slice of the same global batches:
+
+# %%
+from functools import partial
+
+from torch.nn.parallel import DistributedDataParallel
+
+from zerolearn import data
+from zerolearn.engines import make_engine
+
+
+def dp_run(kind, bucket_mb=0.25):
+    """A step function (x, y) -> this rank's loss, and the engine's bucket count (else None)."""
+    model = build_model("gpt", 0, gpt=GPT)
+    if kind == "engine":
+        engine = make_engine(0, model, optimizer="adam", lr=LR, bucket_mb=bucket_mb)
+        return partial(engine_step, engine), len(engine.buckets)
+    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
+    if kind == "torch_ddp":
+        return partial(plain_step, DistributedDataParallel(model), optimizer), None
+    return partial(naive_dp_step, model, optimizer, world_size=dist.get_world_size()), None
+
+
+def rank_batch(step):
+    x, y = data.gpt_batch(step, BATCH, GPT.seq_len, seed=0)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    return data.rank_slice(x, rank, world_size), data.rank_slice(y, rank, world_size)
+
+
+# %% [markdown]
+# `compare_dp` runs the three on every rank, one after the other; `single_process` is the
+# reference:
+
+# %%
+import statistics
+import time
+
+
+def compare_dp(steps=5):
+    """The three DP versions on this rank, one after the other: global losses, ledger, step time."""
+    out = {}
+    for kind in ("naive", "engine", "torch_ddp"):
+        step_fn, buckets = dp_run(kind)
+        comm.LEDGER.reset()  # this version's collectives only (torch's DDP bypasses the ledger)
+        losses, seconds = [], []
+        for step in range(steps):
+            x, y = rank_batch(step)
+            t0 = time.perf_counter()
+            loss = step_fn(x, y)
+            seconds.append(time.perf_counter() - t0)
+            losses.append(comm.monitor_mean(loss))  # the global mean over ranks
+        out[kind] = {"losses": losses, "ledger": comm.LEDGER.as_dict(), "buckets": buckets,
+                     "step_seconds_median": statistics.median(seconds[1:] or seconds)}
+    return out
+
+
+# %%
+def single_process(steps=5):
+    """The reference: one process, the whole global batch, fp32 Adam."""
+    model = build_model("gpt", 0, gpt=GPT)
+    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
+    return [plain_step(model, optimizer, *data.gpt_batch(step, BATCH, GPT.seq_len, seed=0)) for step in range(steps)]
+
 
 # %%
 steps = 5
-dp = launch(ch01.compare_dp, 4, steps)[0]  # every rank returns the same global losses
-reference = ch01.single_process(steps)
+dp = launch(compare_dp, 4, steps)[0]  # every rank returns the same global losses
+reference = single_process(steps)
 runs = {"one process": reference, **{name: dp[name]["losses"] for name in ("naive", "engine", "torch_ddp")}}
 print("global mean loss per step (cross-entropy, nats per byte)\n")
 print(f"{'step':>4} " + " ".join(f"{name:>12}" for name in runs))
@@ -301,7 +407,7 @@ worst = max(abs(a - b) for losses in runs.values() for a, b in zip(losses, refer
 print(f"\nevery DP run matches one process to within 1e-5 at every step: {worst < 1e-5}")
 
 # %%
-psi = sum(p.numel() for p in build_model("gpt", 0, gpt=ch01.GPT).parameters())
+psi = sum(p.numel() for p in build_model("gpt", 0, gpt=GPT).parameters())
 print(f"{'collectives per step':<22} {'naive':>8} {'engine':>8}")
 for what in ("calls", "elements"):
     print(f"all_reduce {what:<11} " + " ".join(
@@ -474,6 +580,40 @@ plt.show()
 # Each rank then runs the same optimizer step on the same numbers. ZeRO-1 (chapter 2) gives each
 # rank 1/N<sub>d</sub> of the optimizer states and of the step, keeping DP's 2 Ψ of communication
 # (Sec 5.1, Sec 7.2.1).
+#
+# ## 4. Your engine trains
+#
+# `zerolearn/nano.py` (under 300 lines, to be read top to bottom) assembles ZeRO-DP's four
+# stages from the book's exercises. At stage 0 it is your `bucket_hook`, with all the
+# parameters in one bucket, and one Adam step on the averaged gradient:
+
+# %%
+from zerolearn.nano import NanoZero
+
+excerpt(NanoZero, ("if stage == 0:", 'self.fn["bucket_hook"]'), ("loss.backward()", "self.finish()"))
+
+# %% [markdown]
+# The next cell trains the exercises' GPT (Ψ = 42,368) with it on 2 ranks, beside one process
+# and the package's stage-0 engine. Look for the same losses as one process, 2 Ψ moved per step,
+# and the bytes per rank of Fig 1 on both. The step is chapter 2's `zero1_step` (the book's, for
+# now), which keeps an fp32 master copy even in fp32: K = 12 for yours, 8 for the package's.
+
+# %%
+from zerolearn.chapters.your_engine import your_engine
+
+your_engine(0, {"bucket_hook": bucket_hook})
+
+# %% [markdown]
+# What the package's engine adds at stage 0:
+#
+# | addition | why | where |
+# |---|---|---|
+# | buckets of a bounded size | reduce during backward (one bucket of all waits for its end) | section 2; ch. 5 (CB) |
+# | two reductions in flight at most | bounds the gradient buffers alive at once | `_launch` above |
+# | bf16/fp16 copies, fp32 master, loss scale | 2-byte forward and backward; (2 + 2 + K) Ψ of states | chapter 0 |
+# | gradient accumulation | several micro-batches, one reduction per step | chapter 3, section 6 |
+# | buffers broadcast from rank 0 | BatchNorm statistics the same on every rank | end of section 2 |
+# | guards that keep ranks in step | collectives pair by order: a skipped one hangs the rest | chapter 7, pitfalls |
 #
 # ## Summary
 #

@@ -3,7 +3,6 @@
 * notebook: ``notebooks/src/01_data_parallelism.py``, built into
   ``notebooks/01_data_parallelism.ipynb`` and the reader's copy
   ``notebooks/exercises/01_data_parallelism.ipynb``;
-* lesson: :mod:`.lesson`, the code the chapter runs and shows;
 * exercise ``01.average_gradients`` (:mod:`.average_gradients`, checked by
   :mod:`.average_gradients_check`): after backward, replace every gradient by its mean
   over the ranks, one all-reduce per tensor (naive DP);
