@@ -24,10 +24,9 @@
 
 # %%
 # %matplotlib inline
-import inspect
-
 from zerolearn import figures
 from zerolearn.chapters.ch04 import lesson as ch04
+from zerolearn.chapters.source import excerpt
 from zerolearn.config import TrainConfig
 from zerolearn.dist import launch
 from zerolearn.engines.zero3 import Zero3Engine
@@ -63,7 +62,8 @@ print(f'Psi = {psi:,} parameters; a block has 12 h^2 + 13 h = {12 * 64**2 + 13 *
 # parameter becomes a *view* of it, and then frees that buffer's memory at once:
 
 # %%
-print(inspect.getsource(Zero3Engine._init_bucket))
+excerpt(Zero3Engine._init_bucket, ("def _init_bucket", "b.shard = "), ("b.full = full", "b.layout.bind"),
+        ("b.full.untyped_storage().resize_(0)", "b.full.untyped_storage().resize_(0)"))
 
 # %% [markdown]
 # For ZeRO-3 every row of the table is divided by $N_d$. The right panel shows the price:
@@ -98,8 +98,39 @@ formulas.stage_figure(stage=3)  # the default view, drawn for the book
 # freed or resized while it is active, and reports the live bytes per category.
 
 # %%
-print(inspect.getsource(ch04.free_by_reassigning_data))
-for moment, nbytes in ch04.free_by_reassigning_data().items():
+import torch
+
+from zerolearn.memory.ledger import MemoryLedger, category
+
+WIDTH = 256
+
+
+def gathered_linear():
+    """A Linear(256, 256) whose weight is a view of a flat buffer, as ZeRO-3 lays out a gathered unit."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(WIDTH, WIDTH, bias=False)
+    with category("params"):  # the unit's flat buffer, "all-gathered" into here
+        full = torch.zeros(WIDTH * WIDTH)
+    full.copy_(layer.weight.detach().flatten())
+    layer.weight.data = full.view(WIDTH, WIDTH)
+    return layer, full
+
+
+# %% [markdown]
+# First the common way, while the graph of a forward is alive:
+
+# %%
+with MemoryLedger() as ledger:
+    layer, full = gathered_linear()
+    seen = {"gathered": ledger.live["params"]}
+    y = layer(torch.randn(4, WIDTH, requires_grad=True))  # autograd saves a view of the weight
+    seen["after forward"] = ledger.live["params"]
+    layer.weight.data = torch.empty(0)  # "free" the unit...
+    del full  # ...and drop our own reference to its buffer
+    seen["after 'free'"] = ledger.live["params"]
+    del y  # only releasing the graph lets the storage go
+    seen["after the graph is released"] = ledger.live["params"]
+for moment, nbytes in seen.items():
     print(f'{moment:>30}: {nbytes:>9,} bytes of parameters live')
 
 # %% [markdown]
@@ -113,10 +144,21 @@ for moment, nbytes in ch04.free_by_reassigning_data().items():
 # backward runs on the same graph:
 
 # %%
-print(inspect.getsource(ch04.free_by_resizing_storage))
-for moment, value in ch04.free_by_resizing_storage().items():
-    unit = '' if moment == 'x_grad_sum' else ' bytes of parameters live'
-    print(f'{moment:>16}: {value:>9,}{unit}')
+x = torch.ones(4, WIDTH, requires_grad=True)
+with MemoryLedger() as ledger:
+    layer, full = gathered_linear()
+    y = layer(x)
+    seen = {"after forward": ledger.live["params"]}
+    values = full.clone()  # stands for the shards the next all_gather brings back
+    full.untyped_storage().resize_(0)  # free: the storage now holds 0 bytes
+    seen["after free"] = ledger.live["params"]
+    full.untyped_storage().resize_(full.numel() * full.element_size())
+    full.copy_(values)  # "gathered again" before backward
+    seen["gathered again"] = ledger.live["params"]
+    y.sum().backward()
+for moment, nbytes in seen.items():
+    print(f'{moment:>16}: {nbytes:>9,} bytes of parameters live')
+print(f'{"x_grad_sum":>16}: {x.grad.sum().item():>9.4g}')
 
 # %% [markdown]
 # The input was all ones, so the gradient of `y.sum()` with respect to each input
@@ -197,15 +239,17 @@ exercises.check("04.gather_hooks", gather_hooks)
 # ### Exercise 2 · prefetch
 #
 # Gathering a unit only when it is needed makes every unit wait for its own all-gather.
-# Write `prefetch(units, flats, shards, world_size)` for a forward pass under
-# `torch.no_grad()` (so a unit may be freed as soon as its forward returns): `units` in
-# forward order, `flats[i]` and `shards[i]` as in Exercise 1 for `units[i]`. In each
-# unit's forward pre-hook, make sure the unit is gathered, then launch the next unit's
-# all-gather without waiting for it, `comm.all_gather(..., async_op=True)`, which
-# returns a handle whose `.wait()` blocks until the data has arrived; free each unit in
-# its forward hook. The checker logs every launch, wait and compute: while unit $i$
-# computes, unit $i + 1$'s all-gather must be in flight, and the outputs must equal one
-# process.
+# Write `prefetch(units, flats, shards, world_size)`: `units` in forward order, `flats[i]`
+# and `shards[i]` as in Exercise 1 for `units[i]`. In each unit's forward pre-hook, make
+# sure the unit is gathered, then launch the next unit's all-gather without waiting for
+# it, `comm.all_gather(..., async_op=True)`, which returns a handle whose `.wait()`
+# blocks until the data has arrived; free each unit in its forward hook. Backward runs
+# the units in reverse: in the output's hook, make sure the unit is gathered and launch
+# the *previous* unit's all-gather; free a unit once all its gradients have arrived, as in
+# Exercise 1. The checker runs evaluation passes (under `torch.no_grad()`, no backward)
+# and training steps, and logs every launch, wait and compute: while unit $i$ computes,
+# the all-gather of the unit that comes next must be in flight, and the outputs and
+# gradients must equal one process.
 
 # %% tags=["exercise"]
 # exercise: 04.prefetch
@@ -215,15 +259,21 @@ exercises.check("04.prefetch", prefetch)
 
 # %% [markdown]
 # The engine does both for units of several flat groups. Its gather and free are the
-# moves of Section 2 around a collective, launched asynchronously:
+# moves of Section 2 around a collective, launched asynchronously: `_start_gather` grows
+# each buffer's storage back and starts `comm.all_gather(b.full, b.shard, async_op=True)`,
+# `_gather` also waits on the handles, `_free_unit` resizes the storages to 0 bytes. Its
+# forward hook frees the unit and hooks the output, as yours did, and the other hooks
+# place the gathers:
 
 # %%
-for method in (Zero3Engine._start_gather, Zero3Engine._finish_gather, Zero3Engine._free_bucket,
-               Zero3Engine._free_unit):
-    print(inspect.getsource(method))
+excerpt(Zero3Engine, ("def _pre_forward", "def _pre_forward"),
+        ("self._start_gather(self._previous(unit) if recompute", "self._gather(unit)"),
+        ("def _pre_backward", "def _pre_backward"),
+        ('comm.unit(unit.name, "backward: gather")', "self._start_gather(self._previous(unit))"),
+        ("def _on_bucket_ready", "def _on_bucket_ready"), ("if all(other.complete", "self._free_unit(unit)"))
 
 # %% [markdown]
-# and its hooks place them. In forward the unit to prefetch is the one that came next
+# In forward the unit to prefetch is the one that came next
 # in the last forward all ranks agreed on (`units.Schedule`), so every rank issues the
 # same gathers even when one of them takes another branch, and the ranks need to compare
 # notes only once per forward. Backward walks the units in reverse, so the unit to
@@ -233,22 +283,14 @@ for method in (Zero3Engine._start_gather, Zero3Engine._finish_gather, Zero3Engin
 # Sec 6.2: on units this small each collective's fixed cost outweighs its bytes. This
 # chapter's runs set `prefetch_mb=0`, one unit at a time as the paper describes, so that
 # every unit's gather shows.)
-
-# %%
-for method in (Zero3Engine._pre_forward, Zero3Engine._post_forward, Zero3Engine._pre_backward,
-               Zero3Engine._on_bucket_ready):
-    print(inspect.getsource(method))
-
-# %% [markdown]
+#
 # ## 4. Measured: every stage on two real ranks
 #
 # `all_stages` trains the same GPT under each stage, one after the other, on two gloo
-# ranks spawned from this notebook (one spawn for all four runs). Each run takes 3
+# ranks spawned from this notebook (one spawn for all four runs: on every rank it calls
+# `zerolearn.train.train(config.replace(stage=s))` for s = 0 to 3). Each run takes 3
 # steps of a global batch of 8 sequences and writes the report of `zerolearn.train`;
 # `--memory-timeline` keeps the ledger's timeline of the last step.
-
-# %%
-print(inspect.getsource(ch04.all_stages))
 
 # %%
 RUN = TrainConfig(**GPT_OPTIONS, global_batch_size=8, steps=3, dtype="bf16", memory_timeline=True)
@@ -332,13 +374,10 @@ print(f'all-gathers into a buffer   : {sum(1 for a, b in zip(params, params[1:])
 # other ranks being real: `python -m zerolearn.train --simulate-world-size N` runs
 # rank 0 of N ranks in one process on torch's "fake" process group, whose collectives
 # move no data. Every flat buffer is still padded and sharded for N ranks, so the bytes
-# are those rank 0 of a real N-rank job would hold. `ch04.simulate` is that command,
-# run in this process:
-
-# %%
-print(inspect.getsource(ch04.simulate))
-
-# %% [markdown]
+# are those rank 0 of a real N-rank job would hold. `ch04.simulate(stage, nd, config)` is
+# that command run in this process,
+# `train_here(config.replace(stage=stage, simulate_world_size=nd))`.
+#
 # We run a 2-block GPT of width 32 (one flat buffer per stage: `--bucket-mb 64`) under
 # each ZeRO stage at Nd = 8, 64 and 1024, one sequence per rank. Table 1 is in GB for
 # models of 7.5B parameters and more; what carries over to any model size is the
@@ -362,6 +401,20 @@ for nd in (8, 64, 1024):
 print(f'Psi = {small_psi:,} parameters; DP holds 16 Psi = {16 * small_psi:,} bytes at every Nd')
 print(text_table(['Nd', 'stage', 'measured B', 'formula B', 'padding', 'formula(Psi+pad)', 'measured/DP',
                  'Table 1/DP'], rows))
+
+# %% [markdown]
+# The measured bytes equal the formula until Nd no longer divides the flat buffers.
+# Then each buffer is padded with zeros to a multiple of Nd (the `padding` column, in
+# elements; at stage 3 every unit has buffers of its own, so there is more of it), and
+# the formula applied to Psi plus the padding gives the measured bytes exactly. At
+# Nd = 1024 a rank of this tiny model holds under 1 KB and the padding is a few percent
+# of Psi, which is why the measured ratios drift from Table 1's there; for a model of
+# billions of parameters the same few thousand elements are negligible. Otherwise the
+# ratios follow Table 1 to its printed digits: P_os tends to 4/16 of DP's memory,
+# P_os+g to 2/16, and P_os+g+p keeps falling as 1/Nd, the only stage with no floor.
+# At the paper's scale the same formula gives Table 1's last row: a trillion parameters
+# on 1024 GPUs under P_os+g+p hold 16 x 10^12 / 1024 bytes = 15.625 GB per GPU, printed
+# as 15.6.
 
 # %% [markdown]
 # ## 7. Prefetch, measured (Sec 5.3)
@@ -392,19 +445,66 @@ for run in PF["runs"]:
           f"step {run['step_s'] * 1e3:.1f} ms")
 
 # %% [markdown]
-# The measured bytes equal the formula until Nd no longer divides the flat buffers.
-# Then each buffer is padded with zeros to a multiple of Nd (the `padding` column, in
-# elements; at stage 3 every unit has buffers of its own, so there is more of it), and
-# the formula applied to Psi plus the padding gives the measured bytes exactly. At
-# Nd = 1024 a rank of this tiny model holds under 1 KB and the padding is a few percent
-# of Psi, which is why the measured ratios drift from Table 1's there; for a model of
-# billions of parameters the same few thousand elements are negligible. Otherwise the
-# ratios follow Table 1 to its printed digits: P_os tends to 4/16 of DP's memory,
-# P_os+g to 2/16, and P_os+g+p keeps falling as 1/Nd, the only stage with no floor.
-# At the paper's scale the same formula gives Table 1's last row: a trillion parameters
-# on 1024 GPUs under P_os+g+p hold 16 x 10^12 / 1024 bytes = 15.625 GB per GPU, printed
-# as 15.6.
+# ## 8. Your engine trains
 #
+# Your `gather_hooks` is the last part of the engine assembled since chapter 1,
+# `zerolearn.nano.NanoZero` (`zerolearn/nano.py`, under 300 lines, read top to bottom):
+# each stage is a few lines that call the exercises' functions, yours where you pass them,
+# the book's solutions elsewhere. At stage 3 it gives every unit a flat buffer of its own,
+# keeps the rank's shard, frees the buffer and hands the unit to your hooks:
+
+# %%
+from zerolearn.chapters.your_engine import your_engine
+from zerolearn.nano import NanoZero
+
+excerpt(NanoZero._build_units, ("for unit in units:", "flat = Flat("), ("self.shards.append", "self.shards.append"),
+        ("flat.full.untyped_storage().resize_(0)", "flat.full.untyped_storage().resize_(0)"),
+        ('self.fn["reduce_scatter_hook"](mine', 'self.fn["reduce_scatter_hook"](mine'),
+        ("if self.prefetch:", 'self.fn["gather_hooks"]'))
+
+# %% [markdown]
+# The cell below trains the exercises' GPT (Psi = 42,368) with it for 4 Adam steps on 2
+# ranks, beside one process and the package's `Zero3Engine`. Look for the losses of one
+# process, the bytes per rank equal to Fig 1's formula with every state divided by Nd, and
+# 3 Psi moved per step.
+
+# %%
+your_engine(3, {"gather_hooks": gather_hooks})
+
+# %% [markdown]
+# `your_engine(3, {"prefetch": prefetch}, prefetch=True)` gathers with your `prefetch`
+# instead, the next unit's all-gather in flight while one computes: the order of the
+# collectives changes, not what they move, and the row is the same.
+#
+# What the package's engine adds to these few lines at stage 3:
+#
+# | the package's engine adds | why | where |
+# |---|---|---|
+# | small units in one fused all-gather (`prefetch_mb`) | one fixed cost per window, not per unit | §3; ch. 5 (CB), 7 |
+# | asynchronous reduce-scatters in buckets of `bucket_mb` | overlap with backward; bounded buffers (Sec 5.2) | ch. 3 |
+# | a unit schedule all ranks agree on | collectives pair by order: a rank on another branch hangs | §3; ch. 7 |
+# | units kept gathered for checkpointing's recompute | backward needs those parameters again at once | ch. 5 §2 |
+# | bf16 or fp16 parameters, fp32 master, loss scale | 2-byte forward and backward (Sec 3.1) | ch. 0 |
+# | shards on the host or on disk; quantized gathers | fewer GPUs; less traffic between nodes | ch. 8 |
+#
+# ### Exercise 3 · your whole engine
+#
+# Write `nano_engine(model, stage, lr)` that returns `NanoZero(model, stage, lr,
+# parts=...)` with your own functions: `gather_hooks` (or `prefetch`, with
+# `prefetch=True`) from this chapter, and any of `bucket_hook`, `shard_range`,
+# `zero1_step` and `reduce_scatter_hook` from chapters 1-3 that you paste into a cell
+# above. A part you leave out is the book's solution. The checker first runs each part
+# you pass through its own exercise's check, so a bug in a part is named with that
+# exercise's words; then it trains the MLP with Adam at stages 0-3 on 2 and on 3 ranks
+# against one process, with Fig 1's bytes and 2 / 2 / 2 / 3 Psi per step.
+
+# %% tags=["exercise"]
+# exercise: 04.nano_engine
+
+# %%
+exercises.check("04.nano_engine", nano_engine)
+
+# %% [markdown]
 # ## Summary
 #
 # * ZeRO-3 partitions the last replicated model state, the parameters: every rank

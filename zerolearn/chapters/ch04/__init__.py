@@ -2,7 +2,8 @@
 
 * notebook: ``notebooks/src/04_zero3.py``, built into ``notebooks/04_zero3.ipynb`` and
   the reader's copy ``notebooks/exercises/04_zero3.ipynb``;
-* lesson: :mod:`.lesson`, the code the chapter runs and shows;
+* lesson: :mod:`.lesson`, the runs the chapter and chapter 6 reuse (``all_stages``,
+  ``simulate``);
 * exercise ``04.gather_hooks`` (:mod:`.gather_hooks`, checked by
   :mod:`.gather_hooks_check`): module and gradient hooks that all-gather a unit's
   parameters before its forward and again before its backward, and free them after each;
