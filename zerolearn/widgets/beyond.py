@@ -25,9 +25,10 @@ GPU_GB = [16, 24, 32, 40, 48, 80, 141, 192]
 HOST_GB = [16, 32, 64, 128, 256, 512, 1024, 1536, 2048]
 PCIE_GBPS = [4, 8, 12, 16, 25, 32, 64]
 HOST_ADAM = [2.5e8, 5e8, 1e9, 2e9, 4e9]
-ASSUMED = Hardware(tflops_achieved=100, intra_node_GBps=100, inter_node_GBps=12.5, gpus_per_node=8)
-"""The device side, an assumption for teaching: 100 TFLOP/s achieved per GPU, 100 GB/s
-inside a node of 8, 12.5 GB/s (100 Gb/s) per GPU between nodes."""
+ASSUMED = Hardware(tflops_achieved=40, intra_node_GBps=100, inter_node_GBps=12.5, gpus_per_node=8)
+"""The device side: 40 TFLOP/s achieved per GPU, what ZeRO-Offload reports on one V100 for
+a 10B model (Ren et al. 2021, abstract); 100 GB/s inside a node of 8 and 12.5 GB/s
+(100 Gb/s) per GPU between nodes, assumptions for teaching."""
 TOKENS_PER_GPU = 8192
 """Tokens each GPU computes per step (8 sequences of 1,024), an assumption for teaching."""
 OFFLOADS = {None: "", "cpu": " + CPU offload", "disk": " + disk offload"}
