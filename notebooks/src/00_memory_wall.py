@@ -29,8 +29,6 @@
 # convention); KiB are 1024 bytes.
 
 # %%
-import inspect
-
 import matplotlib.pyplot as plt
 import torch
 import torch.nn.functional as F
@@ -41,6 +39,7 @@ from zerolearn.config import TrainConfig
 from zerolearn.dist import launch
 from zerolearn.memory import model as analytic
 from zerolearn.memory.fit import gpt_params
+from zerolearn.memory.ledger import MemoryLedger
 from zerolearn.models import GPTConfig, build_model
 
 GB = analytic.GB  # 10**9 bytes, as in the paper
@@ -104,7 +103,7 @@ print(f"{'total':<17} {sum(nbytes(t) for t in counted.values()) / 1024:7.1f} KiB
 # arithmetic faster. K depends on the optimizer: SGD with momentum keeps one fp32 buffer, plain
 # SGD none.
 #
-# Let us measure this with the book's engine instead of by hand. `ch00.reports` runs the training
+# Let us measure this with the book's engine instead of by hand. `train_all` runs the training
 # loop (`zerolearn.train.train`, what `python -m zerolearn.train` runs) once per `TrainConfig`, on
 # one spawned gloo rank, and returns its JSON reports. Each report holds the bytes the rank
 # *holds* per category, measured from the tensors themselves (a storage shared by two roles is
@@ -112,7 +111,13 @@ print(f"{'total':<17} {sum(nbytes(t) for t in counted.values()) / 1024:7.1f} KiB
 # for the same run.
 
 # %%
-print(inspect.getsource(ch00.reports))
+from zerolearn.train import train
+
+
+def train_all(configs):
+    """The training report of each configuration, in order: one launch serves several runs."""
+    return [train(config) for config in configs]
+
 
 # %%
 common = TrainConfig(model="gpt", d_model=64, n_layer=2, seq_len=32, global_batch_size=8, steps=2, bucket_mb=0.25)
@@ -124,7 +129,7 @@ runs = {  # label: (dtype, optimizer, SGD momentum)
     "fp32 SGD": ("fp32", "sgd", 0.0),
 }
 configs = [common.replace(dtype=d, optimizer=o, momentum=m) for d, o, m in runs.values()]
-reports = dict(zip(runs, launch(ch00.reports, 1, configs)[0]))  # [0]: rank 0's results
+reports = dict(zip(runs, launch(train_all, 1, configs)[0]))  # [0]: rank 0's results
 
 # %%
 cats = ("params", "grads", "optimizer_states")
@@ -149,17 +154,49 @@ for label, r in reports.items():
 #
 # The memory ledger (`zerolearn.memory.ledger.MemoryLedger`) watches every tensor an operator
 # creates, assigns it a category when it appears and follows it until its storage is freed.
-# `ch00.step_timeline` runs two bf16 Adam steps of the same GPT through the engine on one spawned
-# rank and watches the second. Model states sit at the bottom
-# for the whole step; gradients appear during backward and go at `zero_grad()`; activations rise
-# during forward and are released as backward consumes them; temporaries (activation gradients,
-# casting and communication buffers) come and go.
+# `watched_step` runs one training step through the engine under the ledger, phase by phase:
 
 # %%
-print(inspect.getsource(ch00.step_timeline))
+from zerolearn.engines import make_engine
+
+
+def watched_step(engine, x, y):
+    """One training step of `engine` on x, y, every allocation recorded; returns the ledger."""
+    with MemoryLedger() as ledger:
+        ledger.track_engine(engine)  # the engine's model states, by category
+        with ledger.phase("forward"):
+            loss = F.cross_entropy(engine(x).float().flatten(0, 1), y.flatten())
+        with ledger.phase("backward"):
+            engine.backward(loss)
+            del loss
+        with ledger.phase("step"):
+            engine.step()
+            engine.zero_grad()
+    return ledger
+
+
+# %% [markdown]
+# `step_timeline` runs two bf16 Adam steps of the same GPT on one spawned rank and watches the
+# second (after the first, Adam's moments exist, as in any later step). Model states sit at the
+# bottom for the whole step; gradients appear during backward and go at `zero_grad()`;
+# activations rise during forward and are released as backward consumes them; temporaries
+# (activation gradients, casting and communication buffers) come and go.
 
 # %%
-watched = launch(ch00.step_timeline, 1, dtype="bf16", optimizer="adam")[0]
+def step_timeline(dtype, optimizer, batch=8):
+    engine = make_engine(0, build_model("gpt", 0, gpt=cfg), optimizer=optimizer, dtype=dtype, bucket_mb=4.0)
+    x, y = data.gpt_batch(0, batch, cfg.seq_len)
+    engine.backward(F.cross_entropy(engine(x).float().flatten(0, 1), y.flatten()))
+    engine.step()  # the first step, unwatched
+    engine.zero_grad()
+    x, y = data.gpt_batch(1, batch, cfg.seq_len)  # before the ledger starts: it sees the step only
+    ledger = watched_step(engine, x, y)
+    return {"timeline": [[e.index, e.phase, e.total, e.by_category] for e in ledger.timeline],
+            "peak_bytes": ledger.peak, "peak_by_category": dict(ledger.peak_by_category)}
+
+
+# %%
+watched = launch(step_timeline, 1, dtype="bf16", optimizer="adam")[0]
 timeline = watched["timeline"]  # [index, phase, total bytes, bytes by category]
 order = ("params", "optimizer_states", "grads", "activations", "temporary")
 fig, ax = plt.subplots(figsize=(10, 4))
@@ -220,12 +257,27 @@ exercises.check("00.model_state_bytes", model_state_bytes)
 # checkpointing** keeps only each block's input (b · s · h values per block) and recomputes the
 # rest of the block during backward, for about 33% more compute (Sec 3.2).
 #
-# `ch00.measure_activations` runs one forward pass under the memory ledger and reports what is
+# `measure_activations` runs one forward pass under the memory ledger and reports what is
 # still held when forward ends. The parameters are registered first, so that views of weights
 # (a transposed matrix) are not mistaken for new tensors.
 
 # %%
-print(inspect.getsource(ch00.measure_activations))
+from zerolearn.residual.checkpointing import CheckpointStore
+
+
+def measure_activations(n_layer, batch, seq_len, d_model=64, checkpointing=False):
+    """Bytes of activations our fp32 GPT holds between forward and backward (Sec 3.2)."""
+    model = build_model("gpt", 0, gpt=GPTConfig(seq_len=seq_len, n_layer=n_layer, n_head=4, d_model=d_model))
+    if checkpointing:
+        model.checkpoint_store = CheckpointStore()  # each block keeps its input, recomputes the rest
+    x, _ = data.gpt_batch(0, batch, seq_len)
+    with MemoryLedger(record_timeline=False) as ledger:
+        ledger.track(model.parameters(), "params")
+        with ledger.phase("forward"):
+            logits = model(x)
+        held = ledger.live["activations"]  # made in forward, still alive: saved for backward, and the logits
+    del logits
+    return held
 
 # %% [markdown]
 # We measure 1, 2 and 4 blocks, fp32 (4 bytes per value), b = 8, s = 64, h = 64. The embedding
@@ -235,7 +287,7 @@ print(inspect.getsource(ch00.measure_activations))
 # %%
 b, s, h = 8, 64, 64
 layers = (1, 2, 4)
-measured = {ckpt: [ch00.measure_activations(L, b, s, h, checkpointing=ckpt) for L in layers]
+measured = {ckpt: [measure_activations(L, b, s, h, checkpointing=ckpt) for L in layers]
             for ckpt in (False, True)}
 print(f"activations after forward, fp32, b={b}, s={s}, h={h} (KiB)\n")
 print(f"{'blocks L':>8} | {'no checkpointing':>16} | {'checkpointing':>13}")
