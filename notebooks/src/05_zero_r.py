@@ -22,14 +22,14 @@
 
 # %%
 # %matplotlib inline
-import inspect
-
 import matplotlib.pyplot as plt
 
 from zerolearn.chapters.ch05 import lesson as ch05
+from zerolearn.chapters.source import excerpt
 from zerolearn.dist import launch
 from zerolearn.memory import model as analytic
-from zerolearn.residual import checkpointing, defrag, tensor_parallel
+from zerolearn.residual import checkpointing, defrag
+from zerolearn.residual.tensor_parallel import ParallelAttention
 
 cfg, batch = ch05.GPT, ch05.BATCH
 print(f"GPT: {cfg.n_layer} blocks, hidden {cfg.d_model}, {cfg.n_head} heads, seq {cfg.seq_len}; "
@@ -57,10 +57,50 @@ schematics.megatron_figure(nm=2)
 # features: its partial outputs are summed with an all-reduce in forward. Attention is
 # column-parallel by heads, then row-parallel for the output projection; the MLP is
 # column-parallel, GELU, row-parallel.
+#
+# Before reading the package's version, write the split yourself. Each exercise is a
+# function with a stated signature; `exercises.check` runs it on real gloo ranks and
+# compares it with plain training in one process and with the communication and memory
+# ledgers. Besides their arguments, exercise functions may use the names the next cell
+# imports.
 
 # %%
-print(inspect.getsource(tensor_parallel.ColumnParallelLinear))
-print(inspect.getsource(tensor_parallel.RowParallelLinear))
+import torch  # noqa: F401 - for the exercises' functions
+import torch.distributed as dist  # noqa: F401
+import torch.nn.functional as F  # noqa: F401
+from torch import nn  # noqa: F401
+
+from zerolearn import comm, exercises  # noqa: F401
+
+# %% [markdown]
+# ### Exercise 1 · tensor parallelism
+#
+# Write `tensor_parallel(fc, proj, group, nm, rank)`, which splits an MLP's two layers,
+# `fc = nn.Linear(d, h)` and `proj = nn.Linear(h, d)`, over the `nm` ranks of `group`
+# and returns `(column, row)`, two modules such that `row(F.gelu(column(x)))` equals
+# `proj(F.gelu(fc(x)))`. `column` keeps this rank's rows of `fc`'s weight and bias (its
+# output features); `row` keeps the same columns of `proj`'s weight (its input features)
+# and the whole bias, added once after the sum. Each needs an autograd function of its
+# own: before `column`, the identity in forward and `comm.all_reduce` of the gradient in
+# backward; after `row`, the reverse. The checker splits a block of 16 -> 32 -> 16 over
+# groups of $N_m = 2$, on 2 ranks and on $2 \times 2$, and compares the output and every
+# gradient with the whole block in one process for three steps; it counts one
+# all-reduce in forward and one in backward.
+
+# %% tags=["exercise"]
+# exercise: 05.tensor_parallel
+
+# %%
+exercises.check("05.tensor_parallel", tensor_parallel)
+
+# %% [markdown]
+# The package's layers are the same two, their all-reduces tagged `"tp"` so the ledger
+# counts model parallelism's traffic apart. Attention uses them too: the column-parallel
+# `qkv` keeps the q, k and v rows of this rank's heads, the row-parallel `proj` the
+# matching columns, so each rank attends with $1/N_m$ of the heads:
+
+# %%
+excerpt(ParallelAttention.__init__, ("heads, head_dim", "self.proj ="))
 
 # %% [markdown]
 # Each rank's slices are cut from the full model built from the same seed, so the
@@ -91,22 +131,7 @@ print("all equal to the single process within 1e-5:", same)
 # it per rank and all-gathers it just before the recomputation; $P_{a+cpu}$ parks that
 # part in host memory.
 #
-# Before reading the package's version, write $P_a$'s core yourself. Each exercise is a
-# function with a stated signature; `exercises.check` runs it on 2 and then 3 real gloo
-# ranks and compares it with plain training in one process and with the memory and
-# communication ledgers. Besides their arguments, exercise functions may use the names
-# the next cell imports.
-
-# %%
-import torch  # noqa: F401 - for the exercises' functions
-import torch.distributed as dist  # noqa: F401
-import torch.nn.functional as F  # noqa: F401
-from torch import nn  # noqa: F401
-
-from zerolearn import comm, exercises  # noqa: F401
-
-# %% [markdown]
-# ### Exercise 1 · a partitioned checkpoint
+# ### Exercise 2 · a partitioned checkpoint
 #
 # Write `partition_checkpoint(x, group)`. `x` is a checkpointed block's input (fp32,
 # any shape), the same on the $N_m$ ranks of `group`. Keep only this rank's piece:
@@ -128,12 +153,13 @@ from zerolearn import comm, exercises  # noqa: F401
 exercises.check("05.partition_checkpoint", partition_checkpoint)
 
 # %% [markdown]
-# The package's store does the same for every block, and also offers $P_{a+cpu}$ and a
-# contiguous pool (MD, Section 4):
+# The package's store cuts every block's checkpoint the same way, then keeps the piece in
+# one of three places: in host memory ($P_{a+cpu}$), in a contiguous pool reserved before
+# the first forward (MD, Section 4), or, when partitioned, in a copy of its own, so that
+# it does not pin the whole checkpoint. `load` brings a host piece back, then all-gathers.
 
 # %%
-print(inspect.getsource(checkpointing.CheckpointStore.save))
-print(inspect.getsource(checkpointing.CheckpointStore.load))
+excerpt(checkpointing.CheckpointStore.save, ("if self.cpu:", "held = flat.clone()"))
 
 # %%
 local_batch = batch // 2  # Nd = 2
@@ -209,7 +235,7 @@ plt.tight_layout()
 plt.show()
 
 # %% [markdown]
-# ### Exercise 2 · a constant buffer
+# ### Exercise 3 · a constant buffer
 #
 # Write `constant_buffer(tensors, buffer, world_size)`: average `tensors` (contiguous
 # fp32 tensors of any shapes, a model's gradients, $n$ elements in all) over the ranks
