@@ -42,13 +42,13 @@
 
 # %%
 import argparse
-import inspect
 import time
 
 import matplotlib.pyplot as plt
 
 from zerolearn.chapters.ch02 import lesson as ch02
 from zerolearn.chapters.ch03 import lesson as ch03
+from zerolearn.chapters.source import excerpt
 from zerolearn.config import TrainConfig
 from zerolearn.dist import launch
 from zerolearn.engines import base, zero2
@@ -145,25 +145,27 @@ exercises.check("03.reduce_scatter_hook", reduce_scatter_hook)
 
 # %% [markdown]
 # The engine's hook does the same for every bucket of the model, with two differences:
-# it copies each gradient into the bucket's flat buffer as it arrives, and it launches
-# the reduction asynchronously, finishing it later:
+# it copies each gradient into the bucket's flat buffer as it arrives (and drops
+# autograd's copy), and it launches the reduction asynchronously, finishing it later.
+# The lines that matter, from `Engine._on_grad` and `Engine._launch`:
 
 # %%
-print(inspect.getsource(base.Engine._on_grad))
-print(inspect.getsource(base.Engine._launch))
-print(inspect.getsource(base.Engine._finish_oldest))
+excerpt(base.Engine, ("view = b.grad_full[start", "self._on_bucket_ready(b)"),
+        ("with comm.unit(b.layout.label", "self._finish_oldest()"))
+
+# %%
 print(f"MAX_IN_FLIGHT = {base.MAX_IN_FLIGHT}  # reductions launched but not finished")
 
 # %% [markdown]
 # A bucket is a flat buffer of at most `--bucket-mb` MiB (chapter 2). Buckets are
 # launched in one fixed order on every rank, because collectives pair up by order.
 # `MAX_IN_FLIGHT` bounds the reductions in progress: when one more is launched, the
-# oldest is waited for and finished. The whole ZeRO-2 engine reads alone: it keeps
-# what ZeRO-1 keeps but the gradient, reduce-scatters into a shard that it keeps, and
-# frees the full bucket the moment the reduction is done (`_after_reduce`).
+# oldest is waited for (`_finish_oldest`) and handed to the stage's `_after_reduce`. The
+# ZeRO-2 engine keeps what ZeRO-1 keeps but the gradient: it reduce-scatters into a shard
+# that it keeps, and frees the full bucket the moment the reduction is done:
 
 # %%
-print(inspect.getsource(zero2.Zero2Engine))
+excerpt(zero2.Zero2Engine, ("def _reduce", "return comm.reduce_scatter"), ("def _after_reduce", "b.grad_full = None"))
 
 # %% [markdown]
 # ## 3. Measured: bytes per rank and the gradient timeline
@@ -184,19 +186,9 @@ nd4 = launch(ch02.jobs, 4, jobs4)[0]  # train() reports are the same on every ra
 sweep = {(r["config"]["stage"], r["config"]["bucket_mb"]): r for r in nd4[:-1]}
 print(f"4 ranks, {len(jobs4)} runs: {time.perf_counter() - t0:.0f} s")
 
-# %% [markdown]
-# The $N_d = 2$ launch also runs the blog experiment of Section 4 (one launch instead of
-# two): the blog's MLP, 6 square Linear layers, at width 512 instead of 10,000, under
-# our ZeRO-1 and ZeRO-2 and under the two blog-style versions.
-
 # %%
 # NBVAL_IGNORE_OUTPUT
-ns = argparse.Namespace(width=512, layers=6, batch=16, steps=2, dtype="fp32", bucket_mb=1.0,
-                        simulate_world_size=None)
-mlp = {s: seed_experiment.job_config(ns, s).replace(memory_timeline=True) for s in (1, 2)}  # the seed chapter's
 jobs2 = [("train", GPT.replace(stage=2, bucket_mb=0.2, dtype=d)) for d in ("fp32", "bf16")]
-jobs2 += [("train", mlp[1]), ("train", mlp[2]),
-          ("naive", ch02.NaiveZero1, mlp[1]), ("naive", ch03.BlogZero2, mlp[2])]
 t0 = time.perf_counter()
 nd2 = launch(ch02.jobs, 2, jobs2)  # nd2[rank][job]
 print(f"2 ranks, {len(jobs2)} runs: {time.perf_counter() - t0:.0f} s")
@@ -285,7 +277,7 @@ plt.show()
 # 8,090 MB under its ZeRO-1 and 8,470 MB under its ZeRO-2, attributing the difference
 # to reduce-scatter buffers. ZeRO-2 holds strictly less than ZeRO-1 (Sec 5.2), so the
 # surplus has to come from the implementation. Its ZeRO-2 did three things, rebuilt
-# faithfully in `ch03.BlogZero2`:
+# faithfully below on chapter 2's `NaiveZero1`:
 #
 # 1. hooks meant to *discard* the gradients a rank does not own, by returning `None`;
 # 2. after backward, for each tensor, a reduce-scatter whose input is the full gradient
@@ -293,7 +285,27 @@ plt.show()
 # 3. only then, tensor by tensor, dropping the gradients it does not own.
 
 # %%
-print(inspect.getsource(ch03.BlogZero2))
+class BlogZero2(ch02.NaiveZero1):  # chapter 2's naive ZeRO-1: whole tensors, then broadcasts
+    def __init__(self, model, lr=1e-3, owners="count"):
+        super().__init__(model, lr, owners)
+        for p, owner in zip(self.params, self.owners):  # 1. meant to discard others' gradients
+            keep = owner == self.rank
+            p.register_hook(lambda grad, keep=keep: grad if keep else None)
+
+    @torch.no_grad()
+    def step(self):
+        for p, owner in zip(self.params, self.owners):
+            flat = p.grad.contiguous().view(-1)
+            stacked = torch.cat([flat for _ in range(self.world_size)])  # 2. Nd copies of the full gradient
+            out = torch.empty_like(flat)  # and a full-size output
+            comm.reduce_scatter(out, stacked)  # every rank receives the whole sum
+            if owner == self.rank:
+                p.grad.data = (out / self.world_size).view_as(p)
+            else:
+                p.grad = None  # 3. non-owned gradients are dropped only now, one by one
+        self.optimizer.step()
+        for p, owner in zip(self.params, self.owners):
+            comm.broadcast(p.data, src=owner)
 
 # %% [markdown]
 # Item 1 is where it goes wrong. `tensor.register_hook(fn)` calls `fn(grad)` when the
@@ -302,18 +314,31 @@ print(inspect.getsource(ch03.BlogZero2))
 # Exercise 1 knows this bug as `keeps_whole_gradient`.) On a tiny tensor:
 
 # %%
-print(f"gradient still there after a hook returned None: {ch03.hook_returning_none_keeps_gradient()}")
+x = torch.ones(3, requires_grad=True)
+x.register_hook(lambda grad: None)  # the blog's "discard"
+(2 * x).sum().backward()
+print(f"gradient still there after a hook returned None: {x.grad is not None}")
 
 # %% [markdown]
 # So every rank still holds the full gradient after backward, exactly as in ZeRO-1. On
 # top of it, each reduce-scatter briefly needs $N_d$ copies of the tensor's gradient
 # plus a full-size output, and since every rank receives the full sum the
 # "reduce-scatter" is an all-reduce that moves $N_d$ times the data. Our run of the
-# blog's MLP at width 512 on 2 ranks measures all four versions; one Linear layer of
-# fp32 gradient is 1,026 KiB here.
+# blog's MLP, 6 square Linear layers at width 512 instead of 10,000, on 2 ranks measures
+# all four versions: our ZeRO-1 and ZeRO-2, chapter 2's `NaiveZero1` and `BlogZero2`.
+# One Linear layer of fp32 gradient is 1,026 KiB here.
 
 # %%
-ours1, ours2, blog1, blog2 = nd2[0][2:]
+# NBVAL_IGNORE_OUTPUT
+ns = argparse.Namespace(width=512, layers=6, batch=16, steps=2, dtype="fp32", bucket_mb=1.0,
+                        simulate_world_size=None)
+mlp = {s: seed_experiment.job_config(ns, s).replace(memory_timeline=True) for s in (1, 2)}  # the seed chapter's
+blog = [("train", mlp[1]), ("train", mlp[2]), ("naive", ch02.NaiveZero1, mlp[1]), ("naive", BlogZero2, mlp[2])]
+t0 = time.perf_counter()
+ours1, ours2, blog1, blog2 = launch(ch02.jobs, 2, blog)[0]
+print(f"2 ranks, {len(blog)} runs: {time.perf_counter() - t0:.0f} s")
+
+# %%
 layer = 512 * 513 * 4  # bytes of one Linear(512, 512) gradient in fp32
 mlp_psi = ours1["num_params"]
 versions = (("blog-style ZeRO-1 (AR+bcast)", blog1), ("blog-style ZeRO-2", blog2),
@@ -535,6 +560,45 @@ for stage in (1, 2):
 # about 3 ms after the ideal one. What carries over to GPUs is the schedule: the order in which buckets fill and
 # launch, one reduce-scatter per bucket per step, and each bucket's gradients freed as soon
 # as it is reduced, which is what kept ZeRO-2's peak low in sections 3 and 5.
+
+# %% [markdown]
+# ## 8. Your engine trains
+#
+# Your `reduce_scatter_hook` is what turns chapter 2's ZeRO-1 into ZeRO-2. In
+# `zerolearn/nano.py` (under 300 lines, read top to bottom) stage 2 keeps one gradient
+# shard, registers your hooks over the whole model as one bucket, and steps with
+# `zero1_step` on the shard your hooks reduced:
+
+# %%
+from zerolearn.chapters.your_engine import your_engine
+from zerolearn.nano import NanoZero
+
+excerpt(NanoZero, ("if stage == 2:", "self.fn[\"reduce_scatter_hook\"]"),
+        ("elif self.stage == 2:", "args, kwargs ="))
+
+# %% [markdown]
+# The next cell trains the exercises' GPT (Ψ = 42,368) for four steps on 2 ranks with your
+# hook, beside one process on the whole batch and beside the package's `Zero2Engine`. Your
+# losses must equal one process's; the gradients a rank keeps are now $4\Psi/N_d$ bytes in
+# fp32, so its bytes follow Fig 1's $(4 + (4 + K)/N_d)\Psi$ with 4-byte parameters and
+# gradients ($K = 12$ for yours, which keeps an fp32 master); the traffic stays $2\Psi$
+# per step (Sec 7.2.1).
+
+# %%
+your_engine(2, {"reduce_scatter_hook": reduce_scatter_hook})
+
+# %% [markdown]
+# What the package's engine adds to these few lines:
+#
+# | the package's engine adds | why | where |
+# |---|---|---|
+# | buckets of a fixed size, not one for the model | a low peak: few full buckets alive | §2, §5 above; Sec 5.2, 6.2 |
+# | reductions in flight, at most `MAX_IN_FLIGHT` | overlap with backward, bounded buffers | §2, §7 above |
+# | one launch order on every rank | collectives pair up by order | §2 above; ch. 7 |
+# | in fp32, the master *is* the rank's slice | $K = 8$, not 12: no separate copy | ch. 2 §1 |
+# | fp16 with a loss scale; gradient clipping | fp16 underflow; a norm over all shards | `engines/base.py` |
+# | gradient accumulation into the shard | larger batches, gradients still $1/N_d$ | §6 above |
+# | optimizer state and step on the CPU | the $K\Psi/N_d$ bytes leave the GPU | ch. 8 §1 |
 
 # %% [markdown]
 # ## Summary

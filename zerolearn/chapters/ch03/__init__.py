@@ -2,7 +2,8 @@
 
 * notebook: ``notebooks/src/03_zero2.py``, built into ``notebooks/03_zero2.ipynb`` and
   the reader's copy ``notebooks/exercises/03_zero2.ipynb``;
-* lesson: :mod:`.lesson`, the code the chapter runs and shows;
+* lesson: :mod:`.lesson`, the accumulation comparison the chapter runs on spawned ranks
+  (the blog's ZeRO-2 is written in the chapter's cells);
 * exercise ``03.reduce_scatter_hook`` (:mod:`.reduce_scatter_hook`, checked by
   :mod:`.reduce_scatter_hook_check`): once backward has made every gradient of a bucket,
   reduce-scatter the bucket into this rank's shard (the average over ranks) and free the
