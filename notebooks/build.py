@@ -13,9 +13,12 @@ fails when a stored notebook's cells differ from its source.
 
 An exercise is a code cell tagged ``exercise`` whose source is one line,
 ``# exercise: 02.zero1_step``. The executed book gets the exercise's reference solution
-there (from :mod:`zerolearn.exercises`, folded by the ``hide-input`` tag), and the
+there (from :mod:`zerolearn.exercises`), folded: by the ``hide-input`` tag in the HTML book
+and by ``metadata.jupyter.source_hidden`` in JupyterLab. The
 reader's copy in ``notebooks/exercises/`` gets the skeleton: the same signature and
-docstring with ``raise NotImplementedError`` for a body. Reader's copies are written
+docstring with ``raise NotImplementedError`` for a body. A cell whose printed figures change with the machine
+carries the ``nbval-ignore-output`` tag (``# %% tags=["nbval-ignore-output"]`` in the
+source), so nbval runs it without comparing its output. Reader's copies are written
 unexecuted; their ``check`` cells say "not written yet" until the reader fills them in.
 """
 
@@ -63,6 +66,7 @@ def read_source(src: Path, reader: bool = False) -> nbformat.NotebookNode:
         else:
             cell.source = exercises.solution_source(name)
             cell.metadata["tags"] = [*tags, "hide-input"]
+            cell.metadata["jupyter"] = {"source_hidden": True}  # folded in JupyterLab, as in the book
     return nb
 
 

@@ -2,7 +2,7 @@
 
 Text is compared exactly (cells print rounded, seeded numbers). Figures, HTML and
 widget views are not: they are checked by the tests of zerolearn.widgets and by
-eye in the built book. Cells whose output holds timings carry ``# NBVAL_IGNORE_OUTPUT``.
+eye in the built book. Cells whose output holds timings carry the ``nbval-ignore-output`` tag.
 """
 
 

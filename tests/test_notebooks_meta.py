@@ -73,5 +73,15 @@ def test_book_shows_each_solution_folded_and_the_reader_its_skeleton(src):
     for b, r in zip(book.cells, reader.cells):
         if "exercise" in b.metadata.get("tags", []):
             assert "hide-input" in b.metadata["tags"] and "NotImplementedError" not in b.source
+            assert b.metadata["jupyter"]["source_hidden"] is True  # folded in JupyterLab too
             assert "raise NotImplementedError" in r.source and 'exercises.show("' in r.source
             assert b.source.splitlines()[0] == r.source.splitlines()[0]  # the same def line
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
+def test_stored_solutions_are_folded_and_no_nbval_marker_is_visible(path):
+    for i, cell in enumerate(json.loads(path.read_text())["cells"]):
+        source = "".join(cell["source"])
+        assert "NBVAL" not in source, f"cell {i} of {path.name}: use the nbval-ignore-output tag, not a comment"
+        if "exercise" in cell["metadata"].get("tags", []):
+            assert cell["metadata"].get("jupyter", {}).get("source_hidden") is True, f"cell {i} of {path.name}"

@@ -421,8 +421,7 @@ print(f"\nthe engine's buckets: {dp['engine']['buckets']}; both move Psi = {psi:
 # numbers in another order than one process does.) The timings below are run-dependent and not
 # a benchmark, but the naive version is usually the slowest by a clear margin:
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 for name in ("naive", "engine", "torch_ddp"):
     print(f"{name:<10} {dp[name]['step_seconds_median'] * 1e3:7.1f} ms per step (median, 4 ranks on this CPU)")
 
@@ -491,8 +490,7 @@ print(f"measured: backward ends at {sched.backward_s * 1e3:.1f} ms")
 # differs between the ranks: the reductions pair up, so a rank that reaches one first blocks
 # until the other rank's part arrives.
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 for r in stage0["summary"]:
     b = r["phases"]["backward"]
     print(f"rank {r['rank']}: all-reduces in flight {b['comm_s'] * 1e3:.1f} ms during backward, "

@@ -347,8 +347,7 @@ print(full[:psi].tolist())
 # 3 steps), and for $N_d = 3, 4$ the naive version with both splits, on the same model,
 # seed and global batches. The `NaiveZero1` above travels to the ranks by value, its code with it.
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 def specs(nd):
     jobs = [("train", GPT.replace(stage=1, dtype=dtype)) for dtype in ("fp32", "bf16")]
     if nd > 2:
@@ -559,8 +558,7 @@ for st in TL["stages"][:2]:
 # %%
 figures.stage_timelines_figure(TL, stages=(0, 1))
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 for r in TL["stages"][1]["summary"]:
     b, s = r["phases"]["backward"], r["phases"]["step"]
     print(f"rank {r['rank']}: reduce-scatters {b['overlap']:.0%} hidden behind backward, "

@@ -176,8 +176,7 @@ excerpt(zero2.Zero2Engine, ("def _reduce", "return comm.reduce_scatter"), ("def 
 # (params, grads, optimizer states, activations, temporary) and records the total after
 # each allocation and free. A second launch on 2 ranks gives the $N_d = 2$ rows.
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 BUCKETS = (0.05, 0.1, 0.2, 0.5, 2.0)  # MiB; the whole fp32 gradient is 1.77 MiB
 t0 = time.perf_counter()
 jobs4 = [("train", GPT.replace(stage=s, bucket_mb=b)) for b in BUCKETS for s in (1, 2)]
@@ -186,8 +185,7 @@ nd4 = launch(ch02.jobs, 4, jobs4)[0]  # train() reports are the same on every ra
 sweep = {(r["config"]["stage"], r["config"]["bucket_mb"]): r for r in nd4[:-1]}
 print(f"4 ranks, {len(jobs4)} runs: {time.perf_counter() - t0:.0f} s")
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 jobs2 = [("train", GPT.replace(stage=2, bucket_mb=0.2, dtype=d)) for d in ("fp32", "bf16")]
 t0 = time.perf_counter()
 nd2 = launch(ch02.jobs, 2, jobs2)  # nd2[rank][job]
@@ -328,8 +326,7 @@ print(f"gradient still there after a hook returned None: {x.grad is not None}")
 # all four versions: our ZeRO-1 and ZeRO-2, chapter 2's `NaiveZero1` and `BlogZero2`.
 # One Linear layer of fp32 gradient is 1,026 KiB here.
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 ns = argparse.Namespace(width=512, layers=6, batch=16, steps=2, dtype="fp32", bucket_mb=1.0,
                         simulate_world_size=None)
 mlp = {s: seed_experiment.job_config(ns, s).replace(memory_timeline=True) for s in (1, 2)}  # the seed chapter's
@@ -361,8 +358,7 @@ for (name, entry), run in zip(versions, losses):
 # between runs, and the others slightly (this cell's output is not compared by the
 # tests); the conclusions printed after it hold in every run.
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 print(f"{'version':<28} | {'peak KiB':>9} | {'grads at peak':>13} {'temporary at peak':>17} | "
       f"{'peak - its ZeRO-1, layers':>25}")
 for i, (name, entry) in enumerate(versions):
@@ -393,8 +389,7 @@ print(f"our ZeRO-2 peaks below both blog-style versions:                     {o2
 # (`zerolearn.experiments.seed_experiment.format_seed_table`) shows our two runs against
 # the formulas:
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 print(seed_experiment.format_seed_table([ours1, ours2]))  # the peak column can move slightly between runs
 
 # %% [markdown]
@@ -441,8 +436,7 @@ print(f"(ZeRO-1 keeps the full gradient, {kib(4 * psi)} KiB, at every bucket siz
 # as in Section 4 these totals can move slightly between runs, so the table is not
 # compared by the tests and the claims after it are:
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 print(f"{'bucket MiB':>10} | {'ZeRO-1 peak KiB':>15} {'ZeRO-2 peak KiB':>15} | {'ZeRO-2 / ZeRO-1':>15}")
 for b in BUCKETS:
     one, two = (sweep[(s, b)]["ranks"][0]["peak_bytes"] for s in (1, 2))

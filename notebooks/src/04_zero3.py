@@ -437,8 +437,7 @@ for run in PF["runs"]:
 # %%
 figures.prefetch_figure(PF)
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 for run in PF["runs"]:
     print(f"prefetch {'on ' if run['prefetch'] else 'off'}: {run['forward_overlap']:.0%} of the forward "
           f"all-gathers hidden behind compute, forward blocked {run['forward_wait_s'] * 1e3:.1f} ms, "

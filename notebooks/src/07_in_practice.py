@@ -87,8 +87,7 @@ ax.legend()
 plt.tight_layout()
 plt.show()
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 for name, r in results.items():
     print(f"{name:<32} median step {r['step_s'] * 1e3:7.1f} ms")
 
@@ -119,8 +118,7 @@ for stage in range(4):
 # with the configs just printed. Its results are stored in `notebooks/data/deepspeed_cpu.json`,
 # so this chapter shows them whether or not DeepSpeed is installed here:
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 print("DeepSpeed installed here:", importlib.util.find_spec("deepspeed") is not None)
 
 # %%

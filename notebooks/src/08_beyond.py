@@ -120,8 +120,7 @@ print(text_table(header, body))
 # How long a step takes here says little about a GPU machine, where the PCIe link and
 # the CPU are the bottleneck, but it is measured all the same:
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 for stage, table in OFFLOAD.items():
     for r in table:
         print(f"stage {stage} {r['option']:8} median step {r['step ms']:6.1f} ms; disk read "
@@ -172,8 +171,7 @@ plt.show()
 # machine the CPU's Adam runs while the GPU computes. Here both halves share the same
 # two CPU cores, so the times below show the bookkeeping, not the overlap:
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 print(f"median step: plain {curves['step_s']['plain'] * 1e3:.1f} ms, DPU {curves['step_s']['dpu'] * 1e3:.1f} ms")
 
 # %% [markdown]
@@ -235,8 +233,7 @@ print(inspect.getsource(offload_step_time).split("    Raises:")[0].split('"""')[
 # and `fused` (the whole update in one pass). Measured on this machine's cores (the
 # figures change with the machine, so the cell is not compared):
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 import time
 
 
@@ -287,8 +284,7 @@ cost_table(host_adam=1e9)
 # ZeRO-Offload's design argument, O(Psi) work on the CPU against O(Psi x tokens) on the
 # GPU. With this machine's fused rate instead (its cores, not a server's):
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 cost_table(host_adam=rates["fused"])
 
 # %% [markdown]
@@ -418,8 +414,7 @@ for e in errors:
 # trained parameter), measured; the last digits of such differences change with the
 # CPU, so this cell is shown but not compared:
 
-# %%
-# NBVAL_IGNORE_OUTPUT
+# %% tags=["nbval-ignore-output"]
 for r in ZPP:
     print(f"{r['option']:>12}: max |loss diff| {r['max |loss diff|']:.1e}, max |param diff| "
           f"{r['max |param diff|']:.1e}, median step {r['step ms']:.0f} ms")
