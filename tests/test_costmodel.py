@@ -10,13 +10,18 @@ import pytest
 
 from zerolearn.chapters.ch06 import lesson as ch06
 from zerolearn.costmodel import (
+    INFINITY_STATES,
     EfficiencyCurve,
     Hardware,
     HostSide,
     Job,
+    infinity_ait,
+    infinity_bandwidth_GBps,
+    infinity_efficiency,
     max_batch_per_gpu,
     offload_step_time,
     offload_traffic_bytes,
+    qgz_cross_node_bytes,
     step_time,
     throughput_per_gpu,
     zeropp_cross_node_bytes,
@@ -265,3 +270,63 @@ def test_zero3_sends_three_model_sizes_across_nodes_and_zeropp_about_a_quarter()
 def test_nothing_crosses_a_node_boundary_inside_one_node():
     assert zeropp_cross_node_bytes(1e9, 8, 8)["total"] == 0
     assert zeropp_cross_node_bytes(1e9, 16, 8, hpz=True)["backward_gather"] == 0
+
+
+# ----- ZeRO-Infinity's bandwidth analysis (arXiv 2104.07857, Sec 4) and qgZ's hops ----------------
+def test_infinity_efficiency_and_bandwidth_are_inverse():
+
+    for state in INFINITY_STATES:
+        for batch, hidden in ((1, 1024), (4, 8192)):
+            ait = infinity_ait(state, batch_per_gpu=batch, hidden=hidden)
+            for eff in (0.1, 0.5, 0.9):
+                assert infinity_efficiency(ait, infinity_bandwidth_GBps(eff, ait)) == pytest.approx(eff)
+            # more bandwidth, more efficiency; at the peak's own rate (flops per byte x GB/s = peak) exactly half
+            assert infinity_efficiency(ait, 10) < infinity_efficiency(ait, 20) < 1
+            assert infinity_efficiency(ait, 70e12 / ait / 1e9) == pytest.approx(0.5)
+
+
+def test_infinity_ait_follows_the_bytes_moved_per_parameter():
+
+    # 8 bytes per parameter for parameters and gradients against 32 for optimizer states: 4x the intensity
+    pg = infinity_ait("parameters and gradients", batch_per_gpu=2, seq=512)
+    assert pg == 2 * 512 == 4 * infinity_ait("optimizer states", batch_per_gpu=2, seq=512)
+    # checkpoints: independent of the batch, linear in width and in the checkpoint interval
+    ckpt = infinity_ait("activation checkpoints", batch_per_gpu=1, hidden=2048)
+    assert ckpt == infinity_ait("activation checkpoints", batch_per_gpu=64, hidden=2048)
+    assert infinity_ait("activation checkpoints", hidden=4096, ci=2) == 4 * ckpt
+
+
+def test_the_papers_bandwidth_statements():
+
+    # Sec 4.2: about 70 GB/s for parameters and gradients keeps over half the peak even at batch 1;
+    # about 1.5 TB/s for optimizer states keeps 90% at batch 2 per GPU
+    assert infinity_efficiency(infinity_ait("parameters and gradients", batch_per_gpu=1), 70) > 0.5
+    assert infinity_efficiency(infinity_ait("parameters and gradients", batch_per_gpu=1), 60) < 0.5
+    assert infinity_efficiency(infinity_ait("optimizer states", batch_per_gpu=2), 1500) > 0.9
+
+
+def test_qgz_two_hops_send_n_times_fewer_bytes_across_nodes():
+
+    for nd, n in ((4, 2), (16, 8), (64, 16)):
+        one, two = qgz_cross_node_bytes(1e9, nd, n, hops=1), qgz_cross_node_bytes(1e9, nd, n, hops=2)
+        assert one["per_gpu"] == pytest.approx(n * two["per_gpu"])
+        for hop in (one, two):
+            assert hop["per_node"] == pytest.approx(n * hop["per_gpu"])
+        # one hop is ZeRO++'s per-GPU count (M / 4 with scales) times the share owned in other nodes
+        headline = zeropp_cross_node_bytes(1e9, nd, n, qgz=True)["gradients"]
+        assert one["per_gpu"] == pytest.approx(headline * (nd - n) / nd)
+    assert qgz_cross_node_bytes(1e9, 8, 8)["per_gpu"] == 0  # one node: nothing crosses
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: infinity_ait("weights"), "state"),
+    (lambda: infinity_ait("optimizer states", batch_per_gpu=0),
+     "batch_per_gpu"),
+    (lambda: infinity_bandwidth_GBps(1.0, 1024), "efficiency=1.0"),
+    (lambda: infinity_efficiency(1024, 0), "bandwidth_GBps"),
+    (lambda: qgz_cross_node_bytes(1e9, 16, 8, hops=3), "hops"),
+    (lambda: qgz_cross_node_bytes(1e9, 16, 3), "gpus_per_node=3"),
+])
+def test_bad_bandwidth_inputs_are_config_errors(call, message):
+    with pytest.raises(ConfigError, match=message):
+        call()

@@ -28,7 +28,10 @@ ZeRO-Infinity's host side to a step (copies over PCIe, the optimizer step on the
 optimizer states read and written on NVMe, and the delayed parameter update that hides
 the CPU's step behind the device's next one), with the inputs in :class:`HostSide`;
 :func:`zeropp_cross_node_bytes` counts what ZeRO-3 and ZeRO++ send across node
-boundaries per step.
+boundaries per step, and :func:`qgz_cross_node_bytes` qgZ's gradients in one hop or two.
+:func:`infinity_ait`, :func:`infinity_efficiency` and :func:`infinity_bandwidth_GBps` are
+ZeRO-Infinity's bandwidth analysis (its Sec 4): the bandwidth each kind of data needs for
+a given fraction of peak.
 
 Units: seconds, bytes, decimal GB/s (1e9 bytes/s), TFLOP/s (1e12 flop/s).
 Bad inputs raise :class:`zerolearn.dist.ConfigError` when the dataclass is built.
@@ -44,9 +47,11 @@ from zerolearn.errors import ConfigError, require_choice, require_count, require
 from zerolearn.memory.fit import ActivationSpec, per_device_bytes
 from zerolearn.memory.model import comm_volume_elements, dtype_bytes
 
-__all__ = ["FLOPS_PER_PARAM_TOKEN", "FLOPS_PER_PARAM_TOKEN_RECOMPUTE", "OFFLOADS", "EfficiencyCurve", "Hardware",
-           "HostSide", "Job", "OffloadStepTime", "StepTime", "Throughput", "max_batch_per_gpu", "offload_step_time",
-           "offload_traffic_bytes", "step_time", "throughput_per_gpu", "zeropp_cross_node_bytes"]
+__all__ = ["FLOPS_PER_PARAM_TOKEN", "FLOPS_PER_PARAM_TOKEN_RECOMPUTE", "INFINITY_PEAK_FLOPS", "INFINITY_STATES",
+           "OFFLOADS", "EfficiencyCurve", "Hardware", "HostSide", "Job", "OffloadStepTime", "StepTime", "Throughput",
+           "infinity_ait", "infinity_bandwidth_GBps", "infinity_efficiency", "max_batch_per_gpu", "offload_step_time",
+           "offload_traffic_bytes", "qgz_cross_node_bytes", "step_time", "throughput_per_gpu",
+           "zeropp_cross_node_bytes"]
 
 FLOPS_PER_PARAM_TOKEN = 6
 """Training flops per parameter per token: forward 2 + backward 4 (see module docstring)."""
@@ -442,3 +447,103 @@ def zeropp_cross_node_bytes(psi: float, nd: int, gpus_per_node: int, *, qwz: boo
     gradients = psi / 2 + scales if qgz else m
     return {"forward_gather": forward, "backward_gather": backward, "gradients": gradients,
             "total": forward + backward + gradients, "hpz_extra_bytes": hpz_extra}
+
+
+INFINITY_PEAK_FLOPS = 70e12
+"""The achievable throughput of one V100 that ZeRO-Infinity's bandwidth analysis assumes
+(Rajbhandari et al., SC'21, arXiv 2104.07857, Sec 4.2, Fig 3): 70 TFLOP/s."""
+
+INFINITY_STATES = ("parameters and gradients", "optimizer states", "activation checkpoints")
+"""The three kinds of data whose bandwidth ZeRO-Infinity's Sec 4 analyses, in its order."""
+
+
+def infinity_ait(state: str, *, batch_per_gpu: int = 1, seq: int = 1024, hidden: int = 1,
+                 ci: int = 1) -> float:
+    """Arithmetic intensity of a training step with respect to one kind of data: flops of
+    compute per byte of that data moved (ZeRO-Infinity, arXiv 2104.07857, Sec 4.1).
+
+    A transformer of ``nl`` layers of width ``hd`` (12 nl hd^2 parameters) computes
+    2 x 4 x 12 x bsz x seq x nl x hd^2 flops a step with activation checkpointing
+    (forward, backward twice over, and the recompute). Against that:
+
+    * ``"parameters and gradients"``: fp16 parameters loaded for forward, recompute and
+      backward and gradients stored once, 4 x 2 bytes per parameter: ait = seq x bsz;
+    * ``"optimizer states"``: 16 bytes per parameter (fp32 master, momentum, variance and
+      gradient) read and written once, 32 bytes per parameter: ait = seq x bsz / 4;
+    * ``"activation checkpoints"``: one fp16 checkpoint of bsz x seq x hd values every
+      ``ci`` layers, written in forward and read in backward: ait = 24 x hd x ci.
+
+    ``nl`` cancels from all three; ``hidden`` (hd) and ``ci`` matter for checkpoints only,
+    ``batch_per_gpu`` (bsz) and ``seq`` for the other two.
+
+    Returns: flops per byte (a float). Raises: ConfigError for an unknown ``state`` or a
+    count that is not an integer >= 1.
+    """
+    require_choice("state", state, INFINITY_STATES)
+    for name, value in (("batch_per_gpu", batch_per_gpu), ("seq", seq), ("hidden", hidden), ("ci", ci)):
+        _count(name, value)
+    if state == "parameters and gradients":
+        return float(seq * batch_per_gpu)
+    if state == "optimizer states":
+        return seq * batch_per_gpu / 4
+    return float(24 * hidden * ci)
+
+
+def infinity_efficiency(ait: float, bandwidth_GBps: float, peak_flops: float = INFINITY_PEAK_FLOPS) -> float:
+    """The fraction of peak a step keeps when the data of arithmetic intensity ``ait``
+    (flops per byte, :func:`infinity_ait`) moves at ``bandwidth_GBps`` (decimal GB/s)
+    without overlap: compute / (compute + transfer) = ait x bw / (ait x bw + peak)
+    (ZeRO-Infinity, arXiv 2104.07857, Sec 4.1). Raises ConfigError for a value <= 0."""
+    _positive("ait", ait)
+    _positive("bandwidth_GBps", bandwidth_GBps)
+    _positive("peak_flops", peak_flops)
+    moved = ait * bandwidth_GBps * 1e9
+    return moved / (moved + peak_flops)
+
+
+def infinity_bandwidth_GBps(efficiency: float, ait: float, peak_flops: float = INFINITY_PEAK_FLOPS) -> float:
+    """The bandwidth, decimal GB/s, at which :func:`infinity_efficiency` reaches
+    ``efficiency`` (strictly between 0 and 1): eff x peak / (ait x (1 - eff)).
+    Raises ConfigError for an efficiency outside (0, 1) or a non-positive ``ait``."""
+    require_real("efficiency", efficiency)
+    if not 0 < efficiency < 1:
+        raise ConfigError(f"efficiency={efficiency!r}: must lie strictly between 0 and 1")
+    _positive("ait", ait)
+    _positive("peak_flops", peak_flops)
+    return efficiency * peak_flops / (ait * (1 - efficiency)) / 1e9
+
+
+def qgz_cross_node_bytes(psi: float, nd: int, gpus_per_node: int, *, hops: int = 2, block: int = 256,
+                         scale_bytes: int = 4) -> dict[str, float]:
+    """Bytes of int4 gradients that cross node boundaries per step, in one all-to-all or
+    in qgZ's two hops (ZeRO++, arXiv 2306.10209, Sec 3.3).
+
+    Every GPU holds a full gradient of ``psi`` elements and must end with the sum over all
+    ``nd`` GPUs of its own 1/nd piece. Quantized to int4 (psi / 2 bytes plus
+    ``scale_bytes`` per ``block`` elements):
+
+    * ``hops=1``: each GPU sends every peer its piece; the (nd - N) / nd of them owned in
+      other nodes cross (N = ``gpus_per_node``);
+    * ``hops=2``: first an all-to-all inside the node, after which each GPU holds the node's
+      sum of a 1/N slice (psi / N elements, quantized again); then an all-to-all among the
+      GPUs of the same local rank in every node, where (nd - N) / nd of the slice crosses.
+
+    So two hops send N times fewer bytes across nodes, per GPU and per node. The
+    (nd - N) / nd factor is kept (it is what a link-level count measures); ZeRO++'s own
+    count of qgZ, M / 4 per GPU, leaves it and the division by N out.
+
+    Returns: ``{"per_gpu": bytes, "per_node": bytes}`` across node boundaries per step.
+    Raises: ConfigError for bad counts, ``hops`` other than 1 or 2, ``gpus_per_node`` not
+    dividing ``nd``.
+    """
+    _positive("psi", psi)
+    for name, value in (("nd", nd), ("gpus_per_node", gpus_per_node), ("block", block)):
+        _count(name, value)
+    require_choice("hops", hops, (1, 2))
+    require_real("scale_bytes", scale_bytes, strict=False)
+    if nd % gpus_per_node:
+        raise ConfigError(f"gpus_per_node={gpus_per_node}: must divide nd={nd}")
+    quantized = psi / 2 + scale_bytes * psi / block
+    crossing = (nd - gpus_per_node) / nd
+    per_gpu = crossing * quantized / (gpus_per_node if hops == 2 else 1)
+    return {"per_gpu": per_gpu, "per_node": per_gpu * gpus_per_node}
