@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from zerolearn import papermap
+from zerolearn.papermap import REPRODUCED, Row, rows
 
 PAGE = Path(__file__).resolve().parent.parent / "book" / "paper_map.md"
 GB = 1e9  # the paper's decimal GB
@@ -124,9 +125,20 @@ def test_tables_1_and_2_agree_with_the_print():
 def test_successors_have_their_own_table_after_the_papers():
     page = papermap.render()
     assert page.index("## Beyond the paper") > page.index("Where the paper and other sources disagree")
-    sources = [r.section for r in papermap.rows()[-11:]]
-    assert sources == ["ZeRO-Offload"] * 3 + ["ZeRO-Infinity"] * 4 + ["ZeRO++"] * 4
+    sources = [r.section for r in papermap.rows()[-12:]]
+    assert sources == ["ZeRO-Offload"] * 3 + ["ZeRO-Infinity"] * 5 + ["ZeRO++"] * 4
     assert "```{admonition} 32 trillion parameters: 32 nodes, not one\n:class: note\n" in page
+
+
+def test_zero_infinity_bandwidth_needs_follow_its_formulas():
+    """Sec 4: efficiency = ait bw / (ait bw + 70 TFLOP/s); ait = seq x batch for parameters and
+    gradients, a quarter of that for optimizer states, 24 x width per checkpoint a layer."""
+    needs = papermap.find("infinity-bandwidth-needs").values
+    assert needs["pg"] * 1e9 * 1024 == pytest.approx(70e12)  # half the peak: transfer time = compute time
+    assert needs["os"] * 1e9 * 512 == pytest.approx(9 * 70e12)  # 90%: transfer a ninth of compute
+    assert needs["os_at_1500"] == pytest.approx(1500e9 * 512 / (1500e9 * 512 + 70e12))
+    assert needs["ac_2k"] == pytest.approx(4 * needs["ac_8k"])
+    assert needs["ac_2k"] * 1e9 * 24 * 2048 == pytest.approx(70e12)
 
 
 def test_zero_offload_keeps_two_bytes_a_parameter_on_the_gpu():
@@ -153,3 +165,37 @@ def test_zeropp_counts_half_a_quarter_and_four_times_less():
     values = papermap.find("zeropp-4x").values
     assert values["codes_only"] == pytest.approx(4)
     assert values["with_scales"] == pytest.approx(6 / (1 + 4 / 256 + 0.5 + 4 / 256))
+
+
+# ----- statuses follow from what is computed and measured (chapter 8's tables) --------------------
+def test_status_problems_names_a_reproduced_row_whose_measurement_disagrees():
+    from zerolearn.papermap.base import SHAPE_ONLY
+    from zerolearn.papermap.checks import Check, status_problems
+
+    row = Row("zeropp-qgz", "ZeRO++", "a quarter", "0.258", "ch. 8", REPRODUCED)
+    off = Check("zeropp-qgz", "gradients", computed=0.258, measured=0.129, tolerance=0.02)
+    near = Check("zeropp-qgz", "gradients", computed=0.258, measured=0.262, tolerance=0.02)
+    assert status_problems([row], [near]) == []
+    problem, = status_problems([row], [near, off])
+    assert problem.startswith("zeropp-qgz says 'reproduced' but gradients: computed 0.258, measured 0.129")
+    shape = Row("zeropp-qgz", "ZeRO++", "a quarter", "0.258", "ch. 8", SHAPE_ONLY, "why")
+    assert status_problems([shape], [off]) == []
+    assert status_problems([shape], [near]) == ["zeropp-qgz says 'reproduced in shape only' while every check agrees"]
+
+
+@pytest.mark.slow
+def test_successor_statuses_follow_the_measured_runs():
+    from zerolearn.experiments.offload import offload_table
+    from zerolearn.experiments.zeropp import zeropp_table
+    from zerolearn.papermap.checks import status_problems, successor_checks
+
+    checks = successor_checks(zeropp_table(4, 2, steps=1, d_model=32), offload_table(2, 2, steps=1, d_model=32),
+                              world_size=4, node_ranks=2)
+    assert status_problems(rows(), checks) == []
+    # every successor row marked reproduced rests on at least one measurement
+    checked = {c.key for c in checks}
+    assert {r.key for r in rows() if r.status == REPRODUCED and r.section in ("ZeRO-Offload", "ZeRO-Infinity",
+                                                                              "ZeRO++")} <= checked
+    # the link model's qgZ figure is the two hops' count, not ZeRO++'s quarter
+    hops = next(c for c in checks if c.key == "zeropp-qgz-hops")
+    assert hops.agrees and not next(c for c in checks if c.key == "zeropp-qgz").agrees

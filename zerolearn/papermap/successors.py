@@ -12,13 +12,21 @@ As in the first table, every number in "zerolearn computes" comes from the packa
 own functions: :func:`zerolearn.memory.model.offload_state_bytes` and
 :func:`~zerolearn.memory.model.model_state_bytes` for bytes by location,
 :func:`zerolearn.costmodel.offload_traffic_bytes` and
-:func:`~zerolearn.costmodel.zeropp_cross_node_bytes` for traffic. Chapter 8 measures
-what runs on gloo ranks of one machine.
+:func:`~zerolearn.costmodel.zeropp_cross_node_bytes` for traffic,
+:func:`~zerolearn.costmodel.infinity_bandwidth_GBps` for ZeRO-Infinity's bandwidth analysis.
+Chapter 8 measures what runs on gloo ranks of one machine; :mod:`zerolearn.papermap.checks`
+holds the statuses of the measured rows to those measurements.
 """
 
 from __future__ import annotations
 
-from zerolearn.costmodel import offload_traffic_bytes, zeropp_cross_node_bytes
+from zerolearn.costmodel import (
+    infinity_ait,
+    infinity_bandwidth_GBps,
+    infinity_efficiency,
+    offload_traffic_bytes,
+    zeropp_cross_node_bytes,
+)
 from zerolearn.memory.model import GB, V100_BYTES, model_state_bytes, offload_state_bytes
 from zerolearn.papermap.base import NOT_REPRODUCIBLE, REPRODUCED, SHAPE_ONLY, Row
 from zerolearn.papermap.text import _gb, _sig
@@ -72,6 +80,11 @@ def _infinity() -> list[Row]:
     node = model_state_bytes(1e12, 16, 3)["total"]
     ours = _located(1e12, 16, 3, "disk")
     disk_per_gpu = offload_traffic_bytes(1e12, 512, 3, "disk")["disk"]
+    pg, opt = infinity_ait("parameters and gradients"), infinity_ait("optimizer states", batch_per_gpu=2)
+    needs = {"pg": infinity_bandwidth_GBps(0.5, pg), "os": infinity_bandwidth_GBps(0.9, opt),
+             "os_at_1500": infinity_efficiency(opt, 1500),
+             "ac_2k": infinity_bandwidth_GBps(0.5, infinity_ait("activation checkpoints", hidden=2048)),
+             "ac_8k": infinity_bandwidth_GBps(0.5, infinity_ait("activation checkpoints", hidden=8192))}
     return [
         Row("infinity-32t", "ZeRO-Infinity", "32 trillion parameters trained on 512 V100 GPUs (32 DGX-2 nodes), "
             "with ZeRO-3's states on GPU, CPU and NVMe memory",
@@ -94,6 +107,15 @@ def _infinity() -> list[Row]:
             "for forward and for backward and written after the step, w = 2 bytes; falling as 1/Nd)",
             f"{CH8} (bytes each rank reads and writes measured)", SHAPE_ONLY,
             "the ranks of one machine share one disk here, so their bandwidth does not add up"),
+        Row("infinity-bandwidth-needs", "ZeRO-Infinity", "its bandwidth analysis (Sec 4, Fig 3, at 70 TFLOP/s per "
+            "V100): about 70 GB/s for parameters and gradients keeps over half the peak even at batch 1 per GPU; "
+            "optimizer states need about 1.5 TB/s for 90% at batch 2; activation checkpoints a few GB/s",
+            f"`infinity_bandwidth_GBps` on `infinity_ait`: {needs['pg']:.1f} GB/s for parameters and gradients at "
+            f"50% (batch 1, seq 1K); {needs['os'] / 1e3:.2f} TB/s for optimizer states at 90% (batch 2), where "
+            f"1.5 TB/s gives {_sig(100 * needs['os_at_1500'])}%; {needs['ac_2k']:.2f} GB/s for checkpoints at 50% "
+            f"(width 2K, one per layer), {needs['ac_8k']:.2f} GB/s at width 8K",
+            "ch. 8 (computed)", SHAPE_ONLY, "computed from the paper's formulas; the bandwidths of its V100 "
+            "cluster are not measured here", needs),
         Row("infinity-overlap", "ZeRO-Infinity", "overlap-centric design (prefetching the next layers' "
             "parameters from CPU and NVMe while computing) and memory-centric tiling (splitting an operator too large "
             "for the GPU)", "not built: the "
@@ -131,7 +153,8 @@ def _zeropp() -> list[Row]:
             "error measured on a GPT's gradients)", SHAPE_ONLY,
             "the ledger models each link (a rank sends each peer its piece), "
             "so it counts the first hop's sum over the node's N GPUs, M / (Z N) per GPU with Z = 4, that the "
-            "headline quarter leaves out", values={"ratio": qgz["gradients"] / plain["gradients"]}),
+            "headline quarter leaves out; `qgz_cross_node_bytes(hops=2)` computes that count and equals the "
+            "measurement within 2% (ch. 8)", values={"ratio": qgz["gradients"] / plain["gradients"]}),
         Row("zeropp-4x", "ZeRO++", "together, ZeRO-3's cross-node traffic falls from 3M to 0.75M (M: the model in "
             "fp16), 4x less, for up to 2.16x the throughput on 384 GPUs",
             f"{_sig(plain['total'] / rounded['total'])}x counting codes only, {_sig(plain['total'] / both['total'])}x "
