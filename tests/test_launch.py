@@ -168,26 +168,26 @@ def test_ranks_that_never_return_are_cut_off_at_the_timeout():
     assert time.monotonic() - start < 60  # killed, not waited for
 
 
-# ----- the README's launcher commands, and bad launcher options ------------------------
+# ----- the launcher commands of docs/USAGE.md, and bad launcher options -----------------
 
-def readme_launch_commands() -> list[str]:
-    """The ``python -m zerolearn.launch`` lines of README.md's training section, as written."""
-    readme = open(os.path.join(os.path.dirname(__file__), "..", "README.md")).read()
-    section = readme.split("## Training runs and chapter scripts", 1)[1].split("\n## ", 1)[0]
+def usage_launch_commands() -> list[str]:
+    """The ``python -m zerolearn.launch`` lines of docs/USAGE.md's training section, as written."""
+    usage = open(os.path.join(os.path.dirname(__file__), "..", "docs", "USAGE.md")).read()
+    section = usage.split("\n## Training runs and chapter scripts\n", 1)[1].split("\n## ", 1)[0]
     lines = [line.split("  #")[0].strip() for block in section.split("```bash")[1:]
              for line in block.split("```")[0].splitlines()]
     return [line for line in lines if line.startswith("python -m zerolearn.launch")]
 
 
-def test_the_readme_shows_the_standalone_form_and_the_form_with_no_rendezvous_option():
-    commands = readme_launch_commands()
+def test_the_usage_page_shows_the_standalone_form_and_the_form_with_no_rendezvous_option():
+    commands = usage_launch_commands()
     assert any("--standalone" in c for c in commands), commands
     assert any(not re.search(r"--standalone|--master-port|--rdzv", c) for c in commands), commands
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("command", readme_launch_commands())
-def test_the_readmes_launcher_commands_run_as_written(command, tmp_path):
+@pytest.mark.parametrize("command", usage_launch_commands())
+def test_the_usage_pages_launcher_commands_run_as_written(command, tmp_path):
     argv = shlex.split(command)
     assert argv[0] == "python"
     done = subprocess.run([sys.executable, *argv[1:]], capture_output=True, text=True, timeout=300, cwd=tmp_path)
