@@ -7,7 +7,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 import pytest  # noqa: E402
 
-# Test tiers (README): `make check` runs what is not marked slow or browser in a few
+# Test tiers (docs/USAGE.md): `make check` runs what is not marked slow or browser in a few
 # minutes; `make test` runs everything. Whole modules that start many rank processes,
 # torchrun jobs, failure injection or a book build are slow; so is every multi-rank
 # test at world size 3 or 4 (world size 2 stays in the quick tier), every checkpoint

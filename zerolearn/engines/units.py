@@ -305,8 +305,11 @@ DEFAULT_PREFETCH_MB = 4.0  # one prefetch's most bytes of units smaller than tha
 def prefetch_bytes(prefetch_mb: float | None) -> int:
     """Bytes of the option ``prefetch_mb`` (MiB): what one prefetch may gather at once, in
     one fused all_gather when that is several units (:meth:`Schedule.window`; the engine
-    also caps it at a bucket). None: :data:`DEFAULT_PREFETCH_MB`; 0: one unit at a time,
-    as the paper describes (Sec 5.3).
+    also caps it at a bucket). None: :data:`DEFAULT_PREFETCH_MB`; 0: one unit per
+    all_gather (the next unit is still gathered ahead). The paper has no units and no
+    prefetch: Sec 7.2.2 says stage 3's all-gather is pipelined across forward and
+    backward, and units with prefetch are how this package (like DeepSpeed and FSDP)
+    implements that pipelining.
 
     The fused buffer is a constant-size buffer (CB, Sec 6.2): it and the units' own
     buffers exist together while a fused gather lands, so the most memory it adds is
