@@ -1,39 +1,35 @@
 # %% [markdown]
 # # Chapter 6 · At scale, on paper and measured
 #
-# The chapters so far measured small models on two ranks. The paper's claims are
-# about billions of parameters on hundreds of GPUs: a 7.5B model in 1.9 GB per GPU at
-# Nd = 64 (Fig 1), a trillion parameters on 1024 GPUs (Table 1), a 60B model that
-# trains faster per GPU as GPUs are added (Fig 3). This chapter checks each claim
-# twice: with the formulas of `zerolearn.memory` at the paper's scale, and with
-# measurements of our engines where a CPU can make them, using the simulated world
-# size of chapter 4 to play rank 0 of up to 1024 ranks.
+# The paper's claims are about billions of parameters on hundreds of GPUs: a 7.5B
+# model in 1.9 GB per GPU at Nd = 64 (Fig 1), a trillion parameters on 1024 GPUs
+# (Table 1), a 60B model that trains faster per GPU as GPUs are added (Fig 3). This
+# chapter checks each claim with the formulas of `zerolearn.memory` at the paper's
+# scale, and with our engines where a CPU can measure it (chapter 4's simulated world
+# size plays rank 0 of up to 1024 ranks).
 #
 # **Learning goals.** After this chapter you can
 #
 # 1. reproduce Table 1 and Table 2 from the formulas and say where the printed values
 #    are rounded;
 # 2. measure Table 1's trend on real shards, up to Nd = 1024, on one CPU;
-# 3. answer "can my hardware fit this model?" with the fit solver, activations
-#    included;
-# 4. weigh memory against communication across stages, and reason about step time
-#    with a first-order cost model;
+# 3. answer "can my hardware fit this model?", activations included;
+# 4. weigh memory against communication, and estimate step time with a first-order
+#    cost model;
 # 5. explain the super-linear scaling of Sec 10.3 (Fig 3);
 # 6. use the five explorers of `zerolearn.widgets`.
 #
-# Every explorer below is shown twice: live (it needs a running kernel), and as a
-# static figure of its default view.
+# Each explorer below is shown live (it needs a running kernel) and as a static figure
+# of its default view.
 
 # %%
 # %matplotlib inline
-import inspect
-
-import matplotlib.pyplot as plt
 from IPython.display import display
 
 from zerolearn import figures, widgets
 from zerolearn.chapters.ch04 import lesson as ch04
 from zerolearn.chapters.ch06 import lesson as ch06
+from zerolearn.chapters.source import excerpt
 from zerolearn.config import TrainConfig
 from zerolearn.costmodel import Job, step_time
 from zerolearn.dist import launch
@@ -51,7 +47,7 @@ from zerolearn.tables import text_table
 # value:
 
 # %%
-print(inspect.getsource(ch06.table1_rows))
+excerpt(ch06.table1_rows)
 
 # %%
 worst = 0.0
@@ -75,13 +71,15 @@ print(f'largest relative difference from the printed values: {100 * worst:.1f} %
 #
 # The bytes rank 0 holds are set by its shards, not by the other ranks, so the
 # simulated world size of chapter 4 (`--simulate-world-size`, torch's fake process
-# group) measures them for any Nd on one CPU. We train one step of a small GPT
+# group) measures them for any Nd on one CPU. We train one step of the book's GPT
 # (Psi = 42,368) under each stage at the Nd of Table 1 and divide the measured bytes
 # by DP's 16 Psi: Table 1's entries divided by its Nd = 1 column give the same ratios,
 # whatever the model size.
 
 # %%
-print(inspect.getsource(ch06.measure_per_rank))
+excerpt(ch06.measure_per_rank)
+
+# %%
 SMALL = TrainConfig(d_model=32, n_head=2, seq_len=16, steps=1, dtype="bf16", bucket_mb=64)
 NDS = (4, 16, 64, 256, 1024)
 measured = ch06.measure_per_rank((1, 2, 3), NDS, SMALL) + ch06.measure_per_rank((0,), (1024,), SMALL)
@@ -104,25 +102,7 @@ print(text_table(['Nd', 'stage', 'measured B', 'formula B', 'padding', 'measured
 # Table 1's curves:
 
 # %%
-fig, ax = plt.subplots(figsize=(7, 4), layout='constrained')
-nds_line = [2**i for i in range(11)]
-for stage in (1, 2, 3):
-    color = figures.STAGE_COLORS[stage]
-    ax.plot(nds_line, [model_state_bytes(1, nd, stage)['total'] / 16 for nd in nds_line], color=color,
-            label=f'{stage} {STAGE_NAMES[stage]}: formula')
-    ms = [m for m in measured if m['stage'] == stage]
-    ax.plot([m['nd'] for m in ms], [m['bytes'] / (16 * small_psi) for m in ms], 'o', color=color,
-            label=f'{stage}: measured, Psi = {small_psi:,}')
-    ax.plot(NDS, [TABLE1_GB[7_500_000_000][nd][stage - 1] / 120 for nd in NDS], 'x', color='black', markersize=8)
-ax.plot([], [], 'x', color='black', label='Table 1 as printed (7.5B)')
-ax.set_xscale('log', base=2)
-ax.set_yscale('log')
-ax.set_xlabel('data-parallel degree Nd (GPUs)')
-ax.set_ylabel('memory per device / DP memory (16 Psi bytes)')
-ax.set_title('Table 1 trend: formula, measured shards, printed values')
-ax.legend(fontsize=7)
-ax.grid(alpha=0.3)
-plt.show()
+ch06.table1_figure(measured, NDS)
 
 # %% [markdown]
 # ## 3. Table 2: the largest model that fits
@@ -244,7 +224,8 @@ print(text_table(['model', *gpus], rows))
 # Model states are not all. Residual states (Sec 3.2) do not shrink with Nd, so a batch
 # can change the answer: activations (about 60 GB for GPT-2 1.5B, 48 layers, hidden
 # 1600, at 1024 tokens and 32 sequences per GPU; about 5 GB with one checkpoint per
-# block, Sec 6.1), the working set of recomputing one block in backward (1.3 GB), and
+# block, where Sec 3.2 quotes about 8 GB for its checkpointing), the working set of
+# recomputing one block in backward (1.3 GB), and
 # the fused fp32 buffer into which DP gathers every gradient for the all-reduce (6.2 GB,
 # Sec 3.2's "6 GB"). Passing an `ActivationSpec` counts all three; fragmentation has no
 # size to add (chapter 5):
@@ -319,7 +300,7 @@ figures.tradeoff_figure()  # Psi = 7.5B, Nd = 64
 # compute:
 
 # %%
-print(inspect.getsource(step_time))
+excerpt(step_time, ("compute_s = flops_per", "volume_bytes=volume_bytes, collectives"))
 
 # %% [markdown]
 # A 7.5B model on 64 GPUs of the paper's cluster (`ch06.DGX2`: 40 TFLOP/s achieved per
@@ -342,7 +323,8 @@ print(text_table(['tokens/GPU', 'stage', 'compute s', 'comm s', 'step s', 'comm/
 # communication is a quarter (DP) to a third (ZeRO-3) of the compute. This is the
 # paper's reasoning for why ZeRO keeps DP's efficiency: the traffic stays within a
 # constant factor of DP's, and large per-GPU batches hide it.
-#
+
+# %% [markdown]
 # ## 7. Super-linear scaling (Sec 10.3, Fig 3)
 #
 # The paper trains a 60B model with ZeRO-100B (P_os+g with MP of 16) on 64 to 400 GPUs
@@ -360,7 +342,9 @@ print(text_table(['tokens/GPU', 'stage', 'compute s', 'comm s', 'step s', 'comm/
 # per GPU), not data from the paper:
 
 # %%
-print(inspect.getsource(ch06.scaling_rows))
+excerpt(ch06.scaling_rows)
+
+# %%
 GPU_COUNTS = [64, 128, 192, 256, 320, 400]
 scaling = {stage: ch06.scaling_rows(GPU_COUNTS, stage=stage) for stage in (0, 1, 2)}
 rows = [[r['gpus'], r['nd'], r['batch'], f"{r['tflops_per_gpu']:.1f}", f"{r['aggregate_pflops']:.2f}",
@@ -370,23 +354,7 @@ print(text_table(['GPUs', 'Nd', 'batch/GPU', 'TFLOP/s per GPU', 'PFLOP/s total',
 print('stage 0 (DP) batch per GPU:', [r['batch'] for r in scaling[0]])
 
 # %%
-fig, (left, right) = plt.subplots(1, 2, figsize=(10, 3.8), layout='constrained')
-for stage in (1, 2):
-    rs = scaling[stage]
-    label = f'{stage} {STAGE_NAMES[stage]}'
-    left.plot(GPU_COUNTS, [r['tflops_per_gpu'] for r in rs], 'o-', color=figures.STAGE_COLORS[stage], label=label)
-    right.plot(GPU_COUNTS, [r['aggregate_pflops'] for r in rs], 'o-', color=figures.STAGE_COLORS[stage], label=label)
-base = scaling[2][0]['aggregate_pflops']
-right.plot(GPU_COUNTS, [base * g / 64 for g in GPU_COUNTS], '--', color='gray', label='linear from 64 GPUs (stage 2)')
-left.set_ylabel('throughput per GPU (TFLOP/s)')
-left.set_title('Per GPU: rises with the GPU count')
-right.set_ylabel('aggregate throughput (PFLOP/s)')
-right.set_title('Aggregate: above linear (Fig 3)')
-for ax in (left, right):
-    ax.set_xlabel('GPUs (Nd x MP 16)')
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-plt.show()
+ch06.scaling_figure(scaling, GPU_COUNTS)
 
 # %% [markdown]
 # DP does not fit the 60B model at all (batch 0 at every size): its 16 Psi / 16 bytes
@@ -400,8 +368,10 @@ plt.show()
 #
 # The formulas above count model states; the ledger measures everything a rank
 # allocates. The timeline explorer shows one training step of each stage, measured on
-# two real gloo ranks (`ch04.all_stages`, the same GPT as chapter 4, with
-# `--memory-timeline`). Pick a stage and the categories to draw.
+# two real gloo ranks (`ch04.all_stages` with `--memory-timeline`). The model is a GPT of
+# 4 blocks of width 64 (Psi = 234,880), deeper than the book's two blocks so that stage
+# 3's timeline shows several units gathered and freed in turn. Pick a stage and the
+# categories to draw.
 
 # %%
 RUN = TrainConfig(model="gpt", n_layer=4, d_model=64, n_head=4, seq_len=32, global_batch_size=8, steps=2,
@@ -448,6 +418,46 @@ display(widgets.FragmentationSimulator())
 
 # %%
 figures.fragmentation_figure()  # the default: the smallest arena that works with MD, here without it
+
+# %% [markdown]
+# ## Questions
+#
+# Write down a number for each question before you run the cell under it.
+#
+# **1.** A trillion parameters under P_os+g on Nd = 64 GPUs (bf16 and Adam, K = 12): how
+# many GB per device? The fp16 parameters are not partitioned at this stage.
+
+# %%
+print(f"P_os+g, 1T parameters, Nd = 64: {model_state_bytes(1e12, 64, 2)['total'] / GB:,.2f} GB per device")
+
+# %% [markdown]
+# **2.** The book's GPT (Psi = 42,368) under P_os+g+p on 3 ranks: how many bytes of model
+# states does rank 0 hold? 42,368 is not a multiple of 3, and every rank's shard has the
+# same length.
+
+# %%
+m = ch06.measure_per_rank((3,), (3,), SMALL)[0]
+print(f"rank 0 of 3 holds {m['bytes']:,} bytes ({m['padding']} padding elements); "
+      f"16 Psi / 3 = {16 * m['psi'] / 3:,.1f}")
+
+# %% [markdown]
+# **3.** A 30B model on 40 GB A100s, model states only: which stage, on how many GPUs,
+# by the rule of section 4 (the fewest GPUs, then the lowest stage)?
+
+# %%
+fit = smallest_fit(30e9, 40 * GB)
+print(f"30B on 40 GB: stage {fit.stage} ({fit.stage_name}) on {fit.gpus} GPUs, "
+      f"{fit.bytes_per_device / GB:.1f} GB each")
+
+# %% [markdown]
+# **4.** From the cost-model table of section 6, ZeRO-3 on 64 GPUs for the 7.5B model,
+# with 4 sequences of 1024 tokens per GPU: what is communication over compute? (Compute
+# grows with the tokens; communication does not.)
+
+# %%
+t = step_time(Job(psi=7.5e9, tokens_per_gpu=4 * 1024, stage=3, nd=64), ch06.DGX2)
+print(f"stage 3, 4096 tokens per GPU: compute {t.compute_s:.2f} s, comm {t.comm_s:.2f} s, "
+      f"comm/compute {t.comm_to_compute:.2f}")
 
 # %% [markdown]
 # ## Summary

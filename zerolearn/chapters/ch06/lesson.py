@@ -6,6 +6,8 @@
   (rank 0 of Nd ranks in this process, see :func:`zerolearn.chapters.ch04.lesson.simulate`).
 * :func:`scaling_rows` is the super-linear scaling argument of Sec 10.3 (Fig 3) on
   the cost model of :mod:`zerolearn.costmodel`.
+* :func:`table1_figure` and :func:`scaling_figure` draw the chapter's two plots, so that
+  its cells keep to the measurement.
 
 The chapter's exercises (``06.max_psi``, ``06.fewest_gpus``) are beside this module, in
 :mod:`zerolearn.chapters.ch06`.
@@ -13,13 +15,25 @@ The chapter's exercises (``06.max_psi``, ``06.fewest_gpus``) are beside this mod
 
 from __future__ import annotations
 
+from matplotlib.figure import Figure
+
+from zerolearn import figures
 from zerolearn.chapters.ch04.lesson import simulate
 from zerolearn.config import TrainConfig
 from zerolearn.costmodel import EfficiencyCurve, Hardware, throughput_per_gpu
 from zerolearn.memory.fit import gpt_params
-from zerolearn.memory.model import GB, TABLE1_GB, TABLE2_THEORETICAL_B, V100_BYTES, max_model_params, model_state_bytes
+from zerolearn.memory.model import (
+    GB,
+    STAGE_NAMES,
+    TABLE1_GB,
+    TABLE2_THEORETICAL_B,
+    V100_BYTES,
+    max_model_params,
+    model_state_bytes,
+)
 
-__all__ = ["DGX2", "GPT_60B", "measure_per_rank", "scaling_rows", "table1_rows", "table2_rows"]
+__all__ = ["DGX2", "GPT_60B", "measure_per_rank", "scaling_figure", "scaling_rows", "table1_figure", "table1_rows",
+           "table2_rows"]
 
 DGX2 = Hardware(tflops_achieved=40, intra_node_GBps=300, inter_node_GBps=800 / 8 / 16, gpus_per_node=16)
 """The paper's cluster as the cost model sees it: 25 DGX-2 nodes of 16 V100s on 300 GB/s
@@ -90,3 +104,54 @@ def scaling_rows(gpus: list[int], stage: int = 2, nm: int = 16, curve: Efficienc
         rows.append({"gpus": n, "nd": n // nm, "batch": t.batch_per_gpu, "tflops_per_gpu": t.tflops_per_gpu,
                      "aggregate_pflops": n * t.tflops_per_gpu / 1000})
     return rows
+
+
+def table1_figure(measured: list[dict], nds: tuple[int, ...]) -> Figure:
+    """Table 1's trend for stages 1-3: memory per device over DP's 16 Psi against Nd, as
+    the formula (lines, Sec 5), as ``measured`` (dots, rows of :func:`measure_per_rank`)
+    and as Table 1 prints it for Psi = 7.5B at ``nds`` (crosses; DP holds 120 GB)."""
+    fig = Figure(figsize=(7, 4), layout="constrained")
+    ax = fig.add_subplot()
+    nds_line = [2**i for i in range(11)]
+    psi = measured[0]["psi"]
+    for stage in (1, 2, 3):
+        color = figures.STAGE_COLORS[stage]
+        ax.plot(nds_line, [model_state_bytes(1, nd, stage)["total"] / 16 for nd in nds_line], color=color,
+                label=f"{stage} {STAGE_NAMES[stage]}: formula")
+        ms = [m for m in measured if m["stage"] == stage]
+        ax.plot([m["nd"] for m in ms], [m["bytes"] / (16 * psi) for m in ms], "o", color=color,
+                label=f"{stage}: measured, Psi = {psi:,}")
+        ax.plot(nds, [TABLE1_GB[7_500_000_000][nd][stage - 1] / 120 for nd in nds], "x", color="black", markersize=8)
+    ax.plot([], [], "x", color="black", label="Table 1 as printed (7.5B)")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("data-parallel degree Nd (GPUs)")
+    ax.set_ylabel("memory per device / DP memory (16 Psi bytes)")
+    ax.set_title("Table 1 trend: formula, measured shards, printed values")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    return fig
+
+
+def scaling_figure(scaling: dict[int, list[dict]], gpus: list[int]) -> Figure:
+    """Fig 3's argument (Sec 10.3) from :func:`scaling_rows` per stage (1 and 2 drawn):
+    throughput per GPU (TFLOP/s, left) and aggregate (PFLOP/s, right) against the GPU
+    count, with the line of linear scaling from stage 2's first point."""
+    fig = Figure(figsize=(10, 3.8), layout="constrained")
+    left, right = fig.subplots(1, 2)
+    for stage in (1, 2):
+        style = dict(color=figures.STAGE_COLORS[stage], label=f"{stage} {STAGE_NAMES[stage]}")
+        left.plot(gpus, [r["tflops_per_gpu"] for r in scaling[stage]], "o-", **style)
+        right.plot(gpus, [r["aggregate_pflops"] for r in scaling[stage]], "o-", **style)
+    base = scaling[2][0]["aggregate_pflops"]
+    right.plot(gpus, [base * g / gpus[0] for g in gpus], "--", color="gray",
+               label=f"linear from {gpus[0]} GPUs (stage 2)")
+    left.set_ylabel("throughput per GPU (TFLOP/s)")
+    left.set_title("Per GPU: rises with the GPU count")
+    right.set_ylabel("aggregate throughput (PFLOP/s)")
+    right.set_title("Aggregate: above linear (Fig 3)")
+    for ax in (left, right):
+        ax.set_xlabel("GPUs (Nd x MP 16)")
+        ax.legend(fontsize=8)
+        ax.grid(alpha=0.3)
+    return fig
