@@ -2,17 +2,20 @@
 # # Chapter 0 · The memory wall
 #
 # A GPT-2 with 1.5 billion parameters stores its weights in 3 GB at 16-bit precision, a tenth of a
-# 32 GB V100. Yet plain data parallelism cannot train it on such a GPU, and the ZeRO paper reports
-# that PyTorch's data parallelism runs out of memory at about 1.4B parameters on 32 GB devices
-# (Rajbhandari et al., *ZeRO: Memory Optimizations Toward Training Trillion Parameter Models*,
-# SC'20, arXiv 1910.02054; Sec 1 and Sec 10.4). Before removing memory, we have to know where it
-# goes. The paper's Sec 3 splits it in two:
+# 32 GB V100. Yet the ZeRO paper reports that PyTorch or TensorFlow cannot train it on one such
+# GPU (Sec 3), and that PyTorch's data parallelism runs out of memory at about 1.4B parameters on
+# 32 GB devices (Rajbhandari et al., *ZeRO: Memory Optimizations Toward Training Trillion
+# Parameter Models*, SC'20, arXiv 1910.02054; Sec 1 and Sec 10.4). Before removing memory, we have
+# to know where it goes. The paper's Sec 3 splits it in two:
 #
 # * **model states** (Sec 3.1): the parameters, their gradients and the optimizer's states;
 # * **residual states** (Sec 3.2): activations, temporary buffers and fragmentation.
 #
 # This chapter measures both on a real GPT and puts every measurement beside the paper's formula.
-#
+# Section 4 adds them up for the paper's example: at its batch of 32 sequences of 1K tokens, the
+# 24 GB of model states plus the residual states exceed 32 GB, with activation checkpointing too.
+
+# %% [markdown]
 # **Learning goals.** After this chapter you can
 #
 # 1. count the bytes of parameters, gradients and Adam's states from real tensors, and derive the
@@ -20,8 +23,8 @@
 # 2. explain why fp32 training costs the same 16 Ψ, and how K changes with the optimizer;
 # 3. measure a transformer's activations with the memory ledger, with and without activation
 #    checkpointing, and compare them with the paper's 12 · h · b · s · L values (Sec 3.2);
-# 4. reproduce the paper's GPT-2 1.5B example: 24 GB of model states and about 60 GB of
-#    activations at sequence length 1K and batch 32 (Sec 3.1, Sec 3.2).
+# 4. reproduce the paper's GPT-2 1.5B example: 24 GB of model states, about 60 GB of activations
+#    at sequence length 1K and batch 32, and a 6 GB fused gradient buffer (Sec 3.1, Sec 3.2).
 #
 # Notation, fixed for the whole book: `psi` (Ψ) is the number of trainable parameters, `k` (K) the
 # optimizer's bytes per parameter, `nd` (N<sub>d</sub>) the data-parallel degree, `nm` (N<sub>m</sub>)
@@ -41,23 +44,26 @@ from zerolearn.memory import model as analytic
 from zerolearn.memory.fit import gpt_params
 from zerolearn.memory.ledger import MemoryLedger
 from zerolearn.models import GPTConfig, build_model
+from zerolearn.tables import text_table
 
 GB = analytic.GB  # 10**9 bytes, as in the paper
 
 # %% [markdown]
 # ## 1. Model states, counted from tensors
 #
-# Our model is a small GPT over bytes (vocabulary 256): width h = 64, two transformer blocks,
-# context 32 bytes. Each block has 12 h² + 13 h parameters (attention 4 h² + 4 h, the MLP
-# 8 h² + 5 h, two LayerNorms 4 h), the formula `gpt_params` also uses for the paper's models.
+# Our model is the book's small GPT over bytes (vocabulary 256): width h = 32, two transformer
+# blocks of two heads, context 16 bytes; chapters 1 to 4 train the same one. Each block has
+# 12 h² + 13 h parameters (attention 4 h² + 4 h, the MLP 8 h² + 5 h, two LayerNorms 4 h), the
+# formula `gpt_params` also uses for the paper's models.
 
 # %%
-cfg = GPTConfig(seq_len=32, n_layer=2, n_head=4, d_model=64)
+from zerolearn.exercises.helpers import GPT as cfg  # GPTConfig(seq_len=16, n_layer=2, n_head=2, d_model=32)
+
 model = build_model("gpt", seed=0, gpt=cfg)
 psi = sum(p.numel() for p in model.parameters() if p.requires_grad)
 print(f"psi, counted from the tensors:        {psi:,} parameters")
 print(f"psi, from 12 h^2 + 13 h per block etc: "
-      f"{gpt_params(2, 64, vocab=256, seq_len=32, tied_embeddings=False):,} parameters")
+      f"{gpt_params(2, 32, vocab=256, seq_len=16, tied_embeddings=False):,} parameters")
 
 # %% [markdown]
 # Now one training step in plain PyTorch, fp32, with Adam. After `step()` three kinds of tensor
@@ -65,10 +71,9 @@ print(f"psi, from 12 h^2 + 13 h per block etc: "
 # (`exp_avg`, the momentum, and `exp_avg_sq`, the variance). We add up their bytes.
 
 # %%
-x, y = data.gpt_batch(0, batch_size=8, seq_len=32)
+x, y = data.gpt_batch(0, batch_size=8, seq_len=cfg.seq_len)
 opt = torch.optim.Adam(model.parameters(), lr=1e-3)
-loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-loss.backward()
+F.cross_entropy(model(x).flatten(0, 1), y.flatten()).backward()
 opt.step()
 
 
@@ -81,11 +86,10 @@ counted = {
     "grads": [p.grad for p in model.parameters()],
     "optimizer states": [s[name] for s in opt.state.values() for name in ("exp_avg", "exp_avg_sq")],
 }
-for name, tensors in counted.items():
-    nb = nbytes(tensors)
-    print(f"{name:<17} {nb / 1024:7.1f} KiB = {nb / psi:4.1f} bytes per parameter")
-print(f"{'total':<17} {sum(nbytes(t) for t in counted.values()) / 1024:7.1f} KiB = "
-      f"{sum(nbytes(t) for t in counted.values()) / psi:4.1f} bytes per parameter")
+rows = [[name, f"{nbytes(t) / 1024:.1f}", f"{nbytes(t) / psi:.1f}"] for name, t in counted.items()]
+total = sum(nbytes(t) for t in counted.values())
+rows.append(["total", f"{total / 1024:.1f}", f"{total / psi:.1f}"])
+print(text_table(["fp32 Adam", "KiB", "bytes per parameter"], rows, align=["left", "right", "right"]))
 
 # %% [markdown]
 # Four bytes of parameter, four of gradient, eight of optimizer state: **16 bytes per parameter**,
@@ -100,9 +104,11 @@ print(f"{'total':<17} {sum(nbytes(t) for t in counted.values()) / 1024:7.1f} KiB
 # $$(2 + 2 + K)\,\Psi = 16\,\Psi \text{ bytes}.$$
 #
 # Mixed precision does not shrink model states at all; it saves activation memory and makes the
-# arithmetic faster. K depends on the optimizer: SGD with momentum keeps one fp32 buffer, plain
-# SGD none.
-#
+# arithmetic faster. K depends on the optimizer. In fp32 training, SGD with momentum keeps one
+# fp32 buffer (K = 4) and plain SGD none (K = 0); in mixed precision both keep the fp32 master
+# besides, K = 8 and K = 4.
+
+# %% [markdown]
 # Let us measure this with the book's engine instead of by hand. `train_all` runs the training
 # loop (`zerolearn.train.train`, what `python -m zerolearn.train` runs) once per `TrainConfig`, on
 # one spawned gloo rank, and returns its JSON reports. Each report holds the bytes the rank
@@ -120,7 +126,8 @@ def train_all(configs):
 
 
 # %%
-common = TrainConfig(model="gpt", d_model=64, n_layer=2, seq_len=32, global_batch_size=8, steps=2, bucket_mb=0.25)
+common = TrainConfig(model="gpt", d_model=cfg.d_model, n_layer=cfg.n_layer, n_head=cfg.n_head, seq_len=cfg.seq_len,
+                     global_batch_size=8, steps=2, bucket_mb=0.25)
 runs = {  # label: (dtype, optimizer, SGD momentum)
     "fp32 Adam": ("fp32", "adam", 0.0),
     "bf16 Adam": ("bf16", "adam", 0.0),
@@ -133,19 +140,21 @@ reports = dict(zip(runs, launch(train_all, 1, configs)[0]))  # [0]: rank 0's res
 
 # %%
 cats = ("params", "grads", "optimizer_states")
-print(f"bytes per parameter held by rank 0 (psi = {psi:,}), measured | formula (2 + 2 + K) Psi\n")
-print(f"{'run':<13} {'params':>13} {'grads':>13} {'optim states':>13} {'total':>13}   K")
+rows, exact = [], True
 for label, r in reports.items():
-    held = r["ranks"][0]["model_state_bytes"]
-    formula = r["analytic"]["model_state_bytes"]
+    held, formula = r["ranks"][0]["model_state_bytes"], r["analytic"]["model_state_bytes"]
     dtype, optimizer, momentum = runs[label]
     k = analytic.optimizer_k(optimizer, dtype, momentum=momentum > 0)
-    cells = " ".join(f"{held[c] / psi:6.2f}|{formula[c] / psi:<6.2f}" for c in cats)
-    total, total_f = sum(held.values()) / psi, sum(formula.values()) / psi
-    print(f"{label:<13} {cells} {total:6.2f}|{total_f:<6.2f} {k:>3}")
+    rows.append([label, *(f"{held[c] / psi:.2f}" for c in cats), f"{sum(held.values()) / psi:.2f}",
+                 f"{sum(formula.values()) / psi:.2f}", k])
+    exact = exact and all(held[c] == formula[c] for c in cats)
+print(f"bytes per parameter held by rank 0 (psi = {psi:,}), measured; formula: (2 + 2 + K)\n")
+print(text_table(["run", "params", "grads", "optim. states", "total", "formula", "K"], rows,
+                 align=["left", *["right"] * 6]))
+print(f"\nmeasured == formula in every category of every run: {exact}")
 
 # %% [markdown]
-# Measured equals formula in every cell: nothing here is padded (padding appears in chapter 2,
+# Measured equals formula in every category: nothing here is padded (padding appears in chapter 2,
 # when states are split into N<sub>d</sub> equal shards), and each storage is counted once. Both
 # fp32 and mixed-precision Adam hold 16 bytes per parameter. Scaled up, 16 Ψ is the wall: a 7.5B
 # model needs 120 GB of model states (Fig 1), four V100s' worth, before a single activation.
@@ -197,24 +206,12 @@ def step_timeline(dtype, optimizer, batch=8):
 
 # %%
 watched = launch(step_timeline, 1, dtype="bf16", optimizer="adam")[0]
-timeline = watched["timeline"]  # [index, phase, total bytes, bytes by category]
-order = ("params", "optimizer_states", "grads", "activations", "temporary")
-fig, ax = plt.subplots(figsize=(10, 4))
-ax.stackplot([e[0] for e in timeline], [[e[3][c] / 1024 for e in timeline] for c in order],
-             labels=order, step="post")
-for phase in ("forward", "backward", "step"):
-    start = next(e[0] for e in timeline if e[1] == phase)
-    ax.axvline(start, color="k", lw=0.8, ls="--")
-    ax.text(start + 1, ax.get_ylim()[1] * 0.95, phase, va="top")
-ax.set_xlabel("allocation or free event within one training step (index)")
-ax.set_ylabel("bytes held by rank 0 (KiB)")
-ax.set_title(f"Memory of one bf16 Adam step, GPT with psi = {psi:,} (measured by the ledger)")
-ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)
-fig.tight_layout()
+ch00.step_timeline_figure(watched["timeline"],  # events: [index, phase, total bytes, bytes by category]
+                          f"Memory of one bf16 Adam step, GPT with psi = {psi:,} (measured by the ledger)")
 plt.show()
-print(f"peak: {watched['peak_bytes'] / 1024:,.1f} KiB, of which")
-for c, nb in watched["peak_by_category"].items():
-    print(f"  {c:<17} {nb / 1024:8.1f} KiB")
+rows = [[c, f"{nb / 1024:.1f}"] for c, nb in watched["peak_by_category"].items()]
+rows.append(["total", f"{watched['peak_bytes'] / 1024:,.1f}"])
+print(text_table(["held at the peak", "KiB"], rows, align=["left", "right"]))
 
 # %% [markdown]
 # For this tiny model, activations and temporaries are as large as the model states. For
@@ -280,9 +277,10 @@ def measure_activations(n_layer, batch, seq_len, d_model=64, checkpointing=False
     return held
 
 # %% [markdown]
-# We measure 1, 2 and 4 blocks, fp32 (4 bytes per value), b = 8, s = 64, h = 64. The embedding
-# output and the logits (b · s · 256 values) do not grow with depth, so the cost *per block* is
-# the slope: the difference between 4 blocks and 1 block, divided by 3.
+# We measure GPTs of 1, 2 and 4 blocks, fp32 (4 bytes per value), b = 8, s = 64, h = 64: wider
+# and longer than the book's GPT, so that the blocks' share stands well above the rest. The
+# embedding output and the logits (b · s · 256 values) do not grow with depth, so the cost *per
+# block* is the slope: the difference between 4 blocks and 1 block, divided by 3.
 
 # %%
 b, s, h = 8, 64, 64
@@ -290,16 +288,16 @@ layers = (1, 2, 4)
 measured = {ckpt: [measure_activations(L, b, s, h, checkpointing=ckpt) for L in layers]
             for ckpt in (False, True)}
 print(f"activations after forward, fp32, b={b}, s={s}, h={h} (KiB)\n")
-print(f"{'blocks L':>8} | {'no checkpointing':>16} | {'checkpointing':>13}")
-for i, L in enumerate(layers):
-    print(f"{L:>8} | {measured[False][i] / 1024:>16,.1f} | {measured[True][i] / 1024:>13,.1f}")
-
-print(f"\nper block (slope, KiB)   {'measured':>9} {'formula':>9} {'ratio':>6}  values per b*s*h")
+print(text_table(["blocks L", "no checkpointing", "checkpointing"],
+                 [[L, f"{measured[False][i] / 1024:,.1f}", f"{measured[True][i] / 1024:,.1f}"] for i, L in enumerate(layers)]))
+rows = []
 for ckpt, name in ((False, "no checkpointing"), (True, "checkpointing")):
     slope = (measured[ckpt][2] - measured[ckpt][0]) / (layers[2] - layers[0])
     formula = analytic.activation_bytes(h, b, s, layers=1, bytes_per_value=4, checkpointing=ckpt)
-    print(f"{name:<24} {slope / 1024:>9,.1f} {formula / 1024:>9,.1f} {slope / formula:>6.3f}"
-          f"  {slope / (4 * b * s * h):>6.3f}")
+    rows.append([name, f"{slope / 1024:,.1f}", f"{formula / 1024:,.1f}", f"{slope / formula:.3f}",
+                 f"{slope / (4 * b * s * h):.3f}"])
+print("\nper block (the slope)\n" + text_table(["", "measured KiB", "formula KiB", "ratio", "values per b*s*h"], rows,
+                                              align=["left", *["right"] * 4]))
 
 # %% [markdown]
 # With checkpointing the measurement equals the formula: one b · s · h tensor per block. Without
@@ -311,14 +309,14 @@ for ckpt, name in ((False, "no checkpointing"), (True, "checkpointing")):
 block = build_model("gpt", 0, gpt=GPTConfig(seq_len=s, n_layer=1, n_head=4, d_model=h)).blocks[0]
 xb = torch.randn(b, s, h, requires_grad=True)
 unit = 4 * b * s * h  # bytes of one fp32 b*s*h tensor
-print(f"{'saved for backward by (SDPA: scaled_dot_product_attention)':<60} {'shape':<15} {'x b*s*h':>7}")
-print(f"{'the block input (LayerNorm 1 keeps it)':<60} {str((b, s, h)):<15} {1:>7.3f}")
-rows = ch00.block_saved_tensors(block, xb)
-for r in rows:
+rows = [["the block input (LayerNorm 1 keeps it)", (b, s, h), 1.0]]
+for r in ch00.block_saved_tensors(block, xb):
     by = ", ".join(r["saved_by"]).replace("ScaledDotProductFlashAttentionForCpu", "SDPA")
-    print(f"{by:<60} {str(r['shape']):<15} {r['bytes'] / unit:>7.3f}")
-values_per_bsh = 1 + sum(r["bytes"] for r in rows) / unit
-print(f"{'total':<76} {values_per_bsh:>7.3f}")
+    rows.append([by, r["shape"], r["bytes"] / unit])
+values_per_bsh = sum(v for *_, v in rows)
+rows = [[by, str(shape), f"{v:.3f}"] for by, shape, v in rows] + [["total", "", f"{values_per_bsh:.3f}"]]
+print(text_table(["saved for backward by (SDPA: scaled_dot_product_attention)", "shape", "x b*s*h"], rows,
+                 align=["left", "left", "right"]))
 
 # %% [markdown]
 # Read top to bottom, in forward order: each LayerNorm keeps a mean and a 1/std per token
@@ -326,10 +324,11 @@ print(f"{'total':<76} {values_per_bsh:>7.3f}")
 # LayerNorm's output; attention keeps q, k and v (three views of the projection's one output, 3
 # b · s · h), a log-sum-exp per row and its output, which the output projection keeps too; the
 # second LayerNorm keeps the residual stream; the MLP keeps the LayerNorm output (1), the GELU's
-# input (4, width 4h) and the GELU's output (4). CPU attention here is a fused kernel that keeps no
-# s × s attention matrix; an implementation that keeps it adds values that grow with s².
-# Whatever the constant, activations are linear in b, s, h and L: a batch or a context twice as
-# large doubles them, while model states stay put.
+# input (4, width 4h) and the GELU's output (4).
+#
+# CPU attention here is a fused kernel that keeps no s × s attention matrix; an implementation
+# that keeps it adds values that grow with s². Whatever the constant, activations are linear in
+# b, s, h and L: a batch or a context twice as large doubles them, while model states stay put.
 
 # %%
 fig, ax = plt.subplots(figsize=(7, 4))
@@ -384,40 +383,39 @@ states = analytic.model_state_bytes(psi_gpt2, nd=1, stage=0, k=12)  # 2 + 2 + K 
 act = analytic.activation_bytes(hidden=1600, batch=32, seq_len=1024, layers=48)
 act_ckpt = analytic.activation_bytes(hidden=1600, batch=32, seq_len=1024, layers=48, checkpointing=True)
 print(f"GPT-2 1.5B: 48 blocks x hidden 1600 = {gpt_params(48, 1600) / 1e9:.2f}B parameters\n")
-for name in ("params", "grads", "optimizer_states", "total"):
-    print(f"model states, {name:<17} {states[name] / GB:6.1f} GB")
-print(f"activations, seq 1K, batch 32    {act / GB:6.1f} GB  (12 h b s L values of 2 bytes)")
-print(f"  with checkpointing, one/block  {act_ckpt / GB:6.1f} GB  (the paper: about 8 GB)")
-print(f"  with our block's {values_per_bsh:.1f} values   {act * values_per_bsh / 12 / GB:6.1f} GB")
+rows = [[f"model states: {name}", f"{states[name] / GB:.1f}"] for name in ("params", "grads", "optimizer_states", "total")]
+rows += [["activations, seq 1K, batch 32 (12 h b s L values of 2 bytes)", f"{act / GB:.1f}"],
+         ["  with checkpointing, one per block (the paper: about 8 GB)", f"{act_ckpt / GB:.1f}"],
+         [f"  with our block's {values_per_bsh:.1f} values instead of 12", f"{act * values_per_bsh / 12 / GB:.1f}"]]
+print(text_table(["GPT-2 1.5B, mixed-precision Adam", "GB"], rows, align=["left", "right"]))
 print(f"\nlargest psi whose model states fit a 32 GB V100 under DP: "
       f"{analytic.max_model_params(analytic.V100_BYTES, nd=1, stage=0) / 1e9:.1f}B parameters")
 
 # %% [markdown]
 # The paper's "about 8 GB" with checkpointing is not derived from a formula (it cites square-root
-# checkpointing); one checkpoint per block is 5.0 GB, and recomputing one block during backward
-# adds another 12 b · s · h values of that block on top. Even with no activations at all, 16 Ψ on a
-# 32 GB GPU stops at 2B parameters; with activations and buffers, the paper's measured limit for
-# PyTorch data parallelism is 1.4B.
+# checkpointing); one checkpoint per block is 5.0 GB. Even with no activations at all, 16 Ψ on a
+# 32 GB GPU stops at 2B parameters.
+#
+# Activations are not the only residual state. Backward recomputes one checkpointed block at a
+# time, holding that block's 12 b · s · h values again, and data parallelism fuses all gradients
+# into one fp32 buffer before the all-reduce: 4 Ψ = 6 GB (section 3). `per_device_bytes` counts
+# them all beside the model states, for one GPU at batch 32:
 
 # %%
-parts = {"params (fp16)": states["params"], "grads (fp16)": states["grads"],
-         "optimizer states (fp32)": states["optimizer_states"]}
-scenarios = {"no checkpointing": act, "checkpointing": act_ckpt}
-fig, ax = plt.subplots(figsize=(7, 4.5))
-totals = []
-for i, activations in enumerate(scenarios.values()):
-    bottom = 0.0
-    for j, (name, v) in enumerate({**parts, "activations (fp16)": activations}.items()):
-        ax.bar(i, v / GB, bottom=bottom, color=f"C{j}", label=name if i == 0 else None)
-        bottom += v / GB
-    totals.append(bottom)
-ax.axhline(analytic.V100_BYTES / GB, color="k", ls="--", lw=1)
-ax.text(0.5, analytic.V100_BYTES / GB + 1, "one 32 GB V100", ha="center")
-ax.set_xticks(range(len(scenarios)), [f"{k}\n{t:.1f} GB in all" for k, t in zip(scenarios, totals)])
-ax.set_ylabel("memory per GPU (GB, 10^9 bytes)")
-ax.set_title("GPT-2 1.5B, mixed-precision Adam, seq 1K, batch 32 (Sec 3.1, 3.2)")
-ax.legend(fontsize=8, loc="upper right")
+from zerolearn.memory.fit import ActivationSpec, per_device_bytes
+
+budgets = {name: per_device_bytes(psi_gpt2, nd=1, stage=0, activation=ActivationSpec(
+               hidden=1600, layers=48, batch_per_gpu=32, seq_len=1024, checkpointing=ckpt))
+           for name, ckpt in (("no checkpointing", False), ("checkpointing", True))}
+ch00.memory_bars_figure(budgets, analytic.V100_BYTES,
+                        "GPT-2 1.5B, mixed-precision Adam, seq 1K, batch 32 (Sec 3.1, 3.2)")
 plt.show()
+
+# %% [markdown]
+# Neither bar fits under the line: the 24 GB of model states leave 8 GB, and at the paper's batch
+# of 32 the residual states need more, with checkpointing too. That is the paper's claim, stated
+# precisely: plain data parallelism cannot train GPT-2 1.5B at batch 32 with sequences of 1K on
+# one 32 GB GPU. A smaller batch would fit; the next exercise asks how small.
 
 # %% [markdown]
 # ### Exercise 2: how large a batch fits?
@@ -438,6 +436,11 @@ plt.show()
 
 # %%
 exercises.check("00.max_batch", max_batch)
+
+# %% [markdown]
+# Your `max_batch` counts model states and activations only, as the exercise asked: 4 sequences
+# without checkpointing, 50 with it. The fused buffer and the recompute take some of that room;
+# the third question at the end of the chapter counts how much.
 
 # %% [markdown]
 # ## 5. Ahead: who holds which slice
@@ -462,10 +465,10 @@ fig
 
 # %%
 layout = schematics.model_states(nd=3)
-print(f"{'stage':<20} {'held by each rank':>17} {'formula':>9}")
-for stage, held in layout.held_bytes.items():
-    title = ("DP", "ZeRO-1 (P_os)", "ZeRO-2 (P_os+g)", "ZeRO-3 (P_os+g+p)")[stage]
-    print(f"{title:<20} {held[0]:>15} B {layout.formula_bytes[stage]['total']:>7.1f} B")
+titles = ("DP", "ZeRO-1 (P_os)", "ZeRO-2 (P_os+g)", "ZeRO-3 (P_os+g+p)")
+rows = [[titles[stage], held[0], f"{layout.formula_bytes[stage]['total']:.1f}"]
+        for stage, held in layout.held_bytes.items()]
+print(text_table(["stage", "held by each rank (bytes)", "formula (bytes)"], rows, align=["left", "right", "right"]))
 
 # %% [markdown]
 # ## Summary
@@ -473,15 +476,54 @@ for stage, held in layout.held_bytes.items():
 # * Training memory is **model states** (parameters, gradients, optimizer states; Sec 3.1) plus
 #   **residual states** (activations, temporary buffers, fragmentation; Sec 3.2).
 # * Mixed-precision Adam holds (2 + 2 + K) Ψ = 16 Ψ bytes with K = 12 (fp32 master, momentum,
-#   variance); fp32 Adam also holds 16 Ψ (4 + 4 + 8). We measured both from the tensors a rank
-#   holds, and they equal the formula exactly.
-# * Activations grow linearly with batch, sequence, width and depth. Our GPT block keeps about
-#   16 b · s · h values against the paper's estimate of 12. Checkpointing cuts this to one b · s · h
-#   per block, exactly as the formula says, at about 33% more compute.
-# * Fused communication buffers grow with the model (6 GB for 1.5B in fp32); fragmentation can
-#   make an allocation fail with memory still free. Chapter 5 treats both.
-# * GPT-2 1.5B: 24 GB of model states and about 60 GB of activations at seq 1K, batch 32. That
-#   does not fit a 32 GB GPU.
+#   variance); fp32 Adam also holds 16 Ψ (4 + 4 + 8). Measured from a rank's tensors, both equal
+#   the formula exactly.
+# * Activations grow linearly with batch, sequence, width and depth: our block keeps about 16
+#   b · s · h values, the paper estimates 12. Checkpointing keeps one b · s · h per block, at
+#   about 33% more compute.
+# * Fused gradient buffers grow with the model (6 GB for 1.5B in fp32); fragmentation can make an
+#   allocation fail with memory still free (chapter 5).
+# * GPT-2 1.5B at seq 1K and batch 32: 24 GB of model states, 60 GB of activations (5 GB
+#   checkpointed) and a 6 GB buffer do not fit a 32 GB GPU, with checkpointing or without.
 #
-# Data parallelism, the subject of chapter 1, adds GPUs but gives every one of them the full
-# 16 Ψ: the memory wall stays where it is. ZeRO's stages (chapters 2 to 4) remove that redundancy.
+# Data parallelism (chapter 1) adds GPUs but gives every one the full 16 Ψ: the wall stays.
+# ZeRO's stages (chapters 2 to 4) remove that redundancy.
+
+# %% [markdown]
+# ## Questions
+#
+# Write your prediction down before you run each cell.
+#
+# **1.** Mixed precision with SGD and momentum (bf16 working copies): predict K and the bytes of
+# model states per parameter, then compute them.
+
+# %%
+k_sgd = analytic.optimizer_k("sgd", "bf16", momentum=True)
+per_param = analytic.model_state_bytes(psi, nd=1, stage=0, k=k_sgd)["total"] / psi
+print(f"bf16 SGD with momentum: K = {k_sgd}, {per_param:.0f} bytes per parameter")
+
+# %% [markdown]
+# **2.** With checkpointing, how many KiB of activations does section 2's GPT (b = 8, s = 64,
+# h = 64, fp32) gain from 4 blocks to 8? Predict from one b · s · h per block, then measure.
+
+# %%
+grown = measure_activations(8, b, s, h, checkpointing=True) - measured[True][layers.index(4)]
+print(f"4 -> 8 blocks, checkpointed: +{grown / 1024:,.1f} KiB of activations")
+
+# %% [markdown]
+# **3.** Count the recompute and the 6 GB fused buffer too: how many sequences of 1K tokens per
+# GPU now fit GPT-2 1.5B on 32 GB, without and with checkpointing? (`max_batch` said 4 and 50.)
+
+# %%
+for ckpt in (False, True):
+    spec = ActivationSpec(hidden=1600, layers=48, batch_per_gpu=1, seq_len=1024, checkpointing=ckpt)
+    print(f"checkpointing {ckpt!s:<5}: largest batch {ch00.largest_batch(psi_gpt2, analytic.V100_BYTES, spec)}")
+
+# %% [markdown]
+# **4.** Model states only, 16 Ψ: predict the largest model that fits an 80 GB GPU under plain
+# DP, and under ZeRO-3 (Ψ/N<sub>d</sub> each) with N<sub>d</sub> = 64.
+
+# %%
+for nd, stage in ((1, 0), (64, 3)):
+    fits = analytic.max_model_params(80e9, nd=nd, stage=stage)
+    print(f"80 GB, Nd = {nd:>2}, stage {stage}: {fits / 1e9:,.1f}B parameters")

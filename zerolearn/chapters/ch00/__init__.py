@@ -4,7 +4,8 @@
   ``notebooks/00_memory_wall.ipynb`` and the reader's copy
   ``notebooks/exercises/00_memory_wall.ipynb``;
 * lesson: :mod:`.lesson`, the walk over autograd's saved tensors behind the chapter's
-  table of a block's activations;
+  table of a block's activations, the largest batch with all residual states counted, and
+  the layout of two figures;
 * exercise ``00.model_state_bytes`` (:mod:`.model_state_bytes`, checked by
   :mod:`.model_state_bytes_check`): the bytes of parameters, gradients and optimizer
   states of one replica, (2 + 2 + K) Psi in mixed precision (Sec 3.1), for Adam and SGD,

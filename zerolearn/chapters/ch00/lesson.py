@@ -1,9 +1,12 @@
 """Chapter 0, the memory wall: what autograd keeps of one transformer block (paper Sec 3.2).
 
 :func:`block_saved_tensors` lists the storages a block's backward needs, the walk behind the
-chapter's table of activations. The rest of what the chapter runs (the training reports,
-one step watched by the memory ledger, activations measured with and without
-checkpointing) is written in the notebook's cells.
+chapter's table of activations; :func:`largest_batch` asks
+:func:`zerolearn.memory.fit.per_device_bytes` for the largest batch that fits with every
+residual state counted; :func:`step_timeline_figure` and :func:`memory_bars_figure` only lay
+out two figures. The rest of what the chapter runs (the training reports, one step watched
+by the memory ledger, activations measured with and without checkpointing) is written in
+the notebook's cells.
 
 The chapter's exercises (``00.model_state_bytes``, ``00.max_batch``) are beside this
 module, in :mod:`zerolearn.chapters.ch00`.
@@ -49,3 +52,67 @@ def block_saved_tensors(block: nn.Module, x: torch.Tensor) -> list[dict]:
         stack.extend(f for f, _ in fn.next_functions)
     # Ties (one node saving several storages): the walk meets later tensors first.
     return sorted(rows.values(), key=lambda r: (r["order"], -r["seen"]))
+
+
+def step_timeline_figure(timeline: list, title: str):
+    """A stack plot of one step's memory by category, from ``[index, phase, total, by_category]``
+    events (the ledger's timeline), with a dashed line where each phase starts. Bytes in KiB."""
+    import matplotlib.pyplot as plt
+
+    order = ("params", "optimizer_states", "grads", "activations", "temporary")
+    fig, ax = plt.subplots(figsize=(10, 4))
+    ax.stackplot([e[0] for e in timeline], [[e[3][c] / 1024 for e in timeline] for c in order],
+                 labels=order, step="post")
+    for phase in ("forward", "backward", "step"):
+        start = next(e[0] for e in timeline if e[1] == phase)
+        ax.axvline(start, color="k", lw=0.8, ls="--")
+        ax.text(start + 1, ax.get_ylim()[1] * 0.95, phase, va="top")
+    ax.set_xlabel("allocation or free event within one training step (index)")
+    ax.set_ylabel("bytes held by rank 0 (KiB)")
+    ax.set_title(title)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
+_PARTS = {"params": "params (fp16)", "grads": "grads (fp16)", "optimizer_states": "optimizer states (fp32)",
+          "activations": "activations (fp16)", "recompute": "recompute of one block",
+          "temporary_buffers": "fused fp32 gradient buffer"}
+
+
+def memory_bars_figure(budgets: dict, device_bytes: float, title: str):
+    """Stacked bars of :func:`zerolearn.memory.fit.per_device_bytes` results, one bar per
+    scenario (``{label: breakdown}``), in decimal GB, with the device's size as a line."""
+    import matplotlib.pyplot as plt
+
+    gb = 1e9
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, parts in enumerate(budgets.values()):
+        bottom = 0.0
+        for j, (key, name) in enumerate(_PARTS.items()):
+            ax.bar(i, parts[key] / gb, bottom=bottom, color=f"C{j}", label=name if i == 0 else None)
+            bottom += parts[key] / gb
+    ax.axhline(device_bytes / gb, color="k", ls="--", lw=1)
+    ax.text((len(budgets) - 1) / 2, device_bytes / gb + 1, f"one {device_bytes / gb:.0f} GB GPU", ha="center")
+    ax.set_xticks(range(len(budgets)), [f"{k}\n{v['total'] / gb:.1f} GB in all" for k, v in budgets.items()])
+    ax.set_ylabel("memory per GPU (GB, 10^9 bytes)")
+    ax.set_title(title)
+    ax.legend(fontsize=8, loc="upper right")
+    return fig
+
+
+def largest_batch(psi: float, device_bytes: float, spec) -> int:
+    """The largest batch per GPU whose :func:`~zerolearn.memory.fit.per_device_bytes` total
+    (DP, bf16 Adam, with the residual states of ``spec``, an ``ActivationSpec``) fits
+    ``device_bytes``; 0 when not even one sequence does (Sec 3)."""
+    from dataclasses import replace
+
+    from zerolearn.memory.fit import per_device_bytes
+
+    def total(batch: int) -> float:
+        return per_device_bytes(psi, 1, 0, activation=replace(spec, batch_per_gpu=batch))["total"]
+
+    batch = 0
+    while total(batch + 1) <= device_bytes:
+        batch += 1
+    return batch
