@@ -8,12 +8,14 @@
 # price is communication: a rank must fetch the parameters it does not own each time
 # it needs them, once in forward and once in backward, which raises the traffic from
 # 2 Psi to 3 Psi per step (Sec 7.2.2).
-#
+
+# %% [markdown]
 # **Learning goals.** After this chapter you can
 #
-# 1. explain how ZeRO-3 cuts the model into *units* and gathers, uses and frees each
-#    unit around its forward and its backward, with the next unit prefetched, and write
-#    those hooks and the prefetch yourself, checked on real ranks;
+# 1. explain how ZeRO-3 gathers each parameter just before its use in forward and in
+#    backward and frees it after, the gathers pipelined with the passes (Sec 7.2.2), and
+#    write the hooks that do it on *units*, with the next unit prefetched, checked on
+#    real ranks;
 # 2. free a gathered tensor so that its memory is really released, and show with the
 #    memory ledger why reassigning `.data` does not do it;
 # 3. read ZeRO-3's sawtooth in a measured memory timeline and bound its peak by the
@@ -30,32 +32,32 @@ from zerolearn.chapters.source import excerpt
 from zerolearn.config import TrainConfig
 from zerolearn.dist import launch
 from zerolearn.engines.zero3 import Zero3Engine
+from zerolearn.exercises.helpers import GPT
 from zerolearn.memory.model import STAGE_NAMES, TABLE1_GB, comm_volume_elements, model_state_bytes
-from zerolearn.models import GPTConfig, build_model
+from zerolearn.models import build_model
 from zerolearn.report import volume_per_step
 from zerolearn.tables import text_table
 
 # %% [markdown]
 # ## 1. Units: what is gathered together
 #
-# ZeRO-3 could gather one parameter at a time, but every collective has a fixed cost,
-# and a model has hundreds of tensors. It could gather the whole model, but then it
-# would hold the whole replica again, if only for a moment. It gathers *units*
-# instead: groups of modules that run together. Our GPT's units are the embedding,
-# each transformer block and the head (`GPT.units()`); the engine lays each unit's
-# parameters into its own flat buffers, so a unit is gathered with one all-gather per
-# buffer.
-#
-# The run below uses a 4-block GPT of width 64 in bf16 (2 bytes per parameter).
+# The paper says that the parameters are all-gathered spread over the forward pass,
+# pipelined with it, and again over backward (Sec 7.2.2); it does not say in what pieces.
+# One parameter at a time would pay a collective's fixed cost for each of hundreds of
+# tensors; the whole model at once would hold the whole replica again, if only for a
+# moment. Implementations (DeepSpeed, PyTorch's FSDP, this package) gather *units*
+# instead: groups of modules that run together. The book's GPT of the exercises
+# (Psi = 42,368) has four: the embedding, each of its two blocks and the head
+# (`GPT.units()`). The engine lays each unit's parameters into its own flat buffers, so
+# a unit is gathered with one all-gather per buffer; in bf16 a parameter takes 2 bytes.
 
 # %%
-GPT_OPTIONS = dict(model="gpt", n_layer=4, d_model=64, n_head=4, seq_len=32, bucket_mb=0.25, prefetch_mb=0)
-model = build_model('gpt', 0, gpt=GPTConfig(seq_len=32, n_layer=4, n_head=4, d_model=64))
+BOOK = dict(model="gpt", n_layer=GPT.n_layer, d_model=GPT.d_model, n_head=GPT.n_head, seq_len=GPT.seq_len)
+model = build_model('gpt', 0, gpt=GPT)
 psi = sum(p.numel() for p in model.parameters())
 units = [(type(u).__name__, sum(p.numel() for p in u.parameters())) for u in model.units()]
 print(text_table(['unit', 'parameters', 'bf16 bytes'], [[n, c, 2 * c] for n, c in units]))
-print(f'Psi = {psi:,} parameters; a block has 12 h^2 + 13 h = {12 * 64**2 + 13 * 64:,} of them (h = 64)')
-
+print(f'Psi = {psi:,} parameters; a block has 12 h^2 + 13 h = {12 * 32**2 + 13 * 32:,} of them (h = 32)')
 # %% [markdown]
 # Between uses, a rank of an Nd-rank job keeps only its 1/Nd shard of every unit. The
 # engine's `_init_bucket` keeps the shard, builds the full buffer once so that each
@@ -105,14 +107,14 @@ from zerolearn.memory.ledger import MemoryLedger, category
 WIDTH = 256
 
 
-def gathered_linear():
-    """A Linear(256, 256) whose weight is a view of a flat buffer, as ZeRO-3 lays out a gathered unit."""
+def gathered_linear(width=WIDTH):
+    """A Linear(width, width) whose weight is a view of a flat buffer, as ZeRO-3 lays out a gathered unit."""
     torch.manual_seed(0)
-    layer = torch.nn.Linear(WIDTH, WIDTH, bias=False)
+    layer = torch.nn.Linear(width, width, bias=False)
     with category("params"):  # the unit's flat buffer, "all-gathered" into here
-        full = torch.zeros(WIDTH * WIDTH)
+        full = torch.zeros(width * width)
     full.copy_(layer.weight.detach().flatten())
-    layer.weight.data = full.view(WIDTH, WIDTH)
+    layer.weight.data = full.view(width, width)
     return layer, full
 
 
@@ -160,6 +162,7 @@ for moment, nbytes in seen.items():
     print(f'{moment:>16}: {nbytes:>9,} bytes of parameters live')
 print(f'{"x_grad_sum":>16}: {x.grad.sum().item():>9.4g}')
 
+
 # %% [markdown]
 # The input was all ones, so the gradient of `y.sum()` with respect to each input
 # element is a column sum of the weight, and `x_grad_sum` (4 rows of those sums) is a
@@ -167,26 +170,27 @@ print(f'{"x_grad_sum":>16}: {x.grad.sum().item():>9.4g}')
 #
 # ## 3. Gather and free around forward and backward, with prefetch
 #
-# First the schedule itself, recorded from a real `Zero3Engine` training a 4-layer MLP
-# (width 8) whose units are its 4 Linear layers, on one rank so that it runs in this
-# process. Each lane is a unit; the marks are the engine's gathers, prefetches, computes
-# and frees in the order they happened, forward then backward (hatched). Below them, the
-# bytes of full parameters alive. Step through it and watch the lower panel: above the
-# shards it never holds more than two gathered units (the one computing and the one
-# prefetched), and nothing at the end of forward and of backward.
+# First the schedule itself, recorded from a real `Zero3Engine` training the book's GPT
+# on one rank, so that it runs in this process. Each lane is a unit; the marks are the
+# engine's gathers, prefetches, computes and frees in the order they happened, forward
+# then backward (hatched). Below them, the bytes of full parameters alive (fp32 here, 4
+# bytes each). Step through it and watch the lower panel: above the shards it never
+# holds more than two gathered units (the one computing and the one prefetched), and
+# nothing at the end of forward and of backward.
 
 # %%
 from IPython.display import HTML
 
 from zerolearn.figures import schematics
 
-schedule = schematics.zero3_schedule()  # one rank: a gather is a copy, the order is the engine's
-units = schematics.zero3_animation(schedule)  # in JupyterLab, units.widget(): play button and slider
-HTML(units.html)
+tokens = torch.randint(0, GPT.vocab_size, (4, GPT.seq_len), generator=torch.Generator().manual_seed(0))
+schedule = schematics.zero3_schedule(build_model('gpt', 0, gpt=GPT), tokens)  # one rank: a gather is a copy
+player = schematics.zero3_animation(schedule)  # in JupyterLab, player.widget(): play button and slider
+HTML(player.html)
 
 # %% [markdown]
-# That is the sawtooth section 5 measures on two ranks of the GPT. The order comes from
-# module hooks (Sec 5.3):
+# That is the sawtooth section 6 measures on two ranks. The order comes from module
+# hooks:
 #
 # * **forward**: a forward *pre*-hook gathers the unit and starts the all-gather of the
 #   next unit (prefetch), so the next unit's data is on its way while this one
@@ -197,7 +201,49 @@ HTML(units.html)
 # * once all of a unit's gradients have arrived in their buckets, the unit is freed.
 #
 # So, between units, a rank holds its shards; during a unit's compute, that unit plus
-# at most one prefetched neighbour: about two gathered units.
+# at most one prefetched neighbour: about two gathered units. Units, hooks and prefetch
+# are not in the paper: they are how this package, like DeepSpeed and FSDP, pipelines
+# the all-gathers with the passes as Sec 7.2.2 asks.
+
+# %% [markdown]
+# ### 3.1 Gather, use, free, on live ranks
+#
+# `%%ranks 2` (from `zerolearn.live`, as in chapter 2) runs a cell on 2 real gloo ranks
+# that keep their variables from one cell to the next; each starts with `rank`,
+# `world_size`, `torch`, `dist` and `comm`. Each rank builds the same one-unit model, a
+# `Linear(4, 3)` whose 12 weights are a view of a flat buffer, keeps its own 6 of them,
+# and frees the buffer:
+
+# %% tags=["live"]
+# %load_ext zerolearn.live
+
+# %% tags=["live"]
+# %%ranks 2
+layer = torch.nn.Linear(4, 3, bias=False)  # the unit: 12 parameters
+full = torch.zeros(12)  # its flat buffer, 2 ranks x 6
+layer.weight.data = full.view(3, 4)  # the weight is a view of the buffer
+shard = torch.arange(6.0) + 6 * rank  # this rank's 6 values: the only copy it keeps
+full.untyped_storage().resize_(0)  # between uses: 0 bytes
+print(f"shard {shard.tolist()}, buffer {full.untyped_storage().nbytes()} bytes")
+
+# %% [markdown]
+# Before the unit's forward, grow the storage back and all-gather the shards into it;
+# after the forward, free it again. With an input of ones, each output is the sum of a
+# row of the gathered weight: 0 + 1 + 2 + 3 = 6, then 22 and 38.
+
+# %% tags=["live"]
+# %%ranks
+full.untyped_storage().resize_(full.numel() * 4)  # gather: 48 bytes again...
+comm.all_gather(full, shard)  # ...filled with both shards, in rank order
+y = layer(torch.ones(1, 4))  # forward: each output sums a row of the weight
+full.untyped_storage().resize_(0)  # free right after use
+print(f"y = {y.tolist()}, buffer {full.untyped_storage().nbytes()} bytes")
+
+# %% tags=["live"]
+# %ranks stop
+
+# %% [markdown]
+# ### 3.2 Your hooks
 #
 # Before reading the engine's hooks, write them. Each exercise below is a function with
 # a stated signature; `exercises.check` runs it on 2 and then 3 real gloo ranks (3 ranks
@@ -221,7 +267,7 @@ from zerolearn import comm, exercises  # noqa: F401
 # storage holds 0 bytes between uses; `shard` (fp32, 1-D) is the rank's slice of it, the
 # only copy of the parameters it keeps. To gather, grow the storage back,
 # `flat.untyped_storage().resize_(flat.numel() * 4)`, and `comm.all_gather(flat, shard)`
-# into it; to free, resize it to 0 bytes, as Section 2 did. Register hooks on the unit
+# into it; to free, resize it to 0 bytes, as Section 3.1 did. Register hooks on the unit
 # so that it is gathered for its forward and again for its backward, and freed after
 # each. The checker cuts the seed MLP (4 Linear layers of width 64) into one unit per
 # layer, trains 3 SGD steps and compares the gradients with one process; it reads the
@@ -281,19 +327,48 @@ excerpt(Zero3Engine, ("def _pre_forward", "def _pre_forward"),
 # that one while all together hold at most `prefetch_mb` (4 MiB) and a bucket, in one
 # all_gather through one fused buffer, `units.FusedGather`, the constant-size buffers of
 # Sec 6.2: on units this small each collective's fixed cost outweighs its bytes. This
-# chapter's runs set `prefetch_mb=0`, one unit at a time as the paper describes, so that
-# every unit's gather shows.)
+# chapter's runs set `prefetch_mb=0`, one unit per all-gather, so that every unit's
+# gather shows.)
 #
-# ## 4. Measured: every stage on two real ranks
+# ## 4. Prefetch, measured
 #
-# `all_stages` trains the same GPT under each stage, one after the other, on two gloo
+# While unit $k$ computes, unit $k+1$'s all-gather is already in flight. The recording
+# (`zerolearn.timeline`, as in chapter 1) ran the package's ZeRO-3 engine on two ranks
+# with prefetch on, and with hooks that gather only their own unit (prefetch off). It
+# used a wider GPT (4 blocks of width 64, Psi = 234,880), so that a block computes long
+# enough to hide part of its neighbour's gather:
+
+# %%
+from zerolearn.chapters import stored
+
+PF = stored("timeline/prefetch.json")
+for run in PF["runs"]:
+    gathers = [i for i in run["intervals"] if i["rank"] == 0 and i["lane"] == "comm" and i["phase"] == "forward"]
+    hooks = {u: sum(i["unit"] == u for i in gathers) for u in dict.fromkeys(i["unit"] for i in gathers)}
+    print(f"prefetch {'on ' if run['prefetch'] else 'off'}: {len(gathers)} all-gathers in forward, "
+          f"issued from the hooks of {hooks}")
+
+# %%
+figures.prefetch_figure(PF)
+
+# %% tags=["nbval-ignore-output"]
+for run in PF["runs"]:
+    print(f"prefetch {'on ' if run['prefetch'] else 'off'}: {run['forward_overlap']:.0%} of the forward "
+          f"all-gathers hidden behind compute, forward blocked {run['forward_wait_s'] * 1e3:.1f} ms, "
+          f"step {run['step_s'] * 1e3:.1f} ms")
+
+# %% [markdown]
+# ## 5. Measured: every stage on two real ranks
+#
+# `all_stages` trains the book's GPT under each stage, one after the other, on two gloo
 # ranks spawned from this notebook (one spawn for all four runs: on every rank it calls
 # `zerolearn.train.train(config.replace(stage=s))` for s = 0 to 3). Each run takes 3
 # steps of a global batch of 8 sequences and writes the report of `zerolearn.train`;
 # `--memory-timeline` keeps the ledger's timeline of the last step.
 
 # %%
-RUN = TrainConfig(**GPT_OPTIONS, global_batch_size=8, steps=3, dtype="bf16", memory_timeline=True)
+RUN = TrainConfig(**BOOK, bucket_mb=0.25, prefetch_mb=0, global_batch_size=8, steps=3, dtype="bf16",
+                  memory_timeline=True)
 reports = launch(ch04.all_stages, 2, RUN)[0]  # rank 0's reports, stages 0-3
 for r in reports:
     losses = ', '.join(f'{v:#.3g}' for v in r['losses'])  # bf16: 3 significant digits
@@ -302,39 +377,37 @@ for r in reports:
 # %% [markdown]
 # The losses agree: ZeRO changes where states live, not the arithmetic. Now the bytes
 # rank 0 holds, measured from its tensors, beside the formula
-# `model_state_bytes(psi, nd, stage, k=12)` (Sec 5, Fig 1), and the elements its
-# collectives moved per step in units of Psi, beside Sec 7's 2 Psi and 3 Psi:
+# `model_state_bytes(psi, nd, stage, k=12)` (Sec 5, Fig 1):
 
 # %%
 rows = []
 for r in reports:
-    stage, entry = r['config']['stage'], r['ranks'][0]
-    held, formula = entry['model_state_bytes'], r['analytic']['model_state_bytes']
-    moved = volume_per_step(entry, len(r['losses'])) / r['num_params']
-    rows.append([f'{stage} {STAGE_NAMES[stage]}', held['params'], formula['params'], held['grads'],
-                 formula['grads'], held['optimizer_states'], formula['optimizer_states'], f'{moved:.3f}',
-                 f'{comm_volume_elements(1, stage):.1f}'])
-print(text_table(['stage', 'params B', 'formula', 'grads B', 'formula', 'optim B', 'formula',
-                 'Psi/step', 'Sec 7'], rows))
+    stage, held, formula = r['config']['stage'], r['ranks'][0]['model_state_bytes'], r['analytic']['model_state_bytes']
+    pairs = [v for key in ('params', 'grads', 'optimizer_states') for v in (held[key], formula[key])]
+    rows.append([f'{stage} {STAGE_NAMES[stage]}', *pairs])
+print(text_table(['stage', 'params B', 'formula', 'grads B', 'formula', 'optim B', 'formula'], rows))
 
 # %% [markdown]
 # Every measured byte count equals the formula: the shards divide evenly here, so
-# there is no padding. The traffic column is the paper's count, 2 x all-reduce +
-# reduce-scatter + all-gather elements (Sec 7.1). Stages 0 to 2 move 2 Psi per step;
-# ZeRO-3 moves 3 Psi: one Psi all-gathered in forward, one again in backward, one
-# reduce-scattered as gradients. Per collective and step:
+# there is no padding. Next, the elements rank 0's collectives moved per step, and
+# their total in units of Psi, the paper's count: 2 x all-reduce + reduce-scatter +
+# all-gather elements (Sec 7.1), beside Sec 7's 2 Psi and 3 Psi:
 
 # %%
 rows = []
 for r in reports:
-    steps, moved = len(r['losses']), r['ranks'][0]['comm']
-    rows.append([f"{r['config']['stage']} {STAGE_NAMES[r['config']['stage']]}",
-                 *(moved[op]['elements'] // steps for op in ('all_reduce', 'reduce_scatter', 'all_gather'))])
-print(text_table(['stage', 'all_reduce', 'reduce_scatter', 'all_gather'], rows))
+    stage, steps, entry = r['config']['stage'], len(r['losses']), r['ranks'][0]
+    per_op = [entry['comm'][op]['elements'] // steps for op in ('all_reduce', 'reduce_scatter', 'all_gather')]
+    moved = volume_per_step(entry, steps) / r['num_params']
+    rows.append([f'{stage} {STAGE_NAMES[stage]}', *per_op, f'{moved:.3f}', f'{comm_volume_elements(1, stage):.1f}'])
+print(text_table(['stage', 'all_reduce', 'reduce_scatter', 'all_gather', 'Psi/step', 'Sec 7'], rows))
 print(f'Psi = {psi:,}')
 
 # %% [markdown]
-# ## 5. The sawtooth
+# Stages 0 to 2 move 2 Psi per step; ZeRO-3 moves 3 Psi: one Psi all-gathered in
+# forward, one again in backward, one reduce-scattered as gradients.
+#
+# ## 6. The sawtooth
 #
 # The ledger recorded every allocation, free and resize of rank 0 during the last step
 # of the ZeRO-3 run. Plotting only the `params` category shows the schedule of
@@ -345,7 +418,7 @@ print(f'Psi = {psi:,}')
 # %%
 z3 = reports[3]
 shards = z3['ranks'][0]['model_state_bytes']['params']
-block = 2 * (12 * 64**2 + 13 * 64)  # bytes of one gathered block in bf16
+block = 2 * (12 * 32**2 + 13 * 32)  # bytes of one gathered block in bf16
 fig = figures.timeline_figure(z3, ('params',), title='ZeRO-3, rank 0 of 2: parameter bytes over one step')
 ax = fig.axes[0]
 last = len(figures.timeline_series(z3)['index']) - 1
@@ -367,8 +440,9 @@ print(f'all-gathers into a buffer   : {sum(1 for a, b in zip(params, params[1:])
 # only the shards remain. Backward gathers each unit again in reverse order. At no
 # moment does a rank hold the whole model: that is Sec 4's observation that not all
 # states are needed at all times, turned into a schedule.
-#
-# ## 6. Table 1's trend at Nd = 8, 64 and 1024
+
+# %% [markdown]
+# ## 7. Table 1's trend at Nd = 8, 64 and 1024
 #
 # Two CPU cores cannot run 1024 ranks. But rank 0's memory does not depend on the
 # other ranks being real: `python -m zerolearn.train --simulate-world-size N` runs
@@ -378,70 +452,31 @@ print(f'all-gathers into a buffer   : {sum(1 for a, b in zip(params, params[1:])
 # that command run in this process,
 # `train_here(config.replace(stage=stage, simulate_world_size=nd))`.
 #
-# We run a 2-block GPT of width 32 (one flat buffer per stage: `--bucket-mb 64`) under
-# each ZeRO stage at Nd = 8, 64 and 1024, one sequence per rank. Table 1 is in GB for
-# models of 7.5B parameters and more; what carries over to any model size is the
-# *ratio* to DP's 16 Psi, e.g. 31.4 / 120 = 0.262 for P_os at Nd = 64. The last column
-# is that ratio from Table 1's printed numbers, where Table 1 has the Nd.
+# We run the book's GPT (one flat buffer per stage: `--bucket-mb 64`) under each ZeRO
+# stage at Nd = 8, 64 and 1024, one sequence per rank, and print the bytes beside the
+# formula, then each stage's *ratio* to DP's 16 Psi. Table 1 is in GB for models of
+# 7.5B parameters and more; the ratio is what carries over to any model size, e.g.
+# 31.4 / 120 = 0.262 for P_os at Nd = 64. Its last column is that ratio from Table 1's
+# printed numbers, where Table 1 has the Nd.
 
 # %%
-SMALL = TrainConfig(d_model=32, n_head=2, seq_len=16, steps=1, dtype="bf16", bucket_mb=64)
-rows = []
-for nd in (8, 64, 1024):
-    for stage in (1, 2, 3):
-        r = ch04.simulate(stage, nd, SMALL.replace(global_batch_size=nd))
-        entry, small_psi = r['ranks'][0], r['num_params']
-        measured, pad = sum(entry['model_state_bytes'].values()), entry['padding_elements']
-        formula = model_state_bytes(small_psi, nd, stage)['total']
-        # Replicated buffers hold all of the padding, shards 1/Nd of it: the formula at Psi + padding.
-        padded = model_state_bytes(small_psi + pad, nd, stage)['total']
-        table1 = TABLE1_GB[7_500_000_000].get(nd)
-        rows.append([nd, f'{stage} {STAGE_NAMES[stage]}', measured, f'{formula:,.0f}', pad, f'{padded:,.0f}',
-                     f'{measured / (16 * small_psi):.4f}', '-' if table1 is None else f'{table1[stage - 1] / 120:.4f}'])
+SMALL = TrainConfig(**BOOK, steps=1, dtype="bf16", bucket_mb=64)
+small_psi, held, ratios = ch04.table1_rows(SMALL, (8, 64, 1024))
 print(f'Psi = {small_psi:,} parameters; DP holds 16 Psi = {16 * small_psi:,} bytes at every Nd')
-print(text_table(['Nd', 'stage', 'measured B', 'formula B', 'padding', 'formula(Psi+pad)', 'measured/DP',
-                 'Table 1/DP'], rows))
+print(text_table(['Nd', 'stage', 'measured B', 'formula B', 'padding', 'formula(Psi+pad)'], held))
+print(text_table(['Nd', 'stage', 'measured/DP', 'Table 1/DP'], ratios))
 
 # %% [markdown]
 # The measured bytes equal the formula until Nd no longer divides the flat buffers.
 # Then each buffer is padded with zeros to a multiple of Nd (the `padding` column, in
 # elements; at stage 3 every unit has buffers of its own, so there is more of it), and
 # the formula applied to Psi plus the padding gives the measured bytes exactly. At
-# Nd = 1024 a rank of this tiny model holds under 1 KB and the padding is a few percent
-# of Psi, which is why the measured ratios drift from Table 1's there; for a model of
-# billions of parameters the same few thousand elements are negligible. Otherwise the
-# ratios follow Table 1 to its printed digits: P_os tends to 4/16 of DP's memory,
-# P_os+g to 2/16, and P_os+g+p keeps falling as 1/Nd, the only stage with no floor.
-# At the paper's scale the same formula gives Table 1's last row: a trillion parameters
-# on 1024 GPUs under P_os+g+p hold 16 x 10^12 / 1024 bytes = 15.625 GB per GPU, printed
-# as 15.6.
-
-# %% [markdown]
-# ## 7. Prefetch, measured (Sec 5.3)
-#
-# While unit $k$ computes, unit $k+1$'s all-gather is already in flight. The recording
-# (`zerolearn.timeline`, as in chapter 1) also ran a ZeRO-3 engine whose hooks gather
-# only their own unit (prefetch off), on this chapter's GPT:
-
-# %%
-from zerolearn import figures
-from zerolearn.chapters import stored
-
-PF = stored("timeline/prefetch.json")
-for run in PF["runs"]:
-    gathers = [i for i in run["intervals"] if i["rank"] == 0 and i["lane"] == "comm" and i["phase"] == "forward"]
-    hooks = {u: sum(i["unit"] == u for i in gathers) for u in dict.fromkeys(i["unit"] for i in gathers)}
-    print(f"prefetch {'on ' if run['prefetch'] else 'off'}: {len(gathers)} all-gathers in forward, "
-          f"issued from the hooks of {hooks}")
-
-# %%
-figures.prefetch_figure(PF)
-
-# %% tags=["nbval-ignore-output"]
-for run in PF["runs"]:
-    print(f"prefetch {'on ' if run['prefetch'] else 'off'}: {run['forward_overlap']:.0%} of the forward "
-          f"all-gathers hidden behind compute, forward blocked {run['forward_wait_s'] * 1e3:.1f} ms, "
-          f"step {run['step_s'] * 1e3:.1f} ms")
+# Nd = 1024 a rank of this tiny model holds a few hundred bytes and the padding is a
+# few percent of Psi, which is why the measured ratios drift from Table 1's there; for
+# a model of billions of parameters the same few thousand elements are negligible.
+# Otherwise the ratios follow Table 1 up to the rounding of its GB figures (16.6 GB for
+# 16.64): P_os tends to 4/16 of DP's memory, P_os+g to 2/16, and P_os+g+p keeps falling
+# as 1/Nd, the only stage with no floor.
 
 # %% [markdown]
 # ## 8. Your engine trains
@@ -462,10 +497,10 @@ excerpt(NanoZero._build_units, ("for unit in units:", "flat = Flat("), ("self.sh
         ("if self.prefetch:", 'self.fn["gather_hooks"]'))
 
 # %% [markdown]
-# The cell below trains the exercises' GPT (Psi = 42,368) with it for 4 Adam steps on 2
-# ranks, beside one process and the package's `Zero3Engine`. Look for the losses of one
-# process, the bytes per rank equal to Fig 1's formula with every state divided by Nd, and
-# 3 Psi moved per step.
+# The cell below trains the book's GPT with it for 4 Adam steps on 2 ranks, beside one
+# process and the package's `Zero3Engine`. Look for the losses of one process, the bytes
+# per rank equal to Fig 1's formula with every state divided by Nd, and 3 Psi moved per
+# step.
 
 # %%
 your_engine(3, {"gather_hooks": gather_hooks})
@@ -485,7 +520,8 @@ your_engine(3, {"gather_hooks": gather_hooks})
 # | units kept gathered for checkpointing's recompute | backward needs those parameters again at once | ch. 5 §2 |
 # | bf16 or fp16 parameters, fp32 master, loss scale | 2-byte forward and backward (Sec 3.1) | ch. 0 |
 # | shards on the host or on disk; quantized gathers | fewer GPUs; less traffic between nodes | ch. 8 |
-#
+
+# %% [markdown]
 # ### Exercise 3 · your whole engine
 #
 # Write `nano_engine(model, stage, lr)` that returns `NanoZero(model, stage, lr,
@@ -504,14 +540,58 @@ your_engine(3, {"gather_hooks": gather_hooks})
 exercises.check("04.nano_engine", nano_engine)
 
 # %% [markdown]
+# ## Questions
+#
+# Write down a number for each question, then run the cell under it.
+#
+# **1.** Repeat Section 2's common way of freeing with a `Linear(128, 128)`: how many
+# bytes of parameters are still live after the "free", while the graph of a forward
+# exists?
+
+# %%
+with MemoryLedger() as ledger:
+    layer, full = gathered_linear(128)
+    y = layer(torch.randn(4, 128, requires_grad=True))
+    layer.weight.data, full = torch.empty(0), None  # the common way: empty the parameter, drop the buffer
+    print(f"{ledger.live['params']:,} bytes of parameters live after the 'free'")
+
+# %% [markdown]
+# **2.** In Section 3's schedule of the book's GPT (fp32, one rank), what is the most
+# bytes of gathered parameters alive at once with prefetch, and without it?
+
+# %%
+for on in (True, False):
+    sched = schematics.zero3_schedule(build_model('gpt', 0, gpt=GPT), tokens, prefetch=on)
+    print(f"prefetch {'on ' if on else 'off'}: at most {max(e.alive_bytes for e in sched.events):,} bytes gathered")
+
+# %% [markdown]
+# **3.** How many bytes of bf16 parameters does rank 0 keep under ZeRO-3 at Nd = 16,
+# for the book's GPT?
+
+# %%
+r = ch04.simulate(3, 16, SMALL.replace(global_batch_size=16))
+print(f"rank 0 of 16 keeps {r['ranks'][0]['model_state_bytes']['params']:,} bytes of parameters")
+
+# %% [markdown]
+# **4.** Table 1's last row: how many GB per GPU do $P_{os}$, $P_{os+g}$ and
+# $P_{os+g+p}$ need for a trillion parameters on 1024 GPUs (K = 12)? Compute them with
+# the formula your measurements matched.
+
+# %%
+for stage in (1, 2, 3):
+    gb = model_state_bytes(1e12, 1024, stage)['total'] / 1e9
+    print(f"{STAGE_NAMES[stage]:<9} {gb:,.2f} GB per GPU; Table 1 prints {TABLE1_GB[10**12][1024][stage - 1]}")
+
+# %% [markdown]
 # ## Summary
 #
 # * ZeRO-3 partitions the last replicated model state, the parameters: every rank
 #   holds (2 + 2 + K) Psi / Nd bytes of model states, the Nd-fold cut of Fig 1 and
 #   Sec 5.3.
-# * Parameters are gathered per unit just before its forward and again before its
-#   backward, freed right after, with the neighbour's gather prefetched: live
-#   parameters are the shards plus about two units (measured: exactly two blocks).
+# * Parameters are gathered just before their forward and again before their backward,
+#   freed right after, the gathers pipelined with the passes (Sec 7.2.2). The package
+#   does it per unit, with the neighbour's gather prefetched: live parameters are the
+#   shards plus about two units (measured: exactly two blocks).
 # * Freeing must release the storage: reassigning `.data` leaves the bytes alive in
 #   autograd's saved views until the graph dies; resizing the storage to 0 bytes
 #   releases them at once and lets the same views be re-filled before backward.
