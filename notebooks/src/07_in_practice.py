@@ -16,22 +16,26 @@
 # 4. recognise three pitfalls: memory above the model-state estimate, stage 3 being slow
 #    on small models, and hangs from ranks that take different code paths.
 
-# %%
-import importlib.util
+# %% [markdown]
+# ## The same job, eight ways
+#
+# Each implementation below trains the same GPT for 4 Adam steps on the same global
+# batches of 8 sequences, on 2 gloo ranks: our stages 0-3, torch DDP,
+# `ZeroRedundancyOptimizer`, and FSDP2 with and without resharding after forward. The
+# GPT has 2 blocks of width 64 (4 heads, sequences of 32 tokens, Psi = 134,912), twice
+# the book's width: it is the model of the DeepSpeed runs stored with the book, which
+# this chapter compares with ours below.
 
-import matplotlib.pyplot as plt
+# %%
+# %matplotlib inline
+import importlib.util
 
 from zerolearn import chapters, memory
 from zerolearn.chapters.ch07 import lesson as ch07
 from zerolearn.dist import launch
 
 results = launch(ch07.side_by_side, 2)[0]
-print(f"{'implementation':<32} {'loss@0':>8} {'loss@3':>8} {'params KiB':>10} {'grads KiB':>10} "
-      f"{'optim KiB':>10}")
-for name, r in results.items():
-    b = r["bytes"]
-    print(f"{name:<32} {r['losses'][0]:>8.4f} {r['losses'][-1]:>8.4f} {b['params'] / 1024:>10.1f} "
-          f"{b['grads'] / 1024:>10.1f} {b['optimizer_states'] / 1024:>10.1f}")
+print(ch07.side_by_side_table(results))
 
 # %% [markdown]
 # ## Exercise 1 · which stage does it run?
@@ -73,23 +77,14 @@ exercises.check("07.stage_from_bytes", stage_from_bytes)
 # exact counterpart in PyTorch.
 
 # %%
-names = list(results)
-fig, ax = plt.subplots(figsize=(8, 3.6))
-bottom = [0.0] * len(names)
-for category in ("params", "grads", "optimizer_states"):
-    values = [results[n]["bytes"][category] / 1024 for n in names]
-    ax.bar(range(len(names)), values, bottom=bottom, label=category)
-    bottom = [b + v for b, v in zip(bottom, values)]
-ax.set_xticks(range(len(names)), names, rotation=30, ha="right")
-ax.set_ylabel("model states per rank (KiB)")
-ax.set_title("The same job, 2 ranks: what each implementation keeps")
-ax.legend()
-plt.tight_layout()
-plt.show()
+ch07.states_figure(results)
+
+# %% [markdown]
+# The median step times of the same run (they change with the machine, and from run to
+# run on a machine shared with other work):
 
 # %% tags=["nbval-ignore-output"]
-for name, r in results.items():
-    print(f"{name:<32} median step {r['step_s'] * 1e3:7.1f} ms")
+print(ch07.step_times_table(results))
 
 # %% [markdown]
 # ## Our stages in DeepSpeed and PyTorch
@@ -123,16 +118,9 @@ print("DeepSpeed installed here:", importlib.util.find_spec("deepspeed") is not 
 
 # %%
 stored = chapters.stored("deepspeed_cpu.json")
-print(f"DeepSpeed {stored['deepspeed, stage 0']['deepspeed']}, {stored['deepspeed, stage 0']['world_size']} ranks; "
-      "KiB per rank")
-print(f"{'':20} {'loss@3':>9} {'max |ours - DS|':>16} {'params':>8} {'fp32 copy':>10} {'optim':>8}")
-for stage in range(4):
-    ours, ds = results[f"ours, stage {stage}"], stored[f"deepspeed, stage {stage}"]
-    gap = max(abs(a - b) for a, b in zip(ours["losses"], ds["losses"]))
-    for name, r, copy in ((f"ours, stage {stage}", ours, 0), (f"DeepSpeed, stage {stage}", ds, ds["bytes"]["master"])):
-        shown = "" if r is ours else ("< 1e-6" if gap < 1e-6 else f"{gap:.1e}")
-        print(f"{name:20} {r['losses'][-1]:9.4f} {shown:>16} {r['bytes']['params'] / 1024:8.1f} "
-              f"{copy / 1024:10.1f} {r['bytes']['optimizer_states'] / 1024:8.1f}")
+first = stored["deepspeed, stage 0"]
+print(f"DeepSpeed {first['deepspeed']}, {first['world_size']} ranks\n")
+print(ch07.deepspeed_table(results, stored))
 
 # %% [markdown]
 # The losses agree within $10^{-6}$ over all four steps at every stage. The bytes differ in one place:
@@ -171,7 +159,8 @@ for step, (a, b) in enumerate(zip(hf["losses"], hf["reference_losses"])):
 # ## Time and bytes beside the systems you would use
 #
 # `make bench` trains one GPT ($\Psi$ = 867,072, fp32 Adam, global batch 16 sequences of
-# 64 bytes) on 4 gloo ranks under our four stages, torch DDP, DDP with
+# 64 bytes; larger than the book's so that a step lasts tens of milliseconds, long enough
+# to time) on 4 gloo ranks under our four stages, torch DDP, DDP with
 # `ZeroRedundancyOptimizer`, FSDP2 (`fully_shard` per block, with and without resharding
 # after forward) and DeepSpeed's stages 0-3, and interleaves the systems in rounds so that
 # the machine's drift hits all of them alike. For each system it reports the median and
@@ -179,45 +168,58 @@ for step, (a, b) in enumerate(zip(hf["losses"], hf["reference_losses"])):
 # the bytes of parameters, gradients and optimizer states the busiest rank holds, measured
 # from its tensors (FSDP2's DTensor shards, DeepSpeed's partitions). The run stored here
 # comes from a machine of 2 CPU cores shared with other work; the spreads show how noisy
-# its times are (`make bench QUICK=1` runs a smaller version in about 2 minutes):
+# its times are (`make bench QUICK=1` runs a smaller version in about 2 minutes). First
+# the times, then the bytes the busiest rank holds:
 
 # %%
 from zerolearn import figures
-from zerolearn.bench import results, scaling
+from zerolearn.bench import results as bench_results
 
 BENCH = chapters.stored("bench/bench.json")
-print(results.format_table(BENCH))
+print(ch07.bench_table(BENCH, "time"))
+
+# %%
+print(ch07.bench_table(BENCH, "bytes"))
 
 # %% [markdown]
-# The same run, on a GPT 3x wider ($d_{model}$ 384, $\Psi$ = 7.3 million), and each of our
-# stages against DDP on a single rank, where no communication hides the engine's own cost:
+# The same run on a GPT 3x wider ($d_{model}$ 384, $\Psi$ = 7.3 million; its bytes are in
+# the folded cell after it), and each of our stages against DDP on a single rank, where
+# no communication hides the engine's own cost:
 
 # %%
 for wider in BENCH["more_widths"]:
-    print(results.format_table(wider))
-print(results.format_overhead(BENCH["overhead_ws1"]))
+    print(ch07.bench_table(wider, "time"))
+print(bench_results.format_overhead(BENCH["overhead_ws1"]))
+
+# %% tags=["hide-output"]
+for wider in BENCH["more_widths"]:
+    print(ch07.bench_table(wider, "bytes"))
 
 # %% [markdown]
 # **Bytes.** Every one of our stages holds exactly the paper's bytes (Sec 5; fp32 Adam:
 # 4 + 4 + 8 bytes per parameter). DeepSpeed's stages 1 and 2 keep a separate fp32 copy of
 # their partition (12 $\Psi/N_d$ of optimizer state, where ours keeps 8) and extra
 # gradient buffers; `ZeroRedundancyOptimizer` shards whole tensors, so its busiest rank
-# holds more than an even shard. **Time**, at every system's default settings (ours: 25
-# MiB buckets on the CPU; ZeRO-3 prefetches small units up to 4 MiB at a time). Our
-# stages 1 and 2 are the fastest of their kind here at both widths. Stage 3 is ahead of
-# DeepSpeed's and FSDP2's at both: at $d_{model}$ 128 its units are small, and one
-# prefetch brings all the units after the embedding in one fused all_gather, where the
-# paper's schedule (chapter 4, `prefetch_mb=0`) pays a collective per unit. Our stage 0
-# makes the same few all-reduces of the same buckets as DDP and DeepSpeed's stage 0 and
-# lands level with them, within the spread. It leaves out no check to get there: a
-# parameter no rank used must not be moved by momentum, and the reduced gradient, the
-# same on every rank, already says which parameters some rank used, so the ranks
-# exchange flags only in a step where some parameter's reduced gradient is all zeros. On
-# gloo every collective pays a fixed start-up (the same start-up is why ZeRO-3's ranks
-# agree on each unit in the first forward only, then on one number per forward: chapter
-# 4). The spreads beside the medians show how far one machine's drift moves them.
-# Chapter 3's bucket sweep shows the trade behind the bucket size: many small buckets pay
-# the start-up many times, one large bucket cannot start before backward ends.
+# holds more than an even shard.
+#
+# **Time**, at every system's default settings (ours: 25 MiB buckets on the CPU; ZeRO-3
+# prefetches small units up to 4 MiB at a time). Our stages 1 and 2 are the fastest of
+# their kind here at both widths. Stage 3 is ahead of DeepSpeed's and FSDP2's at both: at
+# $d_{model}$ 128 its units are small, and one prefetch brings all the units after the
+# embedding in one fused all_gather, where the paper's schedule (chapter 4,
+# `prefetch_mb=0`) pays a collective per unit. Our stage 0 makes the same few all-reduces
+# of the same buckets as DDP and DeepSpeed's stage 0 and lands level with them, within
+# the spread.
+
+# %% [markdown]
+# Stage 0 leaves out no check to get there: a parameter no rank used must not be moved by
+# momentum, and the reduced gradient, the same on every rank, already says which
+# parameters some rank used, so the ranks exchange flags only in a step where some
+# parameter's reduced gradient is all zeros. On gloo every collective pays a fixed
+# start-up (the same start-up is why ZeRO-3's ranks agree on each unit in the first
+# forward only, then on one number per forward: chapter 4). Chapter 3's bucket sweep
+# shows the trade behind the bucket size: many small buckets pay the start-up many
+# times, one large bucket cannot start before backward ends.
 #
 # The same harness sweeps the world size (1, 2, 4 ranks) and the model's width
 # ($\Psi$ from 137 thousand to 1.7 million, 12.6x) for each stage; the measured bytes and
@@ -225,7 +227,7 @@ print(results.format_overhead(BENCH["overhead_ws1"]))
 
 # %%
 SCALING = chapters.stored("bench/scaling.json")
-print(scaling.format_table(SCALING))
+print(ch07.scaling_table(SCALING))
 
 # %%
 figures.scaling_figure(SCALING)
@@ -276,19 +278,55 @@ print(f"GPT-2 1.5B, batch 32, with residual states on 32 GB GPUs: stage {fit.sta
 # buffers of backward and the allocator's fragmentation (chapter 0 and 5):
 # `peak_bytes` in a training report is always above `model_state_bytes`. Budget for
 # residual states before picking a stage.
-#
-# **Stage 3 slow on small models.** Stage 3 gathers every unit twice per step. When a unit
-# is small, each gather is a latency-bound collective, and the third Psi of traffic is not
-# hidden behind compute. On these CPU ranks compute is slow enough to hide it (the step
-# times above vary from run to run); on GPUs, where compute is fast, it shows. Stage 3
-# pays off when memory, not time, is the constraint.
-#
+
+# %% [markdown]
+# **Stage 3 slow on small models.** Stage 3 gathers every unit twice per step, the third
+# Psi of traffic (Sec 7.2.2), and here it is not hidden: in the benchmark, stage 3's
+# median step is 114 ms against stage 2's 66 ms at $d_{model}$ 128, and 450 against
+# 340 ms at 384. Our engine prefetches: it starts the next units' all_gather
+# asynchronously before the current unit computes. On a GPU, NCCL runs that gather on
+# its own CUDA stream beside the compute kernels, so it can hide behind a unit's compute
+# when the compute takes longer. gloo on a CPU runs it on threads that share the cores
+# the compute needs, so the two take turns and starting early saves little. On a GPU,
+# small units still show: their compute is too short to cover a latency-bound gather.
+# Stage 3 pays off when memory, not time, is the constraint.
+
+# %% [markdown]
 # **Hangs from ranks taking different code paths.** Collectives pair up by order. If one
 # rank skips a unit's forward (a data-dependent branch, an early `return` on one rank), it
 # issues one all-gather fewer, and the others wait forever, or, with a timeout, fail after
 # it. Every process group here has a timeout, and a debug mode
 # (`ZEROLEARN_DEBUG_COLLECTIVES=1`) compares what each rank is about to do before every
 # collective and names the ranks that disagree.
+
+# %% [markdown]
+# ## Questions
+#
+# Write down a number for each question before you run the cell under it.
+#
+# **1.** How many Psi of traffic did each of our stages move per step in the first run
+# of this chapter, by the ledger (Sec 7.2)?
+
+# %%
+for stage in range(4):
+    print(f"stage {stage}: {results[f'ours, stage {stage}']['psi_per_step']:.3f} Psi per step")
+
+# %% [markdown]
+# **2.** DeepSpeed's stage 2 in the benchmark ($\Psi$ = 867,072, 4 ranks, fp32 Adam): how
+# many bytes of optimizer state does a rank hold, its fp32 copy of the partition
+# included?
+
+# %%
+held = max(r["bytes"]["optimizer_states"] for r in BENCH["systems"]["deepspeed-2"]["ranks"])
+print(f"deepspeed-2: {held:,} bytes of optimizer state per rank = {held / BENCH['psi']:.1f} Psi")
+
+# %% [markdown]
+# **3.** A 13B model on 40 GB GPUs, model states only: which stage, on how many GPUs, by
+# the fit solver's rule (the fewest GPUs, then the lowest stage)?
+
+# %%
+fit = memory.smallest_fit(13e9, 40e9)
+print(f"13B on 40 GB: stage {fit.stage} on {fit.nd} GPUs, {fit.bytes_per_device / 1e9:.1f} GB of model states each")
 
 # %% [markdown]
 # ## Summary

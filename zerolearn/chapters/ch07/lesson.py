@@ -6,6 +6,11 @@ losses, the model-state bytes this rank holds (counted from its tensors: local s
 of DTensors, the optimizer's local state) and the median step time. The DeepSpeed
 config keys that correspond to our stages are in ``DEEPSPEED_CONFIG``.
 
+The tables and the figure the chapter prints are laid out here (``*_table``,
+:func:`states_figure`), every table through :func:`zerolearn.tables.text_table` and at
+most 7 columns wide: the benchmark's table of 12 columns is shown as two, its times and
+its bytes (:func:`bench_table`).
+
 The chapter's exercises (``07.stage_from_bytes``, ``07.choose_stage``) are beside this
 module, in :mod:`zerolearn.chapters.ch07`.
 """
@@ -17,11 +22,13 @@ import time
 
 import torch
 import torch.nn.functional as F
+from matplotlib.figure import Figure
 
 from zerolearn import comm, compat, data
 from zerolearn import dist as zdist
 from zerolearn.engines import make_engine
 from zerolearn.models import GPTConfig, build_model
+from zerolearn.tables import kib, text_table
 from zerolearn.train import step_engine
 
 GPT = GPTConfig(seq_len=32, n_layer=2, n_head=4, d_model=64)
@@ -170,3 +177,99 @@ def side_by_side(steps: int = 4) -> dict[str, dict]:
                        ("fsdp2_grad_op", "torch FSDP2, no reshard"), ("fsdp2", "torch FSDP2")):
         out[name] = _run_torch(kind, steps)
     return out
+
+
+# ----- what the chapter prints ---------------------------------------------------------
+CATEGORIES = ("params", "grads", "optimizer_states")
+
+
+def side_by_side_table(results: dict[str, dict]) -> str:
+    """:func:`side_by_side`'s result: per implementation the loss at the first and last
+    step and the KiB of each model state one rank holds."""
+    rows = [[name, f"{r['losses'][0]:.4f}", f"{r['losses'][-1]:.4f}", *(kib(r["bytes"][c]) for c in CATEGORIES)]
+            for name, r in results.items()]
+    last = len(next(iter(results.values()))["losses"]) - 1
+    return text_table(["implementation", "loss@0", f"loss@{last}", "params KiB", "grads KiB", "optim KiB"], rows,
+                      align=["left"] + ["right"] * 5)
+
+
+def step_times_table(results: dict[str, dict]) -> str:
+    """The median step time of each implementation in :func:`side_by_side`'s result, in ms."""
+    return text_table(["implementation", "median step ms"],
+                      [[name, f"{r['step_s'] * 1e3:.1f}"] for name, r in results.items()], align=["left", "right"])
+
+
+def states_figure(results: dict[str, dict], ranks: int = 2) -> Figure:
+    """Stacked bars: the KiB of parameters, gradients and optimizer states one rank holds,
+    per implementation of :func:`side_by_side`'s result on ``ranks`` ranks."""
+    names = list(results)
+    fig = Figure(figsize=(8, 3.6), layout="constrained")
+    ax = fig.add_subplot()
+    bottom = [0.0] * len(names)
+    for category in CATEGORIES:
+        values = [results[n]["bytes"][category] / 1024 for n in names]
+        ax.bar(range(len(names)), values, bottom=bottom, label=category)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    ax.set_xticks(range(len(names)), names, rotation=30, ha="right")
+    ax.set_ylabel("model states per rank (KiB)")
+    ax.set_title(f"The same job, {ranks} ranks: what each implementation keeps")
+    ax.legend()
+    return fig
+
+
+def deepspeed_table(results: dict[str, dict], stored: dict[str, dict]) -> str:
+    """Our stages (:func:`side_by_side`) beside DeepSpeed's (``stored``, the result of
+    ``zerolearn.experiments.deepspeed_cpu``): last loss, the largest gap between the two
+    loss curves, and the KiB of parameters, DeepSpeed's fp32 copy of its partition, and
+    optimizer states one rank holds."""
+    rows = []
+    for stage in range(4):
+        ours, ds = results[f"ours, stage {stage}"], stored[f"deepspeed, stage {stage}"]
+        gap = max(abs(a - b) for a, b in zip(ours["losses"], ds["losses"]))
+        for name, r, copy, shown in ((f"ours, stage {stage}", ours, 0, ""),
+                                     (f"DeepSpeed, stage {stage}", ds, ds["bytes"]["master"],
+                                      "< 1e-6" if gap < 1e-6 else f"{gap:.1e}")):
+            rows.append([name, f"{r['losses'][-1]:.4f}", shown, kib(r["bytes"]["params"]), kib(copy),
+                         kib(r["bytes"]["optimizer_states"])])
+    return text_table(["KiB per rank", "last loss", "max |ours - DS|", "params", "fp32 copy", "optim"], rows,
+                      align=["left"] + ["right"] * 5)
+
+
+def bench_table(result: dict, part: str) -> str:
+    """The benchmark's table (``zerolearn.bench.results``) in two parts of at most 7 columns:
+    ``part="time"``: the job, then per system its stage, step-time median, spread and
+    ratio to the best peer, and whether its losses equal ours; ``part="bytes"``: per system
+    the bytes of each model state and the RSS of its busiest rank, then the notes (the
+    paper's bytes, Sec 5). Raises ValueError for another ``part``."""
+    from zerolearn.bench import results as bench
+
+    head, _, foot = bench.format_table(result).split("\n\n", 2)
+    cols, rows = bench.header(result), bench.table_rows(result)
+    if part == "time":
+        keep, text = list(range(7)), [head]
+    elif part == "bytes":
+        keep, text = [0, *range(7, len(cols))], []
+    else:
+        raise ValueError(f"part is 'time' or 'bytes', not {part!r}")
+    table = text_table([cols[i] for i in keep], [[row[i] for i in keep if i < len(row)] for row in rows],
+                       align=["left"] + ["right"] * (len(keep) - 1))
+    return "\n\n".join([*text, table] + ([foot] if part == "bytes" else []))
+
+
+def scaling_table(result: dict) -> str:
+    """The scaling sweep (``zerolearn.bench.scaling``) per point and stage: rank 0's
+    model-state bytes, measured and by Sec 5, and the traffic per step in Psi, measured by
+    the ledger and by Sec 7. (The step times are in the sweep's figure.)"""
+    rows = []
+    for p in result["points"]:
+        for name, s in p["systems"].items():
+            if "error" in s:
+                rows.append([p["world_size"], p["psi"], name, f"failed: {s['error']}"[:40]])
+                continue
+            comm_elements = s["comm_elements_per_step"]
+            rows.append([p["world_size"], p["psi"], name, sum(s["bytes"][0].values()),
+                         f"{sum(s['expected_bytes'].values()):,.0f}",
+                         "-" if comm_elements is None else f"{comm_elements / p['psi']:.3f}",
+                         f"{s['expected_comm_elements_per_step'] / p['psi']:g}"])
+    return text_table(["Nd", "Psi", "system", "rank 0 bytes\nmeasured", "bytes\nSec 5", "traffic Psi\nmeasured",
+                       "traffic Psi\nSec 7"], rows, align=["right"] * 2 + ["left"] + ["right"] * 4)
