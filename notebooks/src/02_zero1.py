@@ -35,10 +35,15 @@
 # $8\Psi + 8\Psi/N_d$. The formulas live in `zerolearn.memory.model`; every number
 # below is compared with them.
 
+# %% [markdown]
+# The runs of this chapter use a wider version of the book's GPT: $d_{model} = 128$
+# instead of 32, so $\Psi = 464{,}384$. Its tensors range from 128 to 65,536 elements,
+# which makes the imbalance of whole-tensor splits visible, and 0.25 MiB buckets cut it
+# into 12 groups. The exercises and section 6 keep the book's GPT ($\Psi = 42{,}368$).
+
 # %%
 import time
 
-import matplotlib.pyplot as plt
 import torch
 import torch.distributed as dist
 
@@ -50,8 +55,9 @@ from zerolearn.dist import launch
 from zerolearn.engines import zero1
 from zerolearn.memory import model as analytic
 from zerolearn.models import GPTConfig, build_model
+from zerolearn.tables import kib, text_table
 
-# The chapter's model: the package's byte-level GPT, small enough for 4 ranks on 2 cores.
+# %%
 D_MODEL, SEQ_LEN, N_LAYER = 128, 16, 2
 GPT = TrainConfig(model="gpt", d_model=D_MODEL, seq_len=SEQ_LEN, n_layer=N_LAYER,
                   global_batch_size=12, steps=3, bucket_mb=0.25)  # 12 sequences: divisible by Nd = 2, 3, 4
@@ -83,11 +89,14 @@ formulas.stage_figure(stage=1)  # the default view, drawn for the book
 # ## 2. The version many write: each rank owns whole tensors
 #
 # The most direct reading of "each rank updates $1/N_d$ of the parameters" is to hand
-# out *tensors*: rank 0 takes the first few, rank 1 the next few, and so on. The blog
-# reproduction this book starts from does exactly that, splitting the list of tensors
-# into equal *counts*. Each rank builds Adam over its own tensors only, so Adam keeps
-# state only for them. A smarter whole-tensor split deals the largest tensor first to
-# the emptiest rank. Each returns the owning rank of every tensor:
+# out *tensors*: rank 0 takes the first few, rank 1 the next few, and so on. The
+# reproduction this book starts from does exactly that: "Understanding ZeRO:
+# Memory-Efficient Training from Theory to Practice" by Dipankar Baisya (December 2025),
+# which rebuilt ZeRO-1, 2 and 3 in PyTorch on 2 GPUs with a 6-layer MLP of width 10,000.
+# We call it *the blog* (see the glossary). It splits the list of tensors into equal
+# *counts*. Each rank builds Adam over its own tensors only, so Adam keeps state only for
+# them. A smarter whole-tensor split deals the largest tensor first to the emptiest rank.
+# Each returns the owning rank of every tensor:
 
 # %%
 def owners_by_count(n_tensors, world_size):  # the blog's split: equal numbers of tensors, in order
@@ -141,11 +150,12 @@ def owned_elements(sizes, owners, world_size):  # elements each rank keeps Adam 
         per_rank[r] += size
     return per_rank
 
+rows = []
 for nd in (3, 4):
     for policy in ("count", "size"):
         owned = owned_elements(sizes, OWNERS[policy](sizes, nd), nd)
-        cells = "  ".join(f"{n:>8,}" for n in owned)
-        print(f"Nd = {nd}, split by {policy:<5}: {cells}   largest / (Psi/Nd) = {max(owned) / (psi / nd):.3f}")
+        rows.append([nd, policy, *owned, *[""] * (4 - nd), f"{max(owned) / (psi / nd):.3f}"])
+print(text_table(["Nd", "split by", "rank 0", "rank 1", "rank 2", "rank 3", "largest / (Psi/Nd)"], rows))
 
 # %% [markdown]
 # Every rank has to be provisioned for the largest shard, so the imbalance is memory
@@ -249,54 +259,6 @@ HTML(step.html)
 # A ring all-reduce *is* a reduce-scatter followed by an all-gather (Sec 7.1), so ZeRO-1
 # moves the $2\Psi$ that DP moves, and simply does the update in between.
 #
-# ### Exercise 2 · one ZeRO-1 step
-#
-# Write `zero1_step(flat_params, flat_grad, state, world_size, rank, lr)`, the three moves
-# on one flat buffer of `n` elements (a multiple of `world_size`), after backward, in mixed
-# precision as Sec 3.1 describes it:
-#
-# - `flat_params` holds the working parameters, fp32 or bf16, end to end, then zeros; the
-#   model's parameters are views into it, so it must hold the updated parameters, in its
-#   own dtype, on return;
-# - `flat_grad` is this rank's gradient laid out the same way, in the same dtype;
-# - `state` is a dict kept from step to step (empty at the first step): keep in it an
-#   **fp32** master copy of this rank's shard and a `torch.optim.Adam(..., lr=lr)` over
-#   that master alone. Adam steps the master, never the bf16 parameters: an update smaller
-#   than a bf16 parameter's last bit would be lost.
-#
-# Reduce-scatter `flat_grad` into this rank's shard and average it in fp32, step Adam on
-# the master, cast the master to the working dtype and all-gather it into `flat_params`,
-# and return the fp32 averaged gradient shard you stepped with. Use
-# `comm.reduce_scatter(output, input)` and `comm.all_gather(output, input)`. Two keywords,
-# `reduced` and `gather`, let chapters 3 and 4 call the same step on a gradient already
-# reduced and on a parameter shard alone; the stub's docstring says what they do.
-#
-# The checker trains the chapter's kind of GPT (here Ψ = 42,368, so 3 ranks need one
-# padding element) on 2 and then 3 ranks: three fp32 steps against single-process Adam on
-# the whole batch (the gradient shard you return and every parameter), one step each as
-# chapters 3 and 4 call it, then three bf16 steps, where your fp32 master must equal fp32
-# Adam stepped with your gradient. It also reads the ledger (ZeRO-1 moves 2 Ψ per step)
-# and the tensors you keep in `state`: at most $K\Psi/N_d$ bytes, $K = 12$, a 4-byte
-# master and Adam's two 4-byte moments per shard element, in fp32 as in bf16.
-
-# %% tags=["exercise"]
-# exercise: 02.zero1_step
-
-# %%
-exercises.check("02.zero1_step", zero1_step)
-
-# %% [markdown]
-# The package's engine does the same for each flat group (a bucket). It is short because the
-# shared base class (`engines/base.py`) launches a bucket's reduction from autograd hooks as
-# soon as its gradients are complete; the stage says only what it keeps, how it reduces and
-# how it publishes. Its two collectives are your exercise's: a reduce-scatter into a shard
-# during backward, and after the step an all-gather that runs in place, every rank's slice
-# landing around this rank's updated one:
-
-# %%
-excerpt(zero1.Zero1Engine, ("def _reduce", "return comm.reduce_scatter"), ("def _publish", "self._publishing"))
-
-# %% [markdown]
 # ### 4.1 The three moves, one cell at a time, on live ranks
 #
 # `%%ranks 3` (from `zerolearn.live`) runs a cell on 3 real gloo ranks that keep their
@@ -340,6 +302,56 @@ print(full[:psi].tolist())
 # %ranks stop
 
 # %% [markdown]
+# ### Exercise 2 · one ZeRO-1 step
+#
+# Now the same three moves on a real model, with Adam instead of "subtract 0.5". Write
+# `zero1_step(flat_params, flat_grad, state, world_size, rank, lr)`, the step on one flat
+# buffer of `n` elements (a multiple of `world_size`), after backward, in mixed precision
+# as Sec 3.1 describes it:
+#
+# - `flat_params` holds the working parameters, fp32 or bf16, end to end, then zeros; the
+#   model's parameters are views into it, so it must hold the updated parameters, in its
+#   own dtype, on return;
+# - `flat_grad` is this rank's gradient laid out the same way, in the same dtype;
+# - `state` is a dict kept from step to step (empty at the first step): keep in it an
+#   **fp32** master copy of this rank's shard and a `torch.optim.Adam(..., lr=lr)` over
+#   that master alone. Adam steps the master, never the bf16 parameters: an update smaller
+#   than a bf16 parameter's last bit would be lost.
+
+# %% [markdown]
+# Reduce-scatter `flat_grad` into this rank's shard and average it in fp32, step Adam on
+# the master, cast the master to the working dtype and all-gather it into `flat_params`,
+# and return the fp32 averaged gradient shard you stepped with. Use
+# `comm.reduce_scatter(output, input)` and `comm.all_gather(output, input)`. Two keywords,
+# `reduced` and `gather`, let chapters 3 and 4 call the same step on a gradient already
+# reduced and on a parameter shard alone; the stub's docstring says what they do.
+#
+# The checker trains the book's GPT (Ψ = 42,368, so 3 ranks need one padding element) on
+# 2 and then 3 ranks: three fp32 steps against single-process Adam on the whole batch
+# (the gradient shard you return and every parameter), one step each as chapters 3 and 4
+# call it, then three bf16 steps, where your fp32 master must equal fp32 Adam stepped with
+# your gradient. It also reads the ledger (ZeRO-1 moves 2 Ψ per step) and the tensors you
+# keep in `state`: at most $K\Psi/N_d$ bytes, $K = 12$ (a 4-byte master and Adam's two
+# 4-byte moments per shard element), in fp32 as in bf16.
+
+# %% tags=["exercise"]
+# exercise: 02.zero1_step
+
+# %%
+exercises.check("02.zero1_step", zero1_step)
+
+# %% [markdown]
+# The package's engine does the same for each flat group (a bucket). It is short because the
+# shared base class (`engines/base.py`) launches a bucket's reduction from autograd hooks as
+# soon as its gradients are complete; the stage says only what it keeps, how it reduces and
+# how it publishes. Its two collectives are your exercise's: a reduce-scatter into a shard
+# during backward, and after the step an all-gather that runs in place, every rank's slice
+# landing around this rank's updated one:
+
+# %%
+excerpt(zero1.Zero1Engine, ("def _reduce", "return comm.reduce_scatter"), ("def _publish", "self._publishing"))
+
+# %% [markdown]
 # ## 5. Running it on real ranks
 #
 # One cell runs every experiment of this chapter, since starting ranks costs seconds:
@@ -366,88 +378,61 @@ print(f"{sum((2, 3, 4))} ranks in 3 launches: {time.perf_counter() - t0:.0f} s")
 # in fp32, so Adam keeps 8 bytes per element it updates.
 
 # %%
-def kib(n):
-    return f"{n / 1024:,.1f}"
-
-print(f"{'Nd':>2} {'rank':>4} | {'whole tensors, by count':>23} {'whole tensors, by size':>22} "
-      f"{'flat shards (engine)':>20}  KiB of Adam state")
+rows = []
 for nd in (3, 4):
     for rank, (eng, _, by_count, by_size) in enumerate(r[:4] for r in results[nd]):
         mine = eng["ranks"][rank]["model_state_bytes"]["optimizer_states"]
-        print(f"{nd:>2} {rank:>4} | {kib(by_count['optimizer_state_bytes']):>23} "
-              f"{kib(by_size['optimizer_state_bytes']):>22} {kib(mine):>20}")
-    print(f"{'':>7} | {'perfect split 8 Psi / Nd = ' + kib(8 * psi / nd) + ' KiB':>67}")
+        rows.append([nd, rank, *(kib(n) for n in (by_count["optimizer_state_bytes"],
+                                                  by_size["optimizer_state_bytes"], mine, 8 * psi / nd))])
+print(text_table(["Nd", "rank", "whole tensors,\nby count", "whole tensors,\nby size", "flat shards\n(engine)",
+                  "perfect split\n8 Psi / Nd"], rows))
+print("KiB of Adam state per rank")
 
 # %% [markdown]
 # The flat shards are equal to the byte on every rank, and exceed $8\Psi/N_d$ only by
 # the padding (a few elements per group). Whole tensors leave one rank with far more
 # than its share when split by count, and even the size-aware split cannot go below the
 # largest tensor. The plot extends the comparison to larger $N_d$ (computed from the
-# layout, as in Section 2; the dots are the measured runs above).
+# layout, as in Section 2; the crosses are the measured runs above).
 
 # %%
 nds = list(range(1, 17))
 bucket = int(0.25 * 2**20)  # the train CLI's default --bucket-mb 0.25
 named = list(gpt.named_parameters())[::-1]  # the engines lay parameters out in reverse order
+
+def fullest(owners, n):  # the fullest rank's elements, over a perfect Psi / Nd
+    return max(owned_elements(sizes, owners, n)) / (psi / n)
+
 curves = {
-    "whole tensors, by count (the blog's split)":
-        [max(owned_elements(sizes, owners_by_count(len(sizes), n), n)) / (psi / n) for n in nds],
-    "whole tensors, by size (largest first)":
-        [max(owned_elements(sizes, owners_by_size(sizes, n), n)) / (psi / n) for n in nds],
+    "whole tensors, by count (the blog's split)": [fullest(owners_by_count(len(sizes), n), n) for n in nds],
+    "whole tensors, by size (largest first)": [fullest(owners_by_size(sizes, n), n) for n in nds],
     "flat padded shards (zerolearn.flat)":  # every rank's shards hold the same number of elements
         [sum(g.shard_numel for g in flat.make_buckets(named, bucket, 4, n, 0)) / (psi / n) for n in nds],
 }
-fig, ax = plt.subplots(figsize=(7, 4))
-for (label, ys), marker in zip(curves.items(), ("o", "s", "^")):
-    ax.plot(nds, ys, marker=marker, markersize=3, label=label)
-for nd in (3, 4):  # measured: the largest rank's Adam bytes over 8 Psi / Nd
-    for j in (2, 3):  # the naive runs, split by count and by size
-        worst = max(per_rank[j]["optimizer_state_bytes"] for per_rank in results[nd])
-        ax.plot(nd, worst / (8 * psi / nd), "x", color="k", markersize=9)
-    eng = results[nd][0][0]
-    ax.plot(nd, max(r["model_state_bytes"]["optimizer_states"] for r in eng["ranks"]) / (8 * psi / nd),
-            "x", color="k", markersize=9)
-ax.plot([], [], "x", color="k", label="measured on gloo ranks")
-ax.plot(nds, [max(1, max(sizes) / (psi / n)) for n in nds], "k--", lw=0.8,
-        label="floor for whole tensors: largest tensor / (Psi/Nd)")
-ax.set_xlabel("data-parallel degree $N_d$ (ranks)")
-ax.set_ylabel(r"largest rank's optimizer state / $(K\Psi/N_d)$")
-ax.set_title("Optimizer state on the fullest rank, relative to a perfect split")
-ax.set_ylim(0.9, None)
-ax.legend(fontsize=8)
-plt.show()
+ch02.imbalance_figure(nds, curves, results, psi, largest_tensor=max(sizes))
 
 # %% [markdown]
 # ### 5.2 Bytes per rank against $4\Psi + K\Psi/N_d$
 #
 # Now the whole of the model states. For each run the report holds, per rank, the
 # bytes of parameters, gradients (as held after backward) and optimizer states measured
-# from the tensors, and the paper's formula for the same run (`analytic`, from
-# `zerolearn.memory.model`, which uses the unpadded $\Psi$). The last columns explain
-# the difference: the flat buffers hold $\Psi + \text{padding}$ elements, so measured
-# minus formula must equal padding $\times$ (param bytes + grad bytes + $K/N_d$).
+# from the tensors (first table), and the paper's formula for the same run (`analytic`,
+# from `zerolearn.memory.model`, which uses the unpadded $\Psi$). The second table
+# explains the difference: the flat buffers hold $\Psi + \text{padding}$ elements, so
+# measured minus formula must equal padding $\times$ (param bytes + grad bytes + $K/N_d$).
 
 # %%
-rows = []
-print(f"{'Nd':>2} {'dtype':>5} {'K':>2} | {'params KiB':>10} {'grads KiB':>10} {'optim KiB':>10} | "
-      f"{'total KiB':>10} {'formula KiB':>11} | {'padding':>7} {'meas - formula':>14} {'padding x (p+g+K/Nd)':>20}")
-for nd in (2, 3, 4):
-    for job in (0, 1):
-        rep = results[nd][0][job]
-        dtype = rep["config"]["dtype"]
-        k, width = analytic.optimizer_k("adam", dtype), analytic.dtype_bytes(dtype)
-        held = rep["ranks"][0]["model_state_bytes"]
-        total, formula = sum(held.values()), sum(rep["analytic"]["model_state_bytes"].values())
-        pad = rep["ranks"][0]["padding_elements"]
-        assert all(r["model_state_bytes"] == held for r in rep["ranks"])  # every rank alike
-        rows.append((nd, dtype, total))
-        print(f"{nd:>2} {dtype:>5} {k:>2} | {kib(held['params']):>10} {kib(held['grads']):>10} "
-              f"{kib(held['optimizer_states']):>10} | {kib(total):>10} {kib(formula):>11} | {pad:>7} "
-              f"{total - formula:>11,.0f} B {pad * (2 * width + k / nd):>18,.0f} B")
+reports = [results[nd][0][job] for nd in (2, 3, 4) for job in (0, 1)]  # fp32 and bf16, rank 0's copy
+for rep in reports:  # every rank holds the same bytes
+    assert all(r["model_state_bytes"] == rep["ranks"][0]["model_state_bytes"] for r in rep["ranks"])
+held, padding = ch02.bytes_tables(reports)
+print(held)
+print()
+print(padding)
 
 # %% [markdown]
-# Measured equals the formula once padding is counted, on every rank (the `assert`
-# checks that all ranks hold the same bytes). In bf16 the optimizer column is the
+# Measured equals the formula once padding is counted (second table), on every rank (the
+# `assert` checks that all ranks hold the same bytes). In bf16 the optimizer column is the
 # largest even at $N_d = 4$: $K = 12$ bytes per parameter against 2 + 2 for the
 # working copies, which is why partitioning it first pays most. The plot shows the
 # same numbers per parameter: the formula approaches $4\Psi$ (bf16) or $8\Psi$ (fp32) as
@@ -455,22 +440,9 @@ for nd in (2, 3, 4):
 # Those are the next two chapters.
 
 # %%
-fig, ax = plt.subplots(figsize=(7, 4))
-grid = list(range(1, 17))
-for dtype, color in (("bf16", "C0"), ("fp32", "C1")):
-    k, width = analytic.optimizer_k("adam", dtype), analytic.dtype_bytes(dtype)
-    per_param = [analytic.model_state_bytes(1, n, 1, k=k, param_bytes=width, grad_bytes=width)["total"] for n in grid]
-    ax.plot(grid, per_param, color=color, label=f"formula, {dtype} (K = {k})")
-    ax.axhline(2 * width, color=color, ls=":", lw=1)
-    ax.plot([nd for nd, d, _ in rows if d == dtype], [t / psi for nd, d, t in rows if d == dtype],
-            "o", color=color, label=f"measured, {dtype}")
-    ax.plot(1, 2 * width + k, "s", color=color, mfc="none", label=f"DP, {dtype} (formula)")
-ax.set_xlabel("data-parallel degree $N_d$ (ranks)")
-ax.set_ylabel("model-state bytes per parameter, per rank")
-ax.set_title(r"ZeRO-1: $(2+2)\Psi + K\Psi/N_d$ bytes per rank (Sec 5.1, Fig 1)")
-ax.set_ylim(0, 17)
-ax.legend(fontsize=8)
-plt.show()
+rows = [(rep["world_size"], rep["config"]["dtype"], sum(rep["ranks"][0]["model_state_bytes"].values()))
+        for rep in reports]  # (Nd, dtype, bytes held)
+ch02.bytes_figure(rows, psi)
 
 # %% [markdown]
 # ### 5.3 Traffic: $2\Psi$ against $3\Psi$
@@ -483,18 +455,12 @@ plt.show()
 # the ring's factor $(N_d - 1)/N_d$.
 
 # %%
-OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
-print(f"{'Nd':>2} {'version':<26} | " + " ".join(f"{op:>14}" for op in OPS) + f" | {'calls':>5} | {'Psi/step':>8}")
+runs = []
 for nd in (3, 4):
     eng, _, by_count, _ = results[nd][0][:4]
-    for name, ops in (("engine (RS + AG)", eng["ranks"][0]["comm"]), ("naive (AR + broadcast)", by_count["comm"])):
-        steps = 3
-        per_step = {op: ops[op]["elements"] // steps for op in OPS}
-        volume = (2 * per_step["all_reduce"] + per_step["reduce_scatter"] + per_step["all_gather"]
-                  + per_step["broadcast"])
-        calls = sum(ops[op]["calls"] for op in OPS) // steps
-        print(f"{nd:>2} {name:<26} | " + " ".join(f"{per_step[op]:>14,}" for op in OPS)
-              + f" | {calls:>5} | {volume / psi:>8.3f}")
+    runs += [(f"Nd {nd}, engine (RS + AG)", eng["ranks"][0]["comm"]),
+             (f"Nd {nd}, naive (AR + bcast)", by_count["comm"])]
+print(ch02.traffic_table(runs, psi, steps=3))
 print(f"elements per step; Psi = {psi:,}; paper (Sec 7.2.1): ZeRO-1 moves "
       f"{analytic.comm_volume_elements(1, 1)} Psi per step, like DP")
 
@@ -505,15 +471,17 @@ print(f"elements per step; Psi = {psi:,}; paper (Sec 7.2.1): ZeRO-1 moves "
 # then the broadcasts send all parameters again. It also makes two calls per tensor,
 # which on a real network adds a latency per call. The extra $\Psi$ buys nothing: each
 # rank used only the gradients of the tensors it owns.
-#
-# The paper describes $P_{os}$'s data movement differently (Sec 7.2.1): each partition's
-# gradients are *reduced* to the rank that owns it, and each owner *broadcasts* its
-# updated parameters. Done for all $N_d$ partitions at once, the reduces are one
-# reduce-scatter and the broadcasts one all-gather: the same data reaches the same ranks.
-# Per rank, a reduce-scatter sends and receives $\Psi (N_d - 1)/N_d$ elements, the
-# all-gather the same, so about $\Psi + \Psi = 2\Psi$: the paper's count, and the engine's
-# measured volume above. A ring all-reduce is this same pair (Sec 7.1), which is why
-# $P_{os}$ moves no more than DP.
+
+# %% [markdown]
+# The paper counts ZeRO-1's traffic exactly as the engine does it (Sec 7.2.1): a
+# reduce-scatter of the gradients, $\Psi$, then an all-gather of the updated parameters,
+# $\Psi$. Elsewhere it words the moves per partition: gradients *reduced* to the rank
+# that owns them (Sec 5.2), parameters *broadcast* by their owner (Sec 5.3, 7.2.2). Done
+# for all $N_d$ partitions at once, those reduces are one reduce-scatter and those
+# broadcasts one all-gather: the same data reaches the same ranks. Per rank each sends and
+# receives $\Psi (N_d - 1)/N_d$ elements, so about $2\Psi$ in all, the engine's measured
+# volume above. A ring all-reduce is this same pair (Sec 7.1), which is why $P_{os}$
+# moves no more than DP.
 #
 # ### 5.4 Same arithmetic, same losses
 #
@@ -524,14 +492,15 @@ print(f"elements per step; Psi = {psi:,}; paper (Sec 7.2.1): ZeRO-1 moves "
 # significant digits, bf16 to 3 (an 8-bit mantissa; further digits change with the CPU).
 
 # %%
+rows, gap = [], 0.0
 for nd in (3, 4):
     eng, eng16, by_count, by_size = results[nd][0][:4]
-    print(f"Nd = {nd}")
     for step in range(3):
-        print(f"  step {step}: engine fp32 {eng['losses'][step]:.4f} | naive by count {by_count['losses'][step]:.4f} "
-              f"| naive by size {by_size['losses'][step]:.4f} | engine bf16 {eng16['losses'][step]:#.3g}")
-    gap = max(abs(a - b) for run in (by_count, by_size) for a, b in zip(eng["losses"], run["losses"]))
-    print(f"  fp32 engine and naive agree within 1e-5: {gap < 1e-5}")
+        rows.append([nd, step, *(f"{run['losses'][step]:.4f}" for run in (eng, by_count, by_size)),
+                     f"{eng16['losses'][step]:#.3g}"])
+    gap = max([gap] + [abs(a - b) for run in (by_count, by_size) for a, b in zip(eng["losses"], run["losses"])])
+print(text_table(["Nd", "step", "engine fp32", "naive by count", "naive by size", "engine bf16"], rows))
+print(f"fp32 engine and naive agree within 1e-5: {gap < 1e-5}")
 
 # %% [markdown]
 # ### 5.5 The same step on a timeline
@@ -602,6 +571,45 @@ your_engine(1, {"shard_range": shard_range, "zero1_step": zero1_step})
 # | fp16 with a loss scale; gradient clipping | fp16 underflow; a norm over all shards | `engines/base.py` |
 # | gradient accumulation (`no_sync`) | larger batches in the same memory | ch. 3 §6 |
 # | optimizer state and step on the CPU | the $K\Psi/N_d$ bytes leave the GPU | ch. 8 §1 |
+
+# %% [markdown]
+# ## Questions
+#
+# Write your answer down before running the cell after each question.
+#
+# 1. The book's GPT has $\Psi = 42{,}368$ parameters. Split into flat shards over
+#    $N_d = 5$ ranks, how many padding elements does its buffer need, and how many
+#    elements does each shard hold?
+
+# %%
+layout = flat.FlatLayout.of(["all"], [torch.Size([42_368])], num_shards=5, shard_index=0)
+print(f"padding {layout.padding} elements; each of 5 shards holds {layout.shard_numel:,} elements")
+
+# %% [markdown]
+# 2. In mixed precision ($K = 12$), how many bytes of model states per parameter does a
+#    ZeRO-1 rank hold at $N_d = 8$? And at $N_d = 64$?
+
+# %%
+for nd in (8, 64):
+    print(f"Nd = {nd}: {analytic.model_state_bytes(1, nd, 1, k=12)['total']:.4g} bytes per parameter")
+
+# %% [markdown]
+# 3. The naive ZeRO-1 at $N_d = 4$ in section 5: how many $\Psi$ per step did it move, and
+#    how many of them were all-reduce traffic?
+
+# %%
+naive = results[4][0][2]["comm"]  # rank 0, the naive run split by count
+print(f"all-reduce {2 * naive['all_reduce']['elements'] / 3 / psi:.3f} Psi, broadcast "
+      f"{naive['broadcast']['elements'] / 3 / psi:.3f} Psi per step")
+
+# %% [markdown]
+# 4. With the blog's split by count at $N_d = 4$, how many KiB of Adam state does the
+#    fullest rank hold, against the 8 Ψ / 4 of a perfect split? (Section 2's table gives
+#    its elements.)
+
+# %%
+fullest_rank = max(r[2]["optimizer_state_bytes"] for r in results[4])
+print(f"fullest rank {kib(fullest_rank, unit=True)}; perfect split {kib(8 * psi / 4, unit=True)}")
 
 # %% [markdown]
 # ## Summary

@@ -13,7 +13,9 @@ updated tensors. It trains correctly, but
   reduce-scatter plus all-gather moves 2 Psi (paper Sec 7.2.1).
 
 Everything here runs on ranks spawned by :func:`zerolearn.dist.launch`; the real
-engine is :class:`zerolearn.engines.Zero1Engine`. The chapter's exercises
+engine is :class:`zerolearn.engines.Zero1Engine`. The layout of the chapter's tables and
+plots (:func:`imbalance_figure`, :func:`bytes_tables`, :func:`bytes_figure`,
+:func:`traffic_table`) is here too, so that the chapter's cells show the computation. The chapter's exercises
 (``02.shard_range``, ``02.zero1_step``) are beside this module, in :mod:`zerolearn.chapters.ch02`.
 """
 
@@ -27,7 +29,9 @@ from torch import nn
 from zerolearn import comm, data
 from zerolearn import dist as zdist
 from zerolearn.config import TrainConfig
+from zerolearn.memory import model as analytic
 from zerolearn.memory.ledger import MemoryLedger, retag
+from zerolearn.tables import kib, text_table
 from zerolearn.train import batch, build, loss_fn, train
 
 
@@ -169,3 +173,97 @@ def jobs(specs: list[tuple]) -> list:
         else:
             raise ValueError(f"unknown job kind {kind!r}")
     return out
+
+
+# ----- the chapter's tables and plots -----------------------------------------------
+OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
+
+
+def imbalance_figure(nds: list[int], curves: dict[str, list[float]], results: dict, psi: int,
+                     largest_tensor: int):
+    """Section 5.1's plot: the fullest rank's optimizer state over ``K Psi / Nd``, against Nd.
+
+    ``curves`` maps a label to one ratio per entry of ``nds`` (computed from the layouts);
+    ``results[nd][rank][job]`` are the chapter's runs (jobs 0 the engine in fp32, 2 and 3
+    the naive version split by count and by size), drawn as crosses. Returns the figure.
+    """
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for (label, ys), marker in zip(curves.items(), ("o", "s", "^")):
+        ax.plot(nds, ys, marker=marker, markersize=3, label=label)
+    for nd in (3, 4):  # measured: the largest rank's Adam bytes (fp32, 8 per element) over 8 Psi / Nd
+        worst = [max(per_rank[j]["optimizer_state_bytes"] for per_rank in results[nd]) for j in (2, 3)]
+        worst.append(max(r["model_state_bytes"]["optimizer_states"] for r in results[nd][0][0]["ranks"]))
+        ax.plot([nd] * 3, [w / (8 * psi / nd) for w in worst], "x", color="k", markersize=9)
+    ax.plot([], [], "x", color="k", label="measured on gloo ranks")
+    ax.plot(nds, [max(1, largest_tensor / (psi / n)) for n in nds], "k--", lw=0.8,
+            label="floor for whole tensors: largest tensor / (Psi/Nd)")
+    ax.set_xlabel("data-parallel degree $N_d$ (ranks)")
+    ax.set_ylabel(r"largest rank's optimizer state / $(K\Psi/N_d)$")
+    ax.set_title("Optimizer state on the fullest rank, relative to a perfect split")
+    ax.set_ylim(0.9, None)
+    ax.legend(fontsize=8)
+    plt.close(fig)
+    return fig
+
+
+def bytes_tables(reports: list[dict]) -> tuple[str, str]:
+    """Section 5.2's two tables for the engine's reports (rank 0; every rank holds the same).
+
+    The first: KiB of params, grads and optimizer states held, their total and the paper's
+    formula (unpadded Psi). The second: padding elements, measured minus formula, and
+    padding x (param bytes + grad bytes + K/Nd), which must be equal.
+    """
+    held_rows, pad_rows = [], []
+    for rep in reports:
+        nd, dtype = rep["world_size"], rep["config"]["dtype"]
+        k, width = analytic.optimizer_k("adam", dtype), analytic.dtype_bytes(dtype)
+        held = rep["ranks"][0]["model_state_bytes"]
+        total, formula = sum(held.values()), sum(rep["analytic"]["model_state_bytes"].values())
+        pad = rep["ranks"][0]["padding_elements"]
+        held_rows.append([nd, dtype, k, *(kib(held[c]) for c in ("params", "grads", "optimizer_states")),
+                          kib(total)])
+        pad_rows.append([nd, dtype, kib(formula), pad, f"{total - formula:,.0f}",
+                         f"{pad * (2 * width + k / nd):,.0f}"])
+    held = text_table(["Nd", "dtype", "K", "params KiB", "grads KiB", "optim KiB", "total KiB"], held_rows)
+    pads = text_table(["Nd", "dtype", "formula KiB", "padding", "measured - formula B",
+                       "padding x (p+g+K/Nd) B"], pad_rows)
+    return held, pads
+
+
+def bytes_figure(rows: list[tuple[int, str, int]], psi: int):
+    """Section 5.2's plot: model-state bytes per parameter per rank against Nd, formula and
+    measured (``rows``: (nd, dtype, bytes held) per run), for bf16 and fp32. Returns the figure."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    grid = list(range(1, 17))
+    for dtype, color in (("bf16", "C0"), ("fp32", "C1")):
+        k, w = analytic.optimizer_k("adam", dtype), analytic.dtype_bytes(dtype)
+        per_param = [analytic.model_state_bytes(1, n, 1, k=k, param_bytes=w, grad_bytes=w)["total"] for n in grid]
+        ax.plot(grid, per_param, color=color, label=f"formula, {dtype}: $({w}+{w})\\Psi + {k}\\Psi/N_d$")
+        ax.axhline(2 * w, color=color, ls=":", lw=1)
+        ax.plot([nd for nd, d, _ in rows if d == dtype], [t / psi for nd, d, t in rows if d == dtype],
+                "o", color=color, label=f"measured, {dtype}")
+        ax.plot(1, 2 * w + k, "s", color=color, mfc="none", label=f"DP, {dtype} (formula)")
+    ax.set_xlabel("data-parallel degree $N_d$ (ranks)")
+    ax.set_ylabel("model-state bytes per parameter, per rank")
+    ax.set_title("ZeRO-1: model-state bytes per rank (Sec 5.1, Fig 1)")
+    ax.set_ylim(0, 17)
+    ax.legend(fontsize=8)
+    plt.close(fig)
+    return fig
+
+
+def traffic_table(runs: list[tuple[str, dict]], psi: int, steps: int) -> str:
+    """Section 5.3's table: elements per step of each collective (the ledger's count),
+    calls per step, and the paper's volume 2 all-reduce + reduce-scatter + all-gather +
+    broadcast, in units of ``psi``. ``runs``: (name, the ledger's ``comm`` dict)."""
+    rows = []
+    for name, ops in runs:
+        per_step = {op: ops[op]["elements"] // steps for op in OPS}
+        volume = 2 * per_step["all_reduce"] + sum(per_step[op] for op in OPS[1:])
+        rows.append([name, sum(ops[op]["calls"] for op in OPS) // steps, *(per_step[op] for op in OPS),
+                     f"{volume / psi:.3f}"])
+    return text_table(["version", "calls", *OPS, "Psi/step"], rows, align=["left", *["right"] * 6])
