@@ -5,13 +5,17 @@
 # *residual* memory of Sec 3.2: activations, temporary buffers and fragmentation. The
 # paper's second pillar, ZeRO-R (Sec 6), attacks all three. This chapter runs each of its
 # pieces for real on 4 gloo ranks, arranged as $N_d \times N_m = 2 \times 2$: two
-# data-parallel groups, each splitting every transformer block across two ranks.
-#
+# data-parallel groups, each splitting every transformer block across two ranks. The
+# model is the book's GPT of the exercises (Psi = 42,368); its 2 attention heads split
+# over $N_m = 2$ ranks, one head each.
+
+# %% [markdown]
 # **Learning goals.** After this chapter you can
 #
 # 1. explain activation checkpointing and measure what it saves (Sec 3.2);
-# 2. build Megatron-style tensor parallelism from two layers, column- and row-parallel,
-#    and check it trains exactly like one process;
+# 2. write Megatron-style tensor parallelism for an MLP's two layers, a column-parallel
+#    one and a row-parallel one with their all-reduces, and check that it gives one
+#    process's outputs and gradients;
 # 3. write $P_a$ (Sec 6.1) and measure it: checkpoint bytes per rank divided by $N_m$, for
 #    one extra all-gather per block that costs about 1/12 of the model parallelism's own
 #    traffic (Sec 8); and $P_{a+cpu}$, which moves checkpoints to host memory;
@@ -23,6 +27,7 @@
 # %%
 # %matplotlib inline
 import matplotlib.pyplot as plt
+from IPython.display import display
 
 from zerolearn.chapters.ch05 import lesson as ch05
 from zerolearn.chapters.source import excerpt
@@ -30,6 +35,7 @@ from zerolearn.dist import launch
 from zerolearn.memory import model as analytic
 from zerolearn.residual import checkpointing, defrag
 from zerolearn.residual.tensor_parallel import ParallelAttention
+from zerolearn.tables import kib, text_table
 
 cfg, batch = ch05.GPT, ch05.BATCH
 print(f"GPT: {cfg.n_layer} blocks, hidden {cfg.d_model}, {cfg.n_head} heads, seq {cfg.seq_len}; "
@@ -114,10 +120,8 @@ for name, kwargs in VARIANTS.items():
     print(f"{name:<24} {kwargs}")
 single = launch(ch05.zero_r_runs, 1, [dict(stage=2)])[0][0]
 runs = dict(zip(VARIANTS, launch(ch05.zero_r_runs, 4, [dict(stage=2, **kw) for kw in VARIANTS.values()])[0]))
-print(f"{'run':<24} " + " ".join(f"loss@{i}" for i in range(3)))
-print(f"{'1 rank, Nm = 1':<24} " + " ".join(f"{x:.4f}" for x in single["losses"]))
-for name, r in runs.items():
-    print(f"{name:<24} " + " ".join(f"{x:.4f}" for x in r["losses"]))
+rows = [[name, *(f"{x:.4f}" for x in r["losses"])] for name, r in {"1 rank, Nm = 1": single, **runs}.items()]
+print(text_table(["run", "loss@0", "loss@1", "loss@2"], rows, align=["left", "right", "right", "right"]))
 same = all(abs(a - b) <= 1e-5 * abs(b) for r in runs.values() for a, b in zip(r["losses"], single["losses"]))
 print("all equal to the single process within 1e-5:", same)
 
@@ -130,7 +134,8 @@ print("all equal to the single process within 1e-5:", same)
 # parallelism every rank of the group keeps the *same* checkpoint. $P_a$ keeps $1/N_m$ of
 # it per rank and all-gathers it just before the recomputation; $P_{a+cpu}$ parks that
 # part in host memory.
-#
+
+# %% [markdown]
 # ### Exercise 2 · a partitioned checkpoint
 #
 # Write `partition_checkpoint(x, group)`. `x` is a checkpointed block's input (fp32,
@@ -167,10 +172,10 @@ formula = analytic.activation_bytes(cfg.d_model, local_batch, cfg.seq_len, cfg.n
                                     checkpointing=True)
 print(f"Sec 3.2, one fp32 checkpoint per block: {formula / 1024:.1f} KiB per rank; with P_a, / Nm = 2: "
       f"{formula / 2 / 1024:.1f} KiB\n")
-print(f"{'run':<24} {'ckpt device KiB':>15} {'ckpt host KiB':>13} {'activations KiB':>15}")
-for name, r in runs.items():
-    device, host = r["checkpoint_bytes"]
-    print(f"{name:<24} {device / 1024:>15.1f} {host / 1024:>13.1f} {r['activation_bytes'] / 1024:>15.1f}")
+rows = [[name, kib(r["checkpoint_bytes"][0]), kib(r["checkpoint_bytes"][1]), kib(r["activation_bytes"])]
+        for name, r in runs.items()]
+print(text_table(["run", "ckpt device KiB", "ckpt host KiB", "activations KiB"], rows,
+                 align=["left", "right", "right", "right"]))
 
 # %% [markdown]
 # The checkpoint column matches the formula exactly: $b s h$ values per block, halved by
@@ -215,8 +220,9 @@ plt.show()
 # them into one buffer. If that buffer grows with the model, it becomes a memory problem
 # of its own: fusing all gradients of a 3B-parameter model in fp32 takes 12 GB (Sec 6.2).
 # ZeRO caps it. Here every gradient reduction and parameter gather goes through flat
-# groups of at most `--bucket-mb`; the sweep measures the largest buffer of one step as
-# the MLP grows, with a cap of 0.25 MiB and with no cap ("fuse everything").
+# groups of at most `--bucket-mb`; the sweep measures the largest buffer of one step with
+# a cap of 0.25 MiB and with no cap ("fuse everything"). It uses an MLP of 6 layers whose
+# width grows from 64 to 256, because only the model's size may change along the sweep.
 
 # %%
 sweep = launch(ch05.bucket_sweep, 1, [64, 128, 256], [0.25, 1e6])[0]  # one rank: the buffers, not the traffic
@@ -263,30 +269,27 @@ exercises.check("05.constant_buffer", constant_buffer)
 # scattered among short-lived ones and cut free memory into pieces, too small for the next
 # large request. The paper saw out-of-memory errors with over 30% of memory free. ZeRO's
 # fix, MD, copies the long-lived tensors into pre-allocated contiguous pools.
-#
-# To see it without a GPU we record where memory goes in real training and replay it.
-# `defrag.record_gpt_steps()` trains a 25M-parameter GPT (8 blocks, hidden 512, seq 512,
-# batch 8, real text) for two steps as plain data parallelism did before ZeRO: one
-# checkpoint per block, a gradient per parameter wherever the allocator puts it, all
-# gradients flattened into one buffer for the all-reduce, an Adam step. The ledger writes
-# down every allocation and free. `defrag.replay` runs them through a model of torch's
-# caching allocator: memory reserved from the device in segments (2 MiB ones for requests
-# up to 1 MiB, 20 MiB ones up to 10 MiB, larger requests alone), best fit inside them, free
-# blocks merging only within their segment, and, before a request is refused, every
-# segment with nothing left in it given back. With MD, each class of long-lived tensors
-# gets a pool of its own.
+
+# %% [markdown]
+# To see it without a GPU we record where memory goes in real training and replay it. The
+# book's GPT is far too small for this: fragmentation shows only when requests outgrow the
+# allocator's segments. So `defrag.record_gpt_steps()` trains a GPT of 25.7M parameters (8
+# blocks, hidden 512, seq 512, batch 8, real text) for two steps as plain data parallelism
+# did before ZeRO: one checkpoint per block, a gradient per parameter wherever the
+# allocator puts it, all gradients flattened into one buffer for the all-reduce, an Adam
+# step. The ledger writes down every allocation and free. `defrag.replay` runs them through
+# a model of torch's caching allocator: memory reserved from the device in segments (2 MiB
+# ones for requests up to 1 MiB, 20 MiB ones up to 10 MiB, larger requests alone), best fit
+# inside them, free blocks merging only within their segment, and, before a request is
+# refused, every segment with nothing left in it given back. With MD, each class of
+# long-lived tensors gets a pool of its own.
 
 # %%
 from zerolearn import figures
 
 trace = figures.recorded_trace()
-classes = defrag.lifetime_classes(trace)
 print(f"{len(trace)} allocations and frees in two steps; the long-lived tensors, by lifetime:")
-for name, what in [("setup->end", "parameters"), ("step->end", "Adam's moments"),
-                   ("forward->backward", "kept for backward"), ("backward->step", "gradients")]:
-    members = {u for u, c in classes.items() if c == name}
-    print(f"  {name:18s} {what:17s} {len(members):4d} tensors, "
-          f"{defrag.pool_bytes(trace, members) / 2**20:6.1f} MiB at most at once")
+print(ch05.lifetime_table(trace))
 capacity = defrag.smallest_capacity(trace, md=True)
 with_md, without_md = defrag.replay(trace, capacity, md=True), defrag.replay(trace, capacity, md=False)
 print(f"device memory: {capacity / 2**20:.0f} MiB (the least that works with MD)")
@@ -328,19 +331,13 @@ print(f"MD in the step itself, in {capacity / 2**20:.0f} MiB: ok = {replayed.ok}
 #
 # MD is not free: each pool is as large as its own class ever needs, and the checkpoints'
 # pool is idle while the gradients' pool fills, where without MD the same memory would
-# serve both. It pays when fragmentation costs more. Three GPTs, each recorded the same way:
+# serve both. It pays when fragmentation costs more. Three GPTs, each recorded the same way;
+# the first table gives the least memory each needs without and with MD, in MiB (in
+# brackets, how far above the most bytes live at once), the second MD's pools against one
+# pool shared by all long-lived tensors:
 
 # %%
-rows = ch05.md_comparison()
-print(f"{'GPT':>15s} {'Psi':>6s} {'live peak':>9s} {'without MD':>11s} {'with MD':>10s} {'MD pools':>8s} "
-      f"{'one pool':>8s}  without MD, in MD's memory")
-for r in rows:
-    outcome = "fits" if r["ok"] else f"OOM: {r['request'] / 2**20:.0f} MiB asked, {r['free_fraction']:.0%} free"
-    over = {k: f"{r[k] / 2**20:.0f} (+{(r[k] - r['live_peak']) / 2**20:.0f})" for k in ("without_md", "with_md")}
-    print(f"{r['n_layer']:2d} x {r['d_model']:3d} hidden {r['psi'] / 1e6:5.1f}M {r['live_peak'] / 2**20:9.0f} "
-          f"{over['without_md']:>11s} {over['with_md']:>10s} {r['pools'] / 2**20:8.0f} {r['long_peak'] / 2**20:8.0f}"
-          f"  {outcome}")
-print("blocks x hidden; MiB. 'without MD', 'with MD': the least memory each needs (+ above the live peak).")
+print(ch05.md_tables(ch05.md_comparison()))
 
 # %% [markdown]
 # Above the live peak, the allocator without MD pays for segments kept alive by the tensors
@@ -354,17 +351,15 @@ print("blocks x hidden; MiB. 'without MD', 'with MD': the least memory each need
 # ## 5. ZeRO-R at the paper's scale
 #
 # The view below puts this chapter's pieces together for one GPU of Sec 6.1's
-# 100B-parameter example (125 blocks of hidden 8192, sequence 1K, batch 16 per GPU,
-# $N_m = 16$): checkpoints replicated on every model-parallel rank, partitioned ($P_a$) or
-# moved to the CPU ($P_{a+cpu}$); CB caps the fused buffer; MD recovers what fragmentation
-# wastes (a simple model: a share of the device lost without MD, 30% by default, Sec 6.3's
-# extreme case). Move **Nm**, the checkpoints' place, the CB size or MD, and compare the
-# total with the device.
+# 100B-parameter example (125 blocks of hidden 8192, sequence 1K, $N_m = 16$). The paper
+# states a batch of 32 per GPU; its figure of about 33 GB of checkpoints per GPU is what
+# the chapter's formula gives at batch 16, so the view starts there: checkpoints replicated
+# on every model-parallel rank, partitioned ($P_a$) or moved to the CPU ($P_{a+cpu}$); CB
+# caps the fused buffer; MD recovers what fragmentation wastes (a simple model: a share of
+# the device lost without MD, 30% by default, Sec 6.3's extreme case). Move **Nm**, the
+# checkpoints' place, the CB size or MD, and compare the total with the device.
 
 # %%
-# %matplotlib inline
-from IPython.display import display
-
 from zerolearn import widgets
 from zerolearn.figures import formulas
 
@@ -372,6 +367,39 @@ display(widgets.ResidualExplorer())  # Sec 6.1's 100B example at Nm = 16, Nd = 6
 
 # %%
 formulas.residual_figure()  # the default view, drawn for the book
+
+# %% [markdown]
+# ## Questions
+#
+# Write down a number for each question, then run the cell under it.
+#
+# **1.** Train with a global batch of 16 instead of 8 ($N_d = 2$, so 8 sequences per
+# data-parallel group) under $P_a$ at $N_m = 2$: how many KiB of checkpoints does rank 0
+# keep on its device?
+
+# %%
+pa16 = launch(ch05.zero_r_runs, 4, [dict(stage=2, batch=16, **VARIANTS["+ P_a"])])[0][0]
+print(f"rank 0's checkpoints on its device: {kib(pa16['checkpoint_bytes'][0], unit=True)}")
+
+# %% [markdown]
+# **2.** In that same run, what fraction of model parallelism's traffic did $P_a$'s
+# all-gathers add, in the paper's count?
+
+# %%
+tp_elements = pa16["by_tag"]["tp"]["all_reduce"]["elements"]
+pa_elements = pa16["by_tag"]["pa"]["all_gather"]["elements"]
+print(f"P_a / MP traffic at global batch 16: {pa_elements / (2 * tp_elements):.4f}")
+
+# %% [markdown]
+# **3.** Sec 6.1's 100B model at the paper's batch of 32 per GPU: how many GB of
+# checkpoints does a GPU keep, replicated and with $P_a$ at $N_m = 16$ (one checkpoint of
+# $b s h$ 2-byte values per block, 125 blocks of hidden 8192, sequence 1,024)?
+
+# %%
+shape = dict(hidden=8192, layers=125, seq_len=1024)
+replicated = analytic.activation_bytes(batch=32, checkpointing=True, **shape)
+partitioned = analytic.partitioned_checkpoint_bytes(batch=32, nm=16, **shape)
+print(f"batch 32: {replicated / 1e9:.1f} GB per GPU replicated, {partitioned / 1e9:.1f} GB with P_a")
 
 # %% [markdown]
 # ## Summary
@@ -386,3 +414,6 @@ formulas.residual_figure()  # the default view, drawn for the book
 #   two real training steps of a 25.7M-parameter GPT run out of memory with over 40% of it
 #   free without MD, and fit in the same memory with it; on smaller GPTs the pools cost
 #   more than they save.
+# - Sec 6.1's 100B example: about 33 GB of checkpoints per GPU (the formula's figure at
+#   batch 16; the paper's batch of 32 doubles it) become about 2 GB with $P_a$ at
+#   $N_m = 16$.

@@ -1,23 +1,25 @@
 """Chapter 5, ZeRO-R: the runs the chapter measures.
 
-``zero_r_run`` trains the book's small GPT on an Nd x Nm world with Megatron-style
-tensor parallelism, optionally with activation checkpointing and ZeRO-R's P_a,
-P_a+cpu or contiguous checkpoint pool (``zerolearn.residual``), and returns what it
-measured. ``md_comparison`` records real training steps of GPTs of several sizes and
-replays them through the allocator model of ``zerolearn.residual.defrag`` with and
-without MD (Sec 6.3).
+``zero_r_run`` trains the book's GPT (``zerolearn.exercises.helpers.GPT``, Psi =
+42,368) on an Nd x Nm world with Megatron-style tensor parallelism, optionally with
+activation checkpointing and ZeRO-R's P_a, P_a+cpu or contiguous checkpoint pool
+(``zerolearn.residual``), and returns what it measured. ``md_comparison`` records real
+training steps of GPTs of several sizes and replays them through the allocator model of
+``zerolearn.residual.defrag`` with and without MD (Sec 6.3). ``lifetime_table`` and
+``md_tables`` lay out what section 4 prints, through :func:`zerolearn.tables.text_table`.
 """
 
 from __future__ import annotations
 
 from zerolearn import dist as zdist
 from zerolearn.config import TrainConfig
+from zerolearn.exercises.helpers import GPT  # the book's GPT: 2 heads, so Nm = 2 gives each rank one
 from zerolearn.figures import recorded_trace
 from zerolearn.models import GPTConfig, build_model
 from zerolearn.residual import buffers, defrag
+from zerolearn.tables import text_table
 from zerolearn.train import train
 
-GPT = GPTConfig(seq_len=32, n_layer=4, n_head=4, d_model=64)
 BATCH = 8  # global; divisible by Nd = 1, 2, 4
 # The chapter's ZeRO-R variants on Nd x Nm = 2 x 2: keyword arguments of zero_r_run.
 VARIANTS = {
@@ -30,8 +32,10 @@ VARIANTS = {
 
 
 def zero_r_run(stage: int = 0, nm: int = 1, checkpointing: bool = False, partition: bool = False,
-               cpu: bool = False, contiguous: bool = False, steps: int = 3, bucket_mb: float = 0.05) -> dict:
-    """Train the chapter's GPT on the current world (Nd = world / nm) with :func:`zerolearn.train.train`.
+               cpu: bool = False, contiguous: bool = False, steps: int = 3, bucket_mb: float = 0.05,
+               batch: int = BATCH) -> dict:
+    """Train the chapter's GPT on the current world (Nd = world / nm) with :func:`zerolearn.train.train`,
+    ``batch`` sequences per step in all (divisible by Nd).
 
     Returns this rank's measurements as a dict: ``losses`` (global mean per step),
     ``checkpoint_bytes`` ((device, host) bytes held at the end of forward),
@@ -40,7 +44,7 @@ def zero_r_run(stage: int = 0, nm: int = 1, checkpointing: bool = False, partiti
     buffer), ``transfer_seconds``, ``psi``.
     """
     config = TrainConfig(stage=stage, model="gpt", seq_len=GPT.seq_len, n_layer=GPT.n_layer, n_head=GPT.n_head,
-                         d_model=GPT.d_model, global_batch_size=BATCH, steps=steps, bucket_mb=bucket_mb,
+                         d_model=GPT.d_model, global_batch_size=batch, steps=steps, bucket_mb=bucket_mb,
                          tensor_parallel=nm, checkpoint_activations=checkpointing, partition_activations=partition,
                          cpu_checkpointing=cpu, contiguous_checkpoints=contiguous)
     report = train(config)
@@ -93,3 +97,36 @@ def md_comparison(sizes=((4, 256), (4, 512), (8, 512))) -> list[dict]:
                                   for name in set(classes.values())),
                      "long_peak": defrag.pool_bytes(trace, set(classes))})
     return rows
+
+
+LIFETIMES = [("setup->end", "parameters"), ("step->end", "Adam's moments"),
+             ("forward->backward", "kept for backward"), ("backward->step", "gradients")]
+
+
+def lifetime_table(trace: list) -> str:
+    """The long-lived tensors of a recorded ``trace`` (``defrag``'s format) by lifetime class:
+    how many, and the most MiB (2**20 bytes) each class holds at once (Sec 6.3)."""
+    classes, rows = defrag.lifetime_classes(trace), []
+    for name, what in LIFETIMES:
+        members = {u for u, c in classes.items() if c == name}
+        rows.append([name, what, len(members), f"{defrag.pool_bytes(trace, members) / 2**20:.1f}"])
+    return text_table(["lifetime", "what", "tensors", "MiB at most"], rows, align=["left", "left", "right", "right"])
+
+
+def md_tables(rows: list[dict]) -> str:
+    """:func:`md_comparison`'s rows as two tables, in MiB (2**20 bytes): the least memory
+    each needs without and with MD (and how far above the live peak), with what happens
+    without MD in MD's memory; then MD's pools against one shared pool."""
+    def mib(nbytes: int) -> str:
+        return f"{nbytes / 2**20:.0f}"
+
+    need, pools = [], []
+    for r in rows:
+        gpt = f"{r['n_layer']} x {r['d_model']}"
+        outcome = "fits" if r["ok"] else f"OOM: {mib(r['request'])} MiB asked, {r['free_fraction']:.0%} free"
+        over = {k: f"{mib(r[k])} (+{mib(r[k] - r['live_peak'])})" for k in ("without_md", "with_md")}
+        need.append([gpt, f"{r['psi'] / 1e6:.1f}M", mib(r["live_peak"]), over["without_md"], over["with_md"], outcome])
+        pools.append([gpt, mib(r["pools"]), mib(r["long_peak"]), mib(r["pools"] - r["long_peak"])])
+    return (text_table(["blocks x hidden", "Psi", "live peak", "without MD", "with MD", "without MD, in MD's memory"],
+                       need, align=["right"] * 5 + ["left"]) + "\n\n" +
+            text_table(["blocks x hidden", "MD pools", "one pool", "separation"], pools))
