@@ -11,7 +11,8 @@
 #
 # In this chapter we build DP on real `torch.distributed` process groups: gloo ranks spawned on
 # this CPU, the same code that runs on GPUs with NCCL.
-#
+
+# %% [markdown]
 # **Learning goals.** After this chapter you can
 #
 # 1. use the three collectives ZeRO is made of, all-reduce, reduce-scatter and all-gather, and
@@ -26,26 +27,25 @@
 #    N<sub>d</sub> is, and moves 2 Ψ elements per step.
 #
 # Names as in chapter 0: `psi` (Ψ) parameters, `nd` (N<sub>d</sub>) data-parallel ranks, `rank`
-# (0 to `world_size` − 1), `k` (K) optimizer bytes per parameter.
+# (0 to `world_size` − 1), `k` (K) optimizer bytes per parameter. The model is the book's GPT of
+# chapter 0 and of the exercises (Ψ = 42,368 in 29 tensors).
 
 # %%
 # %matplotlib inline
 import matplotlib.pyplot as plt
-import numpy as np
 import torch
 import torch.distributed as dist
 from IPython.display import HTML
 
 from zerolearn import comm
+from zerolearn.chapters.ch01 import lesson as ch01
 from zerolearn.chapters.source import excerpt
-from zerolearn.config import TrainConfig
 from zerolearn.dist import launch
 from zerolearn.engines.base import Engine
 from zerolearn.figures import schematics
 from zerolearn.memory import model as analytic
 from zerolearn.models import build_model
-from zerolearn.report import kib, volume_per_step
-from zerolearn.train import train
+from zerolearn.tables import text_table
 
 # %% [markdown]
 # ## 1. Collectives on four ranks
@@ -63,64 +63,58 @@ schematics.collectives_figure(nd=4)
 # *all-reduce* sums onto every rank, *reduce-scatter* leaves rank r chunk r of the sum, and
 # *all-gather* hands every rank all the chunks. Now the same calls on real ranks.
 #
-# `zerolearn.dist.launch(fn, world_size, *args)` spawns `world_size` processes, joins them into a
-# gloo process group, runs `fn(*args)` on each and returns the results in rank order. Every
-# collective goes through `zerolearn.comm`, whose ledger counts calls and elements.
-#
-# Each rank starts from a different 8-element "gradient". All-reduce sums them on every rank.
-# Reduce-scatter also sums them, but leaves rank r only the r-th quarter of the sum; all-gather
-# then hands every quarter to every rank.
+# `%%ranks 4` (from `zerolearn.live`) runs a cell on 4 real gloo ranks that keep their
+# variables from one cell to the next. Each rank starts with `rank`, `world_size`, `torch`,
+# `dist` and `comm` (`zerolearn.comm`, whose ledger counts every collective's calls and
+# elements), and every line a rank prints is labelled with its rank. Each rank makes its own
+# 8-element "gradient"; change the cells and run them again to try your own.
+
+# %% tags=["live"]
+# %load_ext zerolearn.live
+
+# %% tags=["live"]
+# %%ranks 4
+grad = torch.arange(8.0) + 8 * rank  # rank r: [8r, ..., 8r + 7]
+comm.LEDGER.reset()  # count this section's collectives only
+print(grad.int().tolist())
+
+# %% [markdown]
+# All-reduce sums the four gradients, in place, on every rank:
+
+# %% tags=["live"]
+# %%ranks
+summed = grad.clone()
+comm.all_reduce(summed)
+print(summed.int().tolist())
+
+# %% [markdown]
+# Reduce-scatter also sums them, but leaves rank r only the r-th quarter of the sum:
+
+# %% tags=["live"]
+# %%ranks
+chunk = torch.empty(8 // world_size)
+comm.reduce_scatter(chunk, grad.clone())  # the input is 8 elements, the output 2
+print(chunk.int().tolist())
+
+# %% [markdown]
+# All-gather hands every rank's chunk to every rank. Predict what each rank holds after it:
+
+# %% tags=["live"]
+# %%ranks
+gathered = torch.empty(8)
+comm.all_gather(gathered, chunk)
+ledger = comm.LEDGER.as_dict()  # this rank's count of the three calls
+print(gathered.int().tolist(), "equals the all-reduce:", torch.equal(gathered, summed))
+
+# %% [markdown]
+# The same three moves as a picture, drawn from the values the ranks hold (`pull` fetches a
+# variable from every rank, in rank order):
 
 # %%
-def collectives(numel=8):
-    """This rank's gradient [8r, ..., 8r + 7] before and after each collective, and the ledger."""
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    grad = torch.arange(numel, dtype=torch.float32) + numel * rank
-    comm.LEDGER.reset()
-    summed = grad.clone()
-    comm.all_reduce(summed)  # in place: every rank gets the sum
-    chunk = torch.empty(numel // world_size)
-    comm.reduce_scatter(chunk, grad.clone())  # rank r gets chunk r of the sum
-    gathered = torch.empty(numel)
-    comm.all_gather(gathered, chunk)  # every rank gets every chunk
-    return {"grad": grad, "all_reduce": summed, "reduce_scatter": chunk, "all_gather": gathered,
-            "ledger": comm.LEDGER.as_dict()}
+from zerolearn import live
 
-
-# %%
-res = launch(collectives, 4)
-print(f"{'rank':>4} | {'gradient (before)':<34} | {'reduce_scatter':<12} | {'all_gather':<34} | all_reduce")
-for rank, r in enumerate(res):
-    print(f"{rank:>4} | {str(r['grad'].int().tolist()):<34} | {str(r['reduce_scatter'].int().tolist()):<12}"
-          f" | {str(r['all_gather'].int().tolist()):<34} | {r['all_reduce'].int().tolist()}")
-same = all((r["all_gather"] == r["all_reduce"]).all().item() for r in res)
-print(f"\nall_gather(reduce_scatter(gradient)) == all_reduce(gradient) on every rank: {same}")
-
-# %%
-world_size, numel = len(res), len(res[0]["grad"])
-chunk = numel // world_size
-before = np.stack([r["grad"].numpy() for r in res])
-scattered = np.full((world_size, numel), np.nan)
-for rank, r in enumerate(res):
-    scattered[rank, rank * chunk:(rank + 1) * chunk] = r["reduce_scatter"].numpy()
-gathered = np.stack([r["all_gather"].numpy() for r in res])
-panels = {"1. before: each rank's gradient": before,
-          "2. after reduce-scatter:\nrank r keeps chunk r of the sum": scattered,
-          "3. after all-gather:\nevery rank holds the whole sum": gathered}
-fig, axes = plt.subplots(1, 3, figsize=(13, 3.2), sharey=True)
-for ax, (title, grid) in zip(axes, panels.items()):
-    ax.imshow(np.ma.masked_invalid(grid), cmap="viridis", vmin=0, vmax=gathered.max(), aspect="auto")
-    for (row, col), v in np.ndenumerate(grid):
-        if not np.isnan(v):
-            ax.text(col, row, f"{v:.0f}", ha="center", va="center", color="w" if v < 40 else "k")
-    for edge in range(chunk, numel, chunk):
-        ax.axvline(edge - 0.5, color="w", lw=2)
-    ax.set_title(title, fontsize=10)
-    ax.set_xlabel("element index (chunks of 2 elements)")
-    ax.set_xticks(range(numel))
-axes[0].set_ylabel("rank")
-axes[0].set_yticks(range(world_size))
-fig.suptitle("All-reduce = reduce-scatter + all-gather, measured on 4 gloo ranks (Sec 7.1)", y=1.04)
+ranks = live.current()
+ch01.collectives_figure(ranks.pull("grad"), ranks.pull("chunk"), ranks.pull("gathered"))
 plt.show()
 
 # %% [markdown]
@@ -142,24 +136,26 @@ HTML(ring.html)
 #
 # The ledger counts each call's full logical tensor (the input of a reduce-scatter, the output of
 # an all-gather, the tensor of an all-reduce), so the paper's volume is
-# 2 · all_reduce + reduce_scatter + all_gather. Here one all-reduce and one reduce-scatter +
-# all-gather pair of the same 8 elements:
+# 2 · all_reduce + reduce_scatter + all_gather. Here rank 0's ledger: one all-reduce and one
+# reduce-scatter + all-gather pair of the same 8 elements:
 
 # %%
-ledger = res[0]["ledger"]
-for op in ("all_reduce", "reduce_scatter", "all_gather"):
-    print(f"{op:<15} calls {ledger[op]['calls']}  elements {ledger[op]['elements']:>2}  "
-          f"bytes {ledger[op]['bytes']:>3}")
-print(f"volume of the all_reduce:                  2 x {ledger['all_reduce']['elements']} = "
-      f"{2 * ledger['all_reduce']['elements']} elements")
-print(f"volume of reduce_scatter + all_gather:     {ledger['reduce_scatter']['elements']} + "
-      f"{ledger['all_gather']['elements']} = "
-      f"{ledger['reduce_scatter']['elements'] + ledger['all_gather']['elements']} elements")
+ledger = ranks.pull("ledger")[0]
+ops = ("all_reduce", "reduce_scatter", "all_gather")
+print(text_table(["rank 0", "calls", "elements", "bytes"], [[op, *ledger[op].values()] for op in ops],
+                 align=["left", "right", "right", "right"]))
+volume = {op: ledger[op]["elements"] for op in ops}
+print(f"\nvolume of the all_reduce:              2 x {volume['all_reduce']} = {2 * volume['all_reduce']} elements")
+print(f"volume of reduce_scatter + all_gather: {volume['reduce_scatter']} + {volume['all_gather']} = "
+      f"{volume['reduce_scatter'] + volume['all_gather']} elements")
 
 # %% [markdown]
-# `collectives` is written in a cell, not in the package: a function travels to the ranks by
-# value (cloudpickle), closures and lambdas included. This one reads `scale`, a variable
-# of this notebook:
+# Live ranks suit short experiments typed cell by cell (these four wait, idle, until `%ranks stop`
+# or the end of the kernel). A whole training run goes to
+# `zerolearn.dist.launch(fn, world_size, *args)`, which spawns `world_size` fresh processes,
+# joins them into a gloo process group, runs `fn(*args)` on each and returns the results in
+# rank order. The function travels to the ranks by value (cloudpickle), closures and lambdas
+# included. This one reads `scale`, a variable of this notebook:
 
 # %%
 scale = 10.0
@@ -181,7 +177,8 @@ print(launch(lambda: dist.get_world_size() * scale, 2))
 # each parameter's gradient and divide by N<sub>d</sub>, so every rank holds the gradient of the
 # *global* batch; then step. All ranks build the model from the same seed, so the replicas start
 # identical without a broadcast (PyTorch's DDP broadcasts rank 0's weights instead).
-#
+
+# %% [markdown]
 # ### Exercise 1: average the gradients
 #
 # Write `average_gradients(model, world_size)`, the heart of naive DP: called on every rank after
@@ -209,14 +206,13 @@ from zerolearn import exercises  # noqa: F401
 exercises.check("01.average_gradients", average_gradients)
 
 # %% [markdown]
-# `naive_dp_step` does this inside a whole training step, on this chapter's GPT (Ψ = 134,912 in
-# 29 tensors), which the rest of the chapter trains:
+# `naive_dp_step` does this inside a whole training step, on the same GPT, which the rest of the
+# chapter trains:
 
 # %%
-from zerolearn.models import GPTConfig
+from zerolearn.exercises.helpers import GPT  # GPTConfig(seq_len=16, n_layer=2, n_head=2, d_model=32)
 
-GPT = GPTConfig(seq_len=32, n_layer=2, n_head=4, d_model=64)
-BATCH, LR = 16, 1e-3  # global batch (sequences per step), Adam's learning rate
+BATCH, LR = 12, 1e-3  # global batch (sequences per step), Adam's learning rate
 
 
 def gpt_loss(logits, targets):
@@ -237,11 +233,11 @@ def naive_dp_step(model, optimizer, x, y, world_size):
 # %% [markdown]
 # Naive DP is correct but wasteful twice over. Communication starts only after the whole backward
 # is done, though the last layer's gradients were ready at its very beginning. And every tensor
-# pays a collective's fixed start-up cost, however small it is: a LayerNorm bias of 64 elements
+# pays a collective's fixed start-up cost, however small it is: a LayerNorm bias of 32 elements
 # waits for its own round trip just like a weight matrix.
 #
-# The fix is a schedule. Below is one DP backward of chapter 2's GPT (width 128, 2 blocks, fp32,
-# 2 ranks), its gradients cut into 12 buckets of at most 0.25 MiB, one colour per bucket. The
+# The fix is a schedule. Below is one DP backward of chapter 2's wider GPT (width 128, 2 blocks,
+# fp32, 2 ranks: large enough to fill 12 buckets of at most 0.25 MiB), one colour per bucket. The
 # top panel is the ideal, from the cost model: backward computes the last layers' gradients
 # first, and each bucket's all-reduce starts the moment its last gradient is in. The bottom
 # panel is what this machine recorded; the timeline at the end of this section reads it.
@@ -307,9 +303,10 @@ excerpt(Engine._launch)
 # ### Three DP implementations against one process
 #
 # `compare_dp` trains the same GPT for five steps with naive DP, with the book's stage-0
-# engine (buckets of at most 0.25 MiB) and with PyTorch's `DistributedDataParallel`, each on 4
-# ranks with a global batch of 16 sequences of 32 bytes, fp32 Adam. `single_process` trains
-# it in this process on the whole global batch. First a step of each kind:
+# engine (buckets of at most 0.05 MiB, four for this GPT) and with PyTorch's
+# `DistributedDataParallel`, each on 4 ranks with a global batch of 12 sequences of 16 bytes,
+# fp32 Adam. `single_process` trains it in this process on the whole global batch. First a step
+# of each kind:
 
 # %%
 def plain_step(model, optimizer, x, y):
@@ -333,6 +330,8 @@ def engine_step(engine, x, y):
 # Every run starts from the same seed; each rank trains on its slice of the same global batches:
 
 # %%
+import statistics
+import time
 from functools import partial
 
 from torch.nn.parallel import DistributedDataParallel
@@ -341,7 +340,14 @@ from zerolearn import data
 from zerolearn.engines import make_engine
 
 
-def dp_run(kind, bucket_mb=0.25):
+def rank_batch(step):
+    x, y = data.gpt_batch(step, BATCH, GPT.seq_len, seed=0)
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    return data.rank_slice(x, rank, world_size), data.rank_slice(y, rank, world_size)
+
+
+# %%
+def dp_run(kind, bucket_mb):
     """A step function (x, y) -> this rank's loss, and the engine's bucket count (else None)."""
     model = build_model("gpt", 0, gpt=GPT)
     if kind == "engine":
@@ -353,34 +359,23 @@ def dp_run(kind, bucket_mb=0.25):
     return partial(naive_dp_step, model, optimizer, world_size=dist.get_world_size()), None
 
 
-def rank_batch(step):
-    x, y = data.gpt_batch(step, BATCH, GPT.seq_len, seed=0)
-    rank, world_size = dist.get_rank(), dist.get_world_size()
-    return data.rank_slice(x, rank, world_size), data.rank_slice(y, rank, world_size)
-
-
 # %% [markdown]
 # `compare_dp` runs the three on every rank, one after the other; `single_process` is the
 # reference:
 
 # %%
-import statistics
-import time
-
-
-def compare_dp(steps=5):
+def compare_dp(steps=5, bucket_mb=0.05):
     """The three DP versions on this rank, one after the other: global losses, ledger, step time."""
     out = {}
     for kind in ("naive", "engine", "torch_ddp"):
-        step_fn, buckets = dp_run(kind)
+        step_fn, buckets = dp_run(kind, bucket_mb)
         comm.LEDGER.reset()  # this version's collectives only (torch's DDP bypasses the ledger)
         losses, seconds = [], []
         for step in range(steps):
             x, y = rank_batch(step)
             t0 = time.perf_counter()
-            loss = step_fn(x, y)
+            losses.append(comm.monitor_mean(step_fn(x, y)))  # the global mean over ranks
             seconds.append(time.perf_counter() - t0)
-            losses.append(comm.monitor_mean(loss))  # the global mean over ranks
         out[kind] = {"losses": losses, "ledger": comm.LEDGER.as_dict(), "buckets": buckets,
                      "step_seconds_median": statistics.median(seconds[1:] or seconds)}
     return out
@@ -399,23 +394,21 @@ steps = 5
 dp = launch(compare_dp, 4, steps)[0]  # every rank returns the same global losses
 reference = single_process(steps)
 runs = {"one process": reference, **{name: dp[name]["losses"] for name in ("naive", "engine", "torch_ddp")}}
+rows = [[step, *(f"{losses[step]:.4f}" for losses in runs.values())] for step in range(steps)]
 print("global mean loss per step (cross-entropy, nats per byte)\n")
-print(f"{'step':>4} " + " ".join(f"{name:>12}" for name in runs))
-for step in range(steps):
-    print(f"{step:>4} " + " ".join(f"{losses[step]:>12.4f}" for losses in runs.values()))
+print(text_table(["step", *runs], rows))
 worst = max(abs(a - b) for losses in runs.values() for a, b in zip(losses, reference))
 print(f"\nevery DP run matches one process to within 1e-5 at every step: {worst < 1e-5}")
 
 # %%
 psi = sum(p.numel() for p in build_model("gpt", 0, gpt=GPT).parameters())
-print(f"{'collectives per step':<22} {'naive':>8} {'engine':>8}")
-for what in ("calls", "elements"):
-    print(f"all_reduce {what:<11} " + " ".join(
-        f"{dp[name]['ledger']['all_reduce'][what] // steps:>8,}" for name in ("naive", "engine")))
+rows = [[f"all_reduce {what}", *(dp[name]["ledger"]["all_reduce"][what] // steps for name in ("naive", "engine"))]
+        for what in ("calls", "elements")]
+print(text_table(["per step", "naive", "engine"], rows, align=["left", "right", "right"]))
 print(f"\nthe engine's buckets: {dp['engine']['buckets']}; both move Psi = {psi:,} elements per step")
 
 # %% [markdown]
-# Both move the same Ψ elements per step; the naive version needs 29 calls for it, the engine 3.
+# Both move the same Ψ elements per step; the naive version needs 29 calls for it, the engine 4.
 # The losses agree to the printed digits: data parallelism changes where the arithmetic runs, not
 # what it computes. (The last digits differ a little, because a sum over ranks adds the same
 # numbers in another order than one process does.) The timings below are run-dependent and not
@@ -445,8 +438,8 @@ plt.show()
 # step), each collective from launch to completion (gloo runs it on a thread of its own, so
 # an asynchronous all-reduce can run *under* backward), and the time the main thread blocks
 # waiting. The run is the one drawn in the bucket schedule above: chapter 2's GPT (width 128,
-# 2 blocks, fp32 Adam, 12 buckets of at most 0.25 MiB) on 2 ranks, a larger model than this
-# chapter's 3 buckets, so that backward has enough buckets to show their order. The results
+# 2 blocks, fp32 Adam, 12 buckets of at most 0.25 MiB) on 2 ranks, wider than this chapter's
+# GPT, so that backward has enough buckets to show their order. The results
 # were stored by `python -m zerolearn.timeline --out notebooks/data/timeline/` (its
 # `--traces DIR` also writes Chrome/Perfetto trace files); the counts are the same on every
 # machine, the times are not.
@@ -497,13 +490,9 @@ for r in stage0["summary"]:
           f"{b['overlap']:.0%} of that hidden behind compute; main thread blocked {b['wait_s'] * 1e3:.1f} ms")
 
 # %% [markdown]
-# Parameters are not a model's only state. BatchNorm keeps running statistics in
-# *buffers*, and each rank updates them from its own slice of the batch, so the ranks'
-# copies drift apart. Like torch's DDP (`broadcast_buffers=True`), every engine here
-# broadcasts the buffers from rank 0 at the start of each forward
-# (`make_engine(..., broadcast_buffers=False)` turns it off), so all ranks hold rank 0's
-# statistics. To normalize with statistics of the whole global batch instead, convert
-# the model with `nn.SyncBatchNorm.convert_sync_batchnorm` before wrapping it.
+# (Models with BatchNorm also keep running statistics in *buffers*, which every engine here
+# broadcasts from rank 0 before each forward, as torch's DDP does; `docs/USAGE.md` says more.
+# Our GPT has none.)
 #
 # ## 3. The redundancy: every rank holds 16 Ψ
 #
@@ -513,27 +502,32 @@ for r in stage0["summary"]:
 # (2 + 2 + K) Ψ (Sec 3.1, Fig 1 baseline).
 
 # %%
-run = TrainConfig(stage=0, dtype="bf16", optimizer="adam", d_model=64, n_layer=2, seq_len=32, global_batch_size=16,
-                  steps=3, bucket_mb=0.25)
+from zerolearn.config import TrainConfig
+from zerolearn.report import kib, volume_per_step
+from zerolearn.train import train
+
+run = TrainConfig(stage=0, dtype="bf16", optimizer="adam", d_model=GPT.d_model, n_layer=GPT.n_layer,
+                  n_head=GPT.n_head, seq_len=GPT.seq_len, global_batch_size=BATCH, steps=3, bucket_mb=0.05)
 dp_reports = {nd: launch(train, nd, run)[0] for nd in (1, 2, 4)}
-psi = dp_reports[1]["num_params"]
-cats = ("params", "grads", "optimizer_states")
-print(f"stage 0, bf16 Adam, psi = {psi:,}: KiB held per rank, measured | formula; "
-      f"communication per step in units of Psi\n")
-print(f"{'nd':>3} {'rank':>4} | " + " | ".join(f"{c:^17}" for c in (*cats, "total"))
-      + " | comm Psi/step")
+
+# %%
+psi, cats = dp_reports[1]["num_params"], ("params", "grads", "optimizer_states")
+formula = dp_reports[1]["analytic"]["model_state_bytes"]
+rows, exact = [], True
 for nd, report in dp_reports.items():
-    formula = report["analytic"]["model_state_bytes"]
     for entry in report["ranks"]:
         held = entry["model_state_bytes"]
-        pairs = [(held[c], formula[c]) for c in cats] + [(sum(held.values()), sum(formula.values()))]
-        cells = " | ".join(f"{kib(m):>8}|{kib(f):<8}" for m, f in pairs)
-        volume = volume_per_step(entry, len(report["losses"])) / psi
-        theory = analytic.comm_volume_elements(psi, stage=0) / psi  # Sec 7.1
-        print(f"{nd:>3} {entry['rank']:>4} | {cells} | {volume:>5.3f}|{theory:.1f}")
+        exact = exact and all(held[c] == report["analytic"]["model_state_bytes"][c] for c in cats)
+        rows.append([nd, entry["rank"], *(kib(held[c]) for c in cats), kib(sum(held.values())),
+                     f"{volume_per_step(entry, len(report['losses'])) / psi:.3f}"])
+rows.append(["formula", "", *(kib(formula[c]) for c in cats), kib(sum(formula[c] for c in cats)),
+             f"{analytic.comm_volume_elements(psi, stage=0) / psi:.1f}"])  # Sec 3.1, Sec 7.1
+print(f"stage 0, bf16 Adam, psi = {psi:,}: KiB held per rank; communication per step in units of Psi\n")
+print(text_table(["Nd", "rank", "params", "grads", "optim. states", "total", "comm Psi/step"], rows))
+print(f"\nmeasured == formula in every category on every rank: {exact}")
 
 # %% [markdown]
-# Every rank holds the same 2,108 KiB = 16 Ψ bytes at every N<sub>d</sub>, exactly the formula,
+# Every rank holds the same 662.0 KiB = 16 Ψ bytes at every N<sub>d</sub>, exactly the formula,
 # and the ledger counts 2 Ψ elements per step (one all-reduce of Ψ, counted twice). At
 # N<sub>d</sub> = 1 the all-reduce has no peer and the ring would send nothing,
 # (N<sub>d</sub> − 1)/N<sub>d</sub> = 0; the ledger still counts the call. Adding ranks divides the
@@ -541,35 +535,7 @@ for nd, report in dp_reports.items():
 
 # %%
 one_copy = analytic.model_state_bytes(psi, nd=1, stage=0, k=12)["total"] / 1024  # KiB, 16 psi
-fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.2), gridspec_kw={"width_ratios": [2, 1]})
-labels, x = [], 0
-for nd, report in dp_reports.items():
-    for entry in report["ranks"]:
-        bottom = 0.0
-        for j, c in enumerate(cats):
-            v = entry["model_state_bytes"][c] / 1024
-            left.bar(x, v, bottom=bottom, color=f"C{j}", label=c if x == 0 else None)
-            bottom += v
-        labels.append(f"Nd={nd}\nrank {entry['rank']}")
-        x += 1
-left.axhline(one_copy, color="k", ls="--", lw=1, label="formula (2 + 2 + K) psi, K = 12")
-left.set_xticks(range(x), labels)
-left.set_ylabel("model-state bytes held by the rank (KiB)")
-left.set_title("Each rank's bytes, measured (stage 0, bf16 Adam)")
-left.set_ylim(0, one_copy * 1.35)
-left.legend(fontsize=8, loc="upper center", ncol=2)
-nds = list(dp_reports)
-totals = [sum(sum(e["model_state_bytes"].values()) for e in dp_reports[nd]["ranks"]) / 1024 for nd in nds]
-right.plot(nds, totals, "o-", label="measured, sum over ranks")
-right.plot(nds, [nd * one_copy for nd in nds], "k--", label="formula, Nd x 16 psi")
-right.axhline(one_copy, color="C2", lw=1, label="one copy: 16 psi")
-right.set_xlabel("data-parallel ranks Nd")
-right.set_ylabel("model-state bytes, all ranks together (KiB)")
-right.set_title("Total memory grows with Nd")
-right.set_xticks(nds)
-right.set_ylim(bottom=0)
-right.legend(fontsize=8)
-fig.tight_layout()
+ch01.redundancy_figure(dp_reports, one_copy)
 plt.show()
 
 # %% [markdown]
@@ -610,25 +576,63 @@ your_engine(0, {"bucket_hook": bucket_hook})
 # | two reductions in flight at most | bounds the gradient buffers alive at once | `_launch` above |
 # | bf16/fp16 copies, fp32 master, loss scale | 2-byte forward and backward; (2 + 2 + K) Ψ of states | chapter 0 |
 # | gradient accumulation | several micro-batches, one reduction per step | chapter 3, section 6 |
-# | buffers broadcast from rank 0 | BatchNorm statistics the same on every rank | end of section 2 |
+# | buffers broadcast from rank 0 | BatchNorm statistics the same on every rank | `docs/USAGE.md` |
 # | guards that keep ranks in step | collectives pair by order: a skipped one hangs the rest | chapter 7, pitfalls |
-#
+
+# %% [markdown]
 # ## Summary
 #
-# * All-reduce = reduce-scatter + all-gather; we showed it on 4 gloo ranks. A ring all-reduce
-#   sends 2 (N<sub>d</sub> − 1)/N<sub>d</sub> · Ψ elements per rank, the paper's 2 Ψ (Sec 7.1); the
-#   ledger counts exactly that.
+# * All-reduce = reduce-scatter + all-gather; we showed it on 4 live gloo ranks. A ring
+#   all-reduce sends 2 (N<sub>d</sub> − 1)/N<sub>d</sub> · Ψ elements per rank, the paper's 2 Ψ
+#   (Sec 7.1); the ledger counts exactly that.
 # * Naive DP (one blocking all-reduce per tensor after backward) is correct but pays one latency
 #   per tensor and cannot overlap communication with backward. Real DP fills constant-size
-#   buckets from `post_accumulate_grad` hooks and reduces each asynchronously as soon as it is
-#   full (29 calls per step became 3 for our GPT).
+#   buckets from `post_accumulate_grad` hooks and reduces each as soon as it is full (29 calls
+#   per step became 4 for our GPT).
 # * Naive DP, our bucketed engine and PyTorch's DDP all reproduce single-process training on the
-#   global batch, step by step, to within 1e-5 (sums over ranks add in another order, so
-#   the last bits differ).
-# * On two CPU cores the recorded timeline shows the buckets' order, not a GPU's overlap: the
-#   ranks and gloo share the cores, and the reductions take longer than backward's compute.
+#   global batch to within 1e-5 (sums over ranks add in another order).
+# * On two CPU cores the recorded timeline shows the buckets' order, not a GPU's overlap: ranks
+#   and gloo share the cores.
 # * Every DP rank holds all (2 + 2 + K) Ψ = 16 Ψ bytes of model states, measured at
 #   N<sub>d</sub> = 1, 2 and 4: adding GPUs adds copies, not room.
 #
 # Next, chapter 2 partitions the optimizer states (P<sub>os</sub>, Sec 5.1): 4 Ψ + K Ψ/N<sub>d</sub>
 # per rank, for the same 2 Ψ of communication.
+
+# %% [markdown]
+# ## Questions
+#
+# Write your prediction down before you run each cell.
+#
+# **1.** A ring all-reduce of our GPT's gradients on N<sub>d</sub> = 8 ranks: how many elements
+# does each rank send, and what does the paper round it to?
+
+# %%
+nd = 8
+print(f"each rank sends 2 (Nd - 1)/Nd x Psi = {2 * (nd - 1) * psi // nd:,} elements; "
+      f"the paper's 2 Psi = {analytic.comm_volume_elements(psi, stage=0):,}")
+
+# %% [markdown]
+# **2.** Same training, buckets of at most 0.25 MiB: how many all-reduce calls per step do naive
+# DP and the engine make on 2 ranks? (Our GPT's gradients take 165.5 KiB in fp32.)
+
+# %%
+counted = launch(compare_dp, 2, 1, 0.25)[0]  # one step of each version, buckets of 0.25 MiB
+print({name: counted[name]["ledger"]["all_reduce"]["calls"] for name in ("naive", "engine")})
+
+# %% [markdown]
+# **3.** With bf16 Adam on N<sub>d</sub> = 8 ranks, how many KiB of model states does each rank
+# hold, and all eight together?
+
+# %%
+per_rank = analytic.model_state_bytes(psi, nd=8, stage=0, k=12)["total"]
+print(f"each rank {kib(per_rank, unit=True)}, all 8 ranks {kib(8 * per_rank, unit=True)}")
+
+# %% [markdown]
+# **4.** GPT-2 1.5B in plain DP on 64 GPUs: predict the GB of model states all 64 hold together,
+# and the elements each GPU moves per step.
+
+# %%
+total = 64 * analytic.model_state_bytes(1.5e9, nd=64, stage=0, k=12)["total"]
+print(f"{total / analytic.GB:,.0f} GB on 64 GPUs; "
+      f"{analytic.comm_volume_elements(1.5e9, stage=0) / 1e9:.1f}B elements per GPU per step")

@@ -3,6 +3,7 @@
 * notebook: ``notebooks/src/01_data_parallelism.py``, built into
   ``notebooks/01_data_parallelism.ipynb`` and the reader's copy
   ``notebooks/exercises/01_data_parallelism.ipynb``;
+* lesson: :mod:`.lesson`, the layout of the chapter's collectives and redundancy figures;
 * exercise ``01.average_gradients`` (:mod:`.average_gradients`, checked by
   :mod:`.average_gradients_check`): after backward, replace every gradient by its mean
   over the ranks, one all-reduce per tensor (naive DP);
