@@ -281,7 +281,8 @@ def residual_bytes(psi: float = 1e11, nd: int = 64, stage: int = 2, nm: int = 16
       (``model.activation_bytes(checkpointing=True)``, Sec 3.2), the same on each of the
       Nm GPUs under MP ("mp"); P_a divides it by Nm (``model.partitioned_checkpoint_bytes``,
       Sec 6.1: about 33 GB becomes about 2 GB for the defaults, a 100B-parameter model
-      of 125 x 8192 at batch 16 and Nm = 16); P_a+cpu keeps none on the device and that
+      of 125 x 8192 at batch 16 and Nm = 16: the paper's setting is batch 32, and its
+      33 GB is what the formula gives at 16); P_a+cpu keeps none on the device and that
       1/Nm in host memory (Sec 6.1).
     * ``buffer``: the fp32 buffer that fuses every gradient of the GPU's Psi / Nm
       parameters, 4 Psi / Nm bytes (``model.fused_buffer_bytes``, Sec 3.2); with CB it
@@ -329,7 +330,8 @@ def residual_figure(psi: float = 1e11, nd: int = 64, stage: int = 2, nm: int = 1
     """Left: checkpoint bytes per GPU against Nm, replicated, P_a and P_a+cpu. Right: the
     bytes per GPU without ZeRO-R and with the chosen ZeRO-R, by category, the device as a line.
 
-    The default is Sec 6.1's 100B example (125 x 8192, seq 1K, batch 16) at Nm = 16,
+    The default is Sec 6.1's 100B example (125 x 8192, seq 1K, batch 16: the batch at which
+    the formula gives the paper's 33 GB; the paper states batch 32) at Nm = 16,
     Nd = 64 under P_os+g, with P_a, CB at 500 MB and MD, on a 32 GB V100.
     Arguments as :func:`residual_bytes`; "without ZeRO-R" is MP's replicated
     checkpoints, the full fused buffer and no MD.

@@ -7,7 +7,8 @@ existed), trains ``steps`` steps and records the last one: every all_gather the 
 issues through :mod:`zerolearn.comm` (and for which unit's buffer), every unit's forward and
 backward, every free, and ``engine.gathered_bytes`` (full parameters alive) after each. So
 the order drawn is the order the engine ran, not a description of it. At one rank a
-prefetch gathers one unit at a time, as the paper describes it; several ranks fuse small
+prefetch gathers one unit per all_gather (units and prefetch are the package's way of
+pipelining Sec 7.2.2's gathers; the paper names neither); several ranks fuse small
 units into one all_gather (``prefetch_mb``), which changes the number of calls, not the order.
 """
 
