@@ -64,7 +64,11 @@ def _serve(rank: int, world_size: int, port: int, backend: str, timeout_s: float
         return  # the kernel is gone: nobody to serve
     from zerolearn import dist as zdist
 
-    zdist.teardown(clean=False)
+    # Asked to close: every rank was asked, so all leave together (a barrier, then each
+    # waits until all have left), and rank 0, whose process holds the store, does not exit
+    # while a peer still talks to it (the peer would print c10d's store errors into the
+    # kernel's next cell). A rank that cannot finish this is killed by the kernel's close.
+    zdist.teardown(clean=True)
 
 
 def _join(namespace: dict, rank: int, world_size: int, backend: str, timeout_s: float) -> None:
