@@ -5,20 +5,19 @@
 # parameter. ZeRO-2 keeps only the gradient shard it will use (paper Sec 5.2). The
 # saving is real only if the full gradient never exists at once: gradients have to be
 # reduced in buckets *during* backward and each bucket freed as soon as it is reduced.
-# This chapter measures that on real ranks, and takes apart a well-known reproduction
-# that found ZeRO-2's peak memory *above* ZeRO-1's.
+# This chapter measures that on real ranks, and takes apart the blog's finding (chapter
+# 2's reproduction, see the glossary) of a ZeRO-2 peak *above* ZeRO-1's.
 #
 # **Learning goals.** After this chapter you can
 #
 # 1. state ZeRO-2's model-state memory, $2\Psi + (2 + K)\Psi/N_d$ bytes (Sec 5.2, Fig 1),
 #    and check it against bytes measured on running ranks;
 # 2. write the hook that reduce-scatters a finished gradient bucket into a rank's shard and
-#    frees the full gradient, check it on real ranks, then follow the same path in the
-#    package's `Zero2Engine` and read the result off a memory timeline;
-# 3. explain, with measurements, why an implementation that keeps full gradients and
-#    builds each reduce-scatter input from $N_d$ copies of the gradient ends up with a
-#    higher peak than ZeRO-1;
-# 4. choose a bucket size knowing what it does to the peak (Sec 5.2, Sec 6.2).
+#    frees the full gradient, then follow the same path in `Zero2Engine` and read the
+#    result off a memory timeline;
+# 3. explain, measured, why a ZeRO-2 that keeps full gradients and builds each
+#    reduce-scatter input from $N_d$ gradient copies peaks above ZeRO-1;
+# 4. choose a bucket size for what it does to the peak (Sec 5.2, Sec 6.2).
 
 # %% [markdown]
 # ## 1. The idea in numbers
@@ -54,20 +53,22 @@ from zerolearn.dist import launch
 from zerolearn.engines import base, zero2
 from zerolearn.experiments import seed_experiment
 from zerolearn.flat import make_buckets
-from zerolearn.memory import model as analytic
 from zerolearn.models import GPTConfig, build_model
+from zerolearn.tables import kib, text_table
 
+# %% [markdown]
+# The measured runs use chapter 2's wider GPT ($d_{model} = 128$, $\Psi = 464{,}384$)
+# rather than the book's GPT of the exercises ($\Psi = 42{,}368$): its fp32 gradient, 1.77
+# MiB, is large enough for buckets of 0.05 to 0.5 MiB to cut it into many pieces.
+
+# %%
 D_MODEL, SEQ_LEN, N_LAYER = 128, 16, 2  # the GPT of chapter 2
 GPT = TrainConfig(model="gpt", d_model=D_MODEL, seq_len=SEQ_LEN, n_layer=N_LAYER, global_batch_size=12, steps=2,
                   memory_timeline=True, bucket_mb=0.25)
 gpt = build_model("gpt", 0, gpt=GPTConfig(seq_len=SEQ_LEN, n_layer=N_LAYER, d_model=D_MODEL))
 psi = sum(p.numel() for p in gpt.parameters())
 named = [(n, p) for n, p in gpt.named_parameters()][::-1]  # the engine's order: reverse registration
-print(f"GPT: Psi = {psi:,} parameters; full fp32 gradient = {4 * psi / 2**10:,.1f} KiB")
-
-def kib(n):
-    return f"{n / 1024:,.1f}"
-
+print(f"GPT: Psi = {psi:,} parameters; full fp32 gradient = {kib(4 * psi, unit=True)}")
 
 # %% [markdown]
 # The same view for ZeRO-2, at Fig 1's setting. Move **Nd**: the gradients row falls as
@@ -102,6 +103,59 @@ from zerolearn.figures import schematics
 schematics.bucket_schedule_figure(stage=2)
 
 # %% [markdown]
+# ### 2.1 Two buckets by hand, on live ranks
+#
+# The same schedule with numbers you can follow. `%%ranks 2` (from `zerolearn.live`, as in
+# chapter 2) runs a cell on 2 real gloo ranks that keep their variables between cells.
+# Each rank's "backward" makes 7 gradient elements in two buckets: bucket 0 (the last
+# layer's, made first) has 4 elements, bucket 1 has 3, padded to 4 so that 2 ranks get 2
+# each. Rank $r$'s gradient is $(r + 1)$ times the same numbers.
+
+# %% tags=["live"]
+# %load_ext zerolearn.live
+
+# %% tags=["live"]
+# %%ranks 2
+pending = [(rank + 1) * torch.tensor([1.0, 2.0, 3.0, 4.0]),  # bucket 0, complete first
+           (rank + 1) * torch.tensor([5.0, 6.0, 7.0, 0.0])]  # bucket 1: 3 elements + 1 padding
+shards = []  # what this rank keeps: one 2-element shard per bucket
+print([b.tolist() for b in pending])
+
+# %% [markdown]
+# Backward has completed bucket 0: reduce-scatter it at once, keep this rank's half as
+# the mean over ranks, and drop the full bucket. Rank 0 keeps $1.5\cdot[1, 2]$, rank 1
+# $1.5\cdot[3, 4]$.
+
+# %% tags=["live"]
+# %%ranks
+full = pending.pop(0)
+shard = torch.empty(full.numel() // world_size)
+comm.reduce_scatter(shard, full)
+shards.append(shard / world_size)  # the mean over ranks
+del full  # the full bucket is gone: only the shard stays
+print(f"kept {[s.tolist() for s in shards]}; full buckets still waiting: {len(pending)}")
+
+# %% [markdown]
+# Then bucket 1, the same four lines. Rank 1's shard ends in the padding element, 0.
+
+# %% tags=["live"]
+# %%ranks
+full = pending.pop(0)
+shard = torch.empty(full.numel() // world_size)
+comm.reduce_scatter(shard, full)
+shards.append(shard / world_size)
+del full
+print(f"kept {[s.tolist() for s in shards]}; full buckets still waiting: {len(pending)}")
+
+# %% tags=["live"]
+# %ranks stop
+
+# %% [markdown]
+# Each rank now keeps 4 of the 8 padded gradient elements, and at no moment held more
+# than its shards plus one full bucket. The exercise below does this from autograd's
+# hooks, on a real model.
+
+# %% [markdown]
 # The shared engine base registers a hook on every parameter that fires once autograd
 # has accumulated that parameter's gradient. The hook copies the gradient into its
 # group's flat buffer, drops autograd's copy, and when the group is complete launches
@@ -132,8 +186,8 @@ from zerolearn import comm, exercises  # noqa: F401
 # `p.grad` is complete). When the last parameter of the bucket has its gradient, write
 # the mean over ranks of this rank's slice into `shard` with one
 # `comm.reduce_scatter(output, input)`, and free the full gradients. The checker trains
-# the seed MLP (4 Linear layers of width 64, 16,640 parameters) for 3 SGD steps in 3
-# buckets and compares every shard with one process; it measures, with the memory
+# a small MLP (4 Linear layers of width 64, 16,640 parameters: one process retrains it in
+# no time) for 3 SGD steps in 3 buckets and compares every shard with one process; it measures, with the memory
 # ledger, the gradient bytes alive after backward (only the shards may be), and counts
 # the elements your hooks move (1 $\Psi$).
 
@@ -197,70 +251,36 @@ print(f"2 ranks, {len(jobs2)} runs: {time.perf_counter() - t0:.0f} s")
 # padding (under $N_d$ elements per group) is shown. Then come the most gradient bytes
 # alive at any moment of backward (measured by the engine), ZeRO-1's full gradient for
 # comparison, the largest bucket, and the peak's excess over the shards in units of
-# that bucket.
+# that bucket. Rows are named by $N_d$ and dtype.
 
 # %%
 runs = [(2, nd2[0][0]), (2, nd2[0][1]), (4, sweep[(2, 0.2)]), (4, nd4[-1])]
-print(f"{'Nd':>2} {'dtype':>5} | {'params KiB':>17} | {'grads KiB':>17} | {'optim KiB':>17} | {'pad':>3} | "
-      f"{'peak grads':>10} {'ZeRO-1':>7} | {'largest':>7} {'(peak-shards)':>13}")
-print(f"{'':>8} | {'meas':>8} {'formula':>8} | {'meas':>8} {'formula':>8} | {'meas':>8} {'formula':>8} | {'':>3} | "
-      f"{'KiB':>10} {'KiB':>7} | {'bucket':>7} {'/ bucket':>13}")
-for nd, rep in runs:
-    entry, formula = rep["ranks"][0], rep["analytic"]["model_state_bytes"]
-    cells = " | ".join(f"{kib(entry['model_state_bytes'][c]):>8} {kib(formula[c]):>8}"
-                       for c in ("params", "grads", "optimizer_states"))
-    width = analytic.dtype_bytes(rep["config"]["dtype"])
-    groups = make_buckets(named, int(rep["config"]["bucket_mb"] * 2**20), width, nd, 0)
-    largest = max(g.padded_numel for g in groups) * width
-    alive = (entry["peak_grad_bytes"] - entry["model_state_bytes"]["grads"]) / largest
-    print(f"{nd:>2} {rep['config']['dtype']:>5} | {cells} | {entry['padding_elements']:>3} | "
-          f"{kib(entry['peak_grad_bytes']):>10} {kib(width * psi):>7} | {kib(largest):>7} {alive:>13.2f}")
-print(f"the engine's bound: peak grads <= shards + (MAX_IN_FLIGHT + 2) x largest bucket, i.e. the last column "
-      f"<= {base.MAX_IN_FLIGHT + 2}\n(buckets in flight, one more being launched, one filling)")
-
+keeps, peaks = ch03.keeps_tables(runs, named, psi, base.MAX_IN_FLIGHT)
+print(keeps)
+print()
+print(peaks)
 
 # %% [markdown]
-# What a rank keeps matches the formula exactly: $2\Psi/N_d$ bytes of gradients in bf16
-# ($4\Psi/N_d$ in fp32), and the other two columns as in chapter 2. The *peak* of
-# gradient memory is higher than the shards, since buckets are alive while they fill
-# and while they are reduced: the last column measures that excess in buckets, and it
-# stays within the engine's bound. Those few buckets are a constant (Sec 6.2), while
+# What a rank keeps matches the formula exactly (first table): $2\Psi/N_d$ bytes of
+# gradients in bf16 ($4\Psi/N_d$ in fp32), and the other two columns as in chapter 2. The
+# *peak* of gradient memory is higher than the shards, since buckets are alive while they
+# fill and while they are reduced: the second table measures that excess in buckets, and
+# it stays within the engine's bound, `MAX_IN_FLIGHT` + 2 (buckets in flight, one more
+# being launched, one filling). Those few buckets are a constant (Sec 6.2), while
 # the shards shrink with $N_d$ and the full gradient grows with the model. In this small GPT a 0.2 MiB
 # bucket is a sizeable part of the model, so in bf16 at $N_d = 2$ the peak even
 # slightly exceeds ZeRO-1's full gradient; for a model of billions of parameters the
-# same buckets are negligible. The timeline shows the mechanism: the `grads` category
+# same buckets are negligible.
+
+# %% [markdown]
+# The timeline shows the mechanism: the `grads` category
 # over the last training step, for ZeRO-1 and ZeRO-2 with 0.2 MiB buckets, rank 0 of 4,
 # fp32. (The first events of the step register the tensors that already exist,
 # parameters and optimizer states, which is why the totals start by climbing.)
 
 # %%
-def phase_spans(timeline):
-    # (phase, first event, last event) in order
-    spans = []
-    for i, event in enumerate(timeline):
-        if not spans or spans[-1][0] != event[1]:
-            spans.append([event[1], i, i])
-        spans[-1][2] = i
-    return spans
-
-SHADE = {"forward": "#e8e8ff", "backward": "#e8ffe8", "step": "#ffe8e8"}
-fig, axes = plt.subplots(2, 1, figsize=(8, 6))
-for ax, stage in zip(axes, (1, 2)):
-    timeline = sweep[(stage, 0.2)]["ranks"][0]["memory"]["timeline"]
-    for phase, a, b in phase_spans(timeline):
-        if phase in SHADE:  # "setup": registering existing tensors, freeing the graph
-            ax.axvspan(a, b, color=SHADE[phase], lw=0)
-            ax.text((a + b) / 2, 1.02, phase, transform=ax.get_xaxis_transform(), ha="center", fontsize=8)
-    ax.plot([e[3]["grads"] / 1024 for e in timeline], color="C3", label="grads")
-    ax.plot([e[2] / 1024 for e in timeline], color="k", lw=0.8, label="all tracked memory")
-    ax.axhline(4 * psi / 1024, color="C3", ls=":", lw=1, label=r"full fp32 gradient $4\Psi$")
-    ax.set_ylabel("KiB on rank 0")
-    ax.set_title(f"ZeRO-{stage}, 4 ranks, 0.2 MiB buckets", pad=14)
-axes[0].legend(fontsize=8, loc="center left")
-axes[1].set_xlabel("allocation and free events during the last step (event index)")
-fig.suptitle("Memory over one training step, by the memory ledger")
-fig.tight_layout()
-plt.show()
+timelines = {stage: sweep[(stage, 0.2)]["ranks"][0]["memory"]["timeline"] for stage in (1, 2)}
+ch03.grads_timeline_figure(timelines, psi)
 
 # %% [markdown]
 # Under ZeRO-1 the gradient climbs during backward to the full $4\Psi$ bytes and
@@ -270,8 +290,9 @@ plt.show()
 #
 # ## 4. Why a reproduction found ZeRO-2's peak above ZeRO-1's
 #
-# The blog reproduction this book starts from trained 6 Linear layers of width 10,000
-# (600M parameters, fp32 Adam, batch 16) on 2 GPUs and reported peak memory of
+# The blog, "Understanding ZeRO: Memory-Efficient Training from Theory to Practice" by
+# Dipankar Baisya (December 2025; chapter 2, and the glossary), trained 6 Linear layers of
+# width 10,000 (600M parameters, fp32 Adam, batch 16) on 2 GPUs and reported peak memory of
 # 8,090 MB under its ZeRO-1 and 8,470 MB under its ZeRO-2, attributing the difference
 # to reduce-scatter buffers. ZeRO-2 holds strictly less than ZeRO-1 (Sec 5.2), so the
 # surplus has to come from the implementation. Its ZeRO-2 did three things, rebuilt
@@ -287,20 +308,15 @@ class BlogZero2(ch02.NaiveZero1):  # chapter 2's naive ZeRO-1: whole tensors, th
     def __init__(self, model, lr=1e-3, owners="count"):
         super().__init__(model, lr, owners)
         for p, owner in zip(self.params, self.owners):  # 1. meant to discard others' gradients
-            keep = owner == self.rank
-            p.register_hook(lambda grad, keep=keep: grad if keep else None)
+            p.register_hook(lambda grad, keep=owner == self.rank: grad if keep else None)
 
     @torch.no_grad()
     def step(self):
         for p, owner in zip(self.params, self.owners):
-            flat = p.grad.contiguous().view(-1)
-            stacked = torch.cat([flat for _ in range(self.world_size)])  # 2. Nd copies of the full gradient
-            out = torch.empty_like(flat)  # and a full-size output
+            stacked = torch.cat([p.grad.reshape(-1)] * self.world_size)  # 2. Nd copies of the full gradient
+            out = p.grad.new_empty(p.numel())  # and a full-size output
             comm.reduce_scatter(out, stacked)  # every rank receives the whole sum
-            if owner == self.rank:
-                p.grad.data = (out / self.world_size).view_as(p)
-            else:
-                p.grad = None  # 3. non-owned gradients are dropped only now, one by one
+            p.grad = (out / self.world_size).view_as(p) if owner == self.rank else None  # 3. dropped only now
         self.optimizer.step()
         for p, owner in zip(self.params, self.owners):
             comm.broadcast(p.data, src=owner)
@@ -321,15 +337,18 @@ print(f"gradient still there after a hook returned None: {x.grad is not None}")
 # So every rank still holds the full gradient after backward, exactly as in ZeRO-1. On
 # top of it, each reduce-scatter briefly needs $N_d$ copies of the tensor's gradient
 # plus a full-size output, and since every rank receives the full sum the
-# "reduce-scatter" is an all-reduce that moves $N_d$ times the data. Our run of the
-# blog's MLP, 6 square Linear layers at width 512 instead of 10,000, on 2 ranks measures
-# all four versions: our ZeRO-1 and ZeRO-2, chapter 2's `NaiveZero1` and `BlogZero2`.
+# "reduce-scatter" is an all-reduce that moves $N_d$ times the data. To compare with the
+# blog we leave the GPT here and run the blog's own model, 6 square Linear layers, at
+# width 512 instead of 10,000 so that it fits two CPU ranks: the seed experiment (the
+# book's rerun of the blog's runs, `zerolearn.experiments.seed_experiment`; see the
+# glossary) builds it. On 2 ranks we measure all four versions: our ZeRO-1 and ZeRO-2,
+# chapter 2's `NaiveZero1` and `BlogZero2`.
 # One Linear layer of fp32 gradient is 1,026 KiB here.
 
 # %% tags=["nbval-ignore-output"]
 ns = argparse.Namespace(width=512, layers=6, batch=16, steps=2, dtype="fp32", bucket_mb=1.0,
                         simulate_world_size=None)
-mlp = {s: seed_experiment.job_config(ns, s).replace(memory_timeline=True) for s in (1, 2)}  # the seed chapter's
+mlp = {s: seed_experiment.job_config(ns, s).replace(memory_timeline=True) for s in (1, 2)}  # the seed experiment's
 blog = [("train", mlp[1]), ("train", mlp[2]), ("naive", ch02.NaiveZero1, mlp[1]), ("naive", BlogZero2, mlp[2])]
 t0 = time.perf_counter()
 ours1, ours2, blog1, blog2 = launch(ch02.jobs, 2, blog)[0]
@@ -340,32 +359,31 @@ layer = 512 * 513 * 4  # bytes of one Linear(512, 512) gradient in fp32
 mlp_psi = ours1["num_params"]
 versions = (("blog-style ZeRO-1 (AR+bcast)", blog1), ("blog-style ZeRO-2", blog2),
             ("ours ZeRO-1 (engine)", ours1["ranks"][0]), ("ours ZeRO-2 (engine)", ours2["ranks"][0]))
-losses = (blog1, blog2, ours1, ours2)
-print(f"MLP: Psi = {mlp_psi:,} parameters, 2 gloo ranks, fp32 Adam, 2 steps\n")
-print(f"{'version':<28} | {'grads after backward KiB':>24} | {'RS input Psi/step':>17} {'total Psi/step':>14} | "
-      f"{'final loss':>10}")
-for (name, entry), run in zip(versions, losses):
+rows = []
+for (name, entry), run in zip(versions, (blog1, blog2, ours1, ours2)):
     held = entry["grads_bytes"] if "grads_bytes" in entry else entry["model_state_bytes"]["grads"]
     ops = {op: entry["comm"][op]["elements"] / 2 / mlp_psi for op in entry["comm"]}  # per step
     volume = 2 * ops["all_reduce"] + ops["reduce_scatter"] + ops["all_gather"] + ops["broadcast"]
-    print(f"{name:<28} | {kib(held):>24} | {ops['reduce_scatter']:>17.2f} {volume:>14.2f} | "
-          f"{run['losses'][-1]:>10.4f}")
+    rows.append([name, kib(held), f"{ops['reduce_scatter']:.2f}", f"{volume:.2f}", f"{run['losses'][-1]:.4f}"])
+print(f"MLP: Psi = {mlp_psi:,} parameters, 2 gloo ranks, fp32 Adam, 2 steps")
+print(text_table(["version", "grads after\nbackward KiB", "RS input\nPsi/step", "total\nPsi/step", "final loss"],
+                 rows, align=["left", *["right"] * 4]))
 
 # %% [markdown]
 # Peaks come from the memory ledger over the last step. A tensor handed to a
 # collective is released when gloo's background thread lets go of it, a moment that
 # varies from run to run, so the blog-style ZeRO-2's peak can move by a layer or so
-# between runs, and the others slightly (this cell's output is not compared by the
-# tests); the conclusions printed after it hold in every run.
+# between runs, and the others slightly: these figures change with the run, while the
+# conclusions printed after them hold in every run.
 
 # %% tags=["nbval-ignore-output"]
-print(f"{'version':<28} | {'peak KiB':>9} | {'grads at peak':>13} {'temporary at peak':>17} | "
-      f"{'peak - its ZeRO-1, layers':>25}")
+rows = []
 for i, (name, entry) in enumerate(versions):
-    at_peak = entry["memory"]["peak_by_category"]
-    ref = versions[0 if i < 2 else 2][1]["peak_bytes"]
-    print(f"{name:<28} | {kib(entry['peak_bytes']):>9} | {kib(at_peak['grads']):>13} "
-          f"{kib(at_peak['temporary']):>17} | {(entry['peak_bytes'] - ref) / layer:>+25.2f}")
+    at_peak, ref = entry["memory"]["peak_by_category"], versions[0 if i < 2 else 2][1]["peak_bytes"]
+    rows.append([name, kib(entry["peak_bytes"]), kib(at_peak["grads"]), kib(at_peak["temporary"]),
+                 f"{(entry['peak_bytes'] - ref) / layer:+.2f}"])
+print(text_table(["version", "peak KiB", "grads\nat peak", "temporary\nat peak", "peak - its ZeRO-1\nlayers"],
+                 rows, align=["left", *["right"] * 4]))
 
 # %%
 peak = {name: entry["peak_bytes"] for name, entry in versions}
@@ -385,12 +403,7 @@ print(f"our ZeRO-2 peaks below both blog-style versions:                     {o2
 # All four versions compute the same losses. (Our ZeRO-1 and the blog-style ZeRO-1 peak
 # within a fraction of a layer of each other: both hold the full gradient, and both
 # publish without a copy, ours with an all-gather that runs in place in the parameter
-# buffer, the blog-style version by updating in place and broadcasting.) The seed experiment's own table
-# (`zerolearn.experiments.seed_experiment.format_seed_table`) shows our two runs against
-# the formulas:
-
-# %% tags=["nbval-ignore-output"]
-print(seed_experiment.format_seed_table([ours1, ours2]))  # the peak column can move slightly between runs
+# buffer, the blog-style version by updating in place and broadcasting.)
 
 # %% [markdown]
 # Over the step the difference looks like this (total tracked bytes on rank 0):
@@ -421,26 +434,28 @@ plt.show()
 # size (CB, Sec 6.2). The sweep ran in Section 3 (GPT, 4 ranks, fp32):
 
 # %%
-print(f"{'bucket MiB':>10} | {'groups':>6} {'largest group KiB':>17} | {'ZeRO-2 peak grads KiB':>21} "
-      f"{'ZeRO-2 RS calls/step':>20}")
+rows = []
 for b in BUCKETS:
     groups = make_buckets(named, int(b * 2**20), 4, 4, 0)
     two = sweep[(2, b)]["ranks"][0]
-    print(f"{b:>10} | {len(groups):>6} {kib(max(g.padded_numel for g in groups) * 4):>17} | "
-          f"{kib(two['peak_grad_bytes']):>21} {two['comm']['reduce_scatter']['calls'] // 2:>20}")
-print(f"(ZeRO-1 keeps the full gradient, {kib(4 * psi)} KiB, at every bucket size; ZeRO-2's shards are "
-      f"{kib(psi)} KiB)")
+    rows.append([b, len(groups), kib(max(g.padded_numel for g in groups) * 4), kib(two["peak_grad_bytes"]),
+                 two["comm"]["reduce_scatter"]["calls"] // 2])
+print(text_table(["bucket MiB", "groups", "largest group\nKiB", "ZeRO-2 peak\ngrads KiB", "ZeRO-2 RS\ncalls/step"],
+                 rows))
+print(f"(ZeRO-1 keeps the full gradient, {kib(4 * psi, unit=True)}, at every bucket size; ZeRO-2's shards are "
+      f"{kib(psi, unit=True)})")
 
 # %% [markdown]
-# The peak of *all* memory (ledger, last step) against bucket size, for both stages;
-# as in Section 4 these totals can move slightly between runs, so the table is not
-# compared by the tests and the claims after it are:
+# The peak of *all* memory (ledger, last step) against bucket size, for both stages. As in
+# Section 4 these totals can move slightly between runs; the claims after the table hold
+# in every run:
 
 # %% tags=["nbval-ignore-output"]
-print(f"{'bucket MiB':>10} | {'ZeRO-1 peak KiB':>15} {'ZeRO-2 peak KiB':>15} | {'ZeRO-2 / ZeRO-1':>15}")
+rows = []
 for b in BUCKETS:
     one, two = (sweep[(s, b)]["ranks"][0]["peak_bytes"] for s in (1, 2))
-    print(f"{b:>10} | {kib(one):>15} {kib(two):>15} | {two / one:>15.3f}")
+    rows.append([b, kib(one), kib(two), f"{two / one:.3f}"])
+print(text_table(["bucket MiB", "ZeRO-1 peak KiB", "ZeRO-2 peak KiB", "ZeRO-2 / ZeRO-1"], rows))
 
 # %%
 ratio = {b: sweep[(2, b)]["ranks"][0]["peak_bytes"] / sweep[(1, b)]["ranks"][0]["peak_bytes"] for b in BUCKETS}
@@ -450,21 +465,7 @@ print(f"with one bucket for the whole model ({BUCKETS[-1]} MiB), within 2 % of Z
       f"{abs(ratio[BUCKETS[-1]] - 1) < 0.02}")
 
 # %%
-fig, ax = plt.subplots(figsize=(7, 4))
-ax.plot(BUCKETS, [sweep[(1, b)]["ranks"][0]["peak_bytes"] / 1024 for b in BUCKETS], "o--", color="C0",
-        label="ZeRO-1 peak, all memory")
-ax.plot(BUCKETS, [sweep[(2, b)]["ranks"][0]["peak_bytes"] / 1024 for b in BUCKETS], "o-", color="C1",
-        label="ZeRO-2 peak, all memory")
-ax.plot(BUCKETS, [sweep[(2, b)]["ranks"][0]["peak_grad_bytes"] / 1024 for b in BUCKETS], "s-", color="C3",
-        label="ZeRO-2 peak, gradients only")
-ax.axhline(4 * psi / 1024, color="C3", ls=":", label=r"ZeRO-1 gradients: $4\Psi$ bytes")
-ax.axhline(4 * psi / 4 / 1024, color="C3", ls="-.", lw=0.8, label=r"ZeRO-2 shards: $4\Psi/N_d$ bytes")
-ax.set_xscale("log")
-ax.set_xlabel("bucket size --bucket-mb (MiB)")
-ax.set_ylabel("peak on rank 0 (KiB)")
-ax.set_title("GPT on 4 ranks, fp32: peak memory against bucket size")
-ax.legend(fontsize=8)
-plt.show()
+ch03.bucket_figure(BUCKETS, sweep, psi, nd=4)
 
 # %% [markdown]
 # With buckets much smaller than the model, ZeRO-2's gradient peak stays near the
@@ -486,17 +487,15 @@ plt.show()
 # gradients add up locally and reduces once, after the last micro-batch: a quarter of
 # the calls here, but the whole gradient, $2\Psi$ bytes, lives until then, which is
 # ZeRO-1's gradient memory. Both give the same update. Four micro-batches on 2 ranks,
-# fp32, measured:
+# the chapter's GPT in fp32 with 0.25 MiB buckets, measured:
 
 # %%
 acc = launch(ch03.accumulation_tradeoff, 2)[0]
-print(f"{'way':<26} | {'reduce-scatter calls':>20} {'elements/step':>14} | {'peak grads KiB':>14} | "
-      f"{'losses':>15}")
-for way, r in acc.items():
-    losses = " ".join(f"{x:.4f}" for x in r["losses"])
-    print(f"{way:<26} | {r['reduce_scatter_calls']:>20} {r['reduce_scatter_elements']:>14,} | "
-          f"{kib(r['peak_grad_bytes']):>14} | {losses:>15}")
-print(f"full fp32 gradient: {kib(4 * acc['no_sync']['psi'])} KiB")
+rows = [[way, r["reduce_scatter_calls"], r["reduce_scatter_elements"], kib(r["peak_grad_bytes"]),
+         " ".join(f"{x:.4f}" for x in r["losses"])] for way, r in acc.items()]
+print(text_table(["way", "reduce-scatter\ncalls/step", "elements/step", "peak grads KiB", "losses"], rows,
+                 align=["left", *["right"] * 4]))
+print(f"full fp32 gradient: {kib(4 * acc['no_sync']['psi'], unit=True)}")
 
 # %% [markdown]
 # The one-reduction way moves a quarter of the data and holds the full gradient at its
@@ -505,7 +504,8 @@ print(f"full fp32 gradient: {kib(4 * acc['no_sync']['psi'])} KiB")
 # order than buckets launch, so several buckets wait at once). DeepSpeed's ZeRO-2 does
 # the latter by default; when the interconnect, not memory, is the limit, `no_sync` is
 # the better trade.
-#
+
+# %% [markdown]
 # ### Exercise 2 · accumulate into the shard
 #
 # Write the core of the per-micro-batch way: `accumulate(shard, bucket_grad,
@@ -595,6 +595,40 @@ your_engine(2, {"reduce_scatter_hook": reduce_scatter_hook})
 # | optimizer state and step on the CPU | the $K\Psi/N_d$ bytes leave the GPU | ch. 8 §1 |
 
 # %% [markdown]
+# ## Questions
+#
+# Write your answer down before running the cell after each question.
+#
+# 1. Predict ZeRO-2's peak gradient bytes on 4 ranks in fp32 with 0.5 MiB buckets, from
+#    the shards and the largest bucket, then read the measurement.
+
+# %%
+two = sweep[(2, 0.5)]["ranks"][0]
+print(f"shards {kib(two['model_state_bytes']['grads'], unit=True)}; peak {kib(two['peak_grad_bytes'], unit=True)}")
+
+# %% [markdown]
+# 2. How many reduce-scatters per step does ZeRO-2 launch with 0.05 MiB buckets? (A
+#    tensor is never split across buckets.)
+
+# %%
+print(f"{len(make_buckets(named, int(0.05 * 2**20), 4, 4, 0))} buckets; measured "
+      f"{sweep[(2, 0.05)]['ranks'][0]['comm']['reduce_scatter']['calls'] // 2} reduce-scatters per step")
+
+# %% [markdown]
+# 3. In bf16 on 4 ranks, how many KiB of gradients does a rank keep after backward?
+
+# %%
+print(kib(nd4[-1]["ranks"][0]["model_state_bytes"]["grads"], unit=True), f"(2 Psi / 4 = {kib(2 * psi / 4)} KiB)")
+
+# %% [markdown]
+# 4. Accumulating over 4 micro-batches with a `backward` each (section 6), how many Ψ
+#    does a rank reduce-scatter per step?
+
+# %%
+way = acc["backward each micro-batch"]
+print(f"{way['reduce_scatter_elements'] / way['psi']:.3f} Psi per step")
+
+# %% [markdown]
 # ## Summary
 #
 # - ZeRO-2 keeps $2\Psi + (2 + K)\Psi/N_d$ bytes of model states (Sec 5.2, Fig 1);
@@ -605,12 +639,12 @@ your_engine(2, {"reduce_scatter_hook": reduce_scatter_hook})
 #   gradients rising and falling bucket by bucket while ZeRO-1's climb to $4\Psi$.
 # - A ZeRO-2 that keeps full gradients (a hook returning `None` does not discard
 #   anything) and builds each reduce-scatter input from $N_d$ copies of the gradient
-#   holds everything ZeRO-1 holds plus temporaries, so its peak is higher, and it moves
-#   $(N_d + 1)\Psi$ per step. That is what the blog measured.
+#   holds what ZeRO-1 holds plus temporaries: a higher peak, and $(N_d + 1)\Psi$ moved
+#   per step. That is what the blog measured.
 # - Smaller buckets lower ZeRO-2's peak down to the largest tensor; a single bucket
 #   gives the advantage away.
-# - On two CPU cores the reductions take longer than backward's compute: a recorded step
-#   shows the buckets' schedule, not the overlap a GPU's separate links allow.
+# - On two CPU cores the reductions outlast backward's compute: a recorded step shows
+#   the buckets' schedule, not a GPU's overlap.
 # - Accumulating by calling `backward` per micro-batch keeps the saving and pays one
 #   reduction per micro-batch; `no_sync` pays one reduction per step and holds the full
 #   gradient meanwhile. Next: partition the parameters themselves (ZeRO-3).
