@@ -496,9 +496,10 @@ def test_book_chapter_3_shows_its_figures_and_tables(browser, book):
             assert img.bounding_box()["width"] > 200
             shot(img, f"book_ch03_figure{n}.png")
         # The chapter's tables are printed by its cells, measured next to the formula:
-        # text tables in the outputs, '|' between column groups, one line per row.
+        # text tables in the outputs (zerolearn.tables.text_table: a rule of dashes under the header).
         outputs = page.locator("article .cell_output pre").all()
-        tables = [o for o in outputs if sum("|" in line for line in o.inner_text().splitlines()) >= 4]
+        rule = re.compile(r"^\s*-+(\s+-+)+\s*$")
+        tables = [o for o in outputs if any(rule.match(line) for line in o.inner_text().splitlines())]
         assert len(tables) >= 4, [o.inner_text()[:200] for o in outputs]
         for t in tables:
             assert t.is_visible() and t.bounding_box()["height"] > 40
