@@ -111,7 +111,8 @@ print(text_table(["fp32 Adam", "KiB", "bytes per parameter"], rows, align=["left
 # %% [markdown]
 # Let us measure this with the book's engine instead of by hand. `train_all` runs the training
 # loop (`zerolearn.train.train`, what `python -m zerolearn.train` runs) once per `TrainConfig`, on
-# one spawned gloo rank, and returns its JSON reports. Each report holds the bytes the rank
+# one spawned gloo rank (a separate process; gloo is PyTorch's backend for collectives on CPUs, and
+# chapter 1 introduces ranks), and returns its JSON reports. Each report holds the bytes the rank
 # *holds* per category, measured from the tensors themselves (a storage shared by two roles is
 # counted once: in fp32 the working parameters *are* the master copy), and the paper's formula
 # for the same run.
@@ -154,8 +155,8 @@ print(text_table(["run", "params", "grads", "optim. states", "total", "formula",
 print(f"\nmeasured == formula in every category of every run: {exact}")
 
 # %% [markdown]
-# Measured equals formula in every category: nothing here is padded (padding appears in chapter 2,
-# when states are split into N<sub>d</sub> equal shards), and each storage is counted once. Both
+# Measured equals formula in every category: nothing here is padded (padding appears in section 5 and
+# chapter 2, when states are split into N<sub>d</sub> equal shards), and each storage is counted once. Both
 # fp32 and mixed-precision Adam hold 16 bytes per parameter. Scaled up, 16 Ψ is the wall: a 7.5B
 # model needs 120 GB of model states (Fig 1), four V100s' worth, before a single activation.
 #
@@ -289,7 +290,7 @@ measured = {ckpt: [measure_activations(L, b, s, h, checkpointing=ckpt) for L in 
             for ckpt in (False, True)}
 print(f"activations after forward, fp32, b={b}, s={s}, h={h} (KiB)\n")
 print(text_table(["blocks L", "no checkpointing", "checkpointing"],
-                 [[L, f"{measured[False][i] / 1024:,.1f}", f"{measured[True][i] / 1024:,.1f}"] for i, L in enumerate(layers)]))
+                 [[L, *(f"{measured[c][i] / 1024:,.1f}" for c in (False, True))] for i, L in enumerate(layers)]))
 rows = []
 for ckpt, name in ((False, "no checkpointing"), (True, "checkpointing")):
     slope = (measured[ckpt][2] - measured[ckpt][0]) / (layers[2] - layers[0])
@@ -383,7 +384,8 @@ states = analytic.model_state_bytes(psi_gpt2, nd=1, stage=0, k=12)  # 2 + 2 + K 
 act = analytic.activation_bytes(hidden=1600, batch=32, seq_len=1024, layers=48)
 act_ckpt = analytic.activation_bytes(hidden=1600, batch=32, seq_len=1024, layers=48, checkpointing=True)
 print(f"GPT-2 1.5B: 48 blocks x hidden 1600 = {gpt_params(48, 1600) / 1e9:.2f}B parameters\n")
-rows = [[f"model states: {name}", f"{states[name] / GB:.1f}"] for name in ("params", "grads", "optimizer_states", "total")]
+rows = [[f"model states: {name}", f"{states[name] / GB:.1f}"]
+        for name in ("params", "grads", "optimizer_states", "total")]
 rows += [["activations, seq 1K, batch 32 (12 h b s L values of 2 bytes)", f"{act / GB:.1f}"],
          ["  with checkpointing, one per block (the paper: about 8 GB)", f"{act_ckpt / GB:.1f}"],
          [f"  with our block's {values_per_bsh:.1f} values instead of 12", f"{act * values_per_bsh / 12 / GB:.1f}"]]
@@ -413,9 +415,11 @@ plt.show()
 
 # %% [markdown]
 # Neither bar fits under the line: the 24 GB of model states leave 8 GB, and at the paper's batch
-# of 32 the residual states need more, with checkpointing too. That is the paper's claim, stated
-# precisely: plain data parallelism cannot train GPT-2 1.5B at batch 32 with sequences of 1K on
-# one 32 GB GPU. A smaller batch would fit; the next exercise asks how small.
+# of 32 the residual states need more, with checkpointing too. That makes the paper's claim (Sec 3)
+# concrete at the setting of its Sec 3.2 activation example: plain data parallelism cannot train
+# GPT-2 1.5B at batch 32 with sequences of 1K on one 32 GB GPU. (With Ψ = 1.5B, the paper's
+# round figure; chapter 6 and the paper map count the 1.56B of 48 blocks of width 1,600.) A smaller
+# batch would fit; the next exercise asks how small.
 
 # %% [markdown]
 # ### Exercise 2: how large a batch fits?

@@ -50,10 +50,10 @@ from zerolearn.tables import text_table
 # %% [markdown]
 # ## 1. Collectives on four ranks
 #
-# A *collective* is one call that every rank makes together. The five that ZeRO is built
-# from, drawn on four ranks holding four numbers each: the left column is what each rank
+# A *collective* is one call that every rank makes together. Five come up in this book,
+# drawn on four ranks holding four numbers each: the left column is what each rank
 # holds before the call, the right what it holds after. A number's colour is the rank it
-# came from; grey is a sum over ranks. Compare the last three rows.
+# came from; grey is a sum over ranks. ZeRO's engines use the last three: compare them.
 
 # %%
 schematics.collectives_figure(nd=4)
@@ -238,7 +238,8 @@ def naive_dp_step(model, optimizer, x, y, world_size):
 #
 # The fix is a schedule. Below is one DP backward of chapter 2's wider GPT (width 128, 2 blocks,
 # fp32, 2 ranks: large enough to fill 12 buckets of at most 0.25 MiB), one colour per bucket. The
-# top panel is the ideal, from the cost model: backward computes the last layers' gradients
+# top panel is the ideal, from the package's cost model (`zerolearn.costmodel`, chapter 6): backward
+# computes the last layers' gradients
 # first, and each bucket's all-reduce starts the moment its last gradient is in. The bottom
 # panel is what this machine recorded; the timeline at the end of this section reads it.
 # Look at the top panel: the reductions start long before backward ends.
@@ -405,10 +406,11 @@ psi = sum(p.numel() for p in build_model("gpt", 0, gpt=GPT).parameters())
 rows = [[f"all_reduce {what}", *(dp[name]["ledger"]["all_reduce"][what] // steps for name in ("naive", "engine"))]
         for what in ("calls", "elements")]
 print(text_table(["per step", "naive", "engine"], rows, align=["left", "right", "right"]))
-print(f"\nthe engine's buckets: {dp['engine']['buckets']}; both move Psi = {psi:,} elements per step")
+print(f"\nthe engine's buckets: {dp['engine']['buckets']}; both all-reduce Psi = {psi:,} elements per step")
 
 # %% [markdown]
-# Both move the same Ψ elements per step; the naive version needs 29 calls for it, the engine 4.
+# Both all-reduce the same Ψ elements per step (2 Ψ of traffic, Sec 7.1); the naive version needs 29
+# calls for it, the engine 4.
 # The losses agree to the printed digits: data parallelism changes where the arithmetic runs, not
 # what it computes. (The last digits differ a little, because a sum over ranks adds the same
 # numbers in another order than one process does.) The timings below are run-dependent and not

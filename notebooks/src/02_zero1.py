@@ -160,7 +160,7 @@ print(text_table(["Nd", "split by", "rank 0", "rank 1", "rank 2", "rank 3", "lar
 # %% [markdown]
 # Every rank has to be provisioned for the largest shard, so the imbalance is memory
 # lost on every other rank. Splitting by size helps, but no whole-tensor split can give
-# a rank less than the largest tensor: once $\Psi/N_d$ drops below it, the imbalance
+# its fullest rank less than the largest tensor: once $\Psi/N_d$ drops below it, the imbalance
 # grows with $N_d$ (the plot in Section 5 shows it).
 #
 # ## 3. Flat padded shards
@@ -617,8 +617,8 @@ print(f"fullest rank {kib(fullest_rank, unit=True)}; perfect split {kib(8 * psi 
 # - ZeRO-1 keeps full parameters and gradients but only $1/N_d$ of the optimizer state:
 #   $4\Psi + K\Psi/N_d$ bytes per rank in mixed precision (Sec 5.1, Fig 1). Measured
 #   bytes on 2, 3 and 4 gloo ranks equal the formula once padding is counted.
-# - Sharding by whole tensor leaves ranks unequal, and no whole-tensor split goes
-#   below the largest tensor. Flat buffers padded to a multiple of $N_d$ give equal
+# - Sharding by whole tensor leaves ranks unequal, and no whole-tensor split gives
+#   its fullest rank less than the largest tensor. Flat buffers padded to a multiple of $N_d$ give equal
 #   shards at the cost of fewer than $N_d$ zeros per group.
 # - A step is reduce-scatter, local update, all-gather: $2\Psi$ per step, as in DP
 #   (Sec 7.2.1). All-reduce plus broadcast computes the same losses but moves $3\Psi$.

@@ -92,7 +92,7 @@ formulas.stage_figure(stage=2)  # the default view, drawn for the book
 #
 # First the schedule ZeRO-2 relies on (Sec 5.2), for one backward of chapter 2's GPT on 2
 # ranks: its gradients cut into 12 buckets of at most 0.25 MiB, one colour per bucket, the
-# last layers' bucket first. Top, the ideal from the cost model: each bucket is
+# last layers' bucket first. Top, the ideal from the package's cost model (chapter 6): each bucket is
 # reduce-scattered the moment its last gradient is in, and its full gradients can then be
 # freed. Bottom, the reduce-scatters this machine recorded (section 7 reads the times).
 # Look at the order: one reduction per bucket, launched while backward still runs.
@@ -151,8 +151,9 @@ print(f"kept {[s.tolist() for s in shards]}; full buckets still waiting: {len(pe
 # %ranks stop
 
 # %% [markdown]
-# Each rank now keeps 4 of the 8 padded gradient elements, and at no moment held more
-# than its shards plus one full bucket. The exercise below does this from autograd's
+# Each rank now keeps 4 of the 8 padded gradient elements, and each full bucket was
+# dropped as soon as its reduce-scatter returned: the engine below keeps only a few
+# buckets in flight, never the whole gradient. The exercise below does this from autograd's
 # hooks, on a real model.
 
 # %% [markdown]
@@ -482,10 +483,11 @@ ch03.bucket_figure(BUCKETS, sweep, psi, nd=4)
 # With gradient accumulation a step runs several micro-batches before one update. ZeRO-2
 # can accumulate in two ways. Calling `backward` once per micro-batch, as plain PyTorch
 # code does, reduce-scatters every micro-batch at once and adds the result into the
-# rank's shard: between micro-batches only $2\Psi/N_d$ bytes of gradient are held, but
+# rank's shard: between micro-batches only $2\Psi/N_d$ bytes of gradient are held (in bf16;
+# $4\Psi/N_d$ in the fp32 run below), but
 # each micro-batch costs a full reduce-scatter. `engine.no_sync()` (as in torch DDP) lets
 # gradients add up locally and reduces once, after the last micro-batch: a quarter of
-# the calls here, but the whole gradient, $2\Psi$ bytes, lives until then, which is
+# the calls here, but the whole gradient, $2\Psi$ bytes ($4\Psi$ in fp32), lives until then, which is
 # ZeRO-1's gradient memory. Both give the same update. Four micro-batches on 2 ranks,
 # the chapter's GPT in fp32 with 0.25 MiB buckets, measured:
 

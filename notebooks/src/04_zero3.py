@@ -172,7 +172,8 @@ print(f'{"x_grad_sum":>16}: {x.grad.sum().item():>9.4g}')
 #
 # First the schedule itself, recorded from a real `Zero3Engine` training the book's GPT
 # on one rank, so that it runs in this process. Each lane is a unit; the marks are the
-# engine's gathers, prefetches, computes and frees in the order they happened, forward
+# engine's gathers, prefetches (gathers started early, for the next unit; section 3
+# explains them), computes and frees in the order they happened, forward
 # then backward (hatched). Below them, the bytes of full parameters alive (fp32 here, 4
 # bytes each). Step through it and watch the lower panel: above the shards it never
 # holds more than two gathered units (the one computing and the one prefetched), and
@@ -471,7 +472,7 @@ print(text_table(['Nd', 'stage', 'measured/DP', 'Table 1/DP'], ratios))
 # Then each buffer is padded with zeros to a multiple of Nd (the `padding` column, in
 # elements; at stage 3 every unit has buffers of its own, so there is more of it), and
 # the formula applied to Psi plus the padding gives the measured bytes exactly. At
-# Nd = 1024 a rank of this tiny model holds a few hundred bytes and the padding is a
+# Nd = 1024 a rank of this tiny model holds a few hundred bytes under P_os+g+p and the padding is a
 # few percent of Psi, which is why the measured ratios drift from Table 1's there; for
 # a model of billions of parameters the same few thousand elements are negligible.
 # Otherwise the ratios follow Table 1 up to the rounding of its GB figures (16.6 GB for
@@ -517,7 +518,7 @@ your_engine(3, {"gather_hooks": gather_hooks})
 # | small units in one fused all-gather (`prefetch_mb`) | one fixed cost per window, not per unit | §3; ch. 5 (CB), 7 |
 # | asynchronous reduce-scatters in buckets of `bucket_mb` | overlap with backward; bounded buffers (Sec 5.2) | ch. 3 |
 # | a unit schedule all ranks agree on | collectives pair by order: a rank on another branch hangs | §3; ch. 7 |
-# | units kept gathered for checkpointing's recompute | backward needs those parameters again at once | ch. 5 §2 |
+# | units kept gathered for checkpointing's recompute | backward needs them again at once | docs/ARCHITECTURE.md |
 # | bf16 or fp16 parameters, fp32 master, loss scale | 2-byte forward and backward (Sec 3.1) | ch. 0 |
 # | shards on the host or on disk; quantized gathers | fewer GPUs; less traffic between nodes | ch. 8 |
 

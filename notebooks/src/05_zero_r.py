@@ -313,7 +313,7 @@ display(figures.fragmentation_figure(trace, capacity, md=True))
 # %% [markdown]
 # The simulator's MD moves the long-lived tensors into pools after the fact. The step can
 # also do it itself, as ZeRO does: `record_gpt_steps(md=True)` copies each checkpoint into
-# one pool reserved in the first forward (`CheckpointStore(contiguous=True)`) and lets every
+# one pool reserved before the first forward (`CheckpointStore(contiguous=True)`) and lets every
 # gradient accumulate into a view of one flat buffer allocated before training, which is
 # also the buffer the all-reduce would send, so nothing is flattened. Replayed as it
 # happened, with no simulated pools, that trace fits in the same memory:

@@ -63,8 +63,9 @@ print(f'largest relative difference from the printed values: {100 * worst:.1f} %
 
 # %% [markdown]
 # The formulas give every entry. The differences are the paper's rounding: it prints
-# three significant digits and sometimes truncates (4187.5 is printed 4187, 0.1171875
-# as 0.12). The bottom-right entry is the paper's headline: a trillion parameters need
+# about three significant digits, some of them cut rather than rounded (513.5 is
+# printed 513, 257.75 as 257), and small values with two (0.1171875 as 0.12). The bottom-right entry
+# is the paper's headline: a trillion parameters need
 # 15.6 GB per device at Nd = 1024 under P_os+g+p, which fits a 32 GB V100 (Sec 1).
 #
 # ## 2. Table 1 measured, up to Nd = 1024
@@ -320,7 +321,7 @@ print(text_table(['tokens/GPU', 'stage', 'compute s', 'comm s', 'step s', 'comm/
 # Communication per step does not depend on the batch; compute grows with it. With one
 # sequence of 1024 tokens per GPU, communication dominates the step, and ZeRO-3's extra
 # 50% of traffic alone costs about twice the whole compute; with 16 sequences per GPU
-# communication is a quarter (DP) to a third (ZeRO-3) of the compute. This is the
+# communication is about a quarter (DP, 0.26) to two fifths (ZeRO-3, 0.38) of the compute. This is the
 # paper's reasoning for why ZeRO keeps DP's efficiency: the traffic stays within a
 # constant factor of DP's, and large per-GPU batches hide it.
 
@@ -396,9 +397,10 @@ print(text_table(['stage', 'peak', 'params', 'grads', 'optim', 'activations', 't
 # %% [markdown]
 # The peak falls from DP to P_os and again at P_os+g+p, but much less than the model
 # states do, and P_os+g's peak equals P_os's. At this size the activations and
-# temporaries of one step are as large as the model states, and the peak comes at the
-# end of forward, when activations are highest and no gradient exists yet: partitioning
-# gradients cannot lower a peak that has no gradients in it. This is the residual
+# temporaries of one step are as large as the model states, and under P_os and P_os+g the peak
+# comes at the end of forward, when activations are highest and no gradient exists yet:
+# partitioning gradients cannot lower a peak that has no gradients in it. (DP's peak
+# holds full gradients; P_os+g+p's is in backward.) This is the residual
 # memory of Sec 3.2, which ZeRO-R addresses, and which becomes the limit once model
 # states are partitioned.
 #
@@ -425,7 +427,7 @@ figures.fragmentation_figure()  # the default: the smallest arena that works wit
 # Write down a number for each question before you run the cell under it.
 #
 # **1.** A trillion parameters under P_os+g on Nd = 64 GPUs (bf16 and Adam, K = 12): how
-# many GB per device? The fp16 parameters are not partitioned at this stage.
+# many GB per device? The bf16 parameters are not partitioned at this stage.
 
 # %%
 print(f"P_os+g, 1T parameters, Nd = 64: {model_state_bytes(1e12, 64, 2)['total'] / GB:,.2f} GB per device")

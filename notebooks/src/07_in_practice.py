@@ -216,14 +216,15 @@ for wider in BENCH["more_widths"]:
 # momentum, and the reduced gradient, the same on every rank, already says which
 # parameters some rank used, so the ranks exchange flags only in a step where some
 # parameter's reduced gradient is all zeros. On gloo every collective pays a fixed
-# start-up (the same start-up is why ZeRO-3's ranks agree on each unit in the first
-# forward only, then on one number per forward: chapter 4). Chapter 3's bucket sweep
-# shows the trade behind the bucket size: many small buckets pay the start-up many
-# times, one large bucket cannot start before backward ends.
+# start-up (the same start-up is why ZeRO-3's ranks compare notes only once per forward:
+# chapter 4). The bucket size trades on it: many small buckets pay the start-up many
+# times, one large bucket cannot start before backward ends (chapter 3 measures what
+# bucket size does to memory).
 #
 # The same harness sweeps the world size (1, 2, 4 ranks) and the model's width
 # ($\Psi$ from 137 thousand to 1.7 million, 12.6x) for each stage; the measured bytes and
-# traffic lie on the paper's lines:
+# traffic lie on the paper's lines (at Nd = 1 the ledger still counts the collectives'
+# elements, though nothing leaves the rank):
 
 # %%
 SCALING = chapters.stored("bench/scaling.json")

@@ -12,7 +12,7 @@ model of the exercises' trials) on the same global batches with fp32 Adam:
 
 and prints one row per training: the losses, the largest relative difference from one
 process, the model-state bytes a rank holds beside Fig 1's formula for that engine, and
-the elements moved per step in units of Psi beside Sec 7.2's 2 / 2 / 2 / 3.
+the elements moved per step in units of Psi beside Sec 7's 2 / 2 / 2 / 3 (7.1 for DP, 7.2 for ZeRO).
 """
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ class Trained:
 
     def table(self) -> str:
         """The rows as text: losses, difference from one process, KiB per rank measured | Fig 1,
-        Psi moved per step measured | Sec 7.2."""
+        Psi moved per step measured | Sec 7.1 (DP) or 7.2 (ZeRO)."""
         theory = analytic.comm_volume_elements(self.psi, self.stage) / self.psi
         out = []
         for name, row in self.rows.items():
@@ -128,7 +128,8 @@ class Trained:
             diff = self.max_rel_diff(name)
             out.append([name, losses, "< 1e-6" if diff < 1e-6 else f"{diff:.0e}", f"{kib(held)} | {kib(formula)}",
                         f"{row['moved'] / self.psi:.2f} | {theory:.0f}"])
-        header = ["", "loss at each step", "vs one process", "KiB per rank | Fig 1", "Psi moved per step | Sec 7.2"]
+        section = "Sec 7.1" if self.stage == 0 else "Sec 7.2"  # DP's volume, then ZeRO's
+        header = ["", "loss at each step", "vs one process", "KiB per rank | Fig 1", f"Psi moved per step | {section}"]
         return text_table(header, out)
 
     def __str__(self) -> str:

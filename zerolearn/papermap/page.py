@@ -49,10 +49,12 @@ def _reduce_note(psi: float = 7.5e9, nd: int = 64) -> str:
     return "\n".join([
         "```{admonition} Reduce and broadcast, or reduce-scatter and all-gather",
         ":class: note",
-        "The paper (Sec 5.1, Sec 7.2.1) describes $P_{os}$ and $P_{os+g}$ partition by partition: the gradients "
-        "of partition $i$ are *reduced* to rank $i$, its owner, which updates them and later *broadcasts* its "
-        "updated parameters to everyone. zerolearn moves the same data with one reduce-scatter and one all-gather "
-        "per step. They are the same movement: $N_d$ reduces, one to each owner of a $\\Psi/N_d$ chunk, are a "
+        "The paper describes the partitions' data movement in two ways. Sec 5.2 and 5.3 go partition by "
+        "partition: the gradients of partition $i$ are *reduced* to rank $i$, its owner, which updates them, and "
+        "an owner *broadcasts* its parameters to the others when they are needed (Sec 5.3, 7.2.2). Sec 5.1 ends "
+        "the step with an all-gather, and Sec 7.2.1 counts $P_{os+g}$'s traffic as a reduce-scatter and an "
+        "all-gather. zerolearn moves the data with one reduce-scatter and one all-gather per step. The two "
+        "descriptions are the same movement: $N_d$ reduces, one to each owner of a $\\Psi/N_d$ chunk, are a "
         "reduce-scatter; $N_d$ broadcasts, one from each owner, are an all-gather. The collective runs all $N_d$ "
         "at once, over a ring, instead of one after another.",
         "",

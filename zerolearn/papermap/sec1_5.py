@@ -57,7 +57,9 @@ def _sec3_4() -> list[Row]:
             REPRODUCED, values={"act_gb": act / GB, "act_ck_gb": act_ck / GB, "act100_ck_gb": act100 / GB}),
         Row("dp-gpt2-batch32", "Sec 3", "GPT-2 1.5B cannot be trained on one 32 GB GPU",
             f"`per_device_bytes` with residual states (activations, one block's recompute, the fused fp32 "
-            f"buffer), DP, batch 32: {_gb(dp_full)} without checkpointing, {_gb(dp_ck)} with it; neither fits. "
+            f"buffer), DP, batch 32, the 48 x 1600 shape's {gpt_params(**GPT2_1_5B) / 1e9:.2f}B parameters: "
+            f"{_gb(dp_full)} without checkpointing, {_gb(dp_ck)} with it (ch. 0 uses the round 1.5B: a GB "
+            "less); neither fits. "
             f"`smallest_fit`: with checkpointing {_fit_text(fit_ck)}; without, {_fit_text(fit_full)}",
             f"{CH[0]}; {CH[6]}", REPRODUCED, values={"dp_full_gb": dp_full / GB, "dp_ck_gb": dp_ck / GB}),
         Row("buffers", "Sec 3.2", "a flat fp32 buffer fusing all gradients of 1.5B parameters takes 6 GB",
