@@ -519,9 +519,12 @@ print(f"4 -> 8 blocks, checkpointed: +{grown / 1024:,.1f} KiB of activations")
 # GPU now fit GPT-2 1.5B on 32 GB, without and with checkpointing? (`max_batch` said 4 and 50.)
 
 # %%
+from zerolearn.costmodel import max_batch_per_gpu  # every residual state counted, DP (stage 0) on one GPU
+
 for ckpt in (False, True):
-    spec = ActivationSpec(hidden=1600, layers=48, batch_per_gpu=1, seq_len=1024, checkpointing=ckpt)
-    print(f"checkpointing {ckpt!s:<5}: largest batch {ch00.largest_batch(psi_gpt2, analytic.V100_BYTES, spec)}")
+    batch = max_batch_per_gpu(psi_gpt2, analytic.V100_BYTES, 0, 1, hidden=1600, layers=48, seq_len=1024,
+                              checkpointing=ckpt)
+    print(f"checkpointing {ckpt!s:<5}: largest batch {batch}")
 
 # %% [markdown]
 # **4.** Model states only, 16 Ψ: predict the largest model that fits an 80 GB GPU under plain

@@ -1,9 +1,7 @@
 """Chapter 0, the memory wall: what autograd keeps of one transformer block (paper Sec 3.2).
 
 :func:`block_saved_tensors` lists the storages a block's backward needs, the walk behind the
-chapter's table of activations; :func:`largest_batch` asks
-:func:`zerolearn.memory.fit.per_device_bytes` for the largest batch that fits with every
-residual state counted; :func:`step_timeline_figure` and :func:`memory_bars_figure` only lay
+chapter's table of activations; :func:`step_timeline_figure` and :func:`memory_bars_figure` only lay
 out two figures. The rest of what the chapter runs (the training reports, one step watched
 by the memory ledger, activations measured with and without checkpointing) is written in
 the notebook's cells.
@@ -99,20 +97,3 @@ def memory_bars_figure(budgets: dict, device_bytes: float, title: str):
     ax.set_title(title)
     ax.legend(fontsize=8, loc="upper right")
     return fig
-
-
-def largest_batch(psi: float, device_bytes: float, spec) -> int:
-    """The largest batch per GPU whose :func:`~zerolearn.memory.fit.per_device_bytes` total
-    (DP, bf16 Adam, with the residual states of ``spec``, an ``ActivationSpec``) fits
-    ``device_bytes``; 0 when not even one sequence does (Sec 3)."""
-    from dataclasses import replace
-
-    from zerolearn.memory.fit import per_device_bytes
-
-    def total(batch: int) -> float:
-        return per_device_bytes(psi, 1, 0, activation=replace(spec, batch_per_gpu=batch))["total"]
-
-    batch = 0
-    while total(batch + 1) <= device_bytes:
-        batch += 1
-    return batch
