@@ -16,10 +16,9 @@ from dataclasses import dataclass
 
 from zerolearn.costmodel import qgz_cross_node_bytes, zeropp_cross_node_bytes
 from zerolearn.papermap.base import REPRODUCED, Row
+from zerolearn.zeropp import DEFAULT_BLOCK as BLOCK  # chapter 8's qwZ and qgZ block: elements per fp32 scale
 
 __all__ = ["Check", "status_problems", "successor_checks"]
-
-BLOCK = 256  # chapter 8's qwZ and qgZ block: elements per fp32 scale
 
 
 @dataclass(frozen=True)
