@@ -1,18 +1,21 @@
 """The paper map (book/paper_map.md) is generated from code, covers the paper, and its numbers hold.
 
 The expected values here are recomputed from the paper's formulas (Sec 3, 5, 6, 9,
-10.1) with plain arithmetic, not copied from the page, and compared with both the
-page's computed values and the paper's printed numbers within their rounding.
+10.1, 10.2) with plain arithmetic, not copied from the page, and compared with both the
+page's computed values and the paper's printed numbers within their rounding. The map's
+status rule (its header) is applied to every row with a computation.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from zerolearn import papermap
-from zerolearn.papermap import REPRODUCED, Row, rows
+from zerolearn.papermap import REPRODUCED, SHAPE_ONLY, Row, Stated, rows
+from zerolearn.papermap.checks import paper_rule_problems
 
 PAGE = Path(__file__).resolve().parent.parent / "book" / "paper_map.md"
 GB = 1e9  # the paper's decimal GB
@@ -82,13 +85,67 @@ def test_gpt2_batch32_does_not_fit_under_dp():
     assert values["dp_full_gb"] > 32 and values["dp_ck_gb"] > 32
 
 
-def test_sec6_1_partitioned_checkpoints_are_about_2_gb():
-    """Sec 6.1: ~33 GB of checkpoints per GPU for 100B become ~2 GB at Nm = 16 (one b s h per block)."""
-    ckpt = 125 * 8192 * 16 * 1024 * 2  # layers x hidden x batch x seq x fp16 bytes
-    values = papermap.find("pa").values
-    assert values["ckpt_gb"] == pytest.approx(ckpt / GB)
-    assert values["pa_gb"] == pytest.approx(ckpt / 16 / GB)
-    assert round(values["ckpt_gb"]) in (33, 34) and round(values["pa_gb"]) == 2
+def test_sec6_1_at_the_papers_batch_is_twice_its_figures_and_says_so():
+    """Sec 6.1: 100B at batch 32, seq 1K, Nm = 16: ~33 GB of checkpoints per GPU become ~2 GB. One b s h
+    checkpoint per block gives twice that at batch 32 (the paper's figures match batch 16): in shape only,
+    with the paper's own inconsistency (Sec 3.2's ~60 GB at batch 32) named."""
+    row = papermap.find("pa")
+    for batch, key in ((32, "ckpt_gb"), (16, "ckpt16_gb")):
+        ckpt = 125 * 8192 * batch * 1024 * 2  # layers x hidden x batch x seq x fp16 bytes
+        assert row.values[key] == pytest.approx(ckpt / GB)
+    assert row.values["pa_gb"] == pytest.approx(row.values["ckpt_gb"] / 16)
+    assert round(row.values["ckpt16_gb"]) in (33, 34) and round(row.values["pa16_gb"]) == 2
+    assert not row.paper["ckpt_gb"].holds(row.values["ckpt_gb"])
+    assert row.status == SHAPE_ONLY and "Sec 3.2" in row.inconsistency
+    assert papermap.find("activations-checkpointed").status == SHAPE_ONLY
+
+
+def test_sec9_days_scale_bert_large_by_the_parameters():
+    """Sec 9: BERT-Large's 67 minutes on 1024 GPUs x (1T / 330M, about 3000x) = about 140 days."""
+    days = papermap.find("trillion-time").values["days"]
+    assert days == pytest.approx(67 * 1e12 / 330e6 / (60 * 24))
+    assert round(days) == 141 and abs(days - 140) / 140 < 0.03
+
+
+def test_sec10_2_compares_links_24x():
+    """Sec 10.2: 300 GB/s per NVSwitch link against 12.5 GB/s per InfiniBand EDR link."""
+    assert papermap.find("mp-across-nodes").values["link_gap"] == pytest.approx(300 / 12.5) == 24
+
+
+# ----- the status rule: reproduced only at the paper's own inputs, within a stated tolerance ----------
+def test_header_states_the_status_rule():
+    head = papermap.render().split("| paper ")[0]
+    assert "**The status rule.**" in head and "paper's own stated inputs" in head and "tolerance" in head
+    assert "paper inconsistency" in head
+
+
+def test_every_paper_row_keeps_the_status_rule():
+    """Every row with a computation: reproduced rows hold each of the paper's numbers within their stated
+    tolerance at the paper's inputs; rows that change an input or the scheme are not reproduced."""
+    paper_rows = [r for r in rows() if r.section.split()[0] in ("Sec", "Fig", "Table")]
+    assert len(paper_rows) > 25
+    assert paper_rule_problems(paper_rows) == []
+    for r in paper_rows:
+        if r.status == REPRODUCED and r.values:
+            assert r.paper and not r.changed, r.key
+
+
+def test_the_rule_fails_a_reproduced_row_that_misses_its_tolerance():
+    ok = Row("x", "Sec 6.1", "about 33 GB", "33.6 GB", "ch. 5", REPRODUCED, values={"gb": 33.6},
+             paper={"gb": Stated(33, 0.10)})
+    assert paper_rule_problems([ok]) == []
+    off = replace(ok, values={"gb": 67.1})
+    problem, = paper_rule_problems([off])
+    assert problem == "x says 'reproduced' but gb = 67.1 is not within 10% of 33"
+    assert paper_rule_problems([replace(ok, changed="the batch")]) == [
+        "x says 'reproduced' though the book changed the batch"]
+    assert paper_rule_problems([replace(ok, paper={})]) == ["x says 'reproduced' with no number of the paper's to hold"]
+    shape = replace(ok, status=SHAPE_ONLY, why="why")
+    assert paper_rule_problems([shape]) == ["x says 'reproduced in shape only' while its numbers hold at the "
+                                            "paper's inputs"]
+    assert paper_rule_problems([replace(shape, changed="the scheme")]) == []
+    below = replace(ok, values={"r": 0.083}, paper={"r": Stated(0.1, kind="below")})
+    assert paper_rule_problems([below]) == [] and paper_rule_problems([replace(below, values={"r": 0.12})])
 
 
 def test_sec7_stage3_moves_one_and_a_half_times_dp():
@@ -169,7 +226,6 @@ def test_zeropp_counts_half_a_quarter_and_four_times_less():
 
 # ----- statuses follow from what is computed and measured (chapter 8's tables) --------------------
 def test_status_problems_names_a_reproduced_row_whose_measurement_disagrees():
-    from zerolearn.papermap.base import SHAPE_ONLY
     from zerolearn.papermap.checks import Check, status_problems
 
     row = Row("zeropp-qgz", "ZeRO++", "a quarter", "0.258", "ch. 8", REPRODUCED)

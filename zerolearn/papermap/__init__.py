@@ -9,6 +9,10 @@ functions (``zerolearn.memory.model``, ``zerolearn.memory.fit``, ``zerolearn.cos
 code. ``make paper-map`` (``python -m zerolearn.papermap > book/paper_map.md``)
 regenerates it; a test fails when the committed page differs from :func:`render`.
 
+The page's header states the status rule: "reproduced" only when the package's computation
+at the paper's own stated inputs holds each number the paper states within the row's
+tolerance (:class:`Stated`; :func:`zerolearn.papermap.checks.paper_rule_problems`).
+
 A second table, "Beyond the paper", maps the headline claims of ZeRO's successors
 (ZeRO-Offload, ZeRO-Infinity, ZeRO++) the same way (chapter 8).
 
@@ -18,7 +22,7 @@ Modules: :mod:`~zerolearn.papermap.base` (:class:`Row`, statuses, printing),
 :mod:`~zerolearn.papermap.page` (the page and its notes).
 """
 
-from zerolearn.papermap.base import NOT_REPRODUCIBLE, REPRODUCED, SHAPE_ONLY, STATUSES, Row
+from zerolearn.papermap.base import NOT_REPRODUCIBLE, REPRODUCED, SHAPE_ONLY, STATUSES, Row, Stated
 from zerolearn.papermap.page import find, render, rows
 
-__all__ = ["NOT_REPRODUCIBLE", "REPRODUCED", "SHAPE_ONLY", "STATUSES", "Row", "find", "render", "rows"]
+__all__ = ["NOT_REPRODUCIBLE", "REPRODUCED", "SHAPE_ONLY", "STATUSES", "Row", "Stated", "find", "render", "rows"]

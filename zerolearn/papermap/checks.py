@@ -8,6 +8,12 @@ measurements are chapter 8's own tables (:func:`zerolearn.experiments.zeropp.zer
 and :func:`zerolearn.experiments.offload.offload_table`), so the chapter prints these
 checks from the runs it already made, and ``tests/test_papermap.py`` holds the rows to
 them.
+
+:func:`paper_rule_problems` holds the rows of the paper's own table to the map's status
+rule: a row says :data:`~zerolearn.papermap.base.REPRODUCED` only when the package's
+computation at the paper's own stated inputs holds every number the paper states, within
+the tolerance the row states; a row whose computation changes an input or the scheme says
+"in shape only" and names the change.
 """
 
 from __future__ import annotations
@@ -15,10 +21,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from zerolearn.costmodel import qgz_cross_node_bytes, zeropp_cross_node_bytes
-from zerolearn.papermap.base import REPRODUCED, Row
+from zerolearn.papermap.base import REPRODUCED, SHAPE_ONLY, Row
 from zerolearn.zeropp import DEFAULT_BLOCK as BLOCK  # chapter 8's qwZ and qgZ block: elements per fp32 scale
 
-__all__ = ["Check", "status_problems", "successor_checks"]
+__all__ = ["Check", "paper_rule_problems", "status_problems", "successor_checks"]
 
 
 @dataclass(frozen=True)
@@ -106,4 +112,33 @@ def status_problems(rows: list[Row], checks: list[Check]) -> list[str]:
             problems.append(f"{row.key} says {REPRODUCED!r} but {bad}")
         elif row.status != REPRODUCED and agree:
             problems.append(f"{row.key} says {row.status!r} while every check agrees")
+    return problems
+
+
+def paper_rule_problems(rows: list[Row]) -> list[str]:
+    """What breaks the map's status rule, one line per row; empty when every row keeps it.
+
+    For each row with a computation (``values``): every key of ``paper`` must be computed;
+    a :data:`REPRODUCED` row needs ``paper`` numbers, nothing ``changed``, and each computed
+    value holding its :class:`~zerolearn.papermap.base.Stated`; a row that ``changed`` an
+    input or the scheme is not reproduced; a row in shape only whose numbers all hold at
+    the paper's inputs should say reproduced."""
+    problems = []
+    for row in rows:
+        if not row.values:
+            continue
+        missing = [k for k in row.paper if k not in row.values]
+        if missing:
+            problems.append(f"{row.key}: the paper's {missing} have no computed value")
+            continue
+        misses = [f"{k} = {row.values[k]:.4g} is not {s.text()}" for k, s in row.paper.items()
+                  if not s.holds(row.values[k])]
+        if row.status == REPRODUCED:
+            if not row.paper:
+                problems.append(f"{row.key} says {REPRODUCED!r} with no number of the paper's to hold")
+            if row.changed:
+                problems.append(f"{row.key} says {REPRODUCED!r} though the book changed {row.changed}")
+            problems += [f"{row.key} says {REPRODUCED!r} but {m}" for m in misses]
+        elif row.status == SHAPE_ONLY and row.paper and not row.changed and not misses:
+            problems.append(f"{row.key} says {SHAPE_ONLY!r} while its numbers hold at the paper's inputs")
     return problems

@@ -7,7 +7,7 @@ import functools
 
 from zerolearn.memory.fit import ActivationSpec, gpt_params, per_device_bytes, smallest_fit
 from zerolearn.memory.model import GB, comm_collectives_elements, comm_volume_elements
-from zerolearn.papermap.base import GPT2_1_5B, SEQ, Row
+from zerolearn.papermap.base import GPT2_1_5B, REPRODUCED, SEQ, Row
 from zerolearn.papermap.sec1_5 import memory_rows
 from zerolearn.papermap.sec6_10 import scale_rows
 from zerolearn.papermap.successors import glossary_note, successor_rows
@@ -147,9 +147,19 @@ def render() -> str:
         "Each numbered claim of the ZeRO paper (Rajbhandari et al., SC'20, arXiv 1910.02054), what zerolearn "
         "computes for it with its own cited functions (`zerolearn.memory`, `zerolearn.costmodel`), where the book "
         "shows or measures it (chapter and scale: gloo ranks on CPU, or rank 0 of a simulated world size, which "
-        "measures rank 0's real tensors) and its status: **reproduced**, **reproduced in shape only** (the trend "
-        "or the mechanism, not the paper's scale) or **not reproducible here** (with the reason). GB are the "
-        "paper's decimal GB (10^9 bytes); K = 12 (mixed-precision Adam) unless said.",
+        "measures rank 0's real tensors) and its status. GB are the paper's decimal GB (10^9 bytes); K = 12 "
+        "(mixed-precision Adam) unless said.",
+        "",
+        "**The status rule.** A row says **reproduced** only when the package's computation, at the paper's own "
+        "stated inputs (its model, batch, sequence, $N_d$, $N_m$), lands within the tolerance the row states of "
+        "every number the paper gives for the claim: 10% for the paper's \"about\", 2.5% for a number printed "
+        "to two or three digits, 3% for a round number the paper derives, 0 for exact counts, or a bound the "
+        "paper states (\"under 10%\"). Where the book changes an input or the scheme (a batch, a "
+        "checkpointing scheme, a shape the paper gives only in a table image), the row says **reproduced in "
+        "shape only**, names the change and gives the reason; so does a row whose mechanism is measured but "
+        "whose numbers need the paper's scale. Where the paper's own numbers disagree, the row names a *paper "
+        "inconsistency*. **Not reproducible here** says what is missing. `tests/test_papermap.py` applies the "
+        "rule to every row with a computation.",
         "",
     ]
     table = _table(_paper_rows(), "paper")
@@ -168,7 +178,20 @@ def render() -> str:
     return "\n".join([*head, table, "", _reduce_note(), "", _disagreements_note(), "", *beyond, ""])
 
 
+def _status(r: Row) -> str:
+    """The status cell: the status, the tolerance it was tested to or what the book changed and why, and a
+    paper inconsistency named as such."""
+    text = f"**{r.status}**"
+    if r.status == REPRODUCED and r.paper:
+        text += " (" + "; ".join(dict.fromkeys(s.text() for s in r.paper.values())) + ")"
+    reasons = ([f"the book changes {r.changed}"] if r.changed else []) + ([r.why] if r.why else [])
+    if reasons:
+        text += ": " + "; ".join(reasons)
+    if r.inconsistency:
+        text += f". *Paper inconsistency*: {r.inconsistency}"
+    return text
+
+
 def _table(chosen, first: str) -> str:
-    body = [[_cell(x) for x in (r.section, r.claim, r.computed, r.where,
-                                f"**{r.status}**" + (f": {r.why}" if r.why else ""))] for r in chosen]
+    body = [[_cell(x) for x in (r.section, r.claim, r.computed, r.where, _status(r))] for r in chosen]
     return text_table([first, "claim", "zerolearn computes", "where", "status"], body, fmt="pipe", align="left")

@@ -6,6 +6,7 @@
   (rank 0 of Nd ranks in this process, see :func:`zerolearn.chapters.ch04.lesson.simulate`).
 * :func:`scaling_rows` is the super-linear scaling argument of Sec 10.3 (Fig 3) on
   the cost model of :mod:`zerolearn.costmodel`.
+* :func:`trillion_days` is Sec 9's estimate of the time to train a trillion parameters.
 * :func:`table1_figure` and :func:`scaling_figure` draw the chapter's two plots, so that
   its cells keep to the measurement.
 
@@ -33,17 +34,20 @@ from zerolearn.memory.model import (
 )
 
 __all__ = ["DGX2", "GPT_60B", "measure_per_rank", "scaling_figure", "scaling_rows", "table1_figure", "table1_rows",
-           "table2_rows"]
+           "table2_rows", "trillion_days"]
 
 DGX2 = Hardware(tflops_achieved=40, intra_node_GBps=300, inter_node_GBps=800 / 8 / 16, gpus_per_node=16)
-"""The paper's cluster as the cost model sees it: 25 DGX-2 nodes of 16 V100s on 300 GB/s
-NVSwitch (Sec 10.1-10.2); 40 TFLOP/s achieved per GPU (Sec 10.2: over 38). Between nodes
-the paper gives 800 Gbps of bandwidth per node (Sec 10.1), shared by its 16 GPUs:
-800 / 8 / 16 = 6.25 GB/s per GPU. (Sec 10.2's 12.5 GB/s is one InfiniBand link, not a
-GPU's share.)"""
+"""The paper's cluster as the cost model sees it: 25 DGX-2 nodes of 16 V100s (Sec 10.1);
+inside a node NVSwitch, whose 300 GB/s per link (Sec 10.2) the model takes as each GPU's
+bandwidth; 40 TFLOP/s achieved per GPU (Sec 10.2: over 38). Between nodes the paper gives
+800 Gbps of bandwidth per node (Sec 10.1), which the model shares among its 16 GPUs:
+800 / 8 / 16 = 6.25 GB/s per GPU. (Sec 10.2 compares links: 300 GB/s per NVSwitch link
+against 12.5 GB/s per InfiniBand EDR link, 24x; per GPU, as modelled here, 48x.)"""
 
 GPT_60B = {"layers": 75, "hidden": 8192}
-"""A GPT-like shape of about 60B parameters (12 x 75 x 8192^2 = 60.4e9), the size of Fig 3."""
+"""A GPT-like shape of about 60B parameters (12 x 75 x 8192^2 = 60.4e9), the size of Fig 3.
+The shape is the book's choice: the paper lists its runs' shapes in Table 6, an image in
+its text."""
 
 
 def table1_rows(psi: int) -> list[dict]:
@@ -93,7 +97,8 @@ def scaling_rows(gpus: list[int], stage: int = 2, nm: int = 16, curve: Efficienc
     Each GPU count runs Nd = GPUs / Nm data-parallel replicas of an Nm-way model-
     parallel model at the largest batch per GPU that fits 32 GB with activation
     checkpointing (``costmodel.throughput_per_gpu``). ``curve`` (default: half of a
-    60 TFLOP/s peak at 4 sequences per GPU) is an assumption, not the paper's data.
+    60 TFLOP/s peak at 4 sequences per GPU) is an assumption, not the paper's data, and
+    ``nm`` = 16 (one DGX-2 node) is the book's choice, as is the shape :data:`GPT_60B`.
     Returns ``{"gpus", "nd", "batch", "tflops_per_gpu", "aggregate_pflops"}`` per row.
     """
     curve = curve or EfficiencyCurve(peak_tflops=60, b_half=4)
@@ -155,3 +160,12 @@ def scaling_figure(scaling: dict[int, list[dict]], gpus: list[int]) -> Figure:
         ax.legend(fontsize=8)
         ax.grid(alpha=0.3)
     return fig
+
+
+def trillion_days(bert_minutes: float = 67, bert_psi: float = 330e6, psi: float = 1e12) -> float:
+    """Sec 9's estimate of the days to train ``psi`` parameters on the 1024 GPUs on which
+    BERT-Large (``bert_psi``, 330M parameters) trains in ``bert_minutes`` (67): the compute
+    grows with the parameters, psi / bert_psi (about 3000x for 1T), at the same sequence
+    length and number of samples. Returns days (about 141 for the defaults; the paper
+    rounds to 140 and expects over a year with more data)."""
+    return bert_minutes * psi / bert_psi / (60 * 24)
