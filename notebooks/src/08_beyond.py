@@ -40,7 +40,7 @@ from zerolearn.tables import kib, text_table
 # %% [markdown]
 # ## 1. Where the states go: offload
 #
-# First the picture, at Fig 1's setting (Ψ = 7.5B, N<sub>d</sub> = 64, ZeRO-2, bf16, K = 12):
+# First the picture, at Fig 1's Ψ = 7.5B, N<sub>d</sub> = 64 and K = 12, here under ZeRO-2 in bf16:
 # one panel per option, the bytes per GPU that each place holds, stacked by category.
 # Look at what leaves the device: with `"cpu"` the gradient shard and the optimizer
 # states move to host memory; with `"disk"` the optimizer states go on to disk.

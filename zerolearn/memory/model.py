@@ -60,8 +60,10 @@ TABLE2_THEORETICAL_B = {
 """Table 2's theoretical column as printed: {(MP degree, GPUs): max psi per stage 0-3}
 in billions of parameters, on 32 GB V100s (so Nd = GPUs / MP = 64 throughout).
 
-Printed coarsely: "0.5T" for 512B, and rows with MP > 1 scale the MP = 1 row's
-rounded values (121.6 = 16 x 7.6, exact 122.3), so recomputed values agree to ~3%."""
+Printed coarsely: the trillions to one digit ("0.5T", "1T", "2T", kept here as 500, 1000
+and 2000, where the formula gives 512B, 1,024B and 2,048B, 2.4% more), and rows with
+MP > 1 scale the MP = 1 row's rounded values (121.6 = 16 x 7.6, exact 122.3), so
+recomputed values agree to ~3%."""
 
 _DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 _OPTIMIZERS = ("adam", "adamw", "sgd")
@@ -273,8 +275,12 @@ def partitioned_checkpoint_bytes(hidden: int, batch: int, seq_len: int, layers: 
 
     MP replicates each block's input checkpoint on all Nm ranks; P_a keeps 1/Nm of
     it on each and all-gathers it before recomputation, so the checkpoint memory of
-    `activation_bytes(..., checkpointing=True)` is divided by Nm (the paper's
-    100B example: about 33 GB per GPU at Nm = 16 becomes about 2 GB).
+    `activation_bytes(..., checkpointing=True)` is divided by Nm. The paper's 100B
+    example (Sec 6.1: batch 32, seq 1K, Nm = 16) says about 33 GB per GPU becomes
+    about 2 GB; in the book's shape for that model (125 x 8192; the paper's shapes are in
+    Table 4, an image) this formula gives 67.1 GB and 4.2 GB at batch 32, and 33.6 GB and
+    2.1 GB at batch 16. Sec 3.2 puts the same model at about 60 GB at batch 32, so the
+    paper's two figures disagree with each other.
     Raises ValueError for non-positive ints.
     """
     _check_int("nm", nm, 1)

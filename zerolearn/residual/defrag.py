@@ -6,7 +6,8 @@ later; in backward, parameter gradients (kept until the step) are allocated betw
 recomputed activations and activation gradients. The long-lived ones end up
 scattered through memory, and the free space between them is cut into pieces: an
 allocation can fail while plenty of memory is free in total, just not in one piece.
-The paper saw out-of-memory with over 30% of memory still free.
+In extreme cases the paper saw out-of-memory errors with over 30% of memory still
+available (Sec 3.2).
 
 ZeRO's fix is to pre-allocate contiguous pools for the long-lived tensors and copy
 them in as they are produced (this package does it for real: checkpoints go to a
