@@ -20,6 +20,7 @@ import abc
 import contextlib
 import functools
 import math
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -36,6 +37,13 @@ from zerolearn.memory.ledger import category, retag, storage_bytes
 from zerolearn.precision import LossScaler, check_param_dtypes, needs_master, parse_dtype
 
 MAX_IN_FLIGHT = 2  # reductions launched but not finished; bounds the gradient buckets alive
+
+
+def _grad_arrived(engine_ref: weakref.ref, j: int, i: int, p: nn.Parameter) -> None:
+    """Post-accumulate-grad hook of parameter ``i`` of bucket ``j``: ``Engine._on_grad``."""
+    engine = engine_ref()
+    if engine is not None:
+        engine._on_grad(engine.buckets[j], i, p)
 
 
 @dataclass(eq=False)
@@ -231,9 +239,13 @@ class Engine(EngineStateMixin, abc.ABC):
         self.shards_grads_for_norm = any(b.master.numel() != b.layout.padded_numel for b in self.buckets)
         self._norm_weights = (optim.replica_weights(self.buckets, torch.distributed.get_world_size(
             mp_group)) if mp_group is not None else None)
-        for b in self.buckets:
-            for i, p in enumerate(b.params):
-                p.register_post_accumulate_grad_hook(functools.partial(self._on_grad, b, i))
+        # The hooks reach the engine through a weak reference: a parameter's hooks live where
+        # the garbage collector cannot see them, so a strong one would keep every bucket alive
+        # after the engine is dropped (close() also removes them).
+        me = weakref.ref(self)
+        self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(_grad_arrived, me, j, i))
+                       for j, b in enumerate(self.buckets) for i, p in enumerate(b.params)]
+        self._closed = False
         self._bindings = Bindings(model, self.buckets)  # parameters replaced or cast later are named
         self._versions = self._full_versions()  # working buffers changed in place outside the engine
         self._publishing: list[comm.Handle] = []  # all_gathers of updated shards in flight
@@ -305,6 +317,7 @@ class Engine(EngineStateMixin, abc.ABC):
         ids) pass unchanged. Buffers are first broadcast from data-parallel rank 0
         (``broadcast_buffers``), except in recomputations inside backward.
         """
+        self._check_open()
         if not self.in_backward:
             self._bindings.check("forward")
         if self.broadcast_buffers and not self.in_backward:
@@ -327,6 +340,7 @@ class Engine(EngineStateMixin, abc.ABC):
         :meth:`no_sync` adds gradients locally and the next reducing backward reduces the
         sum once, like DDP's ``no_sync``, holding the full gradient (2 Psi bytes) until then.
         """
+        self._check_open()
         sync = sync and self._no_sync_depth == 0
         if self.holds_reduced:  # once: a later backward must not set aside this one's local sums
             for b in self.buckets:
@@ -457,6 +471,7 @@ class Engine(EngineStateMixin, abc.ABC):
         norm and the update read the host's fp32 gradients and torch's optimizer steps the
         host master (:class:`zerolearn.engines.offload.Offload`).
         """
+        self._check_open()
         self._bindings.check("step")
         self._absorb_changes()
         for b in self.buckets:  # a gradient kept without a reduction (stage 0-1, no_sync) is read whole
@@ -718,8 +733,44 @@ class Engine(EngineStateMixin, abc.ABC):
         return self._offload.stats()
 
     def close(self) -> None:
-        """Release what offload holds outside this object: wait for a DPU step in flight,
-        stop its thread, close and remove the disk files. Idempotent; the engine must not
-        step afterwards. (Garbage collection removes the files too.)"""
+        """Release what the engine holds now rather than when it is garbage collected.
+
+        Waits for a DPU step in flight and stops its thread, closes and removes the disk
+        files, removes the hooks it put on the model's parameters and modules, and drops
+        the optimizer's state, the fp32 masters, the shards and the gradient buffers (at
+        stages 0-2 the model keeps its working parameters, which are views of the full
+        buffers; at stage 3 it keeps none). Idempotent; :meth:`forward`,
+        :meth:`backward` and :meth:`step` raise ConfigError afterwards. ``with engine:``
+        closes on leaving the block.
+
+        Without it the engine is freed as soon as the last reference to it goes (its hooks
+        reach it through a weak reference), the model included; ``close()`` is for a
+        caller that keeps the model, or the engine object, and wants the memory back.
+        """
+        if getattr(self, "_closed", True):
+            return
+        self._closed = True
         if self._offload is not None:
             self._offload.close()
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        self._release_hooks()
+        self._optimizer = None  # its state: the moments of every master
+        self._pending, self._publishing, self._used_flags = [], [], None
+        for b in self.buckets:
+            b.master = b.shard = b.grad_full = b.grad_shard = b.reduced = b.reducing = None
+
+    def _release_hooks(self) -> None:
+        """Remove hooks a stage put on the model's modules (ZeRO-3's gather and free)."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def _check_open(self) -> None:
+        if getattr(self, "_closed", False):
+            raise ConfigError(f"this {type(self).__name__} was closed (engine.close()): it holds no optimizer "
+                              "state or masters any more; wrap the model in a new engine to train again")

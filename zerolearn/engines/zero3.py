@@ -79,10 +79,17 @@ class Zero3Engine(Engine):
                                    min(self.prefetch_bytes, self.bucket_bytes))  # a fused buffer <= CB
         self._storage_unit: dict[int, U.Unit] = {}  # a storage autograd may save -> its unit
         self.gathered_bytes = self.peak_gathered_bytes = 0  # full parameters alive now / at most
+        self._module_hooks = []
         for unit in self.units:
-            unit.module.register_forward_pre_hook(lambda m, a, unit=unit: self._pre_forward(unit))
-            unit.module.register_forward_hook(lambda m, a, out, unit=unit: self._post_forward(unit, out))
+            self._module_hooks += [
+                unit.module.register_forward_pre_hook(lambda m, a, unit=unit: self._pre_forward(unit)),
+                unit.module.register_forward_hook(lambda m, a, out, unit=unit: self._post_forward(unit, out))]
         return buckets
+
+    def _release_hooks(self) -> None:
+        for handle in self._module_hooks:
+            handle.remove()
+        self._module_hooks = []
 
     def _init_bucket(self, b: Bucket, master32: torch.Tensor) -> None:
         full = master32.to(self.dtype)

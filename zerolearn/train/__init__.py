@@ -354,9 +354,9 @@ def train(config: TrainConfig, progress: bool = False, engine_factory=make_engin
         report = make_report(run, record)
         if config.offload is not None:
             report["offload"] = offload_entry(run)
-            run.engine.close()  # the disk files, the DPU thread
         return report
     finally:
+        run.engine.close()  # hooks, masters, optimizer state, the disk files, the DPU thread
         comm.set_nodes(previous_nodes)
 
 
