@@ -35,11 +35,13 @@ class Stated:
 
     ``kind`` "about": |computed - value| <= ``tolerance`` x |value| (``tolerance``
     relative, 0 for exact); "below" / "above": computed < value / computed > value (the
-    paper's "under 10%", "over 32 GB")."""
+    paper's "under 10%", "over 32 GB"). ``label`` names the quantity when the number alone
+    would not say what it is."""
 
     value: float
     tolerance: float = 0.0
     kind: str = "about"
+    label: str = ""
 
     def holds(self, computed: float) -> bool:
         if self.kind == "below":
@@ -49,12 +51,14 @@ class Stated:
         return abs(computed - self.value) <= self.tolerance * abs(self.value)
 
     def text(self) -> str:
-        """How the page states the test: "within 5% of 60", "below 0.1"."""
+        """How the page states the test: "within 5% of 60", "P_a / MP traffic below 0.1"."""
         if self.kind in ("below", "above"):
-            return f"{self.kind} {self.value:g}"
-        if self.tolerance == 0:
-            return f"equal to {self.value:g}"
-        return f"within {100 * self.tolerance:g}% of {self.value:g}"
+            text = f"{self.kind} {self.value:g}"
+        elif self.tolerance == 0:
+            text = f"equal to {self.value:g}"
+        else:
+            text = f"within {100 * self.tolerance:g}% of {self.value:g}"
+        return f"{self.label} {text}" if self.label else text
 
 
 @dataclass(frozen=True)

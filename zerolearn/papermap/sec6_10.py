@@ -74,7 +74,7 @@ def _sec8_9() -> list[Row]:
         Row("pa-comm", "Sec 8", "$P_a$ adds one all-gather per transformer block, under 10% of model "
             "parallelism's traffic", f"`pa_overhead_ratio`: {_sig(pa_overhead_ratio(SEQ, 1, 1))}",
             f"{CH[5]} (measured ratio equals it)", REPRODUCED, values={"ratio": pa_overhead_ratio(SEQ, 1, 1)},
-            paper={"ratio": Stated(0.1, kind="below")}),
+            paper={"ratio": Stated(0.1, kind="below", label="P_a / MP traffic")}),
         Row("batch", "Sec 8, Sec 10.3", "the memory ZeRO frees buys a larger batch per GPU: higher arithmetic "
             "intensity (Sec 10.3) and less data-parallel communication per unit of compute (Sec 8)",
             "`max_batch_per_gpu` (GPT-2 1.5B, 32 GB, Nd = 64, "
@@ -117,8 +117,7 @@ def _sec10_runs() -> list[Row]:
             f"TFlops per GPU, aggregate x{_sig(scale[400]['aggregate_pflops'] / scale[64]['aggregate_pflops'])} "
             "for x6.25 GPUs", f"{CH[6]}", SHAPE_ONLY, "the efficiency curve is an assumption, not measured",
             {"speedup": scale[400]["aggregate_pflops"] / scale[64]["aggregate_pflops"]},
-            changed="the model's shape and Nm = 16, the book's choices (the paper's configurations are in "
-            "Table 6, an image)"),
+            changed="the model's shape and Nm = 16 (the paper's configurations are in Table 6, an image)"),
         Row("13b", "Sec 10.4, Fig 4", "13B parameters without model parallelism on 128 GPUs, over 40 TFlops "
             "per GPU; DDP runs out of memory at 1.4B", f"model states of 13B under $P_{{os+g}}$ at Nd = 128: "
             f"{_gb(s13)} of 32 GB; `smallest_fit(13e9, 32 GB)`: {_fit_text(smallest_fit(13e9, V100_BYTES))}",
