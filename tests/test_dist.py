@@ -60,16 +60,21 @@ def test_auto_picks_gloo_on_cpu_and_nccl_on_cuda():
 
 
 def test_a_clean_teardown_returns_only_once_every_rank_has_left_its_group():
-    # Rank 1 is slow to leave (a loaded machine): rank 0, which holds the store under launch(),
-    # must not go on to exit while rank 1 still has its process group.
+    # Where rank 0's process hosts the store (env:// with MASTER_PORT set by hand), rank 1 is
+    # slow to leave (a loaded machine): rank 0 must not go on to exit while rank 1 still has its
+    # process group. (Under launch the launcher hosts the store; the job makes its ranks behave
+    # as rank 0 hosting it.)
     def leave():
         import gc
+        import os
         import time
 
         import torch.distributed as dist
 
         from zerolearn import dist as zdist
 
+        os.environ.pop("TORCHELASTIC_USE_AGENT_STORE")
+        zdist._OWN_STORE = zdist.context().rank == 0
         left = {}
         if zdist.context().rank == 1:
             collect, destroy = gc.collect, dist.destroy_process_group
@@ -88,3 +93,23 @@ def test_a_clean_teardown_returns_only_once_every_rank_has_left_its_group():
 
     (rank0_done, _), (_, rank1_left) = launch(leave, 2, timeout_s=120)
     assert rank1_left is not None and rank0_done >= rank1_left
+
+
+def test_launch_hosts_the_store_so_no_rank_hosts_it():
+    def who_hosts():
+        import os
+
+        from zerolearn import dist as zdist
+
+        return zdist._OWN_STORE, os.environ.get("TORCHELASTIC_USE_AGENT_STORE")
+
+    assert launch(who_hosts, 2, timeout_s=120) == [(False, "True"), (False, "True")]
+
+
+def test_a_hosted_store_binds_a_port_the_os_picks_and_refuses_a_bad_timeout():
+    a, b = zdist.host_store(5), zdist.host_store(5)
+    assert a.port != b.port and a.port > 0
+    env = zdist.hosted_store_env(a, 1, 2)
+    assert env["MASTER_PORT"] == str(a.port) and env["RANK"] == "1" and env["TORCHELASTIC_USE_AGENT_STORE"] == "True"
+    with pytest.raises(ConfigError, match="timeout_s=0"):
+        zdist.host_store(0)

@@ -7,10 +7,13 @@ Three ways to get ranks, one result (a :class:`DistContext`):
 * run plainly (``python -m zerolearn.train``) it is a job of world size 1;
 * :func:`launch` spawns ``world_size`` gloo ranks on this machine, runs a function in
   each and returns each rank's result: that is how notebooks and tests get several
-  real ranks on a laptop. Each rank is a fresh process (``spawn``) that joins a process
-  group on 127.0.0.1 through torchrun's environment variables, runs the function and
-  sends the pickled result, or its traceback, back on a queue (the processes, their
-  port and their results: :mod:`zerolearn.ranks`).
+  real ranks on a laptop. The calling process hosts the job's store (:func:`host_store`,
+  a TCPStore bound to a port the operating system picks, so launches started side by
+  side never compete for one), as torchrun's agent hosts its job's; each rank is a fresh
+  process (``spawn``) that joins it through torchrun's environment variables, runs the
+  function and sends the pickled result, or its traceback, back on a queue (the
+  processes and their results: :mod:`zerolearn.ranks`). The store outlives every rank,
+  so no rank ever talks to a store that has gone.
 
 Every process group gets a timeout, so a rank that dies or takes a different code
 path makes the others fail with an error instead of hanging forever.
@@ -37,7 +40,8 @@ from zerolearn.errors import ConfigError
 from zerolearn.ranks import RankError, collect, free_port, stop
 
 __all__ = ["DEFAULT_TIMEOUT_S", "ConfigError", "DistContext", "RankError", "RendezvousError", "check_world",
-           "context", "free_port", "init", "launch", "resolve_backend_device", "store", "teardown", "torchrun_env"]
+           "context", "free_port", "host_store", "hosted_store_env", "init", "launch", "resolve_backend_device",
+           "store", "teardown", "torchrun_env"]
 
 DEFAULT_TIMEOUT_S = float(os.environ.get("ZEROLEARN_TIMEOUT", "300"))
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -123,6 +127,35 @@ def torchrun_env(env: dict[str, str] | None = None) -> tuple[int, int, int] | No
 
 
 _STORE: dist.Store | None = None  # the store behind the default process group (see store())
+_OWN_STORE = False  # this process (rank 0 of an env:// job without a launcher's store) hosts it
+_AGENT_STORE = "TORCHELASTIC_USE_AGENT_STORE"  # torch's variable: every rank is a client of a launcher's store
+
+
+def host_store(timeout_s: float | None = None) -> dist.TCPStore:
+    """A TCPStore server on 127.0.0.1, on a port the operating system picks as it binds
+    (``.port`` says which): the store of a job whose ranks this process starts.
+
+    Binding port 0 cannot lose a race: two launches side by side get two ports, where a
+    port found free and bound later may meanwhile be taken. The ranks join it as
+    clients (:func:`hosted_store_env`), as torchrun's workers join their agent's store,
+    and it lives as long as this object: keep it until every rank has exited.
+
+    Raises:
+        ConfigError: ``timeout_s`` not a positive number.
+    """
+    timeout_s = DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not timeout_s > 0:
+        raise ConfigError(f"timeout_s={timeout_s!r}: must be a number of seconds > 0")
+    return dist.TCPStore("127.0.0.1", 0, 1, True, datetime.timedelta(seconds=timeout_s), wait_for_workers=False)
+
+
+def hosted_store_env(server: dist.TCPStore, rank: int, world_size: int) -> dict[str, str]:
+    """torchrun's environment variables for rank ``rank`` of ``world_size`` ranks that meet
+    at ``server`` (from :func:`host_store`), all as its clients (torch's own
+    ``TORCHELASTIC_USE_AGENT_STORE``, which torchrun sets for its workers)."""
+    return {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(server.port), "RANK": str(rank),
+            "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank), _AGENT_STORE: str(True),
+            "TORCHELASTIC_RESTART_COUNT": "0"}
 
 
 def init(backend: str = "auto", device: str = "auto", timeout_s: float | None = None,
@@ -168,6 +201,9 @@ def init(backend: str = "auto", device: str = "auto", timeout_s: float | None = 
         # left by a failed attempt (peers' addresses) must not be read by the next one,
         # so each attempt works under its own prefix.
         store = _rendezvous(rank, world, timeout)
+        global _OWN_STORE
+        # Rank 0 hosts the store itself unless a launcher does (torchrun's agent, launch, live ranks).
+        _OWN_STORE = rank == 0 and os.environ.get(_AGENT_STORE) != str(True)
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
         _STORE = dist.PrefixStore(f"zerolearn/attempt{attempt}", store)
         dist.init_process_group(backend, store=_STORE, rank=rank, world_size=world, timeout=timeout)
@@ -234,9 +270,9 @@ def _init_simulated(world_size: int, device_type: str, under_torchrun: bool) -> 
     return _CONTEXT
 
 
-LEAVE_S = 10.0
-"""Seconds a rank waits, at a clean :func:`teardown`, for its peers to have left their process
-group too, before it may go on to exit (see :func:`teardown`)."""
+LEAVE_S = 120.0
+"""Seconds rank 0, when its process hosts the job's store, waits at a clean :func:`teardown` for
+every peer to have left before it may exit (see :func:`teardown`)."""
 _TEARDOWNS = 0  # clean teardowns in this process: each one's keys on the store are its own
 
 
@@ -249,13 +285,17 @@ def teardown(clean: bool = True) -> None:
     process if that happens); the last references to finished collectives dropped while
     gloo's threads still run (left to interpreter shutdown, freeing them can abort the
     process); the group destroyed, and what only a reference cycle still held collected now,
-    not at interpreter exit; then every rank posts on the store that it has left, and waits
-    (at most :data:`LEAVE_S` seconds) until all have: the store lives in one of the ranks'
-    processes (rank 0's, or torchrun's agent), which must not exit, taking the store with
-    it, while a slower peer is still leaving. After a failure, pass False: the group is
-    destroyed at once, without waiting for peers that may be gone.
+    not at interpreter exit. The store must outlive every rank that talks to it: a peer
+    whose store vanishes mid-request has c10d print a C++ stack trace ("Did the remote
+    server shutdown or crash?") on its stderr. Where a launcher hosts it (torchrun's agent,
+    :func:`launch`, :mod:`zerolearn.live`) it does, and nothing more is needed. Where rank
+    0's own process hosts it (plain ``env://`` with MASTER_PORT set by hand), every other
+    rank posts on the store that it has left and goes, without waiting for an answer, and
+    rank 0 waits (at most :data:`LEAVE_S` seconds) until all have posted before it exits.
+    After a failure, pass False: the group is destroyed at once, without waiting for peers
+    that may be gone.
     """
-    global _CONTEXT, _STORE, _TEARDOWNS
+    global _CONTEXT, _STORE, _TEARDOWNS, _OWN_STORE
     store, world = _STORE, dist.get_world_size() if dist.is_initialized() else 1
     if dist.is_initialized():
         real = world > 1 and dist.get_backend() != "fake"
@@ -264,30 +304,36 @@ def teardown(clean: bool = True) -> None:
         gc.collect()
         dist.destroy_process_group()
         gc.collect()
-        if clean and real and store is not None:
-            _leave_together(store, _CONTEXT.rank if _CONTEXT is not None else 0, world, _TEARDOWNS)
+        rank = _CONTEXT.rank if _CONTEXT is not None else 0
+        if clean and real and store is not None and _hosted_by_rank0(store):
+            _leave(store, rank, world, _TEARDOWNS, rank == 0 and _OWN_STORE)
             _TEARDOWNS += 1
-    _CONTEXT, _STORE = None, None
+    _CONTEXT, _STORE, _OWN_STORE = None, None, False
 
 
-def _leave_together(store: dist.Store, rank: int, world: int, epoch: int) -> None:
-    """Post that ``rank`` has left its process group; wait until all ``world`` ranks have, at most
-    :data:`LEAVE_S` seconds (a peer that never posts only delays this rank's exit)."""
+def _hosted_by_rank0(store: dist.Store) -> bool:
+    """Whether the job's store lives in rank 0's process (not a launcher's)."""
+    return _OWN_STORE or os.environ.get(_AGENT_STORE) != str(True)
+
+
+def _leave(store: dist.Store, rank: int, world: int, epoch: int, host: bool) -> None:
+    """Post that ``rank`` has left its process group; the ``host`` of the store (rank 0) then
+    waits until all ``world`` ranks have posted, at most :data:`LEAVE_S` seconds. A peer only
+    sends (a set asks for no reply), so no peer is ever inside a request when the host exits."""
     key = f"zerolearn/teardown/{epoch}"
     try:
         store.set(f"{key}/{rank}", "left")
-        store.wait([f"{key}/{r}" for r in range(world)], datetime.timedelta(seconds=LEAVE_S))
+        if host:
+            store.wait([f"{key}/{r}" for r in range(world)], datetime.timedelta(seconds=LEAVE_S))
     except Exception:  # noqa: BLE001 - a peer or the store already gone: nothing left to wait for
         pass
 
 
-def _worker(rank, world_size, port, backend, call: bytes, timeout_s, queue) -> None:
-    """Rank ``rank`` of :func:`launch`: join the group, run the pickled ``call``, put its result
-    (or its traceback) on ``queue``, leave the group."""
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-        WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
-    )
+def _worker(rank, world_size, env: dict[str, str], backend, call: bytes, timeout_s, queue) -> None:
+    """Rank ``rank`` of :func:`launch`: join the group (``env``: torchrun's variables, the
+    store the launcher hosts), run the pickled ``call``, put its result (or its traceback)
+    on ``queue``, leave the group."""
+    os.environ.update(env)
     # Ranks share the machine's cores: one intra-op thread each avoids oversubscription.
     torch.set_num_threads(1)
     try:
@@ -347,9 +393,9 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float
                         f"({type(e).__name__}: {e})") from e
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, backend, call, timeout_s, queue),
-                         daemon=True)
+    server = host_store(timeout_s + 60)  # outlives the ranks: they all are its clients
+    procs = [ctx.Process(target=_worker, args=(r, world_size, hosted_store_env(server, r, world_size), backend, call,
+                                               timeout_s, queue), daemon=True)
              for r in range(world_size)]
     for p in procs:
         p.start()
@@ -359,4 +405,5 @@ def launch(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float
         finished = True
     finally:
         stop(procs, kill=not finished)
+        del server  # every rank has exited
     return [results[r] for r in range(world_size)]

@@ -35,7 +35,9 @@ optimizer states are in host memory at once. At stage 3 the working parameter sh
 to disk too (ZeRO-Infinity's parameter offload, Sec 5): a shard is read from its file
 just before its unit's all_gather (forward, backward, each prefetch), released once the
 gather has finished, and written back after the step updates it, so between uses a rank
-holds no parameter memory at all. The reads are synchronous, on the calling thread;
+holds no parameter memory at all. File I/O only ever touches host memory: on CUDA a
+shard crosses between the device and its file through one reused, pinned host buffer
+(:class:`HostStaging`). The reads are synchronous, on the calling thread;
 ZeRO-Infinity prefetches parameters layer by layer under compute (its overlap-centric
 design), which this teaching engine does not.
 
@@ -138,8 +140,114 @@ def _restore(t: torch.Tensor) -> None:
 def _bytes_view(t: torch.Tensor) -> memoryview:
     """The bytes of host tensor ``t`` (contiguous) as a writable buffer for ``os.preadv``
     and ``os.pwrite``. Through ctypes, not ``numpy()``: sharing a tensor with numpy
-    makes its storage non-resizable for good, and the swapper resizes it."""
+    makes its storage non-resizable for good, and the swapper resizes it.
+
+    Raises:
+        ValueError: ``t`` is not in host memory (a CUDA tensor's address means nothing to
+            the operating system's file calls: ``OSError: Bad address`` at best), or not
+            contiguous.
+    """
+    if t.device.type != "cpu":
+        raise ValueError(f"file I/O needs host memory; got a tensor on {t.device} (stage it through a host "
+                         "buffer: DiskSwapper does)")
+    if not t.is_contiguous():
+        raise ValueError(f"file I/O needs a contiguous tensor; got strides {t.stride()} for shape {tuple(t.shape)}")
     return memoryview((ctypes.c_char * (t.numel() * t.element_size())).from_address(t.data_ptr())).cast("B")
+
+
+def _pwrite_host(fd: int, t: torch.Tensor, offset: int) -> int:
+    """Write all the bytes of host tensor ``t`` to file ``fd`` at byte ``offset``; the bytes written.
+    With :func:`_preadv_host`, the only place file I/O meets tensor memory."""
+    view, done = _bytes_view(t), 0
+    while done < len(view):
+        done += os.pwrite(fd, view[done:], offset + done)
+    return done
+
+
+def _preadv_host(fd: int, t: torch.Tensor, offset: int, name: str) -> int:
+    """Fill host tensor ``t`` from file ``fd`` (called ``name``) at byte ``offset``; the bytes read.
+
+    Raises:
+        OSError: the file ends before ``t`` is full.
+    """
+    view, done = _bytes_view(t), 0
+    while done < len(view):
+        got = os.preadv(fd, [view[done:]], offset + done)
+        if got <= 0:
+            raise OSError(f"offload file {name} ends at byte {offset + done}; expected {offset + len(view)}")
+        done += got
+    return done
+
+
+STAGING_MB = 32.0
+"""Size cap of the host buffer through which device tensors cross to and from files (MiB):
+a larger tensor crosses in pieces of this size."""
+
+
+def _needs_staging(t: torch.Tensor) -> bool:
+    """Whether ``t``'s memory is not the host's (a CUDA tensor), so file I/O must go through a host buffer."""
+    return t.device.type != "cpu"
+
+
+class HostStaging:
+    """One host buffer, reused, through which device tensors cross to and from files.
+
+    Pinned when CUDA is present, so the device's copies into and out of it run at full
+    speed; at most ``cap_bytes`` (a larger tensor crosses in pieces), allocated on first
+    use and grown up to the cap as larger tensors come. Every copy through it is
+    synchronous (``copy_`` without ``non_blocking``), so the buffer may be reused as soon
+    as a copy returns.
+
+    Args:
+        cap_bytes: the buffer's largest size in bytes, >= 1.
+
+    Raises:
+        ConfigError: ``cap_bytes`` not an integer >= 1.
+    """
+
+    def __init__(self, cap_bytes: int = int(STAGING_MB * 2**20)):
+        if isinstance(cap_bytes, bool) or not isinstance(cap_bytes, int) or cap_bytes < 1:
+            raise ConfigError(f"staging cap_bytes={cap_bytes!r}: must be an integer >= 1")
+        self.cap = cap_bytes
+        self.buffer: torch.Tensor | None = None  # uint8, host
+
+    def take(self, nbytes: int) -> torch.Tensor:
+        """The first ``min(nbytes, cap)`` bytes of the buffer, as a uint8 host tensor."""
+        n = min(nbytes, self.cap)
+        if self.buffer is None or self.buffer.numel() < n:
+            self.buffer = None  # the old one goes before the larger one comes
+            with category("temporary"), location("host"):
+                self.buffer = torch.empty(n, dtype=torch.uint8, pin_memory=torch.cuda.is_available())
+        return self.buffer[:n]
+
+    def write(self, fd: int, t: torch.Tensor, offset: int) -> int:
+        """Write device tensor ``t`` (contiguous) to file ``fd`` at ``offset``, piece by piece
+        through the buffer; the bytes written."""
+        flat, done = t.reshape(-1).view(torch.uint8), 0
+        while done < flat.numel():
+            piece = self.take(flat.numel() - done)
+            piece.copy_(flat[done:done + piece.numel()])  # device -> host, synchronous
+            done += _pwrite_host(fd, piece, offset + done)
+        return done
+
+    def read(self, fd: int, t: torch.Tensor, offset: int, name: str) -> int:
+        """Fill device tensor ``t`` (contiguous) from file ``fd`` at ``offset``, piece by piece
+        through the buffer; the bytes read.
+
+        Raises:
+            OSError: the file ends before ``t`` is full.
+        """
+        flat, done = t.reshape(-1).view(torch.uint8), 0
+        while done < flat.numel():
+            piece = self.take(flat.numel() - done)
+            got = _preadv_host(fd, piece, offset + done, name)
+            flat[done:done + got].copy_(piece[:got])  # host -> device, synchronous
+            done += got
+        return done
+
+    def release(self) -> None:
+        """Give the buffer's memory back (the next use allocates it again)."""
+        self.buffer = None
 
 
 class DiskSwapper:
@@ -147,12 +255,14 @@ class DiskSwapper:
 
     File ``i`` holds bucket ``i``'s tensors back to back (the fp32 master, then the
     optimizer's per-element states in key order; only the master before the first step,
-    whose moments torch creates), written with ``os.pwrite`` and read with
-    ``os.preadv`` straight into the host tensors' memory. Between reads a tensor's
-    storage is resized to 0 bytes (as ZeRO-3 frees a gathered unit): the tensor object,
-    which the optimizer holds, stays. Bytes and seconds are counted; the files go
-    through the operating system's page cache, so the bandwidth measured is that of the
-    file path, not necessarily the device's.
+    whose moments torch creates; at stage 3 also the working parameter shards, in a
+    swapper of their own), written with ``os.pwrite`` and read with ``os.preadv``. Host
+    tensors are read and written in place; device tensors (CUDA) cross through one
+    reused, pinned host buffer (:class:`HostStaging`), so file I/O only ever sees host
+    memory. Between reads a tensor's storage is resized to 0 bytes (as ZeRO-3 frees a
+    gathered unit): the tensor object, which the optimizer holds, stays. Bytes and
+    seconds are counted; the files go through the operating system's page cache, so the
+    bandwidth measured is that of the file path, not necessarily the device's.
 
     Args:
         directory: where the files go (a private sub-folder is made in it); None: a new
@@ -165,6 +275,7 @@ class DiskSwapper:
     def __init__(self, directory: str | None, rank: int, what: str = "states"):
         self.dir = tempfile.mkdtemp(prefix=f"zerolearn-offload-{what}-rank{rank}-", dir=directory)
         self.fds: dict[int, int] = {}
+        self.staging = HostStaging()
         self.reset_stats()
         self._close = weakref.finalize(self, _remove, self.fds, self.dir)
 
@@ -175,11 +286,15 @@ class DiskSwapper:
 
     def _fd(self, i: int) -> int:
         if i not in self.fds:
-            self.fds[i] = os.open(os.path.join(self.dir, f"bucket{i:05d}.bin"), os.O_RDWR | os.O_CREAT, 0o600)
+            self.fds[i] = os.open(self._name(i), os.O_RDWR | os.O_CREAT, 0o600)
         return self.fds[i]
 
+    def _name(self, i: int) -> str:
+        return os.path.join(self.dir, f"bucket{i:05d}.bin")
+
     def load(self, i: int, tensors: list[torch.Tensor]) -> None:
-        """Give ``tensors`` (fp32, contiguous, host) their storage back and read file ``i`` into them.
+        """Give ``tensors`` (contiguous; host, or a device's through the staging buffer) their
+        storage back and read file ``i`` into them.
 
         Raises:
             OSError: the file is shorter than the tensors (it was truncated behind our back).
@@ -187,26 +302,23 @@ class DiskSwapper:
         fd, offset, t0 = self._fd(i), 0, time.perf_counter()
         for t in tensors:
             _restore(t)
-            view, done = _bytes_view(t), 0
-            while done < len(view):
-                got = os.preadv(fd, [view[done:]], offset + done)
-                if got <= 0:
-                    raise OSError(f"offload file {self.dir}/bucket{i:05d}.bin ends at byte {offset + done}; "
-                                  f"expected {offset + len(view)}")
-                done += got
-            offset += done
+            if _needs_staging(t):
+                offset += self.staging.read(fd, t, offset, self._name(i))
+            else:
+                offset += _preadv_host(fd, t, offset, self._name(i))
         self.bytes_read += offset
         self.read_s += time.perf_counter() - t0
 
     def store(self, i: int, tensors: list[torch.Tensor], release: bool = True) -> None:
-        """Write ``tensors`` back to back into file ``i`` (its length: their bytes), then
-        release their storage (``release``)."""
+        """Write ``tensors`` (contiguous; host, or a device's through the staging buffer) back
+        to back into file ``i`` (its length: their bytes), then release their storage
+        (``release``)."""
         fd, offset, t0 = self._fd(i), 0, time.perf_counter()
         for t in tensors:
-            view, done = _bytes_view(t), 0
-            while done < len(view):
-                done += os.pwrite(fd, view[done:], offset + done)
-            offset += done
+            if _needs_staging(t):
+                offset += self.staging.write(fd, t, offset)
+            else:
+                offset += _pwrite_host(fd, t, offset)
         os.ftruncate(fd, offset)
         self.bytes_written += offset
         self.write_s += time.perf_counter() - t0
@@ -227,8 +339,9 @@ class DiskSwapper:
                 "write_bandwidth": self.bytes_written / self.write_s if self.write_s > 0 else 0.0}
 
     def close(self) -> None:
-        """Close the files and remove the sub-folder (idempotent)."""
+        """Close the files, remove the sub-folder and free the staging buffer (idempotent)."""
         self._close()
+        self.staging.release()
 
 
 def _remove(fds: dict[int, int], directory: str) -> None:

@@ -17,7 +17,7 @@ from multiprocessing.connection import wait
 
 import cloudpickle
 
-from zerolearn.dist import RankError, check_world, free_port
+from zerolearn.dist import RankError, check_world, host_store, hosted_store_env
 from zerolearn.errors import require_choice, require_count, require_real
 from zerolearn.live.rank import _call, _exec, _pull, _push, _serve
 
@@ -85,6 +85,7 @@ class Ranks:
         self.world_size, self.backend, self.timeout_s = world_size, backend, float(timeout_s)
         self._procs: list = []
         self._conns: list = []
+        self._store = None  # the ranks' store, hosted here while they run
         self._cells = 0
         _POOLS.add(self)
         self._start()
@@ -191,14 +192,17 @@ class Ranks:
 
     def _start(self) -> None:
         ctx = mp.get_context("spawn")
-        port = free_port()
         # The group's own timeout is longer than a call's, so the kernel's deadline comes
         # first; it still ends ranks left waiting in a collective if the kernel dies.
         group_timeout_s = self.timeout_s + 60
+        # The kernel hosts the ranks' store (on a port the OS picks as it binds) and keeps it
+        # until they have exited (_kill): no rank ever talks to a store that has gone.
+        self._store = host_store(group_timeout_s)
         self._conns, self._procs = [], []
         for r in range(self.world_size):
             here, there = ctx.Pipe()
-            p = ctx.Process(target=_serve, args=(r, self.world_size, port, self.backend, group_timeout_s, there),
+            env = hosted_store_env(self._store, r, self.world_size)
+            p = ctx.Process(target=_serve, args=(r, self.world_size, env, self.backend, group_timeout_s, there),
                             daemon=True, name=f"zerolearn-rank-{r}")
             p.start()
             there.close()  # the rank holds the only other end: its exit shows here as EOF
@@ -223,7 +227,7 @@ class Ranks:
             p.join(timeout=10)
         for conn in self._conns:
             conn.close()
-        self._procs, self._conns = [], []
+        self._procs, self._conns, self._store = [], [], None  # the store goes last
 
     def _ask(self, fn, args: tuple, timeout_s: float | None = None) -> tuple[Outputs, list]:
         """Run ``fn(namespace, *args)`` on every rank; (outputs, results) by rank."""

@@ -40,12 +40,11 @@ class _Pipe:
         pass
 
 
-def _serve(rank: int, world_size: int, port: int, backend: str, timeout_s: float, conn) -> None:
+def _serve(rank: int, world_size: int, env: dict[str, str], backend: str, timeout_s: float, conn) -> None:
     # Ctrl-C in Jupyter signals the kernel's whole process group; the kernel decides
     # what happens to ranks (it kills them), so a rank never dies half-way by itself.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    os.environ.update(env)  # torchrun's variables; the store is the kernel's (zerolearn.dist.host_store)
     torch.set_num_threads(1)  # ranks share the machine's cores, as in zerolearn.dist.launch
     pipe = _Pipe(conn)
     sys.stdout = sys.stderr = pipe
@@ -64,9 +63,9 @@ def _serve(rank: int, world_size: int, port: int, backend: str, timeout_s: float
         return  # the kernel is gone: nobody to serve
     from zerolearn import dist as zdist
 
-    # Asked to close: every rank was asked, so all leave together (a barrier, then each
-    # waits until all have left), and rank 0, whose process holds the store, does not exit
-    # while a peer still talks to it (the peer would print c10d's store errors into the
+    # Asked to close: every rank was asked, so all leave together (a barrier, then the group
+    # destroyed). The store is the kernel's, which keeps it until every rank has exited, so
+    # no rank talks to a store that has gone (c10d would print its store errors into the
     # kernel's next cell). A rank that cannot finish this is killed by the kernel's close.
     zdist.teardown(clean=True)
 
