@@ -10,6 +10,10 @@ convention the paper's per-rank volume (Sec 7.1) is
 
 since a ring all-reduce is a reduce-scatter followed by an all-gather.
 
+The same ledger books the collectives a reader calls by torch's own names
+(``dist.all_reduce``, ``dist.reduce_scatter_tensor``, ...) inside
+:func:`zerolearn.watch.watching`; calls made here are booked here only (:func:`booking`).
+
 Under ``torch.profiler`` every call is also labelled (:func:`profiler_label`), so a
 trace shows which collective the main thread launched or waited for, and for what
 (:mod:`zerolearn.timeline` reads these labels back). Without a profiler running the
@@ -43,6 +47,7 @@ import contextlib
 import functools
 import time
 from collections import defaultdict
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 
 import torch
@@ -58,7 +63,8 @@ EXTRA_OPS = ("all_to_all",)  # ZeRO++'s qgZ; recorded, not in the paper's volume
 # "<RELEASE>|op" around the wait for gloo to let go of the tensors (inside either).
 LAUNCH, WAIT, RELEASE = "zerolearn.comm", "zerolearn.wait", "zerolearn.release"
 __all__ = ["EXTRA_OPS", "LAUNCH", "LEDGER", "OPS", "RELEASE", "WAIT", "CollectiveError", "CollectiveMismatch",
-           "CommLedger", "Handle", "all_gather", "all_reduce", "all_to_all", "barrier", "broadcast", "debug_enabled",
+           "CommLedger", "Handle", "all_gather", "all_reduce", "all_to_all", "barrier", "booking", "broadcast",
+           "debug_enabled",
            "gather_objects", "monitor_max", "monitor_mean", "node_ranks", "profiler_label", "reduce_scatter",
            "set_debug", "set_nodes", "unit"]
 
@@ -80,10 +86,14 @@ class CommLedger:
     tags: dict[str, dict[str, OpStats]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(OpStats)))
 
     def record(self, op: str, tensor: torch.Tensor, seconds: float, tag: str = "dp") -> None:
+        self.book(op, tensor.numel(), tensor.element_size(), seconds, tag)
+
+    def book(self, op: str, elements: int, element_size: int, seconds: float, tag: str = "dp") -> None:
+        """Add one call of ``op`` that counted ``elements`` of ``element_size`` bytes each."""
         for s in (self.ops[op], self.tags[tag][op]):
             s.calls += 1
-            s.elements += tensor.numel()
-            s.bytes += tensor.numel() * tensor.element_size()
+            s.elements += elements
+            s.bytes += elements * element_size
             s.seconds += seconds
 
     # Bytes per link, per kind of work (guard.calling_unit()'s "doing"): {doing: {"intra": b, "inter": b}}.
@@ -135,6 +145,22 @@ class CommLedger:
 
 
 LEDGER = CommLedger()
+_booking: ContextVar[bool] = ContextVar("zerolearn_comm_booking", default=False)
+
+
+def booking() -> bool:
+    """Whether a call of this module is under way: :mod:`zerolearn.watch`, which books
+    torch.distributed's collectives called by their own names, then leaves them to it."""
+    return _booking.get()
+
+
+@contextlib.contextmanager
+def _own():
+    token = _booking.set(True)
+    try:
+        yield
+    finally:
+        _booking.reset(token)
 _nodes: list = [None]  # [k ranks per node or None, {group: (intra peers, inter peers, my rank, size)}]
 
 
@@ -237,7 +263,7 @@ class Handle:
             return
         with profiler_label(WAIT, self._op):
             t0 = time.perf_counter()
-            with guard.loud(self._op, self._group, self._seq):
+            with _own(), guard.loud(self._op, self._group, self._seq):
                 self._work.wait()
             LEDGER.ops[self._op].seconds += time.perf_counter() - t0
             counts = _use_counts(self._tensors, self._group) if self._held is not None else None
@@ -252,6 +278,12 @@ class Handle:
 
 def _run(op: str, counted: torch.Tensor, call, async_op: bool, group, tensors: tuple,
          detail: str | None = None, tag: str = "dp", src: int | None = None) -> Handle:
+    with _own():
+        return _booked(op, counted, call, async_op, group, tensors, detail, tag, src)
+
+
+def _booked(op: str, counted: torch.Tensor, call, async_op: bool, group, tensors: tuple,
+            detail: str | None, tag: str, src: int | None) -> Handle:
     shapes = tuple(tuple(t.shape) for t in tensors)
     guard.before(op if detail is None else f"{op}({detail})", shapes, counted.dtype, group)
     before = _use_counts(tensors, group)
@@ -284,7 +316,7 @@ def monitor_mean(value: float, group=None) -> float:
     if dist.get_backend(group) == "nccl":
         t = t.cuda()
     guard.count()
-    with guard.loud("monitor_mean", group), guard.monitoring("monitor_mean"):
+    with _own(), guard.loud("monitor_mean", group), guard.monitoring("monitor_mean"):
         dist.all_reduce(t, group=group)
     return t.item() / dist.get_world_size(group)
 
@@ -310,7 +342,7 @@ def monitor_max(tensor: torch.Tensor, group=None, async_op: bool = False) -> Mon
         with ``async_op``, a :class:`Monitor` to wait on before reading ``tensor``; else None.
     """
     guard.count()
-    with guard.loud("monitor_max", group), guard.monitoring("monitor_max"):
+    with _own(), guard.loud("monitor_max", group), guard.monitoring("monitor_max"):
         work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group, async_op=async_op)
     return Monitor(work, "monitor_max", group) if async_op else None
 
@@ -319,7 +351,7 @@ def gather_objects(obj, group=None) -> list:
     """Every rank's picklable ``obj``, in rank order (for reports; not in the ledger)."""
     out = [None] * dist.get_world_size(group)
     guard.count()
-    with guard.loud("gather_objects", group), guard.monitoring("gather_objects", 2):
+    with _own(), guard.loud("gather_objects", group), guard.monitoring("gather_objects", 2):
         dist.all_gather_object(out, obj, group=group)
     return out
 
@@ -328,7 +360,7 @@ def barrier(group=None) -> None:
     """Wait until every rank of ``group`` gets here (not in the ledger)."""
     if dist.get_world_size(group) > 1 and dist.get_backend(group) != "fake":
         guard.count()
-        with guard.loud("barrier", group), guard.monitoring("barrier"):
+        with _own(), guard.loud("barrier", group), guard.monitoring("barrier"):
             dist.barrier(group=group)
 
 

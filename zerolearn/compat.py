@@ -8,6 +8,7 @@ package reads as if there were a single torch.
 from __future__ import annotations
 
 import sys
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -18,6 +19,11 @@ TORCH_VERSION: str = torch.__version__.split("+")[0]
 # the old names; 2.11 only has the old ones. Same semantics, same arguments.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+# The book and its readers write the names both versions know (``dist.reduce_scatter_tensor``,
+# ``dist.all_gather_into_tensor``); 2.13 warns that they are deprecated on every first call
+# from a new place, which would make stored outputs differ between machines. Same op underneath.
+warnings.filterwarnings("ignore", message=r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` "
+                        r"is deprecated", category=FutureWarning)
 
 
 def reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):

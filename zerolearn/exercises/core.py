@@ -27,8 +27,11 @@ the ranks still waiting (:meth:`zerolearn.live.Ranks.call_until`), so a check an
 within seconds whichever rank is wrong.
 
 Solutions and reader functions may use, besides their arguments, the names
-``torch``, ``nn``, ``F``, ``dist`` and ``comm`` (:data:`PRELUDE`), which each chapter
-imports before its exercises.
+``torch``, ``nn``, ``F`` and ``dist`` (:data:`PRELUDE`), which each chapter imports
+before its exercises; they call torch.distributed's collectives by torch's names, and
+the trial books them (:func:`zerolearn.watch.watching`: calls, elements and bytes in
+:data:`zerolearn.comm.LEDGER`). A function that calls :mod:`zerolearn.comm`'s wrappers
+instead is booked the same, once.
 """
 
 from __future__ import annotations
@@ -50,13 +53,13 @@ from typing import Any
 import torch
 
 from zerolearn.errors import ConfigError
+from zerolearn.watch import watching
 
 __all__ = ["EXERCISES", "PRELUDE", "Bug", "Exercise", "Mistake", "Result", "Wrong", "agree", "check",
            "defined_at", "first_difference", "machinery", "readers_line", "register", "reusing_ranks", "skeleton",
            "solution_source"]
 
-PRELUDE = ("import torch\nimport torch.distributed as dist\nimport torch.nn.functional as F\nfrom torch import nn\n\n"
-           "from zerolearn import comm")
+PRELUDE = "import torch\nimport torch.distributed as dist\nimport torch.nn.functional as F\nfrom torch import nn"
 """The imports every exercise function may rely on (a chapter runs them before its exercises)."""
 
 
@@ -418,7 +421,8 @@ def agree(step: int, point: str | None = None) -> None:
 
 
 def guard_count() -> int:
-    """Collectives issued through :mod:`zerolearn.comm` on this rank so far."""
+    """Collectives issued on this rank so far (through :mod:`zerolearn.comm`, or by torch's names
+    while watched)."""
     from zerolearn import guard
 
     return guard.current()
@@ -451,7 +455,8 @@ def _run_trial(exercise: Exercise, fn: Callable, token: str | None) -> tuple[str
         debug = comm.debug_enabled()
         comm.set_debug(True)
     try:
-        return "ok", exercise.trial(fn)
+        with watching():  # torch's collectives, called by their own names, booked in comm.LEDGER
+            return "ok", exercise.trial(fn)
     except _PeerFailed as e:
         return "stopped", e.rank
     except Wrong as e:

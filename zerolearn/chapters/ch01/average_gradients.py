@@ -5,7 +5,7 @@ What the reader writes: this function, its body between ``# BEGIN SOLUTION`` and
 trial and known bugs are in :mod:`zerolearn.chapters.ch01.average_gradients_check`.
 """
 
-from zerolearn import comm
+import torch.distributed as dist
 
 
 def average_gradients(model, world_size):
@@ -17,12 +17,12 @@ def average_gradients(model, world_size):
         world_size: the number of ranks, Nd.
 
     On return every ``p.grad`` holds the mean of the ranks' gradients: the gradient of
-    the whole global batch. Use ``comm.all_reduce(tensor)`` (it sums in place over the
-    ranks and books the elements it moves in ``comm.LEDGER``). Leave the parameters alone.
+    the whole global batch. Use ``dist.all_reduce(tensor)``, torch's all-reduce: it sums
+    ``tensor`` in place over the ranks. Leave the parameters alone.
     """
     # BEGIN SOLUTION
     for p in model.parameters():
         if p.grad is not None:
-            comm.all_reduce(p.grad)  # the sum over ranks, on every rank
+            dist.all_reduce(p.grad)  # the sum over ranks, on every rank
             p.grad.div_(world_size)
     # END SOLUTION

@@ -4,7 +4,8 @@ After backward, the reader replaces every gradient by its mean over the ranks, o
 all-reduce per tensor. The trial trains a small GPT with Adam for three steps on this
 rank's slice of each global batch, beside the same GPT trained in this process on the
 whole batch, and compares every gradient (naming the known mistakes: not averaged, the
-sum, divided twice) and every parameter, then the 2 Psi per step booked by ``comm.LEDGER``.
+sum, divided twice) and every parameter, then the 2 Psi per step the ledger books
+(torch's collectives, watched by :mod:`zerolearn.watch`).
 
 This module holds the trial, the known bugs and the registration; the reader's function
 (with its reference solution) is in :mod:`zerolearn.chapters.ch01.average_gradients`.
@@ -13,6 +14,7 @@ This module holds the trial, the known bugs and the registration; the reader's f
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from zerolearn import comm
 from zerolearn import dist as zdist
@@ -49,8 +51,7 @@ def _average_trial(fn) -> str:
             compare_grad(f"the gradient of {name!r}", p.grad, q.grad, g, p, world_size, step)
         moved = comm.LEDGER.volume_elements()
         if moved == 0:
-            raise Wrong("comm.LEDGER saw no collective: call comm.all_reduce (it books what moves), "
-                        "not dist.all_reduce", step)
+            raise Wrong("no collective ran: sum every gradient over the ranks with dist.all_reduce(p.grad)", step)
         if moved != 2 * psi:
             raise Wrong(f"you moved {psi_per_step(moved, psi)} per step; averaging the gradients moves 2.0 Psi "
                         "(one all-reduce of every gradient, Sec 7.1)", step)
@@ -69,7 +70,7 @@ def _average_the_weights(model, world_size):
     """huggingface/picotron issue #39: the reduction is applied to the parameter, not to
     its gradient, so the (identical) weights are averaged and the gradients never are."""
     for p in model.parameters():
-        comm.all_reduce(p.data)
+        dist.all_reduce(p.data)
         p.data.div_(world_size)
 
 
@@ -77,14 +78,14 @@ def _sum_not_mean(model, world_size):
     """The division by Nd forgotten: every rank steps with Nd times the gradient (a common
     slip in hand-written DP; Adam hides it, SGD does not)."""
     for p in model.parameters():
-        comm.all_reduce(p.grad)
+        dist.all_reduce(p.grad)
 
 
 def _divide_twice(model, world_size):
     """Nd divided out twice, e.g. once by the loss (``loss / world_size``) and once after the
     all-reduce, as when code written for a summed loss meets a mean loss."""
     for p in model.parameters():
-        comm.all_reduce(p.grad)
+        dist.all_reduce(p.grad)
         p.grad.div_(world_size)
         p.grad.div_(world_size)
 

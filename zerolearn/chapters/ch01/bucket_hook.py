@@ -6,8 +6,7 @@ trial and known bugs are in :mod:`zerolearn.chapters.ch01.bucket_hook_check`.
 """
 
 import torch
-
-from zerolearn import comm
+import torch.distributed as dist
 
 
 def bucket_hook(buckets, world_size):
@@ -21,7 +20,7 @@ def bucket_hook(buckets, world_size):
     Register a hook on every parameter with ``p.register_post_accumulate_grad_hook(hook)``;
     autograd calls ``hook(p)`` with the *parameter* once ``p.grad`` is complete. When
     the last gradient of a bucket has arrived, copy the bucket's gradients into one flat
-    fp32 buffer and launch ``comm.all_reduce(buffer, async_op=True)`` at once, without
+    fp32 buffer and launch ``dist.all_reduce(buffer, async_op=True)`` at once, without
     waiting: it runs while backward goes on. One all-reduce per bucket per step.
 
     Returns:
@@ -41,7 +40,7 @@ def bucket_hook(buckets, world_size):
         if arrived[i] == len(buckets[i]):  # the bucket's last gradient: launch it now
             arrived[i] = 0
             buffer = torch.cat([q.grad.flatten() for q in buckets[i]])
-            in_flight.append((comm.all_reduce(buffer, async_op=True), buffer, buckets[i]))
+            in_flight.append((dist.all_reduce(buffer, async_op=True), buffer, buckets[i]))
 
     for bucket in buckets:
         for p in bucket:

@@ -14,6 +14,7 @@ This module holds the trial, the known bugs and the registration; the reader's f
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from zerolearn import comm, flat
 from zerolearn import dist as zdist
@@ -45,8 +46,8 @@ def _one_per_bucket(during: int, calls: int, moved: int, n: int, step: int) -> N
                     "after the first backward; reset what counts a bucket's arrived gradients when the "
                     "bucket launches (the hooks stay registered and run again every backward)", step)
     if moved == 0:
-        raise Wrong("comm.LEDGER saw no collective: call comm.all_reduce (it books what moves), "
-                    "not dist.all_reduce", step)
+        raise Wrong("no collective ran in this step: launch each bucket's dist.all_reduce(buffer, async_op=True) "
+                    "from the hook of its last gradient", step)
     if calls != n:
         raise Wrong(f"you made {calls} all_reduce calls in one step; the {n} buckets need {n} collectives, "
                     "one per bucket: every call pays a collective's start-up latency, however small its "
@@ -122,7 +123,7 @@ def _bucketed(buckets, world_size, *, divide: bool = True, grads: bool = True):
         if len(got[i]) == len(buckets[i]):
             tensors, got[i] = got[i], []
             buffer = torch.cat([t.detach().flatten() for t in tensors])
-            in_flight.append((comm.all_reduce(buffer, async_op=True), buffer, tensors))
+            in_flight.append((dist.all_reduce(buffer, async_op=True), buffer, tensors))
 
     for bucket in buckets:
         for p in bucket:
@@ -160,7 +161,7 @@ def _one_per_tensor(buckets, world_size):
     in_flight = []
 
     def hook(p):
-        in_flight.append((comm.all_reduce(p.grad, async_op=True), p))
+        in_flight.append((dist.all_reduce(p.grad, async_op=True), p))
 
     for bucket in buckets:
         for p in bucket:
@@ -182,7 +183,7 @@ def _after_backward(buckets, world_size):
     def finish():
         for bucket in buckets:
             buffer = torch.cat([q.grad.flatten() for q in bucket])
-            comm.all_reduce(buffer)
+            dist.all_reduce(buffer)
             buffer.div_(world_size)
             offset = 0
             for q in bucket:
@@ -204,7 +205,7 @@ def _counter_never_reset(buckets, world_size):
         arrived[i] += 1
         if arrived[i] == len(buckets[i]):
             buffer = torch.cat([q.grad.flatten() for q in buckets[i]])
-            in_flight.append((comm.all_reduce(buffer, async_op=True), buffer, buckets[i]))
+            in_flight.append((dist.all_reduce(buffer, async_op=True), buffer, buckets[i]))
 
     for bucket in buckets:
         for p in bucket:
@@ -236,7 +237,7 @@ def _never_cleared(buckets, world_size):
         if arrived[i] == len(buckets[i]):
             arrived[i] = 0
             buffer = torch.cat([q.grad.flatten() for q in buckets[i]])
-            in_flight.append((comm.all_reduce(buffer, async_op=True), buffer, buckets[i]))
+            in_flight.append((dist.all_reduce(buffer, async_op=True), buffer, buckets[i]))
 
     for bucket in buckets:
         for p in bucket:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from zerolearn import comm, data
@@ -33,6 +34,7 @@ from zerolearn.memory import model as analytic
 from zerolearn.memory.ledger import MemoryLedger, retag
 from zerolearn.tables import kib, text_table
 from zerolearn.train import batch, build, loss_fn, train
+from zerolearn.watch import watching
 
 
 # ----- who owns what --------------------------------------------------------------
@@ -91,11 +93,11 @@ class NaiveZero1:
     @torch.no_grad()
     def step(self) -> None:
         for p in self.params:  # every rank gets every averaged gradient: 2 Psi
-            comm.all_reduce(p.grad)
+            dist.all_reduce(p.grad)
             p.grad /= self.world_size
         self.optimizer.step()  # updates only the owned tensors
         for p, owner in zip(self.params, self.owners):  # owners send the new values: Psi
-            comm.broadcast(p.data, src=owner)
+            dist.broadcast(p.data, src=owner)
 
 
 def _tag_grads_as_they_arrive(params: list[nn.Parameter]) -> None:
@@ -103,6 +105,29 @@ def _tag_grads_as_they_arrive(params: list[nn.Parameter]) -> None:
     # "temporary"); move it to "grads" once it is complete.
     for p in params:
         p.register_post_accumulate_grad_hook(lambda p: retag([p.grad], "grads"))
+
+
+def _naive_step(config: TrainConfig, model: nn.Module, opt, state_tensors, losses: list, step: int):
+    """One step of :func:`train_naive`, the last under a MemoryLedger: (gradient bytes held after
+    backward, the ledger or None); the step's global loss is appended to ``losses``."""
+    ctx = zdist.context()
+    ledger = MemoryLedger(record_timeline=config.memory_timeline) if step == config.steps - 1 else None
+    with ledger or contextlib.nullcontext():
+        if ledger is not None:
+            ledger.track(opt.params, "params")
+            ledger.track(state_tensors(), "optimizer_states")
+        x, y = (data.rank_slice(t, ctx.rank, ctx.world_size) for t in batch(config, step))
+        with ledger.phase("forward") if ledger else contextlib.nullcontext():
+            loss = loss_fn(config, model(x), y)
+        with ledger.phase("backward") if ledger else contextlib.nullcontext():
+            loss.backward()
+        grads_bytes = sum(p.grad.numel() * p.grad.element_size() for p in opt.params if p.grad is not None)
+        with ledger.phase("step") if ledger else contextlib.nullcontext():
+            opt.step()
+            for p in opt.params:
+                p.grad = None
+    losses.append(comm.monitor_mean(loss.item()))
+    return grads_bytes, ledger
 
 
 def train_naive(cls: type, config: TrainConfig, **options) -> dict:
@@ -131,24 +156,9 @@ def train_naive(cls: type, config: TrainConfig, **options) -> dict:
     _tag_grads_as_they_arrive(opt.params)
     comm.LEDGER.reset()
     losses, ledger = [], None
-    for step in range(config.steps):
-        ledger = MemoryLedger(record_timeline=config.memory_timeline) if step == config.steps - 1 else None
-        with ledger or contextlib.nullcontext():
-            if ledger is not None:
-                ledger.track(opt.params, "params")
-                ledger.track(state_tensors(), "optimizer_states")
-            x, y = (data.rank_slice(t, ctx.rank, ctx.world_size) for t in batch(config, step))
-            with ledger.phase("forward") if ledger else contextlib.nullcontext():
-                loss = loss_fn(config, model(x), y)
-            with ledger.phase("backward") if ledger else contextlib.nullcontext():
-                loss.backward()
-            grads_bytes = sum(p.grad.numel() * p.grad.element_size() for p in opt.params if p.grad is not None)
-            with ledger.phase("step") if ledger else contextlib.nullcontext():
-                opt.step()
-                for p in opt.params:
-                    p.grad = None
-        losses.append(comm.monitor_mean(loss.item()))
-        del loss
+    with watching():  # the naive optimizers call torch's collectives by name: booked in comm.LEDGER
+        for step in range(config.steps):
+            grads_bytes, ledger = _naive_step(config, model, opt, state_tensors, losses, step)
     memory = ledger.summary()
     if config.memory_timeline:
         memory["timeline"] = [[e.index, e.phase, e.total, e.by_category] for e in ledger.timeline]

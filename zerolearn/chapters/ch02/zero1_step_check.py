@@ -18,6 +18,7 @@ This module holds the trial, the known bugs and the registration; the reader's f
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from zerolearn import comm
@@ -202,8 +203,8 @@ def _zero1_trial(fn) -> str:
         _check_optimizers(state, step)
         moved = comm.LEDGER.volume_elements()
         if moved == 0 and not reduced:
-            raise Wrong("comm.LEDGER saw no collective: call comm.reduce_scatter and comm.all_gather "
-                        "(they book what moves), not torch.distributed directly", step)
+            raise Wrong("no collective ran: reduce-scatter the gradient with dist.reduce_scatter_tensor and "
+                        "all-gather the updated shards with dist.all_gather_into_tensor", step)
         if not reduced and moved != 2 * layout.padded_numel:
             raise Wrong(f"you moved {psi_per_step(moved, psi)} per step; ZeRO-1 moves 2.0 Psi (a reduce-scatter "
                         "of the gradients and an all-gather of the updated parameters, Sec 7.2.1)", step)
@@ -259,7 +260,8 @@ def _bf16_trial(fn, ws: int, rank: int, first: int) -> int:
             p.grad = None
         every = torch.empty(ws * flat_grad.numel(), dtype=torch.bfloat16)
         comm.all_gather(every, flat_grad)  # every rank's bf16 gradient: the exact mean to compare with
-        every = every.view(ws, -1)[:, a:b].double()
+        every = every.view(ws, -1)[:, a:b]
+        every = every.double()
         want, scale = every.sum(0) / ws, every.abs().sum(0) / ws
         comm.LEDGER.reset()
         got = fn(flat_params, flat_grad, state, ws, rank, LR)
@@ -277,8 +279,14 @@ def _bf16_trial(fn, ws: int, rank: int, first: int) -> int:
                                 (1 / ws, "the mean divided by world_size once more: you divided twice")):
                 if not _bf16_close(got, want * factor, scale * factor).any():
                     raise Wrong(f"in bf16: the gradient shard you stepped with is {why}", step)
-            raise Wrong(f"in bf16: the gradient shard you stepped with, element {j}: you have {got[j].item():.6g}, "
-                        f"the mean of the ranks' bf16 gradients is {want[j].item():.6g}", step)
+            trap = "" if ws & (ws - 1) == 0 else (
+                f". Did you divide each rank's bf16 gradient by world_size before the reduce-scatter? Then "
+                f"g / {ws} rounds to bf16's 8 bits on every rank before the sum (a division by 2, or any power of "
+                "2, is exact: that is why 2 ranks passed). Reduce-scatter the gradient as it is and divide the "
+                "shard after it, in fp32: grad.float() / world_size")
+            raise Wrong(f"in bf16 on {ws} ranks: the gradient shard you stepped with, element {j}: you have "
+                        f"{got[j].item():.6g}, the mean of the ranks' bf16 gradients is {want[j].item():.6g}{trap}",
+                        step)
         _check_optimizers(state, step)
         moved = comm.LEDGER.volume_elements()
         if moved != 2 * layout.padded_numel:
@@ -310,14 +318,14 @@ def _allreduce_then_broadcast(flat_params, flat_grad, state, world_size, rank, l
         state["master"] = nn.Parameter(flat_params[rank * shard:(rank + 1) * shard].clone())
         state["adam"] = torch.optim.Adam([state["master"]], lr=lr)
     master, adam = state["master"], state["adam"]
-    comm.all_reduce(flat_grad)
+    dist.all_reduce(flat_grad)
     grad = flat_grad[rank * shard:(rank + 1) * shard] / world_size
     master.grad = grad
     adam.step()
     master.grad = None
     flat_params[rank * shard:(rank + 1) * shard].copy_(master.detach())
     for owner in range(world_size):
-        comm.broadcast(flat_params[owner * shard:(owner + 1) * shard], src=owner)
+        dist.broadcast(flat_params[owner * shard:(owner + 1) * shard], src=owner)
     return grad
 
 
@@ -330,10 +338,10 @@ def _whole_model_state(flat_params, flat_grad, state, world_size, rank, lr, **_)
         state["adam"] = torch.optim.Adam([state["master"]], lr=lr)
     master, adam = state["master"], state["adam"]
     grad = torch.empty(shard)
-    comm.reduce_scatter(grad, flat_grad)
+    dist.reduce_scatter_tensor(grad, flat_grad)
     grad.div_(world_size)
     full = torch.empty_like(flat_grad)
-    comm.all_gather(full, grad)
+    dist.all_gather_into_tensor(full, grad)
     master.grad = full
     adam.step()
     master.grad = None
@@ -351,12 +359,33 @@ def _average_twice(flat_params, flat_grad, state, world_size, rank, lr, **_):
         state["adam"] = torch.optim.Adam([state["master"]], lr=lr)
     master, adam = state["master"], state["adam"]
     grad = torch.empty(shard)
-    comm.reduce_scatter(grad, flat_grad / world_size)
+    dist.reduce_scatter_tensor(grad, flat_grad / world_size)
     grad.div_(world_size)
     master.grad = grad
     adam.step()
     master.grad = None
-    comm.all_gather(flat_params, master.detach())
+    dist.all_gather_into_tensor(flat_params, master.detach())
+    return grad
+
+
+def _divide_before_reduce(flat_params, flat_grad, state, world_size, rank, lr, **flags):
+    """Nd divided out of each rank's gradient before the reduce-scatter, in the working dtype (as
+    the engines of chapter 1 divide before the sum, to keep fp16 sums finite). In fp32 and on 2
+    ranks (a division by 2 is exact) it passes; in bf16 on 3 ranks each g / 3 loses bits first."""
+    if flags:  # as ZeRO-2 and ZeRO-3 call it: the reference step
+        return zero1_step(flat_params, flat_grad, state, world_size, rank, lr, **flags)
+    shard = flat_params.numel() // world_size
+    if not state:
+        state["master"] = nn.Parameter(flat_params[rank * shard:(rank + 1) * shard].float())
+        state["adam"] = torch.optim.Adam([state["master"]], lr=lr)
+    master, adam = state["master"], state["adam"]
+    grad = torch.empty(shard, dtype=flat_grad.dtype)
+    dist.reduce_scatter_tensor(grad, flat_grad / world_size)
+    grad = grad.float()
+    master.grad = grad
+    adam.step()
+    master.grad = None
+    dist.all_gather_into_tensor(flat_params, master.detach().to(flat_params.dtype))
     return grad
 
 
@@ -368,12 +397,12 @@ def _zero1_with(optimizer, flat_params, flat_grad, state, world_size, rank):
         state["adam"] = optimizer([state["master"]])
     master, adam = state["master"], state["adam"]
     grad = torch.empty(shard)
-    comm.reduce_scatter(grad, flat_grad)
+    dist.reduce_scatter_tensor(grad, flat_grad)
     grad.div_(world_size)
     master.grad = grad
     adam.step()
     master.grad = None
-    comm.all_gather(flat_params, master.detach())
+    dist.all_gather_into_tensor(flat_params, master.detach())
     return grad
 
 
@@ -394,7 +423,7 @@ def _extra_gather_on_one_rank(flat_params, flat_grad, state, world_size, rank, l
     in under ``if rank == ...``): its peers never call it, so that rank waits in it for ever."""
     grad = zero1_step(flat_params, flat_grad, state, world_size, rank, lr)
     if rank == world_size - 1:
-        comm.all_gather(flat_params, state["master"].detach())
+        dist.all_gather_into_tensor(flat_params, state["master"].detach())
     return grad
 
 
@@ -409,12 +438,12 @@ def _bf16_master(flat_params, flat_grad, state, world_size, rank, lr, **flags):
         state["adam"] = torch.optim.Adam([state["master"]], lr=lr)
     master, adam = state["master"], state["adam"]
     grad = torch.empty(shard, dtype=flat_grad.dtype)
-    comm.reduce_scatter(grad, flat_grad)
+    dist.reduce_scatter_tensor(grad, flat_grad)
     grad = grad.float() / world_size
     master.grad = grad.to(master.dtype)
     adam.step()
     master.grad = None
-    comm.all_gather(flat_params, master.detach())
+    dist.all_gather_into_tensor(flat_params, master.detach())
     return grad
 
 
@@ -437,6 +466,8 @@ register(Exercise(
                                      "ZeRO-1 moves 2.0 Psi"),
      "whole_model_state": Bug(_whole_model_state, "DP's optimizer kept on every rank", "KiB of optimizer states"),
      "average_twice": Bug(_average_twice, "dividing by Nd before and after the sum", "divided twice"),
+     "divide_before_reduce": Bug(_divide_before_reduce, "Nd divided out of the bf16 gradient before the "
+                                 "reduce-scatter: exact on 2 ranks, rounded on 3", "divide the shard after it"),
      "default_lr": Bug(_default_lr, "an optimizer built without lr= (a test at Adam's default lr cannot see it)",
                        "(Adam's default"),
      "adamw": Bug(_adamw, "torch.optim.AdamW for Adam: the names differ by one letter", "your optimizer is AdamW"),

@@ -6,8 +6,7 @@ trial and known bugs are in :mod:`zerolearn.chapters.ch03.accumulate_check`.
 """
 
 import torch
-
-from zerolearn import comm
+import torch.distributed as dist
 
 
 def accumulate(shard, bucket_grad, micro_batch, micro_batches, world_size):
@@ -25,12 +24,12 @@ def accumulate(shard, bucket_grad, micro_batch, micro_batches, world_size):
     After the step's last micro-batch, ``shard`` must hold this rank's slice of the
     step's gradient: the mean of ``bucket_grad`` over the world_size ranks and the
     micro_batches micro-batches. Reduce every micro-batch at once with one
-    ``comm.reduce_scatter(output, input)`` (ZeRO-2 keeps only the shard between
+    ``dist.reduce_scatter_tensor(output, input)`` (ZeRO-2 keeps only the shard between
     micro-batches). Returns None.
     """
     # BEGIN SOLUTION
     part = torch.empty_like(shard)
-    comm.reduce_scatter(part, bucket_grad)
+    dist.reduce_scatter_tensor(part, bucket_grad)
     part /= world_size * micro_batches
     if micro_batch == 0:
         shard.copy_(part)  # a new step: the previous step's gradient goes

@@ -14,6 +14,7 @@ This module holds the trial, the known bugs and the registration; the reader's f
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from zerolearn import comm, data
@@ -26,20 +27,20 @@ BATCH, STEPS, MICRO = 12, 3, 4  # BATCH * MICRO samples per global batch
 
 
 def _last_only(shard, bucket_grad, micro_batch, micro_batches, world_size):
-    comm.reduce_scatter(shard, bucket_grad)  # writes the shard every time: earlier micro-batches are lost
+    dist.reduce_scatter_tensor(shard, bucket_grad)  # writes the shard every time: earlier micro-batches are lost
     shard /= world_size
 
 
 def _no_divide(shard, bucket_grad, micro_batch, micro_batches, world_size):
     part = torch.empty_like(shard)
-    comm.reduce_scatter(part, bucket_grad)
+    dist.reduce_scatter_tensor(part, bucket_grad)
     part /= world_size
     shard.copy_(part) if micro_batch == 0 else shard.add_(part)
 
 
 def _divide_twice(shard, bucket_grad, micro_batch, micro_batches, world_size):
     part = torch.empty_like(shard)
-    comm.reduce_scatter(part, bucket_grad)
+    dist.reduce_scatter_tensor(part, bucket_grad)
     part /= world_size * micro_batches
     shard.copy_(part) if micro_batch == 0 else shard.add_(part)
     if micro_batch == micro_batches - 1:
@@ -48,7 +49,7 @@ def _divide_twice(shard, bucket_grad, micro_batch, micro_batches, world_size):
 
 def _never_resets(shard, bucket_grad, micro_batch, micro_batches, world_size):
     part = torch.empty_like(shard)
-    comm.reduce_scatter(part, bucket_grad)
+    dist.reduce_scatter_tensor(part, bucket_grad)
     shard.add_(part / (world_size * micro_batches))
 
 

@@ -6,8 +6,7 @@ trial and known bugs are in :mod:`zerolearn.chapters.ch03.reduce_scatter_hook_ch
 """
 
 import torch
-
-from zerolearn import comm
+import torch.distributed as dist
 
 
 def reduce_scatter_hook(bucket, shard, world_size):
@@ -24,7 +23,7 @@ def reduce_scatter_hook(bucket, shard, world_size):
     Register a hook on every parameter, ``p.register_post_accumulate_grad_hook(hook)``:
     autograd calls ``hook(p)`` once ``p.grad`` holds p's gradient. When the last
     parameter of the bucket has its gradient (in every backward), write the mean over
-    ranks of this rank's slice into ``shard`` with one ``comm.reduce_scatter(output,
+    ranks of this rank's slice into ``shard`` with one ``dist.reduce_scatter_tensor(output,
     input)`` and free the bucket's full gradients (``p.grad = None``): ZeRO-2 keeps
     only the shard. Returns None.
     """
@@ -40,7 +39,7 @@ def reduce_scatter_hook(bucket, shard, world_size):
         torch.cat([q.grad.flatten() for q in bucket], out=flat[:sum(q.numel() for q in bucket)])
         for q in bucket:
             q.grad = None  # the full gradient goes; only the shard stays
-        comm.reduce_scatter(shard, flat)
+        dist.reduce_scatter_tensor(shard, flat)
         shard.div_(world_size)
 
     for p in bucket:

@@ -59,7 +59,7 @@ def _hook_setup(bucket, shard, world_size, grad_of, free, reduce):
 
 
 def _mean_rs(shard, flat, world_size):
-    comm.reduce_scatter(shard, flat)
+    dist.reduce_scatter_tensor(shard, flat)
     shard.div_(world_size)
 
 
@@ -68,7 +68,7 @@ def _keeps_whole_gradient(bucket, shard, world_size):
 
 
 def _sums(bucket, shard, world_size):
-    _hook_setup(bucket, shard, world_size, lambda q: q.grad, True, lambda s, f, n: comm.reduce_scatter(s, f))
+    _hook_setup(bucket, shard, world_size, lambda q: q.grad, True, lambda s, f, n: dist.reduce_scatter_tensor(s, f))
 
 
 def _reduces_parameters(bucket, shard, world_size):
@@ -77,7 +77,7 @@ def _reduces_parameters(bucket, shard, world_size):
 
 def _all_reduce_then_slice(bucket, shard, world_size):
     def reduce(shard, flat, n):
-        comm.all_reduce(flat)
+        dist.all_reduce(flat)
         rank = dist.get_rank()
         shard.copy_(flat[rank * shard.numel():(rank + 1) * shard.numel()] / n)
 
@@ -155,7 +155,7 @@ def _flat_kept_from_setup(bucket, shard, world_size):
         torch.cat([q.grad.flatten() for q in bucket], out=flat[:sum(q.numel() for q in bucket)])
         for q in bucket:
             q.grad = None
-        comm.reduce_scatter(shard, flat)
+        dist.reduce_scatter_tensor(shard, flat)
         shard.div_(world_size)
 
     for p in bucket:

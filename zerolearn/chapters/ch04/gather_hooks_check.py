@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from zerolearn import comm, data
@@ -49,7 +50,7 @@ def _hooks(unit, flat, shard, world_size, free_after_forward=True, gather_for_ba
 
     def gather(*_):
         flat.untyped_storage().resize_(flat.numel() * flat.element_size())
-        comm.all_gather(flat, shard)
+        dist.all_gather_into_tensor(flat, shard)
 
     def after_forward(module, inputs, output):
         if free_after_forward:

@@ -5,7 +5,7 @@ after it, in backward the unit before it. The trial cuts the book's MLP into one
 per Linear layer as ``04.gather_hooks`` does and, for three steps with the shards
 changed between them, runs an evaluation forward (under torch.no_grad) and a training
 forward and backward. It logs the order of launches, waits and computes (by wrapping
-``comm.all_gather``, and with hooks of its own that run after the reader's), and checks
+``dist.all_gather_into_tensor``, and with hooks of its own that run after the reader's), and checks
 the output and every gradient against one process, that each unit's all-gather
 finished before it computed while the next one's was in flight, that at most two units
 were gathered at once, that nothing stays gathered after a pass and that a training
@@ -27,6 +27,7 @@ import traceback
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from zerolearn import comm, data
@@ -46,7 +47,7 @@ def _prefetching(units, flats, shards, world_size, wait_at_once=False, step=1, b
 
     def start(j):
         flats[j].untyped_storage().resize_(flats[j].numel() * flats[j].element_size())
-        handles[j] = comm.all_gather(flats[j], shards[j], async_op=True)
+        handles[j] = dist.all_gather_into_tensor(flats[j], shards[j], async_op=True)
         if wait_at_once:
             handles[j].wait()
 
@@ -198,6 +199,13 @@ def _freed_read(when: str, flats, log: list, fn, step: int):
                     step) from None
 
 
+def _patched_all_gathers() -> list[tuple]:
+    """(module, name, function) of every all-gather into one tensor a reader may call: torch's
+    names (2.13 adds ``all_gather_single``) and :func:`zerolearn.comm.all_gather`."""
+    names = [(dist, n) for n in ("all_gather_into_tensor", "all_gather_single") if hasattr(dist, n)]
+    return [(m, n, getattr(m, n)) for m, n in names + [(comm, "all_gather")]]
+
+
 def _prefetch_trial(fn) -> str:
     """Evaluation and training passes of the MLP, one unit per layer, logging launches, waits and computes."""
     ctx = zdist.context()
@@ -206,24 +214,27 @@ def _prefetch_trial(fn) -> str:
     ref = mlp()
     padded = sum(lay.padded_numel for lay in layouts)
     log: list[tuple[str, int, tuple]] = []  # (event, unit, units gathered at a compute)
-    original = comm.all_gather
+    patched = _patched_all_gathers()
 
-    def all_gather(output, input, group=None, async_op=False, tag="dp"):
-        ptr = output.untyped_storage().data_ptr()
-        unit = next((i for i, f in enumerate(flats) if ptr and f.untyped_storage().data_ptr() == ptr), None)
-        if unit is None:
-            raise Wrong("your all_gather wrote into a tensor that is not one of flats, or into one whose storage "
-                        "holds 0 bytes: grow flats[i]'s storage back, then gather into flats[i] itself, the buffer "
-                        "its unit's parameters are views of")
-        handle = original(output, input, group=group, async_op=async_op, tag=tag)
-        log.append(("launch" if async_op else "sync", unit, ()))
-        return _Logged(handle, unit, log) if async_op else handle
+    def logging(original):
+        def all_gather(output, input, group=None, async_op=False, **kwargs):
+            ptr = output.untyped_storage().data_ptr()
+            unit = next((i for i, f in enumerate(flats) if ptr and f.untyped_storage().data_ptr() == ptr), None)
+            if unit is None:
+                raise Wrong("your all_gather wrote into a tensor that is not one of flats, or into one whose "
+                            "storage holds 0 bytes: grow flats[i]'s storage back, then gather into flats[i] itself, "
+                            "the buffer its unit's parameters are views of")
+            handle = original(output, input, group=group, async_op=async_op, **kwargs)
+            log.append(("launch" if async_op else "sync", unit, ()))
+            return _Logged(handle, unit, log) if async_op else handle
+        return all_gather
 
     def log_backward(i, output):
         if output.requires_grad:  # registered after the reader's hook: runs just after it
             output.register_hook(lambda grad: log.append(("backward", i, tuple(gathered_units(flats)))))
 
-    comm.all_gather = all_gather
+    for module, name, original in patched:
+        setattr(module, name, logging(original))
     try:
         fn(list(model.layers), flats, shards, ws)
         for i, unit in enumerate(model.layers):  # after the reader's: the unit is about to compute
@@ -268,7 +279,8 @@ def _prefetch_trial(fn) -> str:
                     p.mul_(0.9)
             agree(step)
     finally:
-        comm.all_gather = original
+        for module, name, original in patched:
+            setattr(module, name, original)
     return (f"{STEPS} evaluation and training passes through {LAYERS} units: outputs and gradients equal one "
             "process; while each unit computed, in forward and in backward, the next one's all-gather was in "
             "flight, at most two units gathered; 2 Psi gathered per training step")
