@@ -4,7 +4,7 @@
 # make notebooks  re-execute every chapter from notebooks/src/ and store its outputs
 # make book   build the book from the stored notebooks (book/_build/html)
 # make timeline  record one step per stage on every rank (torch.profiler) for chapters 01-04
-# make bench  our stages against DDP, ZeroRedundancyOptimizer, FSDP2, DeepSpeed at d_model 128 and 384, the overhead against DDP at world size 1, then the scaling sweeps (QUICK=1: the comparison only, about 2 min)
+# make bench  our stages against DDP, ZeroRedundancyOptimizer, FSDP2, DeepSpeed at d_model 128 and 384, the overhead against DDP at world size 1, then the scaling sweeps (QUICK=1: the comparison only, about 2 min; GPU=1: on every GPU at d_model 1024 against torch's systems)
 # The first use creates .venv with a pinned torch (override: make TORCH=torch==2.11.0 ...).
 PYTHON ?= python3
 TORCH ?= torch==2.13.0
@@ -64,11 +64,20 @@ deepspeed: $(VENV)/.installed
 
 # Results go to notebooks/data/bench/ (QUICK=1: quick.json; else bench.json and scaling.json, chapter 7's figure).
 # DeepSpeed is installed without compiled ops; if that fails the bench runs without it.
+# GPU=1: the comparison on the GPUs instead (NCCL, one rank per GPU, every GPU of the machine),
+# a GPT of d_model 1024, 8 layers, 16 heads, 256 tokens, batch 16, against torch's systems:
+# notebooks/data/bench/gpu.json, which chapter 7 shows beside the CPU table.
+GPU_BENCH := --device cuda --width 1024 --layers 8 --heads 16 --seq-len 256 --batch 16 --rounds 3 --warmup 2 \
+	--steps 10 --systems zerolearn,torch --out notebooks/data/bench/gpu.json
 bench: $(VENV)/.installed
-	DS_BUILD_OPS=0 $(PY) -m pip install --quiet --no-build-isolation deepspeed || echo "deepspeed could not be installed: benchmarking without it"
 	mkdir -p notebooks/data/bench
+ifdef GPU
+	$(PY) -m zerolearn.bench $(GPU_BENCH) --world-size $$($(PY) -c "import torch; print(max(1, torch.cuda.device_count()))")
+else
+	DS_BUILD_OPS=0 $(PY) -m pip install --quiet --no-build-isolation deepspeed || echo "deepspeed could not be installed: benchmarking without it"
 	$(PY) -m zerolearn.bench $(if $(QUICK),--quick,--widths 128,384 --overhead) --out notebooks/data/bench/$(if $(QUICK),quick,bench).json
 	$(if $(QUICK),,$(PY) -m zerolearn.bench scaling --out notebooks/data/bench/scaling.json)
+endif
 
 # notebooks/data/timeline/: what chapters 01-04 draw (about 1 min; TRACES=DIR also writes Chrome traces).
 timeline: $(VENV)/.installed
