@@ -197,10 +197,13 @@ def torch_parity(steps: int = 4) -> dict:
     for kind in ("ddp", "zero_redundancy", "fsdp2"):
         net = small_gpt()
         if kind == "fsdp2":
+            from torch.distributed.device_mesh import init_device_mesh
+
             fully_shard = compat.fully_shard()
+            mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))  # the ranks' device, not CUDA's by default
             for unit in net.units():
-                fully_shard(unit)
-            wrapped = fully_shard(net)
+                fully_shard(unit, mesh=mesh)
+            wrapped = fully_shard(net, mesh=mesh)
             opt = torch.optim.Adam(net.parameters(), lr=LR["adam"])
         else:
             wrapped = DDP(net)

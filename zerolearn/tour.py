@@ -2,8 +2,9 @@
 
     make tour            (or: python -m zerolearn.tour [--world-size 4] [--steps 20])
 
-Four gloo ranks on this machine's CPU (NCCL and every local GPU when CUDA is
-there) train the same byte-level GPT on CPython's Language Reference, once per
+Four gloo ranks on this machine's CPU (NCCL, one rank per GPU, when it has two GPUs or
+more; one GPU cannot show partitions, so a one-GPU machine runs the four gloo ranks
+too and says so: :func:`zerolearn.experiments.machine.plan_tour`) train the same byte-level GPT on CPython's Language Reference, once per
 stage, with the same seed and the same global batches. The table shows, for rank 0,
 the bytes it holds per category next to the paper's formula (Sec 5, Fig 1) and the
 data its collectives moved per step in units of Psi next to Sec 7's 2 Psi / 3 Psi.
@@ -15,12 +16,12 @@ from __future__ import annotations
 import argparse
 import sys
 
-import torch
 from tqdm.auto import tqdm
 
 from zerolearn.config import TrainConfig
 from zerolearn.dist import ConfigError, launch
 from zerolearn.errors import require_count
+from zerolearn.experiments.machine import plan_tour
 from zerolearn.report import format_table, stage_row
 from zerolearn.train import train
 
@@ -41,18 +42,23 @@ def run_tour(world_size: int, steps: int, backend: str, config: TrainConfig | No
 
 
 def main(argv: list[str] | None = None) -> int:
-    has_gpu = torch.cuda.is_available()
     p = argparse.ArgumentParser(prog="python -m zerolearn.tour", description=__doc__.split("\n")[0])
-    p.add_argument("--world-size", type=int, default=torch.cuda.device_count() if has_gpu else 4)
+    p.add_argument("--world-size", type=int, default=None,
+                   help="ranks (default: one per GPU with 2 or more GPUs, else 4 gloo ranks on the CPU)")
     p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--backend", choices=("gloo", "nccl"), default="nccl" if has_gpu else "gloo")
+    p.add_argument("--backend", choices=("gloo", "nccl"), default=None,
+                   help="default: nccl with at least 2 GPUs (and as many as ranks), else gloo; "
+                        "--backend nccl --world-size 1 trains one NCCL rank on one GPU")
     args, extra = p.parse_known_args(argv)
     config = TrainConfig.from_argv(extra)  # exits 2 naming a bad training option
     try:  # everything the ranks would refuse, refused here before any rank starts
+        plan = plan_tour(args.world_size, args.backend)
+        args.world_size, args.backend = plan.world_size, plan.backend
         require_count("--world-size", args.world_size)
         config.replace(steps=args.steps, backend=args.backend).validate(args.world_size)
     except ConfigError as e:
         p.exit(2, f"{p.prog}: error: {e}\n")
+    print(f"tour: {plan.note}")
     try:
         reports, rows = run_tour(args.world_size, args.steps, args.backend, config)
     except ConfigError as e:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import sys
 
 from zerolearn import dist as zdist
 from zerolearn.config import TrainConfig, build_parser
 from zerolearn.dist import ConfigError
+from zerolearn.experiments.machine import plan_chapter
 from zerolearn.report import format_rank_table
 from zerolearn.train import train_here
 
@@ -18,9 +20,15 @@ def run_chapter(stage: int, title: str, argv: list[str] | None = None) -> int:
     try:
         config = TrainConfig(**{**vars(parser.parse_args(argv)), "stage": stage})
         env = zdist.torchrun_env()
+        # Fewer GPUs than ranks on this node: gloo ranks on the CPU, said once (plan_chapter).
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", env[1] if env else 1))
+        backend, device, note = plan_chapter(local, config.backend, config.device)
+        config = config.replace(backend=backend, device=device)
         config.validate(env[1] if env else 1)
     except ConfigError as e:
         parser.exit(2, f"{parser.prog}: error: {e}\n")
+    if note and (env is None or env[0] == 0):
+        print(f"{title}: {note}", flush=True)
     report = train_here(config, progress=not config.quiet)
     if env is None or env[0] == 0:  # rank 0 prints
         print(f"\n{title}: {report['config']['model']}, Psi = {report['num_params']:,}, "

@@ -83,10 +83,14 @@ def _run_torch(kind: str, steps: int) -> dict:
 
     net = build_model("gpt", 0, gpt=GPT)
     if kind.startswith("fsdp2"):
+        from torch.distributed.device_mesh import init_device_mesh
+
         fully_shard = compat.fully_shard()
+        ctx = zdist.context()  # the mesh on the ranks' device (gloo ranks: the CPU, even where CUDA is present)
+        mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
         for unit in net.units():
-            fully_shard(unit, reshard_after_forward=kind == "fsdp2")
-        wrapped = fully_shard(net, reshard_after_forward=kind == "fsdp2")
+            fully_shard(unit, mesh=mesh, reshard_after_forward=kind == "fsdp2")
+        wrapped = fully_shard(net, mesh=mesh, reshard_after_forward=kind == "fsdp2")
         opt = torch.optim.Adam(net.parameters(), lr=LR)
     else:
         wrapped = DDP(net)
