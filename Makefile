@@ -88,7 +88,7 @@ paper-map: $(VENV)/.installed
 	$(PY) -m zerolearn.papermap > book/paper_map.md
 
 gpu-check: $(VENV)/.installed
-	$(PY) -m zerolearn.gpu_check --out gpu
+	$(PY) -m zerolearn.gpu_check
 
 clean:
 	rm -rf $(VENV) .pytest_cache
