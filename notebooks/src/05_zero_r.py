@@ -21,8 +21,8 @@
 #    traffic (Sec 8); and $P_{a+cpu}$, which moves checkpoints to host memory;
 # 4. show why fused buffers must have a constant size, and write one (CB, Sec 6.2);
 # 5. reproduce, by replaying real training steps through a model of the caching allocator,
-#    an out-of-memory error with over 30% of memory still free, and its cure by contiguous
-#    pools (MD, Sec 6.3).
+#    an out-of-memory error with much of memory still free, as the paper observed (over
+#    30% still available, Sec 3.2), and its cure by contiguous pools (MD, Sec 6.3).
 
 # %%
 # %matplotlib inline
@@ -170,7 +170,7 @@ excerpt(checkpointing.CheckpointStore.save, ("if self.cpu:", "held = flat.clone(
 local_batch = batch // 2  # Nd = 2
 formula = analytic.activation_bytes(cfg.d_model, local_batch, cfg.seq_len, cfg.n_layer, bytes_per_value=4,
                                     checkpointing=True)
-print(f"Sec 3.2, one fp32 checkpoint per block: {formula / 1024:.1f} KiB per rank; with P_a, / Nm = 2: "
+print(f"one fp32 checkpoint per block (Sec 6.1, Sec 8): {formula / 1024:.1f} KiB per rank; with P_a, / Nm = 2: "
       f"{formula / 2 / 1024:.1f} KiB\n")
 rows = [[name, kib(r["checkpoint_bytes"][0]), kib(r["checkpoint_bytes"][1]), kib(r["activation_bytes"])]
         for name, r in runs.items()]
@@ -267,8 +267,9 @@ exercises.check("05.constant_buffer", constant_buffer)
 # temporaries die at once; in backward, parameter gradients live until the step while
 # recomputed activations and activation gradients die at once. Long-lived tensors end up
 # scattered among short-lived ones and cut free memory into pieces, too small for the next
-# large request. The paper saw out-of-memory errors with over 30% of memory free. ZeRO's
-# fix, MD, copies the long-lived tensors into pre-allocated contiguous pools.
+# large request. In extreme cases the paper saw out-of-memory errors with over 30% of
+# memory still available (Sec 3.2). ZeRO's fix, MD, copies the long-lived tensors into
+# pre-allocated contiguous pools.
 
 # %% [markdown]
 # To see it without a GPU we record where memory goes in real training and replay it. The
@@ -344,29 +345,36 @@ print(ch05.md_tables(ch05.md_comparison()))
 # pinned in them; with MD it pays for the pools' separation (MD pools minus one pool) and for
 # the segments of the short-lived tensors. As the model grows, the first cost grows faster
 # than the second, and at 8 blocks MD needs less memory than no MD; the paper met the
-# failure on models far larger (Sec 6.3). `MemoryLedger(record_trace=True)` records any
+# failure on models far larger (Sec 3.2). `MemoryLedger(record_trace=True)` records any
 # step you write; `defrag.replay` takes its trace.
 
 # %% [markdown]
 # ## 5. ZeRO-R at the paper's scale
 #
 # The view below puts this chapter's pieces together for one GPU of Sec 6.1's
-# 100B-parameter example (125 blocks of hidden 8192, sequence 1K, $N_m = 16$). The paper
-# states a batch of 32 per GPU; its figure of about 33 GB of checkpoints per GPU is what
-# the chapter's formula gives at batch 16, so the view starts there: checkpoints replicated
-# on every model-parallel rank, partitioned ($P_a$) or moved to the CPU ($P_{a+cpu}$); CB
-# caps the fused buffer; MD recovers what fragmentation wastes (a simple model: a share of
-# the device lost without MD, 30% by default, Sec 6.3's extreme case). Move **Nm**, the
-# checkpoints' place, the CB size or MD, and compare the total with the device.
+# 100B-parameter example at sequence 1K and $N_m = 16$. The shape, 125 blocks of hidden
+# 8192, is the book's (the paper lists its shapes in Table 4, an image), and so are
+# $N_d = 64$ and ZeRO-2: Sec 6.1 gives neither. The paper states a batch of 32 per GPU;
+# its about 33 GB of checkpoints per GPU is what the formula gives at batch 16 (at 32 it
+# gives 67 GB, near Sec 3.2's about 60 GB for the same model: the paper's two figures
+# disagree), so the view starts at 16. Checkpoints are replicated on every model-parallel
+# rank, partitioned ($P_a$) or moved to the CPU ($P_{a+cpu}$); CB caps the fused buffer.
+# Fragmentation is the book's model: without MD a share of the device is lost, 30% by
+# default. The paper gives no such share: its over 30% (Sec 3.2) is memory still
+# available at an out-of-memory error. Move **Nm**, the checkpoints' place, the CB size or
+# MD, and compare the total with the device.
 
 # %%
 from zerolearn import widgets
 from zerolearn.figures import formulas
 
-display(widgets.ResidualExplorer())  # Sec 6.1's 100B example at Nm = 16, Nd = 64, ZeRO-2
+display(widgets.ResidualExplorer())  # Sec 6.1's 100B example at Nm = 16; Nd = 64 and ZeRO-2 are the book's
 
 # %%
-formulas.residual_figure()  # the default view, drawn for the book
+fig = formulas.residual_figure()  # the default view, drawn for the book
+fig.suptitle("Sec 6.1's 100B model in the book's shape, batch 16; Nd = 64 and P_os+g are the book's choices, "
+             "the 30% lost without MD the book's model", fontsize=8)
+fig
 
 # %% [markdown]
 # ## Questions
@@ -415,5 +423,5 @@ print(f"batch 32: {replicated / 1e9:.1f} GB per GPU replicated, {partitioned / 1
 #   free without MD, and fit in the same memory with it; on smaller GPTs the pools cost
 #   more than they save.
 # - Sec 6.1's 100B example: about 33 GB of checkpoints per GPU (the formula's figure at
-#   batch 16; the paper's batch of 32 doubles it) become about 2 GB with $P_a$ at
-#   $N_m = 16$.
+#   batch 16; at the paper's batch of 32 it gives twice that, near Sec 3.2's about 60 GB)
+#   become about 2 GB with $P_a$ at $N_m = 16$.
