@@ -31,11 +31,14 @@ def parse_dtype(name: str) -> torch.dtype:
 
 
 def check_param_dtypes(model, dtype: torch.dtype) -> None:
-    """Refuse a model whose floating parameters the engine would have to cast silently.
+    """Refuse a model whose trainable floating parameters the engine would have to cast silently.
 
-    An engine takes a model in fp32 and runs it in ``dtype`` (one working precision,
-    one fp32 master). Parameters in any other floating dtype (float64, or bf16 in an
-    fp32 run) would lose or change precision without a word, so they are refused.
+    An engine takes trainable parameters in fp32 and runs them in ``dtype`` (one working
+    precision, one fp32 master). A trainable parameter in any other floating dtype
+    (float64, or bf16 in an fp32 run) would lose or change precision without a word, so
+    it is refused. Frozen parameters (``requires_grad=False``) are not stepped and keep
+    their dtype (a frozen bf16 base beside fp32 adapters), as buffers do; fp32 ones run in
+    ``dtype`` with the rest of the model.
 
     Raises:
         ConfigError: naming the parameters (up to 4 per dtype) and their dtypes.
@@ -43,15 +46,16 @@ def check_param_dtypes(model, dtype: torch.dtype) -> None:
     allowed = {torch.float32, dtype}
     odd: dict[torch.dtype, list[str]] = {}
     for name, p in model.named_parameters():
-        if p.is_floating_point() and p.dtype not in allowed:
+        if p.requires_grad and p.is_floating_point() and p.dtype not in allowed:
             odd.setdefault(p.dtype, []).append(name)
     if odd:
         found = "; ".join(f"{str(d).removeprefix('torch.')}: {', '.join(names[:4])}"
                           + (f" and {len(names) - 4} more" if len(names) > 4 else "") for d, names in odd.items())
         shown = ", ".join(str(d).removeprefix("torch.") for d in sorted(allowed, key=str))
-        raise ConfigError(f"parameters in a dtype the engine would cast silently ({found}); an engine takes "
-                          f"{shown} parameters and trains in one working dtype (--dtype) with an fp32 master: "
-                          "convert the model first (model.float()) or train it without the engine")
+        raise ConfigError(f"trainable parameters in a dtype the engine would cast silently ({found}); an engine "
+                          f"takes {shown} trainable parameters and trains in one working dtype (--dtype) with an "
+                          "fp32 master: convert them first (model.float()), freeze them (requires_grad_(False) "
+                          "keeps their dtype), or train the model without the engine")
 
 
 def needs_master(dtype: torch.dtype) -> bool:

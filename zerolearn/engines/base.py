@@ -29,14 +29,19 @@ from torch import nn
 from zerolearn import comm, guard
 from zerolearn.engines import offload as offloading
 from zerolearn.engines import optim
-from zerolearn.engines.bindings import Bindings, refuse_sparse_grad, refuse_unsupported
+from zerolearn.engines.bindings import Bindings, HeldGradient, refuse_sparse_grad, refuse_unsupported
 from zerolearn.engines.state import EngineStateMixin
+from zerolearn.engines.units import tensors_in
 from zerolearn.errors import ConfigError
 from zerolearn.flat import FlatLayout, bucket_caps, make_buckets
 from zerolearn.memory.ledger import category, retag, storage_bytes
 from zerolearn.precision import LossScaler, check_param_dtypes, needs_master, parse_dtype
 
 MAX_IN_FLIGHT = 2  # reductions launched but not finished; bounds the gradient buckets alive
+# Buffer dtypes every backend broadcasts as they are; any other (int16, bool, uint16, complex)
+# travels as its bytes, which is the same copy.
+_WIRE_DTYPES = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8,
+                          torch.int32, torch.int64})
 
 
 def _grad_arrived(engine_ref: weakref.ref, j: int, i: int, p: nn.Parameter) -> None:
@@ -44,6 +49,30 @@ def _grad_arrived(engine_ref: weakref.ref, j: int, i: int, p: nn.Parameter) -> N
     engine = engine_ref()
     if engine is not None:
         engine._on_grad(engine.buckets[j], i, p)
+
+
+def _grad_coming(engine_ref: weakref.ref, grad: torch.Tensor) -> None:
+    """Hook on a parameter, run before autograd adds its gradient to ``p.grad``: the
+    engine's backward has begun (``Engine._ensure_backward``), so ``p.grad`` is empty."""
+    engine = engine_ref()
+    if engine is not None and not engine._bwd_open:
+        engine._ensure_backward()
+
+
+def _output_grad_arrived(engine_ref: weakref.ref, grad: torch.Tensor) -> None:
+    """Hook on a forward's output: a backward reached it (``loss.backward()`` called by the
+    user, or ``engine.backward``): ``Engine._ensure_backward``."""
+    engine = engine_ref()
+    if engine is not None:
+        engine._ensure_backward()
+
+
+def _backward_over(engine_ref: weakref.ref) -> None:
+    """Queued on autograd's engine by a backward the engine did not start itself: runs
+    when that backward is over (``Engine._end_backward``)."""
+    engine = engine_ref()
+    if engine is not None and engine._bwd_open:
+        engine._end_backward()
 
 
 @dataclass(eq=False)
@@ -226,7 +255,11 @@ class Engine(EngineStateMixin, abc.ABC):
         self.buckets: list[Bucket] = self._build_buckets(trainable, units)
         self._grad_bytes = [0]  # gradient bytes all buckets hold now, kept by Bucket.__setattr__
         masters32 = [b.layout.flatten(b.params, torch.float32, self.device) for b in self.buckets]
-        model.to(self.dtype)  # working precision for everything, frozen parameters included
+        if self.dtype != torch.float32:
+            # fp32 tensors (the trainable parameters, and frozen ones and buffers in the model's
+            # default precision) run in the working dtype; a frozen parameter or a buffer the user
+            # keeps in another dtype (a float64 counter, a bf16 frozen base, int buffers) keeps it.
+            model._apply(lambda t: t.to(self.dtype) if t.dtype == torch.float32 else t)
         for b, m in zip(self.buckets, masters32):
             b.tally = self._grad_bytes
             self._init_bucket(b, m)
@@ -243,9 +276,15 @@ class Engine(EngineStateMixin, abc.ABC):
         # the garbage collector cannot see them, so a strong one would keep every bucket alive
         # after the engine is dropped (close() also removes them).
         me = weakref.ref(self)
+        self._me = me
         self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(_grad_arrived, me, j, i))
                        for j, b in enumerate(self.buckets) for i, p in enumerate(b.params)]
+        self._hooks += [p.register_hook(functools.partial(_grad_coming, me)) for b in self.buckets for p in b.params]
+        self._optimizer.bind(self)  # engine.optimizer.step() is engine.step()
         self._closed = False
+        self._bwd_open = False  # a backward is running (begun by engine.backward or by a hook)
+        self._exposed: list[tuple[nn.Parameter, torch.Tensor]] = []  # p.grad set after backward, per parameter
+        self._held: dict[int, torch.Tensor] = {}  # id(p) -> its HeldGradient, made once
         self._bindings = Bindings(model, self.buckets)  # parameters replaced or cast later are named
         self._versions = self._full_versions()  # working buffers changed in place outside the engine
         self._publishing: list[comm.Handle] = []  # all_gathers of updated shards in flight
@@ -318,20 +357,40 @@ class Engine(EngineStateMixin, abc.ABC):
         (``broadcast_buffers``), except in recomputations inside backward.
         """
         self._check_open()
+        if self._bwd_open and torch._C._current_graph_task_id() == -1:
+            self._drop_backward()  # a backward begun by a hook failed before its end: start clean
         if not self.in_backward:
             self._bindings.check("forward")
         if self.broadcast_buffers and not self.in_backward:
             with comm.unit("<model>", "forward: broadcast buffers"):
                 for buf in self.model.buffers():
-                    comm.broadcast(buf, src=self.buffer_src, group=self.pg, tag="buffers")
+                    self._broadcast_buffer(buf)
         cast = [a.to(self.dtype) if torch.is_tensor(a) and a.is_floating_point() else a for a in args]
-        return self.model(*cast, **kwargs)
+        out = self.model(*cast, **kwargs)
+        if torch.is_grad_enabled() and not self.in_backward:
+            # loss.backward() instead of engine.backward(loss): the first hook a backward reaches
+            # starts the engine's backward and queues its end (Engine._ensure_backward).
+            for t in tensors_in(out):
+                if t.requires_grad:
+                    t.register_hook(functools.partial(_output_grad_arrived, self._me))
+        return out
+
+    def _broadcast_buffer(self, buf: torch.Tensor) -> None:
+        """Buffer ``buf`` from data-parallel rank 0, in its own dtype: one the backends cannot
+        broadcast (int16, bool, unsigned, complex) travels as its bytes."""
+        if buf.dtype in _WIRE_DTYPES:
+            comm.broadcast(buf, src=self.buffer_src, group=self.pg, tag="buffers")
+            return
+        wire = buf if buf.is_contiguous() else buf.contiguous()
+        comm.broadcast(wire.reshape(-1).view(torch.uint8), src=self.buffer_src, group=self.pg, tag="buffers")
+        if wire is not buf:
+            buf.copy_(wire)
 
     def __call__(self, *args, **kwargs):
         return self.forward(*args, **kwargs)
 
     # ----- backward: buckets filled by autograd hooks ----------------------------------
-    def backward(self, loss: torch.Tensor, sync: bool = True) -> None:
+    def backward(self, loss: torch.Tensor, sync: bool = True, **kwargs) -> None:
         """Backpropagate ``loss`` (a scalar, this rank's mean) into the buckets and reduce them.
 
         Gradient accumulation: scale each micro-batch's loss by 1 / micro-batches. Several
@@ -339,9 +398,39 @@ class Engine(EngineStateMixin, abc.ABC):
         reduced gradient (stages 2-3 keep only their shard meanwhile); ``sync=False`` or
         :meth:`no_sync` adds gradients locally and the next reducing backward reduces the
         sum once, like DDP's ``no_sync``, holding the full gradient (2 Psi bytes) until then.
+
+        ``loss.backward()`` does the same as ``engine.backward(loss)`` (the engine's hooks
+        start and finish its work), except with fp16's loss scale, which only this method
+        applies. After backward, at stage 0 each ``p.grad`` is the reduced gradient, a view
+        of its bucket (DDP's ``gradient_as_bucket_view``): clip or scale it in place.
+        At stages 1-3, and with fp16 or tensor parallelism, a rank holds no whole reduced
+        gradient of a parameter: ``p.grad`` is a :class:`~zerolearn.engines.bindings.HeldGradient`
+        that refuses to be read (use ``max_grad_norm=`` or :meth:`clip_grad_norm_`).
+
+        Args:
+            kwargs: torch's ``Tensor.backward`` arguments (``retain_graph``, ``gradient``,
+                ``inputs``), passed on.
+
+        Raises:
+            ConfigError: ``create_graph=True`` (the buckets hold gradients without their graph).
         """
         self._check_open()
-        sync = sync and self._no_sync_depth == 0
+        if kwargs.get("create_graph"):
+            raise ConfigError("engine.backward(create_graph=True): the engine copies gradients into flat buckets "
+                              "and reduces them, without their graph, so a gradient of a gradient would be "
+                              "silently wrong; compute higher-order gradients with torch.autograd.grad on the "
+                              "model outside the engine")
+        self._begin_backward(loss, sync and self._no_sync_depth == 0)
+        try:
+            (loss * self.scaler.scale if self.scaler.enabled else loss).backward(**kwargs)
+        except Exception as e:
+            self._drop_backward(e)
+            raise
+        self._end_backward()
+
+    def _begin_backward(self, loss: torch.Tensor | None, sync: bool) -> None:
+        """What runs before autograd's backward: earlier reduced gradients set aside, counts
+        reset, ``p.grad`` given back to autograd, the stage's :meth:`_before_backward`."""
         if self.holds_reduced:  # once: a later backward must not set aside this one's local sums
             for b in self.buckets:
                 self._keep_reduced(b)
@@ -349,28 +438,98 @@ class Engine(EngineStateMixin, abc.ABC):
         for b in self.buckets:
             b.ready = 0
         self._next, self._sync = 0, sync
+        self._unexpose()
         self._before_backward(loss)
+        self._bwd_open = True
         self.in_backward = True
+
+    def _ensure_backward(self) -> None:
+        """A backward reached one of the engine's hooks: if ``engine.backward`` did not start
+        it (the user called ``loss.backward()``), start the engine's work now and queue its
+        end on autograd's engine, to run once the whole backward is over.
+
+        Raises:
+            ConfigError: fp16 (the loss scale is applied by ``engine.backward`` alone).
+        """
+        if self._bwd_open:
+            return
+        if self.scaler.enabled:
+            raise ConfigError("loss.backward() in an fp16 run: the engine multiplies the loss by its dynamic loss "
+                              "scale, which only engine.backward(loss) can do; call engine.backward(loss)")
+        self._begin_backward(None, self._no_sync_depth == 0)
+        torch.autograd.Variable._execution_engine.queue_callback(functools.partial(_backward_over, self._me))
+
+    def _end_backward(self) -> None:
+        """What runs after autograd's backward: buckets no gradient reached are launched, the
+        used-parameter flags exchanged, every reduction waited for, ``p.grad`` set."""
+        self.in_backward = False
         try:
-            (loss * self.scaler.scale if self.scaler.enabled else loss).backward()
+            if self._sync:
+                for b in self.buckets[self._next:]:  # buckets some parameter of which got no gradient
+                    self._ensure_grad_full(b)
+                    self._launch(b)
+                self._next = len(self.buckets)
+                if not self.replicated_grads:
+                    self._exchange_used_flags()  # travels while the last reductions finish
+                while self._pending:
+                    self._finish_oldest()
+                if self.replicated_grads:
+                    self._exchange_used_flags(reduced=True)  # read from the reduced gradient if it can
+                self.holds_reduced = True
+            self._after_backward()
         except Exception as e:
-            self._abandon_backward(e)
+            self._drop_backward(e)
             raise
-        finally:
-            self.in_backward = False
-        if sync:
-            for b in self.buckets[self._next:]:  # buckets some parameter of which got no gradient
-                self._ensure_grad_full(b)
-                self._launch(b)
-            self._next = len(self.buckets)
-            if not self.replicated_grads:
-                self._exchange_used_flags()  # travels while the last reductions finish
-            while self._pending:
-                self._finish_oldest()
-            if self.replicated_grads:
-                self._exchange_used_flags(reduced=True)  # read from the reduced gradient if it can
-            self.holds_reduced = True
-        self._after_backward()
+        self._bwd_open = False
+        self._expose()
+
+    def _drop_backward(self, error: Exception | None = None) -> None:
+        """A backward failed: :meth:`_abandon_backward`, and no backward is open any more."""
+        self.in_backward = False
+        self._bwd_open = False
+        self._abandon_backward(error if error is not None else RuntimeError("backward abandoned"))
+
+    # ----- gradients a user reads between backward and step --------------------------------
+    def _expose(self) -> None:
+        """Give every trainable parameter a ``.grad`` that is true or refuses to be read."""
+        views = self.replicated_grads and not self.scaler.enabled and self.mp_group is None
+        exposed = []
+        for b in self.buckets:
+            if views and b.grad_full is not None:
+                self._zero_unwritten(b)
+                for p, view in zip(b.params, b.layout.views(b.grad_full)):
+                    p.grad = view
+                    exposed.append((p, view))
+            elif not views:
+                for p in b.params:
+                    held = self._held.get(id(p))
+                    if held is None:
+                        held = self._held[id(p)] = HeldGradient.make(p, self.stage)
+                    p.grad = held
+                    exposed.append((p, held))
+        self._exposed = exposed
+
+    def _unexpose(self) -> None:
+        """``p.grad`` back to None (autograd accumulates into it in the next backward)."""
+        for p, _ in self._exposed:
+            p.grad = None
+        self._exposed = []
+
+    def _check_exposed(self) -> None:
+        """Before a step: every ``p.grad`` set after backward is still the one set.
+
+        Raises:
+            ConfigError: naming a parameter whose ``.grad`` was replaced.
+        """
+        names = None
+        for p, grad in self._exposed:
+            if p.grad is not grad:
+                names = names or {id(q): n for n, q in self.model.named_parameters()}
+                raise ConfigError(
+                    f"parameter {names.get(id(p), '?')}: its .grad was replaced or set to None between backward "
+                    "and step; the engine steps the gradient in its buckets, so the new one would be ignored. "
+                    "Change gradients in place (p.grad.mul_(c), at stage 0), clip with max_grad_norm= or "
+                    "engine.clip_grad_norm_(max_norm), and drop gradients with engine.zero_grad()")
 
     @contextlib.contextmanager
     def no_sync(self):
@@ -383,6 +542,7 @@ class Engine(EngineStateMixin, abc.ABC):
 
     def _on_grad(self, b: Bucket, i: int, p: nn.Parameter) -> None:
         # Autograd calls this once p.grad holds this backward's whole gradient of p.
+        self._ensure_backward()  # loss.backward() of a forward not run through the engine
         self._ensure_grad_full(b)
         grad = p.grad
         if grad.layout != torch.strided:
@@ -459,9 +619,20 @@ class Engine(EngineStateMixin, abc.ABC):
         self._pending.clear()
 
     # ----- step ------------------------------------------------------------------------
-    @torch.no_grad()
     def step(self) -> bool:
         """Update parameters from the reduced gradients; False if fp16 overflow skipped it.
+
+        The same as ``engine.optimizer.step()`` (:meth:`optim.GroupedOptimizer.step`), which
+        it calls, so torch's LR schedulers and optimizer step hooks see the step. A
+        hyperparameter changed in ``engine.optimizer.param_groups[0]`` applies from this step.
+        """
+        self._check_open()
+        self._optimizer.step()
+        return self._optimizer.stepped
+
+    @torch.no_grad()
+    def _step(self) -> bool:
+        """The step itself (see :meth:`step`).
 
         Clipping and the overflow check share one number, the global gradient norm
         (``clip_grad_norm_``'s formula, summed over ranks when they hold different
@@ -473,6 +644,7 @@ class Engine(EngineStateMixin, abc.ABC):
         """
         self._check_open()
         self._bindings.check("step")
+        self._check_exposed()
         self._absorb_changes()
         for b in self.buckets:  # a gradient kept without a reduction (stage 0-1, no_sync) is read whole
             self._zero_unwritten(b)
@@ -483,6 +655,7 @@ class Engine(EngineStateMixin, abc.ABC):
         if self._used_flags is None:  # no reducing backward since zero_grad
             self._exchange_used_flags()
         used = self._used_anywhere()
+        self._optimizer.push_hyperparameters()  # an LR scheduler's lr, a hand-set one
         coef, found_inf = self._unscale_and_clip(grads)
         self.scaler.update(found_inf)
         if found_inf:
@@ -494,9 +667,9 @@ class Engine(EngineStateMixin, abc.ABC):
             b.master.grad = grad.float() if grad.dtype != torch.float32 else grad
             if coef != 1.0:
                 b.master.grad.mul_(coef)
-            self.optimizer.step_bucket(i, optim.parts_to_step(self.optimizer, i, b, used[i]))
+            self._optimizer.step_bucket(i, optim.parts_to_step(self._optimizer, i, b, used[i]))
             b.master.grad = None
-            retag(optim.optimizer_state(self.optimizer, b.master), "optimizer_states")
+            retag(optim.optimizer_state(self._optimizer, b.master), "optimizer_states")
             with comm.unit(b.layout.label, "step: publish"):
                 self._publish(b)
         self._finish_publish()
@@ -562,17 +735,23 @@ class Engine(EngineStateMixin, abc.ABC):
             k += len(b.params)
         return out
 
+    def _global_sum_of_squares(self, grads: list[torch.Tensor], when: str) -> torch.Tensor:
+        """Sum of squares of the whole reduced gradient (still times the loss scale), fp32
+        scalar on the device: this rank's part, summed over the ranks holding other parts."""
+        sq = optim.sum_of_squares(grads, self._norm_weights, self.device).to(self.device)
+        with comm.unit("<model>", f"{when}: gradient norm"):
+            if self.shards_grads_for_norm and self.world_size > 1:
+                comm.all_reduce(sq, group=self.pg)
+            if self.mp_group is not None:  # tensor-parallel ranks hold other slices
+                comm.all_reduce(sq, group=self.mp_group, tag="tp")
+        return sq
+
     def _unscale_and_clip(self, grads: list[torch.Tensor]) -> tuple[float, bool]:
         """(factor to multiply the gradients by, whether fp16 overflowed on any rank)."""
         coef = 1.0 / self.scaler.scale
         if self.max_grad_norm is None and not self.scaler.enabled:
             return coef, False
-        sq = optim.sum_of_squares(grads, self._norm_weights, self.device).to(self.device)
-        with comm.unit("<model>", "step: gradient norm"):
-            if self.shards_grads_for_norm and self.world_size > 1:
-                comm.all_reduce(sq, group=self.pg)
-            if self.mp_group is not None:  # tensor-parallel ranks hold other slices
-                comm.all_reduce(sq, group=self.mp_group, tag="tp")
+        sq = self._global_sum_of_squares(grads, "step")
         norm = sq.sqrt().item() / self.scaler.scale
         found_inf = not torch.isfinite(torch.tensor(norm)).item()
         if self.max_grad_norm is not None and not found_inf:
@@ -676,16 +855,120 @@ class Engine(EngineStateMixin, abc.ABC):
                     self._write_back(b)
         self._versions = self._full_versions()
 
-    def zero_grad(self) -> None:
-        """Drop all gradients (buffers are allocated again in the next backward)."""
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
+        """``torch.nn.utils.clip_grad_norm_`` on the engine's reduced gradient, between
+        backward and step: the global 2-norm over every trainable parameter (summed over
+        the ranks that hold different parts: a collective, call it on every rank), and the
+        gradient scaled in place by ``min(1, max_norm / (norm + 1e-6))``, as torch does.
+
+        Use it where ``clip_grad_norm_(model.parameters(), ...)`` would read ``p.grad``: at
+        stages 1-3 no rank holds a whole reduced gradient of a parameter. ``max_grad_norm=``
+        of the engine does the same inside every step.
+
+        Args:
+            max_norm: the largest norm kept (a finite number > 0).
+            norm_type: 2.0 only.
+
+        Returns:
+            the norm before clipping, an fp32 scalar tensor (unscaled by fp16's loss scale;
+            inf or NaN when the gradient overflowed, and then nothing is scaled: the step skips).
+
+        Raises:
+            ConfigError: ``norm_type`` other than 2, or ``max_norm`` not a finite number > 0.
+        """
+        self._check_open()
+        if float(norm_type) != 2.0:
+            raise ConfigError(f"engine.clip_grad_norm_(norm_type={norm_type!r}): only 2.0 (the 2-norm, as "
+                              "max_grad_norm= uses) is supported")
+        if not isinstance(max_norm, (int, float)) or not math.isfinite(max_norm) or max_norm <= 0:
+            raise ConfigError(f"engine.clip_grad_norm_(max_norm={max_norm!r}): a finite number > 0 is needed")
+        for b in self.buckets:
+            self._zero_unwritten(b)
+        off = self._offload
+        if off is not None:
+            off.land(self, starts_step=False)
+        grads = off.grads_for_step(self) if off is not None else [self._grad_for_step(b) for b in self.buckets]
+        grads = [g if g is not None else torch.zeros(0, device=self.device) for g in grads]
+        norm = self._global_sum_of_squares(grads, "clip_grad_norm_").sqrt() / self.scaler.scale
+        if bool(torch.isfinite(norm)):
+            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+            for g in grads:
+                g.mul_(coef.to(g.dtype))
+        return norm
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop all gradients (buffers are allocated again in the next backward).
+
+        Args:
+            set_to_none: as torch's: True, every ``p.grad`` becomes None; False, at stage 0
+                (where ``p.grad`` views the gradient buckets) the buckets are kept and
+                zeroed, so ``p.grad`` reads zeros; at stages 1-3, which hold no whole
+                gradient of a parameter, ``p.grad`` becomes None either way.
+        """
         if self._used_flags is not None:
             self._used_anywhere()  # an exchange nobody stepped with: finish it
+        keep = not set_to_none and self._exposed and not isinstance(self._exposed[0][1], HeldGradient)
+        if not keep:
+            self._unexpose()
         for b in self.buckets:
-            b.grad_full = b.grad_shard = None
+            if keep and b.grad_full is not None:
+                b.grad_full.zero_()
+            else:
+                b.grad_full = None
+            b.grad_shard = None
             b.used = [False] * len(b.params)
         if self._offload is not None:
             self._offload.zero_grad()
         self.holds_reduced = False
+
+    # ----- the engine as the module it wraps ---------------------------------------------
+    @property
+    def module(self) -> nn.Module:
+        """The wrapped model (torch DDP's and FSDP's name for it)."""
+        return self.model
+
+    @property
+    def training(self) -> bool:
+        """The model's ``training`` flag."""
+        return self.model.training
+
+    def train(self, mode: bool = True):
+        """``model.train(mode)`` (dropout on, BatchNorm updates its statistics); returns the engine."""
+        self.model.train(mode)
+        return self
+
+    def eval(self):
+        """``model.eval()``; returns the engine."""
+        return self.train(False)
+
+    def named_parameters(self, *args, **kwargs):
+        """The model's ``named_parameters``, with the model's names. At ZeRO-3 they hold
+        their values only inside :meth:`summon_full_params`."""
+        return self.model.named_parameters(*args, **kwargs)
+
+    def parameters(self, *args, **kwargs):
+        """The model's ``parameters`` (see :meth:`named_parameters`)."""
+        return self.model.parameters(*args, **kwargs)
+
+    def named_buffers(self, *args, **kwargs):
+        """The model's ``named_buffers``."""
+        return self.model.named_buffers(*args, **kwargs)
+
+    def buffers(self, *args, **kwargs):
+        """The model's ``buffers``."""
+        return self.model.buffers(*args, **kwargs)
+
+    def state_dict(self, *args, **kwargs) -> dict:
+        """The model's ``state_dict``, with the model's names and the working dtype. At
+        stages 0-2 the model's own (tensors sharing the parameters' memory, as torch's); at
+        ZeRO-3 copies of the full values, gathered inside :meth:`summon_full_params` (a
+        collective: call on every rank). :meth:`full_state_dict` gives the fp32 masters."""
+        if self.stage != 3:
+            return self.model.state_dict(*args, **kwargs)
+        with self.summon_full_params(writeback=False):
+            return {k: v.detach().clone() if torch.is_tensor(v) else v
+                    for k, v in self.model.state_dict(*args, **kwargs).items()}
 
     # ----- offload (zerolearn.engines.offload) ------------------------------------------------
     def _shard_in(self, b: Bucket) -> None:
@@ -756,6 +1039,8 @@ class Engine(EngineStateMixin, abc.ABC):
             handle.remove()
         self._hooks = []
         self._release_hooks()
+        self._unexpose()
+        self._held.clear()
         self._optimizer = None  # its state: the moments of every master
         self._pending, self._publishing, self._used_flags = [], [], None
         for b in self.buckets:

@@ -20,6 +20,7 @@ start of every forward and every step, before anything is computed or communicat
 
 from __future__ import annotations
 
+import torch
 from torch import nn
 
 from zerolearn.errors import ConfigError
@@ -77,6 +78,8 @@ class Bindings:
                 self.entries.append((path.split(".") if path else [], attr, p, *where[id(p)]))
         self.storage = storage
         self.dtype = {id(b): storage(b).dtype for b in buckets}
+        # Frozen when the engine wrapped the model: a later requires_grad_(True) is named.
+        self.frozen = [(name, p) for name, p in model.named_parameters() if not p.requires_grad]
 
     def _module(self, path: list[str]) -> nn.Module | None:
         m = self.model
@@ -93,8 +96,17 @@ class Bindings:
             when: what is about to happen, for the message ("forward", "step").
 
         Raises:
-            ConfigError: naming the parameter, what happened and the fix.
+            ConfigError: naming the parameter, what happened and the fix; a parameter
+                frozen when the engine was built whose ``requires_grad`` was set since.
         """
+        for name, p in self.frozen:
+            if p.requires_grad:
+                raise ConfigError(
+                    f"parameter {name} was frozen (requires_grad=False) when the engine was built and has "
+                    f"requires_grad=True now, before the {when}: the engine trains the parameters that were "
+                    "trainable when it wrapped the model, so it would never train. Set requires_grad on every "
+                    "parameter before building the engine (unfreeze a layer by building a new engine, loading "
+                    "the trained values with engine.load_state_dict or a checkpoint)")
         keys = {}
         for path, attr, p, b, i in self.entries:
             name = ".".join([*path, attr])
@@ -120,3 +132,62 @@ class Bindings:
                     "self.classifier.to(torch.float32)) or by param.data = .... Its updates would be lost. Cast "
                     "the input and output instead of the module (F.linear(x.float(), w.float())), train in that "
                     "dtype, or change values in place inside engine.summon_full_params()")
+
+
+class HeldGradient(torch.Tensor):
+    """What ``p.grad`` is between backward and step where no rank holds the whole reduced
+    gradient of ``p`` (stages 1-3; fp16's scaled gradient; tensor parallelism): a tensor of
+    ``p``'s shape and dtype holding no memory, which every torch op refuses with a
+    ConfigError naming the engine's clipping (``max_grad_norm=``,
+    ``engine.clip_grad_norm_(max_norm)``). So ``torch.nn.utils.clip_grad_norm_(
+    model.parameters(), ...)`` or a gradient norm logged from ``p.grad`` fails loudly
+    instead of reading nothing (torch returns a norm of 0.0 when every ``p.grad`` is None).
+    Shape, dtype and ``repr`` stay readable.
+
+    Attributes:
+        stage: the engine's stage (0-3), for the message.
+    """
+
+    stage: int
+
+    @classmethod
+    def make(cls, p: torch.Tensor, stage: int) -> HeldGradient:
+        """The held gradient of parameter ``p``: zero bytes, expanded to ``p``'s shape."""
+        with torch._C.DisableTorchFunctionSubclass():
+            held = torch.zeros((), dtype=p.dtype, device=p.device).expand(p.shape).as_subclass(cls)
+        held.stage = stage
+        return held
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", None)
+        if name in _READS_NOTHING:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        held = next((a for a in _flat(args, kwargs) if isinstance(a, HeldGradient)), None)
+        if name == "__repr__" and held is not None:
+            return (f"HeldGradient(shape={tuple(held.shape)}): the engine (stage {held.stage}) holds this "
+                    "parameter's reduced gradient in its buckets, not here")
+        why = ("each rank holds only its 1/Nd shard of the reduced gradient" if held is None or held.stage > 0
+               else "this gradient is still multiplied by fp16's loss scale, or is one tensor-parallel slice")
+        raise ConfigError(
+            f"p.grad was read ({name}) between backward and step, where {why}: "
+            "torch.nn.utils.clip_grad_norm_(model.parameters(), ...) or a norm of p.grad would see no true "
+            "gradient. Clip with the engine's max_grad_norm= option or engine.clip_grad_norm_(max_norm) "
+            "(the global norm, exactly, returned as torch's is); stage 0 in fp32 or bf16 gives p.grad as "
+            "the reduced gradient itself")
+
+
+# Tensor methods and attributes that read no element: allowed on a HeldGradient.
+_READS_NOTHING = frozenset({"__get__", "__set__", "size", "dim", "ndimension", "numel", "nelement", "__len__",
+                            "stride", "storage_offset", "element_size", "is_floating_point", "is_complex",
+                            "is_contiguous", "get_device", "data_ptr", "untyped_storage", "__hash__"})
+
+
+def _flat(args, kwargs):
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, (list, tuple)):
+            yield from a
+        else:
+            yield a

@@ -78,8 +78,8 @@ class _StateView(Mapping):
         return sum(len(o.state) for o in self._owner.optimizers)
 
 
-class GroupedOptimizer:
-    """One torch optimizer per flat master, seen from outside as one optimizer over them.
+class GroupedOptimizer(torch.optim.Optimizer):
+    """One torch optimizer per flat master, seen from outside as one torch optimizer over them.
 
     The engine steps one bucket at a time: in mixed precision only one bucket's fp32
     gradient may exist at once (the paper's (2 + 2 + K) Psi holds none). A single torch
@@ -88,19 +88,78 @@ class GroupedOptimizer:
     :meth:`step_bucket` touches its master alone, O(G). Each master's update is computed
     on its own either way (see :func:`make_optimizer`), so the numbers are bit-identical.
 
-    Outside, it reads as one optimizer over the masters in bucket order: ``state``
-    maps each master to its state, and :meth:`state_dict` / :meth:`load_state_dict`
-    use the layout of a single torch optimizer over them (one param group, params
-    0..G-1), which checkpoints are built from.
+    Outside, it is a ``torch.optim.Optimizer`` over the masters in bucket order, with one
+    param group (as ``torch.optim.Adam(model.parameters())`` has): torch's LR schedulers
+    (``LambdaLR``, ``CosineAnnealingLR``, ...) accept it, and a hyperparameter changed in
+    ``param_groups[0]`` (``group["lr"] = 1e-4``, by hand or by a scheduler) reaches every
+    bucket's optimizer at the next step. ``state`` maps each master to its state, and
+    :meth:`state_dict` / :meth:`load_state_dict` use the layout of a single torch
+    optimizer over them (one param group, params 0..G-1), which checkpoints are built from.
+
+    Bound to an engine (:meth:`bind`), :meth:`step` is the engine's whole step (global
+    norm, clipping, fp16 overflow check, every bucket's update, publish) and
+    :meth:`zero_grad` the engine's ``zero_grad``, so a loop written for a torch optimizer
+    (``optimizer.step()``; ``optimizer.zero_grad()``) trains exactly as ``engine.step()``
+    does; ``engine.step()`` itself calls :meth:`step`, so step hooks and a scheduler's
+    bookkeeping see every step.
 
     Args:
-        optimizers: one torch optimizer per master, each over that master alone.
+        optimizers: one torch optimizer per master, each over that master alone (one
+            param group each, with the same hyperparameters).
         masters: the flat fp32 masters, in bucket order.
     """
 
     def __init__(self, optimizers: list[torch.optim.Optimizer], masters: list[torch.Tensor]):
         self.optimizers, self.masters = optimizers, masters
         self.index = {id(m): i for i, m in enumerate(masters)}
+        self._engine = None  # a weak reference to the engine whose step this is (bind)
+        self.stepped: bool | None = None  # what the engine's last step returned
+        hyper = {k: v for k, v in optimizers[0].param_groups[0].items() if k != "params"} if optimizers else {}
+        super().__init__(list(masters), dict(hyper))
+        self._pushed = dict(hyper)  # the hyperparameters the per-master optimizers hold now
+
+    def bind(self, engine) -> None:
+        """Make :meth:`step` and :meth:`zero_grad` the engine's (held by weak reference)."""
+        import weakref
+
+        self._engine = weakref.ref(engine)
+
+    # torch.optim.Optimizer keeps ``state`` as an attribute; here it is read through the
+    # per-master optimizers, so the one torch's __init__ assigns is dropped.
+    @property
+    def state(self) -> Mapping:
+        """master -> its state (Adam's ``step``, ``exp_avg``, ``exp_avg_sq``), as in torch."""
+        return _StateView(self)
+
+    @state.setter
+    def state(self, value) -> None:
+        if value:
+            raise ConfigError("GroupedOptimizer.state is read through each bucket's optimizer; load a state "
+                              "with load_state_dict(...) instead of assigning it")
+
+    def add_param_group(self, param_group: dict) -> None:
+        """Torch's ``add_param_group``: only the one group of the engine's masters.
+
+        Raises:
+            ConfigError: a second group (the engine trains every parameter with one set
+                of hyperparameters: ``lr``, ``weight_decay``, ... of the engine).
+        """
+        if self.param_groups:
+            raise ConfigError("the engine's optimizer has one param group over its flat masters; a second one "
+                              "(other parameters or other hyperparameters per parameter) is not supported: "
+                              "set lr, weight_decay, momentum and betas on the engine, or change "
+                              "engine.optimizer.param_groups[0][...] to change them for every parameter")
+        super().add_param_group(param_group)
+
+    def push_hyperparameters(self) -> None:
+        """Copy what changed in ``param_groups[0]`` since the last push (an LR scheduler's
+        ``lr``, a hand-set ``weight_decay``) into every bucket's optimizer."""
+        group = self.param_groups[0]
+        changed = {k: v for k, v in group.items() if k != "params" and (k not in self._pushed or self._pushed[k] is not v)}
+        if changed:
+            for o in self.optimizers:
+                o.param_groups[0].update(changed)
+            self._pushed.update(changed)
 
     def step_bucket(self, i: int, parts: list[tuple[int, int, int]] | None = None) -> None:
         """Update master ``i`` from its ``.grad``; with ``parts``, only those elements.
@@ -146,35 +205,55 @@ class GroupedOptimizer:
         if "step" in state:
             state["step"] += 1
 
-    def step(self) -> None:
-        """Update every master that has a ``.grad``."""
-        for o in self.optimizers:
-            o.step()
+    def step(self, closure=None):
+        """Bound to an engine: the engine's step (``engine.step()``); ``closure``, if given,
+        is called first with gradients enabled and its loss returned, as in torch.
+        Unbound: update every master that has a ``.grad``.
+
+        Returns:
+            ``closure()``'s value, or None. Whether the engine stepped (False: an fp16
+            overflow skipped it) is :attr:`stepped`.
+
+        Raises:
+            ConfigError: the engine was closed or garbage collected, or any error of
+                ``engine.step()``.
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        if self._engine is None:
+            self.push_hyperparameters()
+            for o in self.optimizers:
+                o.step()
+            return loss
+        engine = self._engine()
+        if engine is None:
+            raise ConfigError("this optimizer's engine was garbage collected: nothing is left to step")
+        self.stepped = engine._step()
+        return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        """Bound to an engine: ``engine.zero_grad(set_to_none)``; else torch's on every master."""
+        engine = self._engine() if self._engine is not None else None
+        if engine is not None:
+            engine.zero_grad(set_to_none=set_to_none)
+            return
         for o in self.optimizers:
             o.zero_grad(set_to_none=set_to_none)
-
-    @property
-    def state(self) -> Mapping:
-        """master -> its state (Adam's ``step``, ``exp_avg``, ``exp_avg_sq``), as in torch."""
-        return _StateView(self)
-
-    @property
-    def param_groups(self) -> list[dict]:
-        """Every optimizer's param groups (one each; setting ``lr`` there takes effect)."""
-        return [g for o in self.optimizers for g in o.param_groups]
 
     def state_dict(self) -> dict:
         """``{"state": {i: state of master i}, "param_groups": [{hyperparameters,
         "params": [0, ..., G-1]}]}``: what one torch optimizer over the masters returns."""
+        self.push_hyperparameters()
         parts = [o.state_dict() for o in self.optimizers]
         state = {i: part["state"][0] for i, part in enumerate(parts) if 0 in part["state"]}
         group = {**parts[0]["param_groups"][0], "params": list(range(len(parts)))}
         return {"state": state, "param_groups": [group]}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Load :meth:`state_dict`'s layout (param groups may split the indices differently).
+        """Load :meth:`state_dict`'s layout (param groups may split the indices differently;
+        ``param_groups[0]`` then shows master 0's hyperparameters).
 
         Raises:
             ValueError: the state dict does not name exactly the masters 0..G-1.
@@ -186,6 +265,9 @@ class GroupedOptimizer:
         for i, o in enumerate(self.optimizers):
             state = {0: state_dict["state"][i]} if i in state_dict["state"] else {}
             o.load_state_dict({"state": state, "param_groups": [{**groups[i], "params": [0]}]})
+        hyper = {k: v for k, v in self.optimizers[0].param_groups[0].items() if k != "params"}
+        self.param_groups[0].update(hyper)
+        self._pushed = dict(hyper)
 
 
 def _fresh_state(opt: torch.optim.Optimizer, master: torch.Tensor) -> dict:

@@ -101,10 +101,17 @@ class FusedGather:
         self.recv = self.buckets = None
 
 
+PARAMETER_CONTAINERS = (nn.ParameterList, nn.ParameterDict)  # parameters a parent reads, no forward
+
+
 def default_units(model: nn.Module) -> list[nn.Module]:
-    """The model's children, a ModuleList's or ModuleDict's items in its place."""
+    """The model's children, a ModuleList's or ModuleDict's items in its place; a
+    ParameterList or ParameterDict child is no unit (it has no forward: the parent that
+    reads its parameters owns them, gathered with the root unit)."""
     out = []
     for child in model.children():
+        if isinstance(child, PARAMETER_CONTAINERS):
+            continue
         out += list(child.children()) if is_container(child) else [child]
     return out
 
@@ -128,6 +135,10 @@ def assign(model: nn.Module, units: list[nn.Module] | None,
     if units is None:
         units = model.units() if hasattr(model, "units") else default_units(model)
     for m in units:
+        if isinstance(m, PARAMETER_CONTAINERS):
+            raise ConfigError(f"ZeRO-3: units= contains {names.get(id(m), '?')} ({type(m).__name__}), which has no "
+                              "forward of its own, so it would never be gathered; leave it out (its parameters "
+                              "then belong to the root unit) or pass the module that reads them")
         if is_container(m):
             raise ConfigError(f"ZeRO-3: units= contains {names.get(id(m), '?')} ({type(m).__name__}), which "
                               "has no forward of its own, so it would never be gathered; pass its items "
@@ -268,6 +279,50 @@ def refuse_outside(name: str, unit: Unit, op: str | None) -> None:
         "shards on exit (the same change on every rank); engine.full_state_dict() returns them too. A term "
         "of the loss that reads a weight (an L2 penalty) cannot get its gradient there: compute it inside the "
         "forward of the module that owns the weight, or use the optimizer's weight_decay.")
+
+
+def refuse_load_outside_summon(module: nn.Module, param_unit: dict[int, tuple[str, Unit]]) -> None:
+    """``module.load_state_dict`` is about to copy into ``module``'s parameters: refused
+    while one of them holds only a shard (outside ``summon_full_params``).
+
+    Raises:
+        ConfigError: naming the parameter and ``engine.load_state_dict``.
+    """
+    for p in module._parameters.values():
+        found = param_unit.get(id(p)) if p is not None else None
+        if found is not None and not found[1].gathered:
+            raise ConfigError(
+                f"ZeRO-3: load_state_dict into the wrapped model while parameter {found[0]} ({found[1].describe()}) "
+                "holds only this rank's 1/Nd shard: call engine.load_state_dict(state_dict) instead (on every "
+                "rank, with the same full state dict), or model.load_state_dict inside "
+                "`with engine.summon_full_params():`; both gather the parameters, load, and write the values "
+                "back to the shards and the fp32 masters")
+
+
+def refuse_compiled(model: nn.Module | None) -> None:
+    """Refuse a ``torch.compile``'d model at ZeRO-3 (``model``: at wrap time; None: a
+    compiled graph is being traced through a unit's gather hook).
+
+    ZeRO-3 gathers a unit's parameters in hooks around its forward and gives autograd
+    gathered weights back through saved-tensor hooks; torch.compile traces the forward
+    into graphs that would capture those collectives and the freed (0-byte) storage, so
+    the compiled model would not gather what it reads.
+
+    Raises:
+        ConfigError: the model, or one of its modules, is compiled (or being compiled).
+    """
+    if model is not None:
+        compiled = [name or "<model>" for name, m in model.named_modules()
+                    if getattr(m, "_compiled_call_impl", None) is not None or hasattr(m, "_orig_mod")]
+        if not compiled:
+            return
+        what = f"{', '.join(compiled[:4])} {'is' if len(compiled) == 1 else 'are'} compiled"
+    else:
+        what = "the model's forward is being compiled (torch.compile)"
+    raise ConfigError(
+        f"ZeRO-3: {what}. Stage 3 gathers each unit's parameters in hooks around its forward and frees them "
+        "after it, which a compiled graph does not run as eager code does, so its parameters would hold no "
+        "values; train the compiled model at stages 0-2 (exact, as torch DDP), or the uncompiled model at stage 3")
 
 
 # ----- backward: saved tensors of a unit come back gathered ------------------------------
@@ -480,13 +535,14 @@ class Schedule:
             "whole forward).")
 
 
-def params_reached(loss: torch.Tensor, param_unit: dict[int, tuple[str, Unit]]) -> set[int]:
+def params_reached(loss, param_unit: dict[int, tuple[str, Unit]]) -> set[int]:
     """``id`` of every sharded parameter that gets a gradient from ``loss``.
 
     Walks ``loss``'s autograd graph (as DDP's ``find_unused_parameters`` does): a
-    parameter gets a gradient when its accumulation node is reachable.
+    parameter gets a gradient when its accumulation node is reachable. ``loss`` may also
+    be a list of autograd nodes (a forward's outputs' ``grad_fn``) to walk from.
     """
-    seen, stack, reached = set(), [loss.grad_fn], set()
+    seen, stack, reached = set(), list(loss) if isinstance(loss, list) else [loss.grad_fn], set()
     while stack:
         fn = stack.pop()
         if fn is None or fn in seen:
