@@ -285,6 +285,7 @@ class Engine(EngineStateMixin, abc.ABC):
         self._bwd_open = False  # a backward is running (begun by engine.backward or by a hook)
         self._exposed: list[tuple[nn.Parameter, torch.Tensor]] = []  # p.grad set after backward, per parameter
         self._held: dict[int, torch.Tensor] = {}  # id(p) -> its HeldGradient, made once
+        self._roots: list = []  # autograd nodes of the last forward's outputs (until a backward)
         self._bindings = Bindings(model, self.buckets)  # parameters replaced or cast later are named
         self._versions = self._full_versions()  # working buffers changed in place outside the engine
         self._publishing: list[comm.Handle] = []  # all_gathers of updated shards in flight
@@ -342,8 +343,9 @@ class Engine(EngineStateMixin, abc.ABC):
         """``b``'s reduction may start during backward (else at its end)."""
         return b.complete
 
-    def _before_backward(self, loss: torch.Tensor) -> None:
-        """Backward is about to run from ``loss``."""
+    def _before_backward(self, loss) -> None:
+        """Backward is about to run from ``loss`` (a tensor), or, when the user called
+        ``loss.backward()``, from the last forward's outputs (a list of their autograd nodes)."""
 
     def _after_backward(self) -> None:
         """Backward is over and every reduction finished."""
@@ -370,9 +372,10 @@ class Engine(EngineStateMixin, abc.ABC):
         if torch.is_grad_enabled() and not self.in_backward:
             # loss.backward() instead of engine.backward(loss): the first hook a backward reaches
             # starts the engine's backward and queues its end (Engine._ensure_backward).
-            for t in tensors_in(out):
-                if t.requires_grad:
-                    t.register_hook(functools.partial(_output_grad_arrived, self._me))
+            outputs = [t for t in tensors_in(out) if t.requires_grad]
+            for t in outputs:
+                t.register_hook(functools.partial(_output_grad_arrived, self._me))
+            self._roots = [t.grad_fn for t in outputs if t.grad_fn is not None]
         return out
 
     def _broadcast_buffer(self, buf: torch.Tensor) -> None:
@@ -439,7 +442,8 @@ class Engine(EngineStateMixin, abc.ABC):
             b.ready = 0
         self._next, self._sync = 0, sync
         self._unexpose()
-        self._before_backward(loss)
+        roots, self._roots = self._roots, []  # loss.backward() (loss None): the last forward's outputs
+        self._before_backward(loss if loss is not None else roots)
         self._bwd_open = True
         self.in_backward = True
 
@@ -1041,13 +1045,17 @@ class Engine(EngineStateMixin, abc.ABC):
         self._release_hooks()
         self._unexpose()
         self._held.clear()
+        self._roots = []
         self._optimizer = None  # its state: the moments of every master
         self._pending, self._publishing, self._used_flags = [], [], None
         for b in self.buckets:
             b.master = b.shard = b.grad_full = b.grad_shard = b.reduced = b.reducing = None
 
     def _release_hooks(self) -> None:
-        """Remove hooks a stage put on the model's modules (ZeRO-3's gather and free)."""
+        """Remove hooks a stage put on the model's modules (``_module_hooks``: ZeRO-3's gather and free)."""
+        for handle in getattr(self, "_module_hooks", ()):
+            handle.remove()
+        self._module_hooks = []
 
     def __enter__(self):
         return self

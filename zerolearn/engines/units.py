@@ -299,6 +299,30 @@ def refuse_load_outside_summon(module: nn.Module, param_unit: dict[int, tuple[st
                 "back to the shards and the fp32 masters")
 
 
+def unit_hooks(units: list[Unit], pre_forward, post_forward) -> list:
+    """Each unit's forward pre-hook ``pre_forward(unit)`` and forward hook
+    ``post_forward(unit, output)``; their handles. The pre-hook is prepended: the unit is
+    gathered before any pre-hook of the user's runs (a hook-based ``weight_norm`` or
+    ``spectral_norm`` computes the weight from the unit's parameters), as FSDP2 does."""
+    return [h for unit in units for h in (
+        unit.module.register_forward_pre_hook(lambda m, a, unit=unit: pre_forward(unit), prepend=True),
+        unit.module.register_forward_hook(lambda m, a, out, unit=unit: post_forward(unit, out)))]
+
+
+def guard_load_state_dict(model: nn.Module, param_unit: dict[int, tuple[str, Unit]]) -> list:
+    """A load_state_dict pre-hook on every module holding a sharded parameter, refusing a
+    load outside ``summon_full_params`` (:func:`refuse_load_outside_summon`); their handles.
+    The hooks hold ``param_unit``, not the engine, so the model does not keep it alive."""
+    return [m.register_load_state_dict_pre_hook(lambda module, *args: refuse_load_outside_summon(module, param_unit))
+            for m in model.modules() if any(id(p) in param_unit for p in m._parameters.values() if p is not None)]
+
+
+def refuse_compiling() -> None:
+    """Inside a unit's gather hook: refuse a forward that torch.compile is tracing."""
+    if torch.compiler.is_compiling():
+        refuse_compiled(None)
+
+
 def refuse_compiled(model: nn.Module | None) -> None:
     """Refuse a ``torch.compile``'d model at ZeRO-3 (``model``: at wrap time; None: a
     compiled graph is being traced through a unit's gather hook).

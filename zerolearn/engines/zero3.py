@@ -45,14 +45,11 @@ class Zero3Engine(Engine):
     Between steps a parameter holds no elements: a torch op reading it raises a ConfigError
     naming :meth:`summon_full_params`, which gathers them all (:class:`units.ShardedParameter`).
 
-    ``model.load_state_dict(...)`` outside :meth:`summon_full_params` is refused, naming
-    ``engine.load_state_dict``, which loads through it.
-
     Raises:
-        ConfigError: a bad ``prefetch_mb``; a unit in ``units=`` is a ModuleList, ModuleDict,
-            ParameterList or ParameterDict without a forward; a model compiled with
-            ``torch.compile``; the model read a parameter outside its unit's forward; ranks are
-            about to run, or compute gradients for, different units (:mod:`zerolearn.engines.units`).
+        ConfigError: a bad ``prefetch_mb``; a unit in ``units=`` without a forward; a compiled
+            model; ``model.load_state_dict`` outside :meth:`summon_full_params`; the model read a
+            parameter outside its unit's forward; ranks are about to run, or compute gradients
+            for, different units (:mod:`zerolearn.engines.units`).
     """
 
     stage = 3
@@ -62,7 +59,6 @@ class Zero3Engine(Engine):
         self.prefetch_bytes = U.prefetch_bytes(prefetch_mb)  # small units: several per prefetch, one all_gather
         self.zpp = ZeroPP(node_ranks, qwz_block, hpz, qgz, options.get("group"))  # ZeRO++, checked first
         U.refuse_compiled(model)
-        self._roots: list = []  # the last forward's outputs' autograd nodes (loss.backward()'s agreement)
         super().__init__(model, **options)
 
     # ----- what a rank keeps: shards; a unit's buckets never cross its boundary -------
@@ -85,25 +81,9 @@ class Zero3Engine(Engine):
                                    min(self.prefetch_bytes, self.bucket_bytes))  # a fused buffer <= CB
         self._storage_unit: dict[int, U.Unit] = {}  # a storage autograd may save -> its unit
         self.gathered_bytes = self.peak_gathered_bytes = 0  # full parameters alive now / at most
-        self._module_hooks = []
-        for unit in self.units:
-            # Gathered before any pre-hook of the user's runs (a hook-based weight_norm or
-            # spectral_norm computes the weight from the unit's parameters), as FSDP2 does.
-            self._module_hooks += [
-                unit.module.register_forward_pre_hook(lambda m, a, unit=unit: self._pre_forward(unit), prepend=True),
-                unit.module.register_forward_hook(lambda m, a, out, unit=unit: self._post_forward(unit, out))]
-        param_unit = self._param_unit  # not the engine: the model must not keep it alive
-        for m in self.model.modules():  # model.load_state_dict while parameters hold shards: refused
-            if any(id(p) in param_unit for p in m._parameters.values() if p is not None):
-                self._module_hooks.append(m.register_load_state_dict_pre_hook(
-                    lambda module, *args: U.refuse_load_outside_summon(module, param_unit)))
+        self._module_hooks = (U.unit_hooks(self.units, self._pre_forward, self._post_forward)  # gather, free
+                              + U.guard_load_state_dict(self.model, self._param_unit))  # load outside a summon
         return buckets
-
-    def _release_hooks(self) -> None:
-        for handle in self._module_hooks:
-            handle.remove()
-        self._module_hooks = []
-        self._roots = []
 
     def _init_bucket(self, b: Bucket, master32: torch.Tensor) -> None:
         full = master32.to(self.dtype)
@@ -166,8 +146,6 @@ class Zero3Engine(Engine):
         try:
             with U.ReadGuard(self._param_unit), torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 out = super().forward(*args, **kwargs)
-            if not self.in_backward:
-                self._roots = [t.grad_fn for t in U.tensors_in(out) if t.grad_fn is not None]
             self.schedule.finish(self)  # every rank ran the same units: the next forward's schedule
             self._settle()  # a prefetch the forward did not use
             return out
@@ -178,8 +156,7 @@ class Zero3Engine(Engine):
             raise
 
     def _pre_forward(self, unit: U.Unit) -> None:
-        if torch.compiler.is_compiling():
-            U.refuse_compiled(None)
+        U.refuse_compiling()
         recompute = self.in_backward  # activation checkpointing recomputes inside backward
         unit.ran = unit.ran or not recompute
         with comm.unit(unit.name, "forward: gather"):
@@ -206,10 +183,7 @@ class Zero3Engine(Engine):
         # A parameter only other ranks compute a gradient for (an expert no token reached here)
         # counts as arrived, as zeros: its bucket then completes inside its unit's backward on
         # every rank and launches there (_may_launch, _launch_arrived): one collective order.
-        # loss.backward() (loss None): the graph from the last forward's outputs.
-        roots, self._roots = self._roots, []
-        target = loss if loss is not None else roots
-        self._uneven = self.world_size > 1 and self._reached.agree(target, self.units, self.pg, self.device)
+        self._uneven = self.world_size > 1 and self._reached.agree(loss, self.units, self.pg, self.device)
 
     def _pre_backward(self, unit: U.Unit) -> None:
         self._ensure_backward()  # loss.backward(): the engine's backward starts here
@@ -233,8 +207,7 @@ class Zero3Engine(Engine):
     def _unpack(self, saved):
         # Whatever the unit's outputs were, a saved tensor of its buffer comes back gathered.
         if isinstance(saved, U.Saved):
-            if self.in_backward is False and torch._C._current_graph_task_id() != -1:
-                self._ensure_backward()  # loss.backward() reached a saved weight first
+            self._ensure_backward()  # loss.backward() reached a saved weight first
             if not saved.unit.gathered:
                 saved.unit.backward_gathered = True
                 with comm.unit(saved.unit.name, "backward: gather"):
@@ -291,8 +264,7 @@ class Zero3Engine(Engine):
             with comm.unit(unit.name, "summon_full_params: gather"):
                 self._gather(unit)
 
-    def _unsummon(self) -> None:
-        self._settle()
+    _unsummon = _settle  # the end of summon_full_params: every unit freed
 
     # ----- step: the updated shard is all a rank keeps -------------------------------
     def _grad_for_step(self, b: Bucket) -> torch.Tensor:
