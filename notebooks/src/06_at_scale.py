@@ -152,10 +152,13 @@ print(text_table(['MP x Nd', 'GPUs', 'DP', 'P_os', 'P_os+g', 'P_os+g+p'], rows))
 
 # %% [markdown]
 # The rows with MP > 1 are printed as multiples of the first row's rounded values
-# (121.6 = 16 x 7.6) and "0.5T" stands for 512B, so they agree to about 3%. The paper
-# also *measured* the largest model it could train under P_os, and it is smaller (6.2B
-# at 64 GPUs against 7.6B in theory, Table 2): activations, temporary buffers and
-# fragmentation (Sec 3.2) need memory too.
+# (121.6 = 16 x 7.6), and the last column's trillions to one digit: "0.5T", "1T" and
+# "2T", which the table reads as 500, 1,000 and 2,000B, where the formula gives 512,
+# 1,024 and 2,048B. So they agree to about 3%. The paper also *measured* the largest
+# model it could train under P_os, and it is smaller (6.2B at 64 GPUs against 7.6B in
+# theory, Table 2): activations, temporary buffers and fragmentation (Sec 3.2) need
+# memory too. Table 2's caption reads the two as matching: the analysis gives a
+# realistic upper bound.
 #
 # We cannot train 7.6B parameters here, but we can measure the quantity the column is
 # made of: the bytes per parameter a rank holds at Nd = 64, from the simulated runs
@@ -328,12 +331,14 @@ print(text_table(['tokens/GPU', 'stage', 'compute s', 'comm s', 'step s', 'comm/
 # %% [markdown]
 # ## 7. Super-linear scaling (Sec 10.3, Fig 3)
 #
-# The paper trains a 60B model with ZeRO-100B (P_os+g with MP of 16) on 64 to 400 GPUs
-# and reports super-linear speedup: the aggregate throughput grows faster than the
-# number of GPUs (Fig 3). The reason is memory. More data-parallel ranks divide the
+# The paper trains a 60B model with ZeRO-100B (P_os+g with model parallelism) on 64 to
+# 400 GPUs and reports super-linear speedup: the aggregate throughput grows faster than
+# the number of GPUs (Fig 3). The reason is memory. More data-parallel ranks divide the
 # optimizer states and gradients further (Sec 5), which frees memory for activations,
 # so each GPU can run a larger batch, and larger batches run at higher arithmetic
-# efficiency and hide more communication (Sec 10.3).
+# intensity (Sec 10.3); per unit of compute they also move less data-parallel traffic,
+# the argument of Sec 8. The model's shape and MP of 16 (one DGX-2 node) are the book's
+# choices here: the paper lists its configurations in Table 6, an image in its text.
 #
 # The cost model can replay that argument. `costmodel.max_batch_per_gpu` finds the
 # largest batch whose model states and residual states (checkpointed activations, one
@@ -403,12 +408,14 @@ print(text_table(['stage', 'peak', 'params', 'grads', 'optim', 'activations', 't
 # holds full gradients; P_os+g+p's is in backward.) This is the residual
 # memory of Sec 3.2, which ZeRO-R addresses, and which becomes the limit once model
 # states are partitioned.
+
+# %% [markdown]
+# ## 9. Fragmentation (Sec 3.2, Sec 6.3)
 #
-# ## 9. Fragmentation (Sec 6.3)
-#
-# Residual memory has one more source: fragmentation. The paper saw out-of-memory
-# errors with over 30% of memory still free, because long-lived tensors (activation
-# checkpoints, parameter gradients) end up scattered between short-lived ones. The
+# Residual memory has one more source: fragmentation. In extreme cases the paper saw
+# out-of-memory errors with over 30% of memory still available (Sec 3.2), because
+# long-lived tensors (activation checkpoints, parameter gradients) end up scattered
+# between short-lived ones (Sec 6.3). The
 # fragmentation explorer replays the allocations of two real training steps of a
 # 25.7M-parameter GPT (`figures.recorded_trace`, chapter 5 explains it) through the model
 # of torch's caching allocator in `zerolearn.residual.defrag`: change the memory's size,
@@ -460,6 +467,15 @@ print(f"30B on 40 GB: stage {fit.stage} ({fit.stage_name}) on {fit.gpus} GPUs, "
 t = step_time(Job(psi=7.5e9, tokens_per_gpu=4 * 1024, stage=3, nd=64), ch06.DGX2)
 print(f"stage 3, 4096 tokens per GPU: compute {t.compute_s:.2f} s, comm {t.comm_s:.2f} s, "
       f"comm/compute {t.comm_to_compute:.2f}")
+
+# %% [markdown]
+# **5.** Memory is not the last wall (Sec 9). BERT-Large, 330M parameters, trains in 67
+# minutes on 1024 GPUs; at the same sequence length and number of samples, a trillion
+# parameters is about 3000 times the computation. How many days on the same 1024 GPUs?
+
+# %%
+print(f"Sec 9's estimate: 67 min x 1e12 / 330e6 = {ch06.trillion_days():.0f} days "
+      "(the paper rounds to 140, and expects over a year with more data)")
 
 # %% [markdown]
 # ## Summary
