@@ -469,9 +469,10 @@ print(f"stage 3, 4096 tokens per GPU: compute {t.compute_s:.2f} s, comm {t.comm_
       f"comm/compute {t.comm_to_compute:.2f}")
 
 # %% [markdown]
-# **5.** Memory is not the last wall (Sec 9). BERT-Large, 330M parameters, trains in 67
-# minutes on 1024 GPUs; at the same sequence length and number of samples, a trillion
-# parameters is about 3000 times the computation. How many days on the same 1024 GPUs?
+# **Beyond memory: time.** Memory is not the last wall (Sec 9). BERT-Large, 330M
+# parameters, trains in 67 minutes on 1024 GPUs; at the same sequence length and number
+# of samples, a trillion parameters is about 3000 times the computation. On the same
+# 1024 GPUs:
 
 # %%
 print(f"Sec 9's estimate: 67 min x 1e12 / 330e6 = {ch06.trillion_days():.0f} days "
