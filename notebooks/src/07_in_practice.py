@@ -129,9 +129,10 @@ print(ch07.deepspeed_table(results, stored))
 # optimizer always steps on its own fp32 partition); we step on the parameters' own
 # storage when they are fp32, so $K = 8$ holds exactly for fp32 Adam.
 #
-# One setting had to be written down to get there: `"gradient_clipping": 0.0`. DeepSpeed
-# clips the global gradient norm at 1.0 unless its config says otherwise; with its default,
-# the losses part from every other implementation's at the third step. When a port to
+# One setting had to be written down to get there: `"gradient_clipping": 0.0`. From
+# version 0.19.3 DeepSpeed clips the global gradient norm at 1.0 unless its config says
+# otherwise (before, its default was 0.0, no clipping); with that default, the losses part
+# from every other implementation's at the third step. When a port to
 # DeepSpeed "trains a bit differently", compare the configs before the code.
 
 # %% [markdown]
@@ -196,8 +197,9 @@ for wider in BENCH["more_widths"]:
     print(ch07.bench_table(wider, "bytes"))
 
 # %% [markdown]
-# **Bytes.** Every one of our stages holds exactly the paper's bytes (Sec 5; fp32 Adam:
-# 4 + 4 + 8 bytes per parameter). DeepSpeed's stages 1 and 2 keep a separate fp32 copy of
+# **Bytes.** Every one of our stages holds exactly what Sec 5's formulas give in fp32: the
+# paper accounts only mixed precision (2 + 2 + K, K = 12, Sec 3.1), and fp32 Adam's 4 + 4 + 8
+# bytes per parameter is the book's adaptation. DeepSpeed's stages 1 and 2 keep a separate fp32 copy of
 # their partition (12 $\Psi/N_d$ of optimizer state, where ours keeps 8) and extra
 # gradient buffers; `ZeroRedundancyOptimizer` shards whole tensors, so its busiest rank
 # holds more than an even shard.

@@ -195,7 +195,8 @@ def format_table(result: dict) -> str:
             f"global batch {spec['global_batch_size']} x {spec['seq_len']}")
     formula = ", ".join(f"stage {s}: " + " + ".join(f"{b[c]:,.0f}" for c in CATEGORIES)
                         for s, b in result["formula_bytes"].items())
-    foot = [f"paper's bytes per rank, params + grads + optimizer (Sec 5, fp32 Adam 4 + 4 + 8): {formula}",
+    foot = [f"Sec 5's bytes per rank in fp32, params + grads + optimizer (the paper counts mixed precision, "
+            f"K = 12, Sec 3.1; fp32 Adam's 4 + 4 + 8 is the book's adaptation): {formula}",
             f"losses: every step within {result['loss_atol']:g} of {result['loss_reference']}'s; "
             "bytes: the most any rank holds; peak RSS: the most of any rank (the least over rounds), the "
             "process's baseline (torch, libraries) included; RSS rise: peak minus the RSS the system started from"]
