@@ -292,9 +292,9 @@ def refuse_load_outside_summon(module: nn.Module, param_unit: dict[int, tuple[st
         found = param_unit.get(id(p)) if p is not None else None
         if found is not None and not found[1].gathered:
             raise ConfigError(
-                f"ZeRO-3: load_state_dict into the wrapped model while parameter {found[0]} ({found[1].describe()}) "
-                "holds only this rank's 1/Nd shard: call engine.load_state_dict(state_dict) instead (on every "
-                "rank, with the same full state dict), or model.load_state_dict inside "
+                f"ZeRO-3: parameter {found[0]} ({found[1].describe()}) holds only this rank's 1/Nd shard, so "
+                "load_state_dict into the wrapped model cannot copy into it: call engine.load_state_dict(state_dict) "
+                "instead (on every rank, with the same full state dict), or model.load_state_dict inside "
                 "`with engine.summon_full_params():`; both gather the parameters, load, and write the values "
                 "back to the shards and the fp32 masters")
 
