@@ -81,7 +81,11 @@ def test_zero1_frames_end_with_one_sgd_step_on_the_mean_gradient():
     for r in range(3):
         assert frames[-1].params[r][:7] == pytest.approx(p.detach().tolist(), abs=1e-12)
         a, b = layouts[r].shard_range
-        assert [g is not None for g in frames[1].grads[r]] == [a <= i < b for i in range(9)]
+        # ZeRO-1 keeps the whole gradient: shard r holds the mean, the rest rank r's own gradient.
+        mean = torch.tensor(S.zero1_step.DEFAULT_GRADS, dtype=torch.float64).mean(0).tolist() + [0.0, 0.0]
+        own = S.zero1_step.DEFAULT_GRADS[r] + [0.0, 0.0]
+        assert frames[1].reduced[r] == [a <= i < b for i in range(9)]
+        assert frames[1].grads[r] == pytest.approx([mean[i] if a <= i < b else own[i] for i in range(9)], abs=1e-12)
 
 
 def _recorded_gathers(model, inputs):
@@ -188,7 +192,8 @@ def test_animations_are_small_deterministic_and_step_in_a_widget():
     ring = S.ring_animation(3)
     html = ring.html
     assert html == S.ring_animation(3).html  # the same bytes twice: no uuid, no timestamp
-    assert html.count("data:image/png;base64") == ring.n_frames == 5 and len(html) < 400_000
+    # The frames, and the first once more as the player's image: what shows where scripts do not run.
+    assert html.count("data:image/png;base64") == ring.n_frames + 1 == 6 and len(html) < 400_000
     assert "_anim_img" in html and "once" in html
     box = S.zero1_animation().widget()
     play, slider = box.children[0].children

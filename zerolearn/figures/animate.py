@@ -8,10 +8,17 @@ become (a) an ipywidgets control (a play button and a slider over pre-drawn PNGs
 whose buttons step forward and back in a static page. Displayed in a notebook, a
 :class:`StepThrough` shows the HTML, so a stored output plays in the book.
 
+A stored output opened in JupyterLab without trust is sanitized: its scripts are removed,
+so the player cannot start. The HTML therefore carries the first frame as a plain
+``data:`` URI in the player's ``<img>`` and, under it, one line saying to run the cell to
+step through; the player's controls start hidden. The player's own script removes that
+line and shows the controls, so wherever scripts run (a cell just run, a trusted
+notebook, the built book) the reader sees the player alone.
+
 The HTML is deterministic: frames are PNGs without timestamps, and the random element id
 matplotlib writes (``uuid4``) is replaced by a hash of the frames, so two calls with the
-same frames give the same bytes. Keep it small: few frames at a modest dpi (default 60;
-each frame is a base64 PNG inside the page).
+same frames give the same bytes. Frames are drawn at :data:`DPI` (100) and shown at their
+own pixel size, one pixel per CSS pixel; keep them few (each is a base64 PNG inside the page).
 """
 
 from __future__ import annotations
@@ -27,10 +34,13 @@ from matplotlib.figure import Figure
 
 from zerolearn.errors import ConfigError, require_count, require_real
 
-__all__ = ["DPI", "StepThrough", "step_through"]
+__all__ = ["DPI", "STORED_NOTE", "StepThrough", "step_through"]
 
-DPI = 60  # dots per inch of the frames: small pages, text still legible at 7-8 pt
+DPI = 100  # dots per inch of the frames, shown one image pixel per CSS pixel: 7 pt text is 10 px high
 _UUID = re.compile(r"[0-9a-f]{32}")
+_FIRST = re.compile(r'frames\[0\] = "(data:image/png;base64,[^"]*)"')
+STORED_NOTE = "A stored picture: frame 1 of {n}. Run this cell to step through the frames."
+"""The line shown under the first frame where the player's script did not run (a stored output, untrusted)."""
 
 
 @dataclass
@@ -55,7 +65,7 @@ class StepThrough:
 
     def frame(self, i: int) -> Figure:
         """Frame ``i`` alone, as a ``Figure`` (0 <= i < n_frames)."""
-        fig = Figure(figsize=self.figsize, dpi=self.dpi)
+        fig = Figure(figsize=self.figsize, dpi=self.dpi, layout="constrained")
         self.draw(fig, i)
         return fig
 
@@ -69,7 +79,7 @@ class StepThrough:
     def html(self) -> str:
         """The frames as a JavaScript player (``to_jshtml``, frames embedded, plays once), computed once."""
         if self._html is None:
-            fig = Figure(figsize=self.figsize, dpi=self.dpi)
+            fig = Figure(figsize=self.figsize, dpi=self.dpi, layout="constrained")
 
             def update(i: int):
                 fig.clear()
@@ -80,7 +90,7 @@ class StepThrough:
                                  repeat=False, init_func=lambda: [])
             html = anim.to_jshtml(embed_frames=True, default_mode="once")
             stable = hashlib.sha256(_UUID.sub("", html).encode()).hexdigest()[:32]
-            self._html = _UUID.sub(stable, html)
+            self._html = _with_static_first_frame(_UUID.sub(stable, html), stable, self.n_frames)
         return self._html
 
     def _repr_html_(self) -> str:
@@ -108,6 +118,30 @@ class StepThrough:
 
         slider.observe(show, names="value")
         return w.VBox([w.HBox([play, slider]), caption, image])
+
+
+def _with_static_first_frame(html: str, uid: str, n_frames: int) -> str:
+    """``html`` (matplotlib's player) with frame 0 as its image's ``src``, a note under it and
+    hidden controls; a script appended to the player removes the note and shows the controls."""
+    first = _FIRST.search(html)
+    if first is None:  # pragma: no cover - matplotlib's template changed
+        raise RuntimeError("to_jshtml: no embedded first frame found")
+    src = first.group(1).replace("\\\n", "")
+    img = f'<img id="_anim_img{uid}">'
+    controls = '<div class="anim-controls">'
+    if html.count(img) != 1 or html.count(controls) != 1:  # pragma: no cover - matplotlib's template changed
+        raise RuntimeError("to_jshtml: the player's image or controls not found once")
+    note = (f'<p id="_zl_note{uid}" style="font-size: 0.9em; color: #555555; margin: 4px 0;">'
+            f"{STORED_NOTE.format(n=n_frames)}</p>")
+    html = html.replace(img, f'<img id="_anim_img{uid}" src="{src}" alt="frame 1 of {n_frames}">\n  {note}')
+    html = html.replace(controls, f'<div class="anim-controls" id="_zl_controls{uid}" style="display: none;">')
+    reveal = ("<script>\n(function() {\n"
+              f'  var note = document.getElementById("_zl_note{uid}");\n'
+              "  if (note) { note.remove(); }\n"
+              f'  var controls = document.getElementById("_zl_controls{uid}");\n'
+              '  if (controls) { controls.style.display = ""; }\n'
+              "})();\n</script>\n")
+    return html + reveal
 
 
 def step_through(draw: Callable[[Figure, int], None], n_frames: int, *, figsize: tuple[float, float] = (7.0, 3.5),

@@ -79,11 +79,15 @@ def draw_lanes(ax, intervals: list[dict], ranks: list[int] | None = None, phase:
                 end = max(end, i["end"])
         yticks += [base + 2.5, base + 1.5, base + 0.5]
         ylabels += [f"rank {r} compute", f"rank {r} comm", f"rank {r} wait"]
-    # Names on collectives wide enough to hold one.
+    # Names on collectives wide enough to hold one, and not on one that overlaps a named one in time
+    # (asynchronous collectives share the lane: their names would print over each other).
+    named: dict[int, list[tuple[float, float]]] = {}
     for i in intervals:
         if i["lane"] == "comm" and i["rank"] in ranks and (phase is None or i.get("phase") == phase):
             width = i["end"] - i["start"]
-            if end and width > 0.06 * end:
+            taken = named.setdefault(i["rank"], [])
+            if end and width > 0.06 * end and not any(a < i["end"] and i["start"] < b for a, b in taken):
+                taken.append((i["start"], i["end"]))
                 base = 3.4 * (len(ranks) - 1 - ranks.index(i["rank"]))
                 ax.text((i["start"] + width / 2) * _MS, base + 1.5, OP_SHORT.get(i["label"], i["label"]),
                         ha="center", va="center", fontsize=6, color="white")
@@ -100,7 +104,7 @@ def _legend(fig: Figure, ops: set[str], phases: set[str]) -> None:
     handles += [Patch(facecolor="white", edgecolor="0.3", hatch="////", label="wait (main thread blocked)"),
                 Patch(color=_RELEASE_COLOR, label="wait: done, gloo still holds the tensors"),
                 Patch(color="0.3", label="launching an async collective (solid, op colour)")]
-    fig.legend(handles=handles, loc="outside lower center", ncols=min(len(handles), 4), fontsize=8)
+    fig.legend(handles=handles, loc="outside lower center", ncols=min(len(handles), 3), fontsize=8)
 
 
 def lanes_figure(panels: list[tuple[str, list[dict]]], ranks: list[int] | None = None, phase: str | None = None,

@@ -192,8 +192,13 @@ def draw_ring_step(ax, start: list[list[float]], steps: list[RingStep], i: int) 
         for r, (c, v) in enumerate(step.sends):
             (x0, y0), (x1, y1) = pos[r], pos[(r + 1) % nd]
             arrow(ax, (x0 * 0.7, y0 * 0.7), (x1 * 0.7, y1 * 0.7), rank_color((c - 1) % nd), rad=-0.25, width=1.6)
-            ax.text((x0 + x1) * 0.22, (y0 + y1) * 0.22, f"chunk {c}: {v:g}", fontsize=7, ha="center",
-                    color=rank_color((c - 1) % nd))
+            # The label sits on the arc's middle (arc3's Bezier at t = 1/2: the chord's middle moved by
+            # rad / 2 across it) and reads away from the ring's centre, so labels never cross.
+            dx, dy = (x1 - x0) * 0.7, (y1 - y0) * 0.7
+            lx, ly = (x0 + x1) * 0.35 - 0.125 * dy, (y0 + y1) * 0.35 + 0.125 * dx
+            ha = "left" if lx > 0.1 else "right" if lx < -0.1 else "center"
+            ax.text(lx, ly, f"chunk {c}: {v:g}", fontsize=7, ha=ha, va="center", color=rank_color((c - 1) % nd),
+                    bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.5, "alpha": 0.85})
         what = (f"step {i + 1}/{len(steps)}, {step.phase}:\nthe receiver "
                 + ("adds the chunk" if step.phase == "reduce-scatter" else "copies the chunk"))
     else:
