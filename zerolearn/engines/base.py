@@ -502,8 +502,9 @@ class Engine(EngineStateMixin, abc.ABC):
             if views and b.grad_full is not None:
                 self._zero_unwritten(b)
                 for p, view in zip(b.params, b.layout.views(b.grad_full)):
-                    p.grad = view
-                    exposed.append((p, view))
+                    if p.dtype == view.dtype:  # else its data was cast: Bindings names it at the step
+                        p.grad = view
+                        exposed.append((p, view))
             elif not views:
                 for p in b.params:
                     held = self._held.get(id(p))
