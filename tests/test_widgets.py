@@ -444,3 +444,33 @@ def test_beyond_dpu_is_never_slower_and_refuses_values_off_its_sliders():
     for kwargs, match in (({"gpu_gb": 33}, "gpu_gb 33"), ({"nd": 3}, "nd 3"), ({"disk_GBps": 0}, "disk_GBps 0")):
         with pytest.raises(ConfigError, match=match):
             BeyondExplorer(**kwargs)
+
+
+def test_a_stored_explorer_says_to_run_its_cell():
+    """Where the view cannot be drawn (JupyterLab, notebook untrusted) its text form shows:
+    the explorer's name and settings, then a line saying to run the cell."""
+    from zerolearn.widgets.base import STORED_NOTE
+
+    for explorer in (widgets.StageExplorer(stage=2), widgets.ResidualExplorer()):
+        bundle = explorer._repr_mimebundle_()
+        assert "application/vnd.jupyter.widget-view+json" in bundle
+        text = bundle["text/plain"]
+        assert text.startswith(f"{type(explorer).__name__}(") and text.endswith(f"\n{STORED_NOTE}")
+
+
+def test_fragmentation_simulator_says_what_it_waits_for_before_recording(monkeypatch, capsys):
+    """The first simulator of a process records a trace (up to a minute): it prints a line first;
+    once the trace is recorded it prints nothing and only replays."""
+    from zerolearn.figures import measured
+    from zerolearn.widgets.measured import PROGRESS
+
+    small = [("alloc", 1, 4 * MIB, "setup"), ("alloc", 2, 8 * MIB, "forward"), ("alloc", 3, 2 * MIB, "forward"),
+             ("free", 2, 8 * MIB, "backward"), ("alloc", 4, 12 * MIB, "step"), ("free", 3, 2 * MIB, "step")]
+    order = []
+    monkeypatch.setattr(measured, "trace_is_recorded", lambda: False)
+    monkeypatch.setattr(figures, "recorded_trace", lambda: order.append(capsys.readouterr().out) or list(small))
+    widgets.FragmentationSimulator()
+    assert order == [PROGRESS + "\n"]  # printed before the recording started
+    monkeypatch.setattr(measured, "trace_is_recorded", lambda: True)
+    widgets.FragmentationSimulator()
+    assert capsys.readouterr().out == ""

@@ -13,7 +13,8 @@ from matplotlib.figure import Figure
 from zerolearn.figures.formulas import COLORS, PHASE_COLORS, readable
 from zerolearn.residual import defrag
 
-__all__ = ["fragmentation", "fragmentation_figure", "recorded_trace", "timeline_figure", "timeline_series"]
+__all__ = ["fragmentation", "fragmentation_figure", "recorded_trace", "timeline_figure", "timeline_series",
+           "trace_is_recorded"]
 
 
 # ----- (4) the measured timeline ------------------------------------------------------
@@ -73,6 +74,11 @@ _PHASE_COLORS = {"setup": "tab:gray", "forward": "tab:blue", "backward": "tab:re
 @functools.lru_cache(maxsize=1)
 def _recorded() -> tuple:
     return tuple(defrag.record_gpt_steps())
+
+
+def trace_is_recorded() -> bool:
+    """Whether :func:`recorded_trace` has already recorded its trace in this process (so returns at once)."""
+    return _recorded.cache_info().currsize > 0
 
 
 def recorded_trace() -> list[tuple]:

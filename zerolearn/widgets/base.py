@@ -12,7 +12,7 @@ from zerolearn import figures
 from zerolearn.memory.model import GB, STAGE_NAMES
 from zerolearn.tables import text_table
 
-__all__ = ["DPI", "MIB", "STAGES", "STYLE", "WIDE", "Explorer", "dtype_menu", "gb", "html_table", "nd_slider",
+__all__ = ["DPI", "MIB", "STAGES", "STORED_NOTE", "STYLE", "WIDE", "Explorer", "dtype_menu", "gb", "html_table", "nd_slider",
            "optimizer_menu", "png", "psi_slider"]
 
 STYLE = {"description_width": "150px"}
@@ -48,6 +48,8 @@ def dtype_menu() -> w.Dropdown:
     return w.Dropdown(options=["bf16", "fp16", "fp32"], value="bf16", description="working dtype", style=STYLE)
 
 
+STORED_NOTE = "(an explorer: run this cell to use its controls)"
+"""The line under an explorer's text form: what a stored notebook shows until its cell runs again."""
 DPI = 100  # the figure's pixels are shown one to one (see Explorer): sharp text, no rescaling
 
 
@@ -103,6 +105,17 @@ class Explorer(w.VBox):
 
     def __repr__(self) -> str:  # short and stable: notebooks store it as the widget's text
         return f"{type(self).__name__}({', '.join(f'{k}={c.value!r}' for k, c in self.controls.items())})"
+
+    def _repr_mimebundle_(self, **kwargs):
+        """The widget's view and, as its text form, its name and settings and :data:`STORED_NOTE`.
+
+        The text is what a stored notebook shows where the view cannot be drawn: JupyterLab
+        with the notebook untrusted (widget views are not sanitizable) or no kernel behind it.
+        """
+        bundle = super()._repr_mimebundle_(**kwargs)
+        if bundle and "text/plain" in bundle:
+            bundle["text/plain"] = f"{bundle['text/plain']}\n{STORED_NOTE}"
+        return bundle
 
     def value(self, name: str):
         return self.controls[name].value

@@ -58,6 +58,11 @@ class TimelineViewer(Explorer):
         return figures.timeline_figure(self.reports[self.value("stage")], tuple(self.value("categories")), self.rank)
 
 
+PROGRESS = ("Recording the allocations of two training steps of a 25.7M-parameter GPT, then replaying them to "
+            "find the smallest arenas: once per kernel, up to a minute on two CPU cores ...")
+"""The line :class:`FragmentationSimulator` prints before its first trace is recorded in a process."""
+
+
 class FragmentationSimulator(Explorer):
     """Replay a trace through a simulated caching allocator, with and without MD (Sec 6.3).
 
@@ -68,6 +73,10 @@ class FragmentationSimulator(Explorer):
     """
 
     def __init__(self, trace: list[tuple] | None = None):
+        if trace is None and not figures.measured.trace_is_recorded():
+            # The first call in a process trains two steps and replays them some 50 times: say so
+            # at once, on the cell's output, rather than leave the reader with a silent minute.
+            print(PROGRESS, flush=True)
         self.trace = trace or figures.recorded_trace()
         smallest = figures.fragmentation(self.trace, 2**40, True)
         low = max(1, int(smallest["peak_live"] // MIB))
