@@ -14,9 +14,10 @@ tensors (``params``: the module's parameters, or for stage 3 this rank's partiti
 ``master``: fp32 copies the ZeRO optimizer keeps beside the parameters;
 ``optimizer_states``: Adam's moments this rank holds) and ``deepspeed`` (its version).
 
-The config sets ``"gradient_clipping": 0.0``: DeepSpeed clips the global gradient norm
-at 1.0 unless told otherwise, and with its default the losses part from every other
-implementation's at the third step.
+The config sets ``"gradient_clipping": 0.0``: from DeepSpeed 0.19.3 on, it clips the
+global gradient norm at 1.0 unless told otherwise (before, its default was 0.0, no
+clipping), and with that default the losses part from every other implementation's at
+the third step.
 """
 
 from __future__ import annotations
