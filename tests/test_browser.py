@@ -9,7 +9,13 @@ new setting. The second opens, in the same JupyterLab, a notebook of the chapter
 views (the cells chapters 2-5 show: :class:`~zerolearn.widgets.StageExplorer` for
 each ZeRO stage and :class:`~zerolearn.widgets.ResidualExplorer`), moves Nd in a stage
 view and Nm and the checkpoints' place in the ZeRO-R view, and reads the bytes shown:
-they must be the paper's formulas, written out in the test. The others build the book
+they must be the paper's formulas, written out in the test. Then, in the same JupyterLab,
+a reader's copy (chapter 2 in ``notebooks/exercises/``) runs its explorer's cell and a move
+of Nd changes the bytes shown; a notebook whose outputs are what the chapters store (two
+step-throughs, an explorer, a figure), opened untrusted, shows every picture with no dead
+button and says to run each cell, and once the ring's cell runs its player steps; and the
+executed chapters with a step-through, opened untrusted, show no broken image and no dead
+player. The others build the book
 from the stored notebooks (as ``make book`` does, ``-W``) and open chapter 3, the
 chapters with explorers and appendix 6a from ``file://`` URLs with every network
 request refused: every figure must load and the math be typeset, no page may ask the
@@ -27,12 +33,15 @@ used (it needs the network): Playwright drives Debian's Chromium.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import importlib.util
+import io
 import json
 import os
 import re
 import secrets
+import shutil
 import signal
 import socket
 import subprocess
@@ -46,6 +55,7 @@ from pathlib import Path
 import pytest
 
 from zerolearn import widgets
+from zerolearn.figures import formulas, schematics
 from zerolearn.memory import GB, model_state_bytes, per_device_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -55,6 +65,8 @@ EXPLORER = ROOT / "notebooks" / "06a_memory_explorer.ipynb"
 VIEWS = "chapter_views.ipynb"  # written by the jupyterlab fixture from VIEW_CELLS
 LIVE = "live_ranks.ipynb"  # written by the jupyterlab fixture: chapter 2's cells tagged "live"
 LIVE_CHAPTER = ROOT / "notebooks" / "src" / "02_zero1.py"
+READER_COPY = ROOT / "notebooks" / "exercises" / "02_zero1.ipynb"  # opened and run as a reader would
+PICTURES = "stored_pictures.ipynb"  # written by the jupyterlab fixture: outputs as the chapters store them
 _IMPORTS = "%matplotlib inline\nfrom IPython.display import display\n\nfrom zerolearn import widgets\n" \
            "from zerolearn.figures import formulas\n\n"
 # The cells of chapters 2-5 that show their stage's view, each followed by its static figure.
@@ -187,14 +199,26 @@ def jupyterlab(tmp_path_factory):
     live = nbformat.v4.new_notebook(metadata={"kernelspec": nb.metadata.kernelspec})
     live.cells = [nbformat.v4.new_code_cell(source) for source in live_cells()]
     nbformat.write(live, root / LIVE)
+    (root / "exercises").mkdir()
+    shutil.copy(READER_COPY, root / "exercises" / READER_COPY.name)
+    (root / "stored").mkdir()
+    for chapter in STEP_THROUGHS:  # the executed chapters, outputs as stored
+        shutil.copy(ROOT / "notebooks" / f"{chapter}.ipynb", root / "stored" / f"{chapter}.ipynb")
+    nbformat.write(pictures_notebook(nb.metadata.kernelspec), root / PICTURES)
 
     # No "get notified about Jupyter news?" pop-up over the page.
     news = home / "settings" / "@jupyterlab" / "apputils-extension" / "notification.jupyterlab-settings"
     news.parent.mkdir(parents=True)
     news.write_text(json.dumps({"fetchNews": "false"}))
+    # Every cell drawn, in view or not, so a test can look at every output of a long notebook.
+    notebook = home / "settings" / "@jupyterlab" / "notebook-extension" / "tracker.jupyterlab-settings"
+    notebook.parent.mkdir(parents=True)
+    notebook.write_text(json.dumps({"windowingMode": "none"}))
 
     port, token = free_port(), secrets.token_hex(16)
+    # A data folder of its own: no notebook signature recorded, so every stored notebook opens untrusted.
     env = {**os.environ, "JUPYTER_CONFIG_DIR": str(home / "config"), "JUPYTER_RUNTIME_DIR": str(home / "runtime"),
+           "JUPYTER_DATA_DIR": str(home / "data"),
            "JUPYTERLAB_SETTINGS_DIR": str(home / "settings"), "JUPYTERLAB_WORKSPACES_DIR": str(home / "workspaces"),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     cmd = [sys.executable, "-m", "jupyterlab", "--no-browser", "--ServerApp.ip=127.0.0.1",
@@ -438,6 +462,131 @@ def test_persistent_ranks_keep_a_tensor_from_cell_to_cell_in_jupyterlab(browser,
         shot(page, "live_ranks.png")
         assert page.get_by_text("CellError").count() == 0
         assert not errors, errors
+
+
+# ----- a reader's copy, and stored outputs opened untrusted --------------------------------
+PICTURE_CELLS = [  # (source, its output as the chapters store it): two step-throughs, an explorer, a figure
+    ("from IPython.display import HTML\nfrom zerolearn.figures import schematics\n\n"
+     "HTML(schematics.ring_animation(3).html)", lambda: _html(schematics.ring_animation(3).html)),
+    ("HTML(schematics.zero1_animation(nd=3).html)", lambda: _html(schematics.zero1_animation(nd=3).html)),
+    (_IMPORTS + "display(widgets.StageExplorer(stage=1))", lambda: widgets.StageExplorer(stage=1)._repr_mimebundle_()),
+    ("formulas.stage_figure(stage=1)", lambda: _png(formulas.stage_figure(stage=1))),
+]
+
+
+def _html(html: str) -> dict:
+    return {"text/html": html, "text/plain": "<IPython.core.display.HTML object>"}
+
+
+def _png(fig) -> dict:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=100, bbox_inches="tight")
+    return {"image/png": base64.b64encode(buf.getvalue()).decode(), "text/plain": "<Figure>"}
+
+
+def pictures_notebook(kernelspec):
+    """A notebook whose outputs are what the chapters store, made by the package's current code:
+    two step-throughs, an explorer and a figure, with no signature (it opens untrusted)."""
+    import nbformat
+
+    nb = nbformat.v4.new_notebook(metadata={"kernelspec": kernelspec})
+    for n, (source, output) in enumerate(PICTURE_CELLS, start=1):
+        cell = nbformat.v4.new_code_cell(source, execution_count=n)
+        cell.outputs = [nbformat.v4.new_output("display_data", data=output())]
+        nb.cells.append(cell)
+    return nb
+
+
+def open_untrusted(page, base: str, token: str, path: str, workspace: str) -> list[dict]:
+    """Open ``path`` (never trusted here) in a workspace of its own, wait for every output image.
+
+    Returns every image of the outputs: its ``src`` (cut short) and its natural width.
+    """
+    page.goto(f"{base}/lab/workspaces/{workspace}/tree/{path}?token={token}")
+    page.locator(".jp-Notebook .jp-OutputArea-output").first.wait_for()
+    page.wait_for_function("() => Array.from(document.querySelectorAll('.jp-OutputArea-output img'))"
+                           ".every(i => i.complete)")
+    return page.eval_on_selector_all(
+        ".jp-OutputArea-output img", "imgs => imgs.map(i => ({src: (i.getAttribute('src') || '').slice(0, 40),"
+                                     " w: i.naturalWidth}))")
+
+
+def test_a_readers_copy_runs_its_explorer_in_jupyterlab(browser, jupyterlab):
+    # Chapter 2 as the reader has it: run the explorer's cell, move Nd, and the bytes shown follow
+    # the paper's formula for ZeRO-1: 4 Psi + 12 Psi / Nd (Fig 1).
+    base, token = jupyterlab
+    psi = 7.5e9
+    with opened(browser, "readers_copy", height=1300) as (page, errors):
+        page.goto(f"{base}/lab/workspaces/reader/tree/exercises/{READER_COPY.name}?token={token}")
+        page.locator(".jp-Notebook").wait_for()
+        wait_for_kernel(base, token)
+        cell = page.locator(".jp-CodeCell", has_text="widgets.StageExplorer(stage=1)").first
+        cell.scroll_into_view_if_needed()
+        cell.locator(".jp-InputArea-editor").click()
+        page.keyboard.press("Shift+Enter")
+        view = cell.locator(".jp-OutputArea-output .widget-vbox")
+        summary = view.locator(".widget-html-content", has_text="per device against DP's")
+        summary.wait_for()
+        before = shown_gb(view, r"holds ([\d,.]+) GB per device")
+        assert before == pytest.approx(4 * psi + 12 * psi / 64, abs=0.005 * GB)
+        figure = view.locator("img").first
+        src = figure.get_attribute("src")
+        move_slider(view, page, "Nd (data parallel)", 2, "256")
+        expected = 4 * psi + 12 * psi / 256
+        view.locator(".widget-html-content", has_text=f"holds {expected / GB:,.2f} GB per device").wait_for()
+        assert figure.get_attribute("src") != src  # the figure follows the slider too
+        page.wait_for_function("i => i.complete && i.naturalWidth > 0", arg=figure.element_handle())
+        shot(view, "readers_copy_explorer_nd256.png")
+        assert page.get_by_text("Click to show javascript error").count() == 0
+        assert not [e for e in errors if "widget" in e.lower()], errors
+
+
+def test_stored_pictures_show_untrusted_and_play_once_run(browser, jupyterlab):
+    from zerolearn.figures.animate import STORED_NOTE
+    from zerolearn.widgets.base import STORED_NOTE as EXPLORER_NOTE
+
+    base, token = jupyterlab
+    with opened(browser, "stored_pictures", height=1300) as (page, errors):
+        images = open_untrusted(page, base, token, PICTURES, "pictures")
+        # Two step-throughs (each its first frame) and one figure; the explorer is text.
+        assert len(images) == 3 and all(i["w"] > 0 for i in images), images
+        outputs = page.locator(".jp-OutputArea-output")
+        assert outputs.locator(".anim-controls:visible").count() == 0  # no dead buttons
+        for frames in (5, 4):
+            outputs.get_by_text(STORED_NOTE.format(n=frames)).wait_for()
+        outputs.get_by_text(EXPLORER_NOTE).wait_for()
+        shot(page, "stored_pictures_untrusted.png")
+
+        # Run the ring's cell: its output is the reader's own now, so its script runs: the
+        # note goes, the controls show and step to the next frame.
+        wait_for_kernel(base, token)
+        cell = page.locator(".jp-CodeCell", has_text="ring_animation(3)").first
+        cell.locator(".jp-InputArea-editor").click()
+        page.keyboard.press("Shift+Enter")
+        player = cell.locator(".jp-OutputArea-output div.animation")
+        controls = player.locator(".anim-controls")
+        controls.wait_for(state="visible")
+        assert cell.get_by_text(STORED_NOTE.format(n=5)).count() == 0
+        frame = player.locator("img").first
+        before = frame.get_attribute("src")
+        controls.locator('button[title="Next frame"]').click()
+        page.wait_for_function("([i, s]) => i.getAttribute('src') !== s && i.complete && i.naturalWidth > 0",
+                               arg=[frame.element_handle(), before])
+        shot(cell, "stored_pictures_ring_run.png")
+        assert not [e for e in errors if "anim" in e.lower()], errors
+
+
+@pytest.mark.parametrize("chapter", list(STEP_THROUGHS))
+def test_executed_chapter_opened_untrusted_shows_every_picture(browser, jupyterlab, chapter):
+    base, token = jupyterlab
+    with opened(browser, f"untrusted_{chapter}", height=1300) as (page, errors):
+        images = open_untrusted(page, base, token, f"stored/{chapter}.ipynb", f"untrusted-{chapter}")
+        assert images and not [i for i in images if i["w"] == 0], f"broken images: {images}"
+        outputs = page.locator(".jp-OutputArea-output")
+        assert outputs.locator(".anim-controls:visible").count() == 0, "a step-through's buttons shown dead"
+        player = outputs.locator("div.animation").first
+        player.scroll_into_view_if_needed()
+        shot(player, f"untrusted_{chapter}_player.png")
 
 
 # ----- the built book ----------------------------------------------------------------------
