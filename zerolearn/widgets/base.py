@@ -12,8 +12,8 @@ from zerolearn import figures
 from zerolearn.memory.model import GB, STAGE_NAMES
 from zerolearn.tables import text_table
 
-__all__ = ["DPI", "MIB", "STAGES", "STORED_NOTE", "STYLE", "WIDE", "Explorer", "dtype_menu", "gb", "html_table", "nd_slider",
-           "optimizer_menu", "png", "psi_slider"]
+__all__ = ["DPI", "MIB", "STAGES", "STORED_NOTE", "STYLE", "WIDE", "Explorer", "dtype_menu", "gb", "html_table",
+           "nd_slider", "optimizer_menu", "png", "psi_slider"]
 
 STYLE = {"description_width": "150px"}
 WIDE = w.Layout(width="420px")
