@@ -11,7 +11,8 @@ by a dynamic scale; a step whose gradients overflow is skipped on every rank ali
 and the scale halves, and after ``growth_interval`` clean steps it doubles again.
 torch's ``GradScaler`` does this per optimizer on local gradients only; here the
 overflow flag must be agreed across ranks holding different shards, so the engine
-feeds :class:`LossScaler` a flag it has already reduced.
+feeds :class:`LossScaler` a flag it has already reduced (a device tensor: the scale is
+updated on the device, and a skipped step is masked there, never read by the host).
 """
 
 from __future__ import annotations
@@ -66,33 +67,79 @@ def needs_master(dtype: torch.dtype) -> bool:
 class LossScaler:
     """Dynamic loss scale for fp16; a constant 1.0 (disabled) for fp32 and bf16.
 
+    The scale, the count of clean steps since the last overflow and the count of skipped
+    steps live in 0-dim tensors on the engine's device, as torch's ``GradScaler`` keeps
+    its scale: :meth:`update` takes the overflow flag as a device tensor and decides on
+    the device (``torch.where``), so a step never waits for the host to read the flag.
+    :attr:`scale`, :attr:`clean_steps` and :attr:`skipped_steps` read them (a host read:
+    call them outside the step, as a training loop reads its loss).
+
     Args:
         enabled: scale at all (True for fp16).
         init_scale: starting scale (2**16, as torch's GradScaler).
         growth_interval: clean steps after which the scale doubles.
+        device: where the scale lives (the engine's device; default the CPU).
     """
 
-    def __init__(self, enabled: bool, init_scale: float = 2.0**16, growth_interval: int = 1000):
+    def __init__(self, enabled: bool, init_scale: float = 2.0**16, growth_interval: int = 1000,
+                 device: torch.device | str | None = None):
         self.enabled = enabled
-        self.scale = init_scale if enabled else 1.0
         self.growth_interval = growth_interval
-        self.clean_steps = 0
-        self.skipped_steps = 0
+        device = torch.device("cpu") if device is None else torch.device(device)
+        # float64: the same number a Python float holds (1/scale and the norm are computed in it)
+        self._scale = torch.tensor(init_scale if enabled else 1.0, dtype=torch.float64, device=device)
+        self._clean = torch.zeros((), dtype=torch.int64, device=device)
+        self._skipped = torch.zeros((), dtype=torch.int64, device=device)
 
-    def update(self, found_inf: bool) -> None:
-        """Record one step; ``found_inf`` must be the same on every rank."""
+    @property
+    def scale_tensor(self) -> torch.Tensor:
+        """The scale, a float64 0-dim tensor on the device (no host read)."""
+        return self._scale
+
+    @property
+    def scale(self) -> float:
+        """The scale now (a host read of :attr:`scale_tensor`)."""
+        return float(self._scale)
+
+    @scale.setter
+    def scale(self, value: float) -> None:
+        self._scale.fill_(float(value))
+
+    @property
+    def clean_steps(self) -> int:
+        """Steps since the last overflow (a host read)."""
+        return int(self._clean)
+
+    @clean_steps.setter
+    def clean_steps(self, value: int) -> None:
+        self._clean.fill_(int(value))
+
+    @property
+    def skipped_steps(self) -> int:
+        """Steps an overflow skipped, in all (a host read)."""
+        return int(self._skipped)
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self._skipped.fill_(int(value))
+
+    def update(self, found_inf: torch.Tensor | bool) -> None:
+        """Record one step; ``found_inf`` (a bool 0-dim tensor, or a bool) must be the same
+        on every rank. Overflow: the scale halves (not below 1.0), the clean count restarts,
+        the skipped count grows; else the clean count grows and the scale doubles at each
+        multiple of ``growth_interval``. Decided on the device: nothing is read."""
         if not self.enabled:
             return
-        if found_inf:
-            self.scale = max(self.scale / 2.0, 1.0)
-            self.clean_steps = 0
-            self.skipped_steps += 1
-        else:
-            self.clean_steps += 1
-            if self.clean_steps % self.growth_interval == 0:
-                self.scale *= 2.0
+        inf = torch.as_tensor(found_inf, device=self._scale.device)
+        clean = torch.where(inf, torch.zeros_like(self._clean), self._clean + 1)
+        grow = (clean % self.growth_interval == 0) & ~inf
+        halved = torch.clamp(self._scale / 2.0, min=1.0)
+        self._scale.copy_(torch.where(inf, halved, torch.where(grow, self._scale * 2.0, self._scale)))
+        self._clean.copy_(clean)
+        self._skipped.add_(inf.to(self._skipped.dtype))
 
     def state_dict(self) -> dict:
+        """``{"scale": float, "clean_steps": int, "skipped_steps": int}`` (host reads)."""
         return {"scale": self.scale, "clean_steps": self.clean_steps, "skipped_steps": self.skipped_steps}
 
     def load_state_dict(self, state: dict) -> None:

@@ -241,7 +241,7 @@ class Engine(EngineStateMixin, abc.ABC):
         self.broadcast_buffers = broadcast_buffers and self.world_size > 1
         self.optimizer_name, self.max_grad_norm = optimizer, max_grad_norm
         self.first_bucket_bytes, self.bucket_bytes = bucket_caps(bucket_mb, self.device.type)
-        self.scaler = LossScaler(enabled=self.dtype == torch.float16)
+        self.scaler = LossScaler(enabled=self.dtype == torch.float16, device=self.device)
         self.mixed, self.offload, self.dpu = needs_master(self.dtype), offload, dpu
         # An fp32 master of its own; else (fp32, no offload) a view of the working parameters.
         self.separate_master = self.mixed or offload is not None
@@ -425,11 +425,18 @@ class Engine(EngineStateMixin, abc.ABC):
                               "model outside the engine")
         self._begin_backward(loss, sync and self._no_sync_depth == 0)
         try:
-            (loss * self.scaler.scale if self.scaler.enabled else loss).backward(**kwargs)
+            self._scaled(loss).backward(**kwargs)
         except Exception as e:
             self._drop_backward(e)
             raise
         self._end_backward()
+
+    def _scaled(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times fp16's loss scale, in ``loss``'s dtype; the scale is a device tensor,
+        so nothing is read (``loss`` itself without fp16)."""
+        if not self.scaler.enabled:
+            return loss
+        return (loss * self.scaler.scale_tensor.to(torch.float32)).to(loss.dtype)
 
     def _begin_backward(self, loss: torch.Tensor | None, sync: bool) -> None:
         """What runs before autograd's backward: earlier reduced gradients set aside, counts
@@ -473,11 +480,11 @@ class Engine(EngineStateMixin, abc.ABC):
                     self._ensure_grad_full(b)
                     self._launch(b)
                 self._next = len(self.buckets)
-                if not self.replicated_grads:
+                if not (self.replicated_grads and self.flags_from_grads):
                     self._exchange_used_flags()  # travels while the last reductions finish
                 while self._pending:
                     self._finish_oldest()
-                if self.replicated_grads:
+                if self.replicated_grads and self.flags_from_grads:
                     self._exchange_used_flags(reduced=True)  # read from the reduced gradient if it can
                 self.holds_reduced = True
             self._after_backward()
@@ -624,19 +631,25 @@ class Engine(EngineStateMixin, abc.ABC):
         self._pending.clear()
 
     # ----- step ------------------------------------------------------------------------
-    def step(self) -> bool:
-        """Update parameters from the reduced gradients; False if fp16 overflow skipped it.
+    def step(self) -> bool | optim.Stepped:
+        """Update parameters from the reduced gradients.
 
         The same as ``engine.optimizer.step()`` (:meth:`optim.GroupedOptimizer.step`), which
         it calls, so torch's LR schedulers and optimizer step hooks see the step. A
         hyperparameter changed in ``engine.optimizer.param_groups[0]`` applies from this step.
+
+        Returns:
+            True when no overflow check ran (fp32 or bf16 without ``max_grad_norm``);
+            else an :class:`optim.Stepped`, whose ``bool()`` is False when an overflow
+            (fp16, or a non-finite norm under clipping) skipped the step. The flag stays on
+            the device until that ``bool()`` reads it: read it after the step, once.
         """
         self._check_open()
         self._optimizer.step()
         return self._optimizer.stepped
 
     @torch.no_grad()
-    def _step(self) -> bool:
+    def _step(self) -> bool | optim.Stepped:
         """The step itself (see :meth:`step`).
 
         Clipping and the overflow check share one number, the global gradient norm
@@ -646,6 +659,14 @@ class Engine(EngineStateMixin, abc.ABC):
         gradient exists at a time (the paper's (2 + 2 + K) Psi holds none). With offload the
         norm and the update read the host's fp32 gradients and torch's optimizer steps the
         host master (:class:`zerolearn.engines.offload.Offload`).
+
+        Nothing here waits for the host to read a device value, as torch's ``GradScaler``
+        steps: the norm, the clipping factor and the overflow flag stay 0-dim device tensors;
+        an overflowed step is computed and then masked away (each master and its optimizer
+        state keep their values, ``torch.where`` on the flag; the step count goes back one),
+        and the loss scale is updated on the device. Two cases read the flag on the host, as
+        their work is decided there: offload (the host steps) and a step in which some
+        parameter sits out (no rank used it: its elements are stepped apart).
         """
         self._check_open()
         self._bindings.check("step")
@@ -662,23 +683,26 @@ class Engine(EngineStateMixin, abc.ABC):
         used = self._used_anywhere()
         self._optimizer.push_hyperparameters()  # an LR scheduler's lr, a hand-set one
         coef, found_inf = self._unscale_and_clip(grads)
-        self.scaler.update(found_inf)
-        if found_inf:
-            return False
+        if found_inf is not None:
+            self.scaler.update(found_inf)
+            if off is not None or not all(all(u) for u in used):
+                if bool(found_inf):  # the host decides this step's work: read the flag
+                    return False
+                coef, found_inf = float(coef), None
         if off is not None:
             off.step(self, used, coef)  # the host's step, publish (under DPU: on a thread)
             return True
         for i, (b, grad) in enumerate(zip(self.buckets, grads)):
             b.master.grad = grad.float() if grad.dtype != torch.float32 else grad
-            if coef != 1.0:
+            if not (isinstance(coef, float) and coef == 1.0):
                 b.master.grad.mul_(coef)
-            self._optimizer.step_bucket(i, optim.parts_to_step(self._optimizer, i, b, used[i]))
+            self._optimizer.step_bucket(i, optim.parts_to_step(self._optimizer, i, b, used[i]), found_inf)
             b.master.grad = None
             retag(optim.optimizer_state(self._optimizer, b.master), "optimizer_states")
             with comm.unit(b.layout.label, "step: publish"):
                 self._publish(b)
         self._finish_publish()
-        return True
+        return True if found_inf is None else optim.Stepped(found_inf)
 
     def _exchange_used_flags(self, reduced: bool = False) -> None:
         """Start finding out which parameters any rank used since ``zero_grad``: one
@@ -690,14 +714,16 @@ class Engine(EngineStateMixin, abc.ABC):
         parameter whose reduced gradient has a nonzero element was used by some rank. Only
         if some parameter's reduced gradient is all zeros (unused everywhere, or used with a
         zero gradient) do the ranks exchange flags. Every rank reads the same numbers, so
-        every rank takes the same path.
+        every rank takes the same path. That read is the host's, so only the CPU answers
+        from the gradient (:attr:`flags_from_grads`); on an accelerator the flags travel in
+        every step (asynchronously, beside the last reductions), and nothing is read.
         """
         if self._used_flags is not None and self._used_flags[1] is not None:
             self._used_flags[1].wait()  # an earlier backward's, superseded
         flags = torch.tensor([flag for b in self.buckets for flag in b.used], dtype=torch.uint8, device=self.device)
         pending = None
         if self.world_size > 1 and torch.distributed.get_backend(self.pg) != "fake":  # fake: rank 0 alone
-            if reduced and self._every_grad_nonzero():
+            if reduced and self.flags_from_grads and self._every_grad_nonzero():
                 flags.fill_(1)  # every parameter has a nonzero reduced gradient: some rank used it
             else:
                 with comm.unit("<model>", "backward: which parameters were used"):
@@ -726,13 +752,25 @@ class Engine(EngineStateMixin, abc.ABC):
         return [torch.tensor(b.layout.offsets, dtype=torch.int64, device=self.device)
                 if all(math.prod(shape) > 0 for shape in b.layout.shapes) else None for b in self.buckets]
 
+    @functools.cached_property
+    def flags_from_grads(self) -> bool:
+        """Stage 0 (``replicated_grads``) learns which parameters were used from the reduced
+        gradient, a host read of it, only where the host holds it (the CPU); on an
+        accelerator that read would make the host wait for the device, and the flags are
+        exchanged instead (:meth:`_exchange_used_flags`)."""
+        return self.device.type == "cpu"
+
     def _used_anywhere(self) -> list[list[bool]]:
         """Per bucket and parameter: did any rank use it since ``zero_grad``
-        (:meth:`_exchange_used_flags`, waited for here)?"""
+        (:meth:`_exchange_used_flags`, waited for here)? A parameter this rank used was used
+        (the exchange is a max): when this rank used every one, the exchanged flags are
+        not read. Only a rank that left a parameter unused reads them (a host read)."""
         flags, pending = self._used_flags
         if pending is not None:
             pending.wait()
         self._used_flags = None
+        if all(all(b.used) for b in self.buckets):
+            return [[True] * len(b.params) for b in self.buckets]
         mine = flags.bool().tolist()
         out, k = [], 0
         for b in self.buckets:
@@ -751,16 +789,25 @@ class Engine(EngineStateMixin, abc.ABC):
                 comm.all_reduce(sq, group=self.mp_group, tag="tp")
         return sq
 
-    def _unscale_and_clip(self, grads: list[torch.Tensor]) -> tuple[float, bool]:
-        """(factor to multiply the gradients by, whether fp16 overflowed on any rank)."""
-        coef = 1.0 / self.scaler.scale
+    def _unscale_and_clip(self, grads: list[torch.Tensor]) -> tuple[float | torch.Tensor, torch.Tensor | None]:
+        """(factor to multiply the gradients by, whether the norm overflowed on any rank).
+
+        Without clipping or fp16: ``(1.0, None)``, nothing computed. Else the factor is a
+        float64 0-dim tensor on the device, ``1 / scale * min(1, max_grad_norm / (norm +
+        1e-6))`` (the clipping factor 1 on overflow), and the flag a bool 0-dim tensor there,
+        ``not isfinite(norm)``, the same on every rank (the norm is summed over them): no
+        host read.
+        """
         if self.max_grad_norm is None and not self.scaler.enabled:
-            return coef, False
+            return 1.0, None
+        scale = self.scaler.scale_tensor
         sq = self._global_sum_of_squares(grads, "step")
-        norm = sq.sqrt().item() / self.scaler.scale
-        found_inf = not torch.isfinite(torch.tensor(norm)).item()
-        if self.max_grad_norm is not None and not found_inf:
-            coef *= min(1.0, self.max_grad_norm / (norm + 1e-6))
+        norm = sq.sqrt().double() / scale
+        found_inf = ~torch.isfinite(norm)
+        coef = 1.0 / scale
+        if self.max_grad_norm is not None:
+            clip = torch.clamp(self.max_grad_norm / (norm + 1e-6), max=1.0)
+            coef = coef * torch.where(found_inf, torch.ones_like(clip), clip)
         return coef, found_inf
 
     def _publish_all(self) -> None:
@@ -895,11 +942,13 @@ class Engine(EngineStateMixin, abc.ABC):
             off.land(self, starts_step=False)
         grads = off.grads_for_step(self) if off is not None else [self._grad_for_step(b) for b in self.buckets]
         grads = [g if g is not None else torch.zeros(0, device=self.device) for g in grads]
-        norm = self._global_sum_of_squares(grads, "clip_grad_norm_").sqrt() / self.scaler.scale
-        if bool(torch.isfinite(norm)):
-            coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
-            for g in grads:
-                g.mul_(coef.to(g.dtype))
+        sq = self._global_sum_of_squares(grads, "clip_grad_norm_")
+        norm = sq.sqrt() / self.scaler.scale_tensor.to(sq.dtype)
+        # Decided on the device (no host read): a non-finite norm scales nothing (factor 1).
+        coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+        coef = torch.where(torch.isfinite(norm), coef, torch.ones_like(coef))
+        for g in grads:
+            g.mul_(coef.to(g.dtype))
         return norm
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -161,8 +161,15 @@ class GroupedOptimizer(torch.optim.Optimizer):
                 o.param_groups[0].update(changed)
             self._pushed.update(changed)
 
-    def step_bucket(self, i: int, parts: list[tuple[int, int, int]] | None = None) -> None:
+    def step_bucket(self, i: int, parts: list[tuple[int, int, int]] | None = None,
+                    found_inf: torch.Tensor | None = None) -> None:
         """Update master ``i`` from its ``.grad``; with ``parts``, only those elements.
+
+        With ``found_inf`` (a bool 0-dim tensor on the master's device, torch's
+        ``GradScaler`` calls it so), the update is computed and then kept only where the
+        flag is False: the master and its per-element state are put back by ``torch.where``
+        and the step count taken back by the flag, so nothing is read on the host. An
+        overflowed first step leaves the state torch would create (zero moments, step 0).
 
         On the CPU the master is stepped :data:`CPU_CHUNK` elements at a time, each
         chunk through the optimizer's whole update while it is in the cache; the
@@ -175,13 +182,29 @@ class GroupedOptimizer(torch.optim.Optimizer):
                 their optimizer state, are left exactly as they are: torch.optim's
                 behaviour for a parameter whose ``.grad`` is None. None: all of it.
         """
+        if found_inf is None:
+            self._step_master(i, parts)
+            return
+        opt, master = self.optimizers[i], self.masters[i]
+        state = opt.state[master]
+        if not state:
+            state.update(_fresh_state(opt, master))
+        kept = [t for t in [master.detach(), *state.values()] if torch.is_tensor(t) and t.dim() > 0]
+        before = [t.clone() for t in kept]
+        self._step_master(i, parts)
+        for t, old in zip(kept, before):
+            t.copy_(torch.where(found_inf, old, t))
+        if torch.is_tensor(state.get("step")):
+            state["step"].sub_(found_inf.to(state["step"].device, state["step"].dtype))
+
+    def _step_master(self, i: int, parts: list[tuple[int, int, int]] | None) -> None:
+        """:meth:`step_bucket` without an overflow flag."""
         opt, master = self.optimizers[i], self.masters[i]
         if parts is None:
             if master.device.type != "cpu" or master.numel() <= CPU_CHUNK:
                 opt.step()
                 return
-            taken = opt.state[master].get("step")
-            parts = [(0, master.numel(), int(taken) if taken is not None else 0)]
+            parts = [(0, master.numel(), None)]  # None: the master's own step count
         state = opt.state[master]
         if not state:
             state.update(_fresh_state(opt, master))
@@ -199,6 +222,7 @@ class GroupedOptimizer(torch.optim.Optimizer):
         partial = type(opt)([{**hyper, "params": views}])
         for view, (a, b, steps) in zip(views, parts):
             partial.state[view] = {k: (v[a:b] if torch.is_tensor(v) and v.dim() > 0 else
+                                       v.clone() if torch.is_tensor(v) and steps is None else
                                        torch.tensor(float(steps), dtype=v.dtype) if torch.is_tensor(v) else v)
                                    for k, v in state.items()}
         partial.step()
@@ -268,6 +292,39 @@ class GroupedOptimizer(torch.optim.Optimizer):
         hyper = {k: v for k, v in self.optimizers[0].param_groups[0].items() if k != "params"}
         self.param_groups[0].update(hyper)
         self._pushed = dict(hyper)
+
+
+class Stepped:
+    """Whether an engine's step updated the parameters (False: an overflow skipped it),
+    read lazily: the flag stays a device tensor until ``bool()`` reads it, so the step
+    itself never waits for the device. Compares, hashes and pickles as that bool.
+
+    Args:
+        found_inf: bool 0-dim tensor, True when the step was skipped.
+    """
+
+    __slots__ = ("_found_inf", "_value")
+
+    def __init__(self, found_inf: torch.Tensor):
+        self._found_inf, self._value = found_inf, None
+
+    def __bool__(self) -> bool:
+        if self._value is None:
+            self._value = not bool(self._found_inf)
+            self._found_inf = None
+        return self._value
+
+    def __eq__(self, other) -> bool:
+        return bool(self) == other
+
+    def __hash__(self) -> int:
+        return hash(bool(self))
+
+    def __repr__(self) -> str:
+        return repr(bool(self))
+
+    def __reduce__(self):
+        return bool, (bool(self),)
 
 
 def _fresh_state(opt: torch.optim.Optimizer, master: torch.Tensor) -> dict:

@@ -247,9 +247,9 @@ def step_engine(engine: Engine, micro_batches, loss_of, *, accumulate: str = "la
     if before_step is not None:
         before_step()
     with phase("step"):
-        stepped = engine.step()
+        stepped = engine.step()  # True, or an overflow flag still on the device
         engine.zero_grad()
-    return local, stepped
+    return local, bool(stepped)  # read once, after the step
 
 
 def train_step(run: Run, step: int, watched: Watched | None) -> tuple[float, bool]:
