@@ -61,9 +61,28 @@ class LoRANet(nn.Module):
         return self.l2(torch.tanh(self.l1(x)))
 
 
+class ScaledNet(Net):
+    """Net with a ``nn.ParameterList`` child: one scale per hidden layer."""
+
+    def __init__(self):
+        super().__init__()
+        self.scales = nn.ParameterList([nn.Parameter(torch.full((16,), 1.0 + k / 4)) for k in range(2)])
+
+    def forward(self, x):
+        h = torch.tanh(self.inp(x)) * self.scales[0]
+        return self.head(torch.tanh(self.mid(h)) * self.scales[1])
+
+
 def build(scenario: str) -> nn.Module:
     if scenario == "lora_bf16":
         return LoRANet()
+    if scenario == "param_list":
+        return ScaledNet()
+    if scenario in ("weight_norm", "spectral_norm"):  # torch's hook-based norms, on a unit
+        model = Net()
+        norm = torch.nn.utils.weight_norm if scenario == "weight_norm" else torch.nn.utils.spectral_norm
+        norm(model.mid)
+        return model
     return Net(dropout=0.5 if scenario == "eval_dropout" else 0.0, frozen_mid=scenario == "unfreeze")
 
 

@@ -13,7 +13,7 @@ from jobs import on_ranks
 
 STAGES = (0, 1, 2, 3)
 EXACT = ("plain", "loss_backward", "opt_step", "zero_grad_keep", "lambda_lr", "cosine", "retain", "eval_dropout",
-         "lora_bf16", "clip_engine")
+         "lora_bf16", "clip_engine", "weight_norm", "spectral_norm", "param_list")
 SCENARIOS = (*EXACT, "clip_user", "unfreeze", "compile", "load")
 
 
