@@ -289,8 +289,9 @@ def residual_bytes(psi: float = 1e11, nd: int = 64, stage: int = 2, nm: int = 16
       is capped at ``cb_bytes`` (``model.constant_buffer_bytes``, Sec 6.2).
     * ``fragmentation``: a simple model, not the paper's (it gives no formula). Without
       MD, the share ``fragmentation`` of the device's memory is lost between long-lived
-      tensors; the default 0.3 is Sec 6.3's extreme case, out of memory with over 30%
-      of memory free (chapter 5's allocator simulator finds over 40% on a real trace).
+      tensors; the default 0.3 is the book's reading of Sec 3.2's observation (out of
+      memory with over 30% of memory still available), which the paper reports, not a
+      share it models (chapter 5's allocator simulator finds over 40% on a real trace).
       With MD (contiguous pools for checkpoints and gradients, Sec 6.3) none is lost.
 
     Activations other than the checkpoints (the recomputed block's working set) are
