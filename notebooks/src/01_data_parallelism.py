@@ -48,7 +48,46 @@ from zerolearn.models import build_model
 from zerolearn.tables import text_table
 
 # %% [markdown]
-# ## 1. Collectives on four ranks
+# ## 1. A distributed program
+#
+# A DP job is N<sub>d</sub> copies of one Python script, started together. `torchrun` starts them
+# and gives each its place in environment variables: `RANK`, `WORLD_SIZE`, and where rank 0
+# listens (`MASTER_ADDR`, `MASTER_PORT`). `dist.init_process_group("gloo")` reads them and
+# connects the processes into a *process group*; gloo is torch's CPU backend, NCCL the GPU one.
+# Here is a whole program, a dozen lines: each rank holds rank + 1, one `dist.all_reduce` sums
+# over the ranks, and the group is torn down. The next cell writes it to `allreduce.py`:
+
+# %% tags=["nbval-ignore-output"]
+# %%writefile allreduce.py
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo")  # torchrun's environment says who, how many and where
+rank, world_size = dist.get_rank(), dist.get_world_size()
+t = torch.tensor([float(rank + 1)])  # rank r holds r + 1
+dist.all_reduce(t)  # in place: the sum over the ranks, on every rank
+for r in range(world_size):  # one rank prints at a time, in rank order
+    if r == rank:
+        print(f"rank {rank} of {world_size}: the sum is {t.item():g}", flush=True)
+    dist.barrier()
+dist.destroy_process_group()
+
+# %% [markdown]
+# Run it on two ranks. `torchrun` is `python -m torch.distributed.run`; we call it with this
+# kernel's own Python, `sys.executable`, so that it finds the same torch. `--standalone` picks a
+# free port on this machine, and `OMP_NUM_THREADS=1` gives each rank one thread (and silences
+# torchrun's note that it would choose that):
+
+# %%
+import sys
+
+# !OMP_NUM_THREADS=1 {sys.executable} -m torch.distributed.run --standalone --nproc-per-node 2 allreduce.py
+
+# %% [markdown]
+# Both ranks print 1 + 2 = 3. On GPUs the script is the same with `"nccl"` and a
+# `torch.cuda.set_device(rank)`; on several machines, `torchrun --nnodes` says where rank 0 is.
+#
+# ## 2. Collectives on four ranks
 #
 # A *collective* is one call that every rank makes together. Five come up in this book,
 # drawn on four ranks holding four numbers each: the left column is what each rank
@@ -63,19 +102,22 @@ schematics.collectives_figure(nd=4)
 # *all-reduce* sums onto every rank, *reduce-scatter* leaves rank r chunk r of the sum, and
 # *all-gather* hands every rank all the chunks. Now the same calls on real ranks.
 #
-# `%%ranks 4` (from `zerolearn.live`) runs a cell on 4 real gloo ranks that keep their
-# variables from one cell to the next. Each rank starts with `rank`, `world_size`, `torch`,
-# `dist` and `comm` (`zerolearn.comm`, whose ledger counts every collective's calls and
-# elements), and every line a rank prints is labelled with its rank. Each rank makes its own
-# 8-element "gradient"; change the cells and run them again to try your own.
+# `%%ranks 4` (from `zerolearn.live`) is the script above kept alive: 4 gloo ranks that have
+# run `init_process_group` and keep their variables from one cell to the next, so a cell is a
+# few lines of the script, run on every rank. Each rank starts with `rank`, `world_size`,
+# `torch` and `dist`; every line a rank prints is labelled with its rank. Inside
+# `with watching():` (from `zerolearn.watch`) the ledger counts the calls and elements of every
+# collective. Each rank makes its own 8-element "gradient"; edit the cells and run them again.
+# (torch 2.13 also names the last two `reduce_scatter_single` and `all_gather_single`.)
 
 # %% tags=["live"]
 # %load_ext zerolearn.live
 
 # %% tags=["live"]
 # %%ranks 4
+from zerolearn.watch import watching
+
 grad = torch.arange(8.0) + 8 * rank  # rank r: [8r, ..., 8r + 7]
-comm.LEDGER.reset()  # count this section's collectives only
 print(grad.int().tolist())
 
 # %% [markdown]
@@ -84,7 +126,9 @@ print(grad.int().tolist())
 # %% tags=["live"]
 # %%ranks
 summed = grad.clone()
-comm.all_reduce(summed)
+with watching() as ledger:  # the ledger counts the collectives called inside
+    ledger.reset()  # this section's only
+    dist.all_reduce(summed)
 print(summed.int().tolist())
 
 # %% [markdown]
@@ -93,7 +137,8 @@ print(summed.int().tolist())
 # %% tags=["live"]
 # %%ranks
 chunk = torch.empty(8 // world_size)
-comm.reduce_scatter(chunk, grad.clone())  # the input is 8 elements, the output 2
+with watching():
+    dist.reduce_scatter_tensor(chunk, grad.clone())  # (output, input): 8 elements in, 2 out
 print(chunk.int().tolist())
 
 # %% [markdown]
@@ -102,8 +147,9 @@ print(chunk.int().tolist())
 # %% tags=["live"]
 # %%ranks
 gathered = torch.empty(8)
-comm.all_gather(gathered, chunk)
-ledger = comm.LEDGER.as_dict()  # this rank's count of the three calls
+with watching():
+    dist.all_gather_into_tensor(gathered, chunk)  # (output, input): 2 elements in, 8 out
+counts = ledger.as_dict()  # this rank's count of the three calls
 print(gathered.int().tolist(), "equals the all-reduce:", torch.equal(gathered, summed))
 
 # %% [markdown]
@@ -140,7 +186,7 @@ HTML(ring.html)
 # reduce-scatter + all-gather pair of the same 8 elements:
 
 # %%
-ledger = ranks.pull("ledger")[0]
+ledger = ranks.pull("counts")[0]
 ops = ("all_reduce", "reduce_scatter", "all_gather")
 print(text_table(["rank 0", "calls", "elements", "bytes"], [[op, *ledger[op].values()] for op in ops],
                  align=["left", "right", "right", "right"]))
@@ -151,11 +197,11 @@ print(f"volume of reduce_scatter + all_gather: {volume['reduce_scatter']} + {vol
 
 # %% [markdown]
 # Live ranks suit short experiments typed cell by cell (these four wait, idle, until `%ranks stop`
-# or the end of the kernel). A whole training run goes to
-# `zerolearn.dist.launch(fn, world_size, *args)`, which spawns `world_size` fresh processes,
-# joins them into a gloo process group, runs `fn(*args)` on each and returns the results in
-# rank order. The function travels to the ranks by value (cloudpickle), closures and lambdas
-# included. This one reads `scale`, a variable of this notebook:
+# or the end of the kernel). A whole training run is the script again, from a function:
+# `zerolearn.dist.launch(fn, world_size, *args)` spawns `world_size` fresh processes, runs
+# `init_process_group` in each, calls `fn(*args)`, tears the group down and returns the
+# results in rank order. The function travels to the ranks by value (cloudpickle), closures and
+# lambdas included. This one reads `scale`, a variable of this notebook:
 
 # %%
 scale = 10.0
@@ -163,7 +209,7 @@ scale = 10.0
 
 def scaled_sum():
     t = torch.tensor([scale * (dist.get_rank() + 1)])
-    comm.all_reduce(t)  # 10 + 20 + 30 on every rank
+    dist.all_reduce(t)  # 10 + 20 + 30 on every rank
     return dist.get_rank(), t.item()
 
 
@@ -171,7 +217,7 @@ print(launch(scaled_sum, 3))
 print(launch(lambda: dist.get_world_size() * scale, 2))
 
 # %% [markdown]
-# ## 2. Naive data parallelism
+# ## 3. Naive data parallelism
 #
 # The simplest DP: run forward and backward on this rank's slice of the batch, then all-reduce
 # each parameter's gradient and divide by N<sub>d</sub>, so every rank holds the gradient of the
@@ -183,15 +229,15 @@ print(launch(lambda: dist.get_world_size() * scale, 2))
 #
 # Write `average_gradients(model, world_size)`, the heart of naive DP: called on every rank after
 # `loss.backward()`, it replaces each parameter's `p.grad` by the mean of that gradient over the
-# ranks, in place, with `comm.all_reduce` (which sums over the ranks and books what it moves).
+# ranks, in place, with `dist.all_reduce(tensor)` (which sums `tensor` over the ranks, in place).
 #
 # `exercises.check` runs your function on 2 and then 3 real gloo ranks. Each rank trains a small
 # GPT (Ψ = 42,368 in 29 tensors) with Adam for three steps on its slice of a global batch of 12
 # sequences and calls your function after backward; the checker compares every gradient, and
 # after the optimizer step every parameter, with the same GPT trained in one process on the whole
 # batch, then reads the ledger: averaging the gradients moves 2 Ψ per step. A wrong result is
-# named by rank, step and tensor. Your functions may use `torch`, `nn`, `F`, `dist` and `comm`
-# besides their arguments; the next cell imports them and the checker.
+# named by rank, step and tensor. Your functions may use `torch`, `nn`, `F` and `dist` besides
+# their arguments; the next cell imports them and the checker.
 
 # %%
 import torch.nn.functional as F  # noqa: F401 - for the exercises' functions
@@ -224,7 +270,7 @@ def naive_dp_step(model, optimizer, x, y, world_size):
     loss = gpt_loss(model(x), y)
     loss.backward()
     for p in model.parameters():  # one blocking collective per tensor, after backward
-        comm.all_reduce(p.grad)
+        dist.all_reduce(p.grad)
         p.grad.div_(world_size)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -252,17 +298,18 @@ schematics.bucket_schedule_figure(stage=0)
 # lay the gradients out in a few flat *buckets* of bounded size, fill them as backward produces
 # gradients, and launch each bucket's reduction asynchronously the moment it is complete, while
 # backward goes on with earlier layers.
-#
+
+# %% [markdown]
 # ### Exercise 2: buckets from hooks
 #
 # Write `bucket_hook(buckets, world_size)`. `buckets` is a list of buckets, each a list of the
 # model's parameters (every parameter in exactly one). Register a hook on every parameter with
 # `p.register_post_accumulate_grad_hook(hook)`: autograd calls `hook(p)` with the *parameter*
 # once `p.grad` is complete. When a bucket's last gradient has arrived, copy the bucket's
-# gradients into one flat buffer and launch `comm.all_reduce(buffer, async_op=True)` at once,
-# keeping the handle it returns. Return a function `finish()` that the caller runs after
-# `loss.backward()`: it waits for every handle, divides by `world_size` and copies each averaged
-# gradient back into `p.grad`.
+# gradients into one flat buffer and launch `dist.all_reduce(buffer, async_op=True)` at once,
+# keeping the work handle it returns (its `.wait()` blocks until the sum is there). Return a
+# function `finish()` that the caller runs after `loss.backward()`: it waits for every handle,
+# divides by `world_size` and copies each averaged gradient back into `p.grad`.
 #
 # The checker trains the GPT of Exercise 1 on 2 and 3 ranks with five buckets of at most 48 KiB,
 # in reverse parameter order (the order backward produces gradients). Besides every gradient and
@@ -298,8 +345,10 @@ excerpt(Engine._launch)
 # `_launch` divides by N<sub>d</sub> before the sum (so fp16 gradients cannot overflow in the sum)
 # and keeps at most two reductions in flight (`MAX_IN_FLIGHT`; `_finish_oldest` waits for the
 # oldest), which bounds the gradient buffers alive at once. For DP, `_reduce` is one line,
-# `comm.all_reduce(b.grad_full, group=self.pg, async_op=True)`. The same hooks, with a
-# reduce-scatter instead, are what ZeRO-2 uses to drop gradients it does not own (Sec 5.2).
+# `comm.all_reduce(b.grad_full, group=self.pg, async_op=True)`: `zerolearn.comm` calls
+# `dist.all_reduce` and adds what a library needs, a ledger entry, an error naming a dead or
+# stuck rank, and a wait until gloo lets go of the buffer (so memory measured right after is the
+# same on every run). With a reduce-scatter instead, the same hooks are ZeRO-2's (Sec 5.2).
 #
 # ### Three DP implementations against one process
 #
@@ -331,8 +380,6 @@ def engine_step(engine, x, y):
 # Every run starts from the same seed; each rank trains on its slice of the same global batches:
 
 # %%
-import statistics
-import time
 from functools import partial
 
 from torch.nn.parallel import DistributedDataParallel
@@ -370,15 +417,10 @@ def compare_dp(steps=5, bucket_mb=0.05):
     out = {}
     for kind in ("naive", "engine", "torch_ddp"):
         step_fn, buckets = dp_run(kind, bucket_mb)
-        comm.LEDGER.reset()  # this version's collectives only (torch's DDP bypasses the ledger)
-        losses, seconds = [], []
-        for step in range(steps):
-            x, y = rank_batch(step)
-            t0 = time.perf_counter()
-            losses.append(comm.monitor_mean(step_fn(x, y)))  # the global mean over ranks
-            seconds.append(time.perf_counter() - t0)
+        comm.LEDGER.reset()  # this version's collectives only
+        losses, seconds = ch01.watched_steps(step_fn, rank_batch, steps)  # dist.all_reduce calls booked
         out[kind] = {"losses": losses, "ledger": comm.LEDGER.as_dict(), "buckets": buckets,
-                     "step_seconds_median": statistics.median(seconds[1:] or seconds)}
+                     "step_seconds_median": seconds}
     return out
 
 
@@ -461,13 +503,10 @@ for rank, ledger in enumerate(stage0["ledger"]):
 figures.stage_timelines_figure(TL, stages=(0,))
 
 # %% [markdown]
-# **What two CPU cores with gloo can show, and what they cannot.** The order is real: every
-# bucket is launched from a hook during backward, last layers first, 12 all-reduces per step.
-# The overlap a GPU gets is not. With NCCL, a GPU's compute units run backward while the
-# transfers run on links of their own. Here two ranks and gloo's communication threads share
-# two cores: an all-reduce's copies and sums (gloo's TCP transport, inside one machine) take CPU
-# time from backward, and they take longer than backward itself. So even the ideal schedule,
-# which launches each bucket the moment it is full, can hide only part of the reductions:
+# The order is real: every bucket is launched from a hook during backward, last layers first,
+# 12 all-reduces per step. The overlap a GPU gets is not: here the ranks and gloo's threads
+# share two CPU cores ([appendix: what two CPU cores cannot show](../book/cpu_timelines.md)),
+# and even the ideal schedule hides only part of the reductions:
 
 # %%
 sched = schematics.bucket_schedule(TL, stage=0)
@@ -496,7 +535,7 @@ for r in stage0["summary"]:
 # broadcasts from rank 0 before each forward, as torch's DDP does; `docs/USAGE.md` says more.
 # Our GPT has none.)
 #
-# ## 3. The redundancy: every rank holds 16 Ψ
+# ## 4. The redundancy: every rank holds 16 Ψ
 #
 # Now the memory side. We run the training command line at stage 0 (DP) with mixed-precision
 # Adam (bf16 working copies, K = 12) on N<sub>d</sub> = 1, 2 and 4 ranks and read, from each
@@ -547,7 +586,7 @@ plt.show()
 # rank 1/N<sub>d</sub> of the optimizer states and of the step, keeping DP's 2 Ψ of communication
 # (Sec 5.1, Sec 7.2.1).
 #
-# ## 4. Your engine trains
+# ## 5. Your engine trains
 #
 # `zerolearn/nano.py` (under 300 lines, to be read top to bottom) assembles ZeRO-DP's four
 # stages from the book's exercises. At stage 0 it is your `bucket_hook`, with all the
@@ -574,7 +613,7 @@ your_engine(0, {"bucket_hook": bucket_hook})
 #
 # | addition | why | where |
 # |---|---|---|
-# | buckets of a bounded size | reduce during backward (one bucket of all waits for its end) | section 2; ch. 5 (CB) |
+# | buckets of a bounded size | reduce during backward (one bucket of all waits for its end) | section 3; ch. 5 (CB) |
 # | two reductions in flight at most | bounds the gradient buffers alive at once | `_launch` above |
 # | bf16/fp16 copies, fp32 master, loss scale | 2-byte forward and backward; (2 + 2 + K) Ψ of states | chapter 0 |
 # | gradient accumulation | several micro-batches, one reduction per step | chapter 3, section 6 |
@@ -584,17 +623,17 @@ your_engine(0, {"bucket_hook": bucket_hook})
 # %% [markdown]
 # ## Summary
 #
-# * All-reduce = reduce-scatter + all-gather; we showed it on 4 live gloo ranks. A ring
-#   all-reduce sends 2 (N<sub>d</sub> − 1)/N<sub>d</sub> · Ψ elements per rank, the paper's 2 Ψ
-#   (Sec 7.1); the ledger counts exactly that.
-# * Naive DP (one blocking all-reduce per tensor after backward) is correct but pays one latency
-#   per tensor and cannot overlap communication with backward. Real DP fills constant-size
-#   buckets from `post_accumulate_grad` hooks and reduces each as soon as it is full (29 calls
-#   per step became 4 for our GPT).
+# * A DP program is one script on N<sub>d</sub> processes: `torchrun` starts them,
+#   `dist.init_process_group` joins them, `dist.all_reduce` sums over them.
+# * All-reduce = reduce-scatter + all-gather, shown on 4 live gloo ranks. A ring all-reduce
+#   sends 2 (N<sub>d</sub> − 1)/N<sub>d</sub> · Ψ elements per rank, the paper's 2 Ψ (Sec 7.1).
+# * Naive DP (one blocking all-reduce per tensor after backward) pays one latency per tensor and
+#   overlaps nothing. Real DP reduces constant-size buckets from `post_accumulate_grad` hooks as
+#   soon as each is full (29 calls per step became 4 for our GPT).
 # * Naive DP, our bucketed engine and PyTorch's DDP all reproduce single-process training on the
 #   global batch to within 1e-5 (sums over ranks add in another order).
-# * On two CPU cores the recorded timeline shows the buckets' order, not a GPU's overlap: ranks
-#   and gloo share the cores.
+# * On two CPU cores the recorded timeline shows the buckets' order, not a GPU's overlap
+#   ([appendix](../book/cpu_timelines.md)).
 # * Every DP rank holds all (2 + 2 + K) Ψ = 16 Ψ bytes of model states, measured at
 #   N<sub>d</sub> = 1, 2 and 4: adding GPUs adds copies, not room.
 #

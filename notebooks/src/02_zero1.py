@@ -129,11 +129,11 @@ class NaiveZero1:
     @torch.no_grad()
     def step(self):
         for p in self.params:  # every rank gets every averaged gradient: 2 Psi
-            comm.all_reduce(p.grad)
+            dist.all_reduce(p.grad)
             p.grad /= self.world_size
         self.optimizer.step()  # updates only the owned tensors
         for p, owner in zip(self.params, self.owners):  # each owner sends its new values: Psi
-            comm.broadcast(p.data, src=owner)
+            dist.broadcast(p.data, src=owner)
 
 # %% [markdown]
 # Before running anything we can already see the problem in the layout. A rank keeps
@@ -196,8 +196,8 @@ fig
 # for its own shard, the answers are gathered, and the checker looks for elements no rank
 # owns, elements two ranks own, shards of unequal size or out of rank order, and more
 # padding than needed, for buffers of 1 to 42,368 elements. Your functions may use
-# `torch`, `nn`, `F`, `dist` and `comm` besides their arguments; the next cell imports
-# the ones not imported yet, and the checker.
+# `torch`, `nn`, `F` and `dist` besides their arguments; the next cell imports the ones
+# not imported yet, and the checker.
 
 # %%
 import torch.nn.functional as F  # noqa: F401 - for the exercises' functions
@@ -236,6 +236,30 @@ for rank in range(3):
           f"of {g.padded_numel} ({g.numel} real + {g.padding} padding); tensor offsets {g.offsets}")
 
 # %% [markdown]
+# ### Exercise 2 · the flat buffer
+#
+# Build this layout yourself, for a whole model. Write `flatten_params(model, world_size)`: lay
+# the parameters end to end in one new 1-D buffer `flat`, padded with zeros to a multiple of
+# `world_size`, copy each parameter's values into its slice, and then make the parameter
+# *itself* a view of that slice by assigning its `.data`: the module computes as before, and
+# a step written into `flat` is a step of the module. Give `flat` a twin, `flat_grad`, and
+# make each parameter's `.grad` a zeroed view of its slice there: autograd adds a new
+# gradient into an existing `.grad` in place, so after `loss.backward()` the whole gradient
+# lies in one buffer, ready for one collective. Return `(flat, flat_grad)`.
+#
+# The checker gives each rank the book's GPT on 2 and then 3 ranks and looks at what you left:
+# the padded length, each parameter still the module's own, with its values, at its offset in
+# `flat`'s storage, its gradient in `flat_grad`'s, zeros in both paddings. Then it trains three
+# SGD steps through your buffers alone (backward, one `dist.all_reduce` of `flat_grad`, an
+# update of `flat`) and compares the module's parameters with one process.
+
+# %% tags=["exercise"]
+# exercise: 02.flatten_params
+
+# %%
+exercises.check("02.flatten_params", flatten_params)
+
+# %% [markdown]
 # ## 4. Reduce-scatter, update, all-gather
 #
 # First the whole step, on seven numbers over three ranks (padded to nine, so each shard
@@ -262,8 +286,8 @@ HTML(step.html)
 # ### 4.1 The three moves, one cell at a time, on live ranks
 #
 # `%%ranks 3` (from `zerolearn.live`) runs a cell on 3 real gloo ranks that keep their
-# variables from one cell to the next; each starts with `rank`, `world_size`, `torch`,
-# `dist` and `comm`, and every line a rank prints is labelled with its rank. Each rank
+# variables from one cell to the next; each starts with `rank`, `world_size`, `torch` and
+# `dist`, and every line a rank prints is labelled with its rank. Each rank
 # builds its own "gradient" of $\Psi = 7$ elements, which 3 ranks cannot split evenly, so
 # the flat buffer is padded to 9:
 
@@ -284,7 +308,7 @@ print(grad.tolist())
 # %% tags=["live"]
 # %%ranks
 mine = torch.empty(shard)
-comm.reduce_scatter(mine, grad)
+dist.reduce_scatter_tensor(mine, grad)  # (output, input)
 print(mine.tolist())
 
 # %% [markdown]
@@ -295,14 +319,14 @@ print(mine.tolist())
 # %%ranks
 mine -= 0.5
 full = torch.empty(shard * world_size)
-comm.all_gather(full, mine)
+dist.all_gather_into_tensor(full, mine)  # (output, input)
 print(full[:psi].tolist())
 
 # %% tags=["live"]
 # %ranks stop
 
 # %% [markdown]
-# ### Exercise 2 · one ZeRO-1 step
+# ### Exercise 3 · one ZeRO-1 step
 #
 # Now the same three moves on a real model, with Adam instead of "subtract 0.5". Write
 # `zero1_step(flat_params, flat_grad, state, world_size, rank, lr)`, the step on one flat
@@ -322,7 +346,7 @@ print(full[:psi].tolist())
 # Reduce-scatter `flat_grad` into this rank's shard and average it in fp32, step Adam on
 # the master, cast the master to the working dtype and all-gather it into `flat_params`,
 # and return the fp32 averaged gradient shard you stepped with. Use
-# `comm.reduce_scatter(output, input)` and `comm.all_gather(output, input)`. Two keywords,
+# `dist.reduce_scatter_tensor(output, input)` and `dist.all_gather_into_tensor(output, input)`. Two keywords,
 # `reduced` and `gather`, let chapters 3 and 4 call the same step on a gradient already
 # reduced and on a parameter shard alone; the stub's docstring says what they do.
 #
@@ -447,8 +471,9 @@ ch02.bytes_figure(rows, psi)
 # %% [markdown]
 # ### 5.3 Traffic: $2\Psi$ against $3\Psi$
 #
-# Every collective goes through `zerolearn.comm`, whose ledger counts the elements of
-# each call: the input of a reduce-scatter, the output of an all-gather, the tensor of
+# The engine's collectives go through `zerolearn.comm`, and the naive version's
+# `dist.all_reduce` and `dist.broadcast` are watched (`zerolearn.watch`): one ledger counts the
+# elements of each call: the input of a reduce-scatter, the output of an all-gather, the tensor of
 # an all-reduce or broadcast. In that count the paper's per-rank volume (Sec 7.1) is
 # $2\cdot$all-reduce + reduce-scatter + all-gather + broadcast, since an all-reduce moves
 # its tensor twice (a reduce-scatter and an all-gather). The paper, as here, leaves out
@@ -508,9 +533,8 @@ print(f"fp32 engine and naive agree within 1e-5: {gap < 1e-5}")
 # ZeRO-1 launches a reduce-scatter from the same backward hooks where DP all-reduced, and
 # publishes each group's updated shard with an all-gather that can run while the next group's
 # shard is updated (recorded as in chapter 1, `zerolearn.timeline`, the same GPT on 2 ranks).
-# As in chapter 1, two CPU cores shared by the ranks and gloo show the order of these calls
-# and in which phase each runs; how much of them hides behind compute is this machine's,
-# not a GPU's:
+# The order of the calls and the phase each runs in carry over to GPUs, the times do not
+# ([appendix: what two CPU cores cannot show](../book/cpu_timelines.md)):
 
 # %%
 from zerolearn import figures

@@ -116,20 +116,21 @@ class Trained:
 
     def table(self) -> str:
         """The rows as text: losses, difference from one process, KiB per rank measured | Fig 1,
-        Psi moved per step measured | Sec 7.1 (DP) or 7.2 (ZeRO)."""
+        the same bytes per parameter (Psi), Psi moved per step measured | Sec 7.1 (DP) or 7.2 (ZeRO)."""
         theory = analytic.comm_volume_elements(self.psi, self.stage) / self.psi
         out = []
         for name, row in self.rows.items():
             losses = " ".join(f"{v:.4f}" for v in row["losses"])
             if name == "one process":
-                out.append([name, losses, "", "", ""])
+                out.append([name, losses, "", "", "", ""])
                 continue
             held, formula = sum(row["bytes"][c] for c in CATEGORIES), self.formula(name)["total"]
             diff = self.max_rel_diff(name)
             out.append([name, losses, "< 1e-6" if diff < 1e-6 else f"{diff:.0e}", f"{kib(held)} | {kib(formula)}",
-                        f"{row['moved'] / self.psi:.2f} | {theory:.0f}"])
+                        f"{held / self.psi:.1f}", f"{row['moved'] / self.psi:.2f} | {theory:.0f}"])
         section = "Sec 7.1" if self.stage == 0 else "Sec 7.2"  # DP's volume, then ZeRO's
-        header = ["", "loss at each step", "vs one process", "KiB per rank | Fig 1", f"Psi moved per step | {section}"]
+        header = ["", "loss at each step", "vs one process", "KiB per rank | Fig 1", "bytes per\nparameter",
+                  f"Psi moved per step | {section}"]
         return text_table(header, out)
 
     def __str__(self) -> str:
@@ -138,7 +139,8 @@ class Trained:
         note = "" if self.missing is None else (
             f"\n\n{self.missing} still raises NotImplementedError: write it above, run its check, then this cell.")
         fig1 = ("Fig 1 here: fp32 parameters and gradients (4 + 4 bytes) and Adam's K; K = 12 for yours "
-                "(zero1_step writes an fp32 master), 8 for the package's (in fp32 its master is the parameter).")
+                "(zero1_step writes an fp32 master even in fp32: 4 + 4 + 12 = 20 bytes per parameter at DP), "
+                "8 for the package's (in fp32 its master is the parameter: 4 + 4 + 8 = 16).")
         return f"{title}\n\n{self.table()}\n\n{fig1}{note}"
 
     def _repr_pretty_(self, p, cycle) -> None:

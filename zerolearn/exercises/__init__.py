@@ -13,7 +13,7 @@ it when imported here.
 
 from zerolearn.chapters.ch00 import max_batch_check, model_state_bytes_check  # noqa: F401 - they register
 from zerolearn.chapters.ch01 import average_gradients_check, bucket_hook_check  # noqa: F401
-from zerolearn.chapters.ch02 import shard_range_check, zero1_step_check  # noqa: F401
+from zerolearn.chapters.ch02 import flatten_params_check, shard_range_check, zero1_step_check  # noqa: F401
 from zerolearn.chapters.ch03 import accumulate_check, reduce_scatter_hook_check  # noqa: F401
 from zerolearn.chapters.ch04 import gather_hooks_check, nano_engine_check, prefetch_check  # noqa: F401
 from zerolearn.chapters.ch05 import constant_buffer_check, partition_checkpoint_check, tensor_parallel_check  # noqa: F401

@@ -2,7 +2,8 @@
 
 What the chapter runs (the collectives on live ranks, naive DP, the three DP versions
 against one process) is written in the notebook's cells; this module only draws what
-they measured, so that a cell stays one idea.
+they measured, and runs one version's watched steps (:func:`watched_steps`), so that a
+cell stays one idea.
 """
 
 from __future__ import annotations
@@ -78,3 +79,26 @@ def redundancy_figure(dp_reports: dict, one_copy_kib: float, cats=("params", "gr
     right.legend(fontsize=8)
     fig.tight_layout()
     return fig
+
+
+def watched_steps(step_fn, batch, steps: int) -> tuple[list[float], float]:
+    """Run ``step_fn(*batch(step))`` for ``steps`` steps on this rank, each inside
+    :func:`zerolearn.watch.watching`, so that collectives called by torch's names (naive
+    DP's ``dist.all_reduce``) are booked in ``comm.LEDGER`` beside the engine's own.
+    Returns the global mean loss of every step (``comm.monitor_mean`` over the ranks) and
+    the median step time in seconds (the first step, which warms up, left out)."""
+    import statistics
+    import time
+
+    from zerolearn import comm
+    from zerolearn.watch import watching
+
+    losses, seconds = [], []
+    for step in range(steps):
+        x, y = batch(step)
+        t0 = time.perf_counter()
+        with watching():
+            loss = step_fn(x, y)
+        losses.append(comm.monitor_mean(loss))  # the global mean over ranks
+        seconds.append(time.perf_counter() - t0)
+    return losses, statistics.median(seconds[1:] or seconds)

@@ -8,6 +8,10 @@
 * exercise ``02.shard_range`` (:mod:`.shard_range`, checked by
   :mod:`.shard_range_check`): which elements of a flat buffer padded to a multiple of Nd
   a rank owns; checked on real ranks by gathering every rank's answer;
+* exercise ``02.flatten_params`` (:mod:`.flatten_params`, checked by
+  :mod:`.flatten_params_check`): a model's parameters made views of one flat buffer
+  padded to a multiple of Nd, its gradients views of a flat twin that backward fills;
+  checked on real ranks by three SGD steps taken through the buffers alone;
 * exercise ``02.zero1_step`` (:mod:`.zero1_step`, checked by :mod:`.zero1_step_check`):
   one ZeRO-1 step on a flat gradient, in fp32 or bf16: reduce-scatter, Adam on this
   rank's fp32 master shard, all-gather of the updated parameters; checked against
