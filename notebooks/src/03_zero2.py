@@ -130,7 +130,7 @@ print([b.tolist() for b in pending])
 # %%ranks
 full = pending.pop(0)
 shard = torch.empty(full.numel() // world_size)
-comm.reduce_scatter(shard, full)
+dist.reduce_scatter_tensor(shard, full)  # (output, input)
 shards.append(shard / world_size)  # the mean over ranks
 del full  # the full bucket is gone: only the shard stays
 print(f"kept {[s.tolist() for s in shards]}; full buckets still waiting: {len(pending)}")
@@ -142,7 +142,7 @@ print(f"kept {[s.tolist() for s in shards]}; full buckets still waiting: {len(pe
 # %%ranks
 full = pending.pop(0)
 shard = torch.empty(full.numel() // world_size)
-comm.reduce_scatter(shard, full)
+dist.reduce_scatter_tensor(shard, full)
 shards.append(shard / world_size)
 del full
 print(f"kept {[s.tolist() for s in shards]}; full buckets still waiting: {len(pending)}")
@@ -186,7 +186,7 @@ from zerolearn import comm, exercises  # noqa: F401
 # `register_post_accumulate_grad_hook` on every parameter (autograd calls `hook(p)` once
 # `p.grad` is complete). When the last parameter of the bucket has its gradient, write
 # the mean over ranks of this rank's slice into `shard` with one
-# `comm.reduce_scatter(output, input)`, and free the full gradients. The checker trains
+# `dist.reduce_scatter_tensor(output, input)`, and free the full gradients. The checker trains
 # a small MLP (4 Linear layers of width 64, 16,640 parameters: one process retrains it in
 # no time) for 3 SGD steps in 3 buckets and compares every shard with one process; it measures, with the memory
 # ledger, the gradient bytes alive after backward (only the shards may be), and counts
@@ -316,11 +316,11 @@ class BlogZero2(ch02.NaiveZero1):  # chapter 2's naive ZeRO-1: whole tensors, th
         for p, owner in zip(self.params, self.owners):
             stacked = torch.cat([p.grad.reshape(-1)] * self.world_size)  # 2. Nd copies of the full gradient
             out = p.grad.new_empty(p.numel())  # and a full-size output
-            comm.reduce_scatter(out, stacked)  # every rank receives the whole sum
+            dist.reduce_scatter_tensor(out, stacked)  # every rank receives the whole sum
             p.grad = (out / self.world_size).view_as(p) if owner == self.rank else None  # 3. dropped only now
         self.optimizer.step()
         for p, owner in zip(self.params, self.owners):
-            comm.broadcast(p.data, src=owner)
+            dist.broadcast(p.data, src=owner)
 
 # %% [markdown]
 # Item 1 is where it goes wrong. `tensor.register_hook(fn)` calls `fn(grad)` when the
@@ -424,6 +424,27 @@ fig.tight_layout()
 plt.show()
 
 # %% [markdown]
+# At the blog's own width, 10,000, the model no longer fits two CPU ranks. The book stores
+# one run of the seed experiment on a GPU at that width (2 ranks simulated on one device,
+# each stage in a fresh process; `gpu_table()` reads it), beside the blog's four peaks.
+# Ours are `torch.cuda.max_memory_allocated` in MiB, the blog's as it printed them:
+
+# %%
+gpu = seed_experiment.gpu_table()
+print(f"MLP 6 x Linear(10000, 10000), fp32 Adam, 2 ranks, rank 0; measured on {gpu[0]['device']}")
+print(text_table(["stage", "peak MiB\n(book)", "peak MB\n(blog)", "params\nMiB", "grads\nMiB", "optimizer\nMiB"],
+                 [[r["name"], f"{r['peak_MiB']:,.0f}", f"{r['blog_peak_MB']:,}", f"{r['params_MiB']:,.0f}",
+                   f"{r['grads_MiB']:,.0f}", f"{r['optimizer_states_MiB']:,.0f}"] for r in gpu],
+                 align=["left", *["right"] * 5]))
+print(f"ZeRO-2's peak below ZeRO-1's: book {gpu[2]['peak_MiB'] < gpu[1]['peak_MiB']}, "
+      f"blog {gpu[2]['blog_peak_MB'] < gpu[1]['blog_peak_MB']}")
+
+# %% [markdown]
+# At full width our ZeRO-2 peaks below our ZeRO-1, as Sec 5.2 says, where the blog's peaked
+# above: it holds half the gradient between steps, and its buckets keep the full gradient
+# from ever being alive at once.
+
+# %% [markdown]
 # ## 5. Bucket size and ZeRO-2's peak
 #
 # Bucketing is what turns the $2\Psi/N_d$ of the formula into a low peak, so the bucket
@@ -514,7 +535,7 @@ print(f"full fp32 gradient: {kib(4 * acc['no_sync']['psi'], unit=True)}")
 # micro_batch, micro_batches, world_size)`. It is called for each bucket after each
 # micro-batch's backward, with `bucket_grad` the bucket's flat, zero-padded gradient
 # (fp32, `world_size * shard.numel()` elements) of this rank's mean loss on that
-# micro-batch. Reduce it at once with one `comm.reduce_scatter` and accumulate into
+# micro-batch. Reduce it at once with one `dist.reduce_scatter_tensor` and accumulate into
 # `shard`, so that after micro-batch `micro_batches - 1` the shard holds this rank's
 # slice of the step's gradient: the mean over ranks and micro-batches. At micro-batch
 # 0 the shard still holds the previous step's gradient. The checker runs 3 SGD steps of
@@ -532,12 +553,10 @@ exercises.check("03.accumulate", accumulate)
 #
 # Bucket size also trades calls against overlap: few large buckets mean few calls, but a
 # reduction starts only once its whole bucket is ready; many small ones start early and each
-# pays a call's start-up cost. Seeing that trade needs communication that runs beside
-# compute, on links of its own, as NCCL's does on GPUs. Here two ranks and gloo's threads
-# share two CPU cores, and gloo carries out a reduce-scatter as an all-reduce of the whole
-# bucket. A sweep of bucket sizes on this machine gives step times that rise and fall with no
-# order, so we do not plot one. What a recorded step does show is section 2's schedule, the
-# ideal beside the measured, at 0.25 MiB:
+# pays a call's start-up cost. Seeing that trade needs communication on links of its own, as
+# on GPUs, so we plot no sweep ([appendix: what two CPU cores cannot show](../book/cpu_timelines.md)).
+# What a recorded step does show is section 2's schedule, the ideal beside the measured, at
+# 0.25 MiB:
 
 # %%
 for stage in (1, 2):

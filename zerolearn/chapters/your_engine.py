@@ -29,6 +29,7 @@ from zerolearn.memory import model as analytic
 from zerolearn.models import build_model
 from zerolearn.ranks import RankError
 from zerolearn.tables import kib, text_table
+from zerolearn.watch import watching
 
 STEPS = 4
 CATEGORIES = ("params", "grads", "optimizer_states")
@@ -40,15 +41,16 @@ def _train(engine, steps: int) -> dict:
     ctx = zdist.context()
     comm.LEDGER.reset()
     losses, grads = [], 0
-    for step in range(steps):
-        x, y = data.gpt_batch(step, GPT_BATCH, GPT.seq_len, seed=0)
-        x, y = data.rank_slice(x, ctx.rank, ctx.world_size), data.rank_slice(y, ctx.rank, ctx.world_size)
-        loss = loss_of(engine, x, y)
-        engine.backward(loss)
-        grads = engine.model_state_bytes()["grads"]
-        engine.step()
-        engine.zero_grad()
-        losses.append(comm.monitor_mean(loss.item()))
+    with watching():  # the reader's parts call torch's collectives by name: booked here, comm's once
+        for step in range(steps):
+            x, y = data.gpt_batch(step, GPT_BATCH, GPT.seq_len, seed=0)
+            x, y = data.rank_slice(x, ctx.rank, ctx.world_size), data.rank_slice(y, ctx.rank, ctx.world_size)
+            loss = loss_of(engine, x, y)
+            engine.backward(loss)
+            grads = engine.model_state_bytes()["grads"]
+            engine.step()
+            engine.zero_grad()
+            losses.append(comm.monitor_mean(loss.item()))
     moved = comm.LEDGER.volume_elements() / steps
     return {"losses": losses, "bytes": {**engine.model_state_bytes(), "grads": grads}, "moved": moved,
             "padding": engine.padding}
