@@ -124,10 +124,11 @@ _MISSING = object()
 
 
 def steps_without_reads(stages=STAGES, configs=CONFIGS, flags_from_grads: bool | None = None,
-                        steps: int = 3, overflow_at: int | None = 1) -> list[dict]:
+                        steps: int = 3, overflow_at: int | None = 1, multi: str | None = None) -> list[dict]:
     """On every rank: per (stage, config), ``steps`` steps of small_gpt, reads counted inside
     ``engine.backward`` and ``engine.step`` only. ``overflow_at``: in that step an inf in one
-    gradient (rank 0's) makes fp16 and clipping runs skip it. Returns per run the reads,
+    gradient (rank 0's) makes fp16 and clipping runs skip it. ``multi``: force the
+    multi-tensor step (``"fused"``: CUDA's choice) on the CPU. Returns per run the reads,
     the agreement reads, the excused counts and whether each step stepped (read after it)."""
     from zerolearn import data
     from zerolearn import dist as zdist
@@ -140,6 +141,8 @@ def steps_without_reads(stages=STAGES, configs=CONFIGS, flags_from_grads: bool |
             engine = make_engine(stage, small_gpt(0), optimizer="adam", lr=1e-2, bucket_mb=0.01, **options)
             if flags_from_grads is not None:
                 engine.flags_from_grads = flags_from_grads
+            if multi is not None:
+                engine.optimizer.multi = multi
             counter, stepped = CountReads(), []
             param = engine.model.blocks[0].fc.weight
             for step in range(steps):
@@ -207,3 +210,9 @@ def test_the_counter_sees_reads_inside_autograd_hooks():
     assert torch.tensor(2.0).item() == 2.0  # methods restored
     assert "item" not in torch.Tensor.__dict__ and "__bool__" not in torch.Tensor.__dict__
 
+
+def test_the_fused_multi_tensor_step_reads_nothing_either():
+    # CUDA's one fused step over all masters (optim.multi_tensor_kind), forced on the CPU, fp32 runs.
+    fp32 = [c for c in CONFIGS if c[1].get("dtype") is None]
+    for runs in on_ranks(steps_without_reads, 2, configs=fp32, flags_from_grads=False, multi="fused"):
+        _check(runs, 2)

@@ -656,7 +656,10 @@ class Engine(EngineStateMixin, abc.ABC):
         (``clip_grad_norm_``'s formula, summed over ranks when they hold different
         parts). Then bucket by bucket: torch's optimizer steps the master, and the update
         is published while the next bucket steps, so in mixed precision one bucket's fp32
-        gradient exists at a time (the paper's (2 + 2 + K) Psi holds none). With offload the
+        gradient exists at a time (the paper's (2 + 2 + K) Psi holds none). On CUDA in fp32, where
+        the gradients are the reduced buffers themselves, one fused step updates every master
+        (:meth:`optim.GroupedOptimizer.step_all`, :func:`optim.multi_tensor_kind`), then each
+        bucket is published; the CPU steps bucket by bucket, as above. With offload the
         norm and the update read the host's fp32 gradients and torch's optimizer steps the
         host master (:class:`zerolearn.engines.offload.Offload`).
 
@@ -692,17 +695,33 @@ class Engine(EngineStateMixin, abc.ABC):
         if off is not None:
             off.step(self, used, coef)  # the host's step, publish (under DPU: on a thread)
             return True
+        parts = [optim.parts_to_step(self._optimizer, i, b, used[i]) for i, b in enumerate(self.buckets)]
+        # One multi-tensor step over every master (CUDA) where the gradients already are fp32
+        # buffers; in mixed precision each bucket's fp32 gradient is made, used and dropped in
+        # turn, so the (2 + 2 + K) Psi of the paper holds: those step bucket by bucket.
+        at_once = self._optimizer.multi is not None and not self.mixed and all(p is None for p in parts)
         for i, (b, grad) in enumerate(zip(self.buckets, grads)):
             b.master.grad = grad.float() if grad.dtype != torch.float32 else grad
             if not (isinstance(coef, float) and coef == 1.0):
                 b.master.grad.mul_(coef)
-            self._optimizer.step_bucket(i, optim.parts_to_step(self._optimizer, i, b, used[i]), found_inf)
-            b.master.grad = None
-            retag(optim.optimizer_state(self._optimizer, b.master), "optimizer_states")
-            with comm.unit(b.layout.label, "step: publish"):
-                self._publish(b)
+            if not at_once:
+                self._step_one(i, b, parts[i], found_inf)
+        if at_once:
+            self._optimizer.step_all(found_inf)
+            for i, b in enumerate(self.buckets):
+                self._step_one(i, b, None, None, stepped=True)
         self._finish_publish()
         return True if found_inf is None else optim.Stepped(found_inf)
+
+    def _step_one(self, i: int, b: Bucket, parts, found_inf: torch.Tensor | None, stepped: bool = False) -> None:
+        """Bucket ``b``'s master stepped (unless ``stepped``: :meth:`optim.GroupedOptimizer.step_all`
+        did), its gradient dropped, its state tagged for the ledger, the update published."""
+        if not stepped:
+            self._optimizer.step_bucket(i, parts, found_inf)
+        b.master.grad = None
+        retag(optim.optimizer_state(self._optimizer, b.master), "optimizer_states")
+        with comm.unit(b.layout.label, "step: publish"):
+            self._publish(b)
 
     def _exchange_used_flags(self, reduced: bool = False) -> None:
         """Start finding out which parameters any rank used since ``zero_grad``: one

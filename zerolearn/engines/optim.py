@@ -38,8 +38,26 @@ def check_options(optimizer: str, lr: float, bucket_mb: float | None, max_grad_n
         require_real("--max-grad-norm", max_grad_norm)
 
 
+def multi_tensor_kind(device: torch.device) -> str | None:
+    """How an engine steps all of a rank's masters at once on ``device``: ``"fused"`` on
+    CUDA, None (one master at a time, :meth:`GroupedOptimizer.step_bucket`) elsewhere.
+
+    On CUDA a torch optimizer over many tensors costs kernel launches: the per-tensor
+    loop launches ~10 element-wise kernels per master, ``foreach`` ~10 per group of
+    tensors, ``fused`` (torch's ``_fused_adam_`` / ``_fused_adamw_`` / ``_fused_sgd_``)
+    one per group, reading each element once. Fused also takes the overflow flag
+    (``found_inf``, as torch's ``GradScaler`` passes it) and keeps Adam's step count on
+    the device, so a skipped step costs no copy and no host read. On the CPU the
+    per-master path, :data:`CPU_CHUNK` elements at a time, stays: its numbers are the
+    ones the stored notebooks show, and chunks that stay in the cache beat one pass of
+    each op over all masters. ``"foreach"`` is accepted too (forced, for tests).
+    """
+    return "fused" if device.type == "cuda" else None
+
+
 def make_optimizer(name: str, params: list[nn.Parameter], lr: float, weight_decay: float = 0.0,
-                   momentum: float = 0.0, betas: tuple[float, float] = (0.9, 0.999)) -> torch.optim.Optimizer:
+                   momentum: float = 0.0, betas: tuple[float, float] = (0.9, 0.999),
+                   kind: str | None = None) -> torch.optim.Optimizer:
     """torch's own Adam / AdamW / SGD over the flat master tensors (``params``).
 
     One ``step()`` updates every master that has a ``.grad``. On the CPU torch's
@@ -47,15 +65,20 @@ def make_optimizer(name: str, params: list[nn.Parameter], lr: float, weight_deca
     each master's update is computed on its own, exactly as if it were stepped
     alone: how many masters one call covers does not change a single bit.
 
+    Args:
+        kind: None (torch's default for the device), ``"fused"`` or ``"foreach"``
+            (:func:`multi_tensor_kind`).
+
     Raises:
         ConfigError: ``name`` is not one of :data:`OPTIMIZERS`.
     """
+    extra = {kind: True} if kind is not None else {}
     if name == "adam":
-        return torch.optim.Adam(params, lr=lr, betas=betas, weight_decay=weight_decay)
+        return torch.optim.Adam(params, lr=lr, betas=betas, weight_decay=weight_decay, **extra)
     if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay)
+        return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, **extra)
     if name == "sgd":
-        return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay)
+        return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay, **extra)
     raise ConfigError(f"--optimizer {name!r}: allowed are {', '.join(OPTIMIZERS)}")
 
 
@@ -103,6 +126,9 @@ class GroupedOptimizer(torch.optim.Optimizer):
     does; ``engine.step()`` itself calls :meth:`step`, so step hooks and a scheduler's
     bookkeeping see every step.
 
+    :meth:`step_all` steps every master in one multi-tensor call (``multi``: fused on
+    CUDA, :func:`multi_tensor_kind`), over the same per-master state.
+
     Args:
         optimizers: one torch optimizer per master, each over that master alone (one
             param group each, with the same hyperparameters).
@@ -111,6 +137,8 @@ class GroupedOptimizer(torch.optim.Optimizer):
 
     def __init__(self, optimizers: list[torch.optim.Optimizer], masters: list[torch.Tensor]):
         self.optimizers, self.masters = optimizers, masters
+        self.multi = multi_tensor_kind(masters[0].device) if masters else None  # how step_all steps
+        self._multi: torch.optim.Optimizer | None = None  # built by step_all, sharing the masters' state
         self.index = {id(m): i for i, m in enumerate(masters)}
         self._engine = None  # a weak reference to the engine whose step this is (bind)
         self.stepped: bool | None = None  # what the engine's last step returned
@@ -159,7 +187,55 @@ class GroupedOptimizer(torch.optim.Optimizer):
         if changed:
             for o in self.optimizers:
                 o.param_groups[0].update(changed)
+            if self._multi is not None:
+                self._multi.param_groups[0].update(changed)
             self._pushed.update(changed)
+
+    def step_all(self, found_inf: torch.Tensor | None = None) -> None:
+        """One multi-tensor step (:attr:`multi`: ``"fused"`` or ``"foreach"``) over every
+        master that has a ``.grad``; each master's state is the one its own optimizer
+        holds (shared, not copied), so :meth:`step_bucket` and checkpoints see it.
+
+        Args:
+            found_inf: bool 0-dim tensor on the masters' device, or None. Fused optimizers
+                take it as torch's ``GradScaler`` passes it (the update skipped inside the
+                kernel, the step count taken back); ``foreach`` masks as :meth:`step_bucket`.
+
+        Raises:
+            ConfigError: :attr:`multi` is None (the per-master path has no multi-tensor step).
+        """
+        if self.multi is None:
+            raise ConfigError("GroupedOptimizer.step_all: no multi-tensor kind on this device (multi is None); "
+                              "step the masters with step_bucket")
+        if self._multi is None or self._multi.defaults.get(self.multi) is not True:
+            first = self.optimizers[0]
+            hyper = {k: v for k, v in first.param_groups[0].items()
+                     if k not in ("params", "foreach", "fused", "capturable")}
+            self._multi = type(first)([{**hyper, "params": list(self.masters)}], **{self.multi: True})
+            for o, m in zip(self.optimizers, self.masters):
+                self._multi.state[m] = o.state[m]  # the same dict: state made by either is both's
+        multi, masters = self._multi, [m for m in self.masters if m.grad is not None]
+        if self.multi == "fused" or found_inf is None:
+            if found_inf is not None:
+                multi.found_inf = found_inf.float()
+            try:
+                multi.step()
+            finally:
+                multi.__dict__.pop("found_inf", None)
+            return
+        states = [multi.state[m] for m in masters]
+        for m, state, o in zip(masters, states, [self.optimizers[self.index[id(m)]] for m in masters]):
+            if not state:
+                state.update(_fresh_state(o, m))
+        kept = [t for m, state in zip(masters, states)
+                for t in [m.detach(), *state.values()] if torch.is_tensor(t) and t.dim() > 0]
+        before = [t.clone() for t in kept]
+        multi.step()
+        for t, old in zip(kept, before):
+            t.copy_(torch.where(found_inf, old, t))
+        for state in states:
+            if torch.is_tensor(state.get("step")):
+                state["step"].sub_(found_inf.to(state["step"].device, state["step"].dtype))
 
     def step_bucket(self, i: int, parts: list[tuple[int, int, int]] | None = None,
                     found_inf: torch.Tensor | None = None) -> None:
@@ -186,6 +262,13 @@ class GroupedOptimizer(torch.optim.Optimizer):
             self._step_master(i, parts)
             return
         opt, master = self.optimizers[i], self.masters[i]
+        if opt.defaults.get("fused") and parts is None:  # skipped inside the kernel, as GradScaler has it
+            opt.found_inf = found_inf.float()
+            try:
+                self._step_master(i, parts)
+            finally:
+                opt.__dict__.pop("found_inf", None)
+            return
         state = opt.state[master]
         if not state:
             state.update(_fresh_state(opt, master))
@@ -223,7 +306,8 @@ class GroupedOptimizer(torch.optim.Optimizer):
         for view, (a, b, steps) in zip(views, parts):
             partial.state[view] = {k: (v[a:b] if torch.is_tensor(v) and v.dim() > 0 else
                                        v.clone() if torch.is_tensor(v) and steps is None else
-                                       torch.tensor(float(steps), dtype=v.dtype) if torch.is_tensor(v) else v)
+                                       torch.tensor(float(steps), dtype=v.dtype, device=v.device)
+                                       if torch.is_tensor(v) else v)
                                    for k, v in state.items()}
         partial.step()
         if "step" in state:
@@ -292,6 +376,7 @@ class GroupedOptimizer(torch.optim.Optimizer):
         hyper = {k: v for k, v in self.optimizers[0].param_groups[0].items() if k != "params"}
         self.param_groups[0].update(hyper)
         self._pushed = dict(hyper)
+        self._multi = None  # its shared state dicts were replaced: built again at the next step_all
 
 
 class Stepped:
@@ -333,18 +418,22 @@ def _fresh_state(opt: torch.optim.Optimizer, master: torch.Tensor) -> dict:
     first update, 0 * momentum + grad, equals torch's clone of the first gradient)."""
     if isinstance(opt, torch.optim.SGD):
         return {"momentum_buffer": torch.zeros_like(master)} if opt.param_groups[0]["momentum"] else {}
-    return {"step": torch.tensor(0.0, dtype=torch.get_default_dtype()), "exp_avg": torch.zeros_like(master),
+    on_device = opt.defaults.get("fused") or opt.defaults.get("capturable")  # torch keeps the count there
+    return {"step": torch.tensor(0.0, dtype=torch.float32 if on_device else torch.get_default_dtype(),
+                                 device=master.device if on_device else None), "exp_avg": torch.zeros_like(master),
             "exp_avg_sq": torch.zeros_like(master)}
 
 
 def make_grouped(name: str, masters: list[nn.Parameter], lr: float, weight_decay: float = 0.0,
                  momentum: float = 0.0, betas: tuple[float, float] = (0.9, 0.999)) -> GroupedOptimizer:
-    """:class:`GroupedOptimizer` of :func:`make_optimizer`'s ``name``, one per master.
+    """:class:`GroupedOptimizer` of :func:`make_optimizer`'s ``name``, one per master
+    (fused on CUDA, :func:`multi_tensor_kind`: the overflow flag then skips inside the kernel).
 
     Raises:
         ConfigError: ``name`` is not one of :data:`OPTIMIZERS`.
     """
-    return GroupedOptimizer([make_optimizer(name, [m], lr, weight_decay, momentum, betas) for m in masters],
+    kind = multi_tensor_kind(masters[0].device) if masters else None  # CUDA: fused per master too
+    return GroupedOptimizer([make_optimizer(name, [m], lr, weight_decay, momentum, betas, kind) for m in masters],
                             list(masters))
 
 
