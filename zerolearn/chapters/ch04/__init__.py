@@ -13,7 +13,10 @@
 * exercise ``04.nano_engine`` (:mod:`.nano_engine`, checked by :mod:`.nano_engine_check`):
   the reader's functions of chapters 1-4 assembled into :class:`zerolearn.nano.NanoZero`,
   trained at stages 0-3 against one process, with Fig 1's bytes and 2 / 2 / 2 / 3 Psi per
-  step; a wrong part is named with its own exercise's words.
+  step; a wrong part is named with its own exercise's words;
+* the file to take home: :mod:`.take_home` writes the reader's functions into
+  :mod:`.my_zero`, one standalone torch script (DP and ZeRO-1/2/3 by ``--stage``) that the
+  chapter runs under torchrun and that checks itself against one process and Fig 1's bytes.
 
 The trials cut the book's MLP (4 Linear layers of width 64, 4,160 parameters each, fp32)
 into one unit per layer, laid out as the engine lays them

@@ -1,0 +1,75 @@
+"""The ZeRO file to take home: ``my_zero.py``, written from the book's solutions, needs torch alone,
+and under torchrun on 2 and 3 gloo ranks equals one process (rel 1e-6, fp32) at stages 0-3 with
+Fig 1's bytes for fp32 Adam with an fp32 master, (4 + 4 + 12) Psi divided by Nd where the stage
+partitions, for the padded Psi."""
+
+import ast
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from zerolearn.chapters.ch04 import take_home
+from zerolearn.chapters.ch04.gather_hooks import gather_hooks
+from zerolearn.errors import ConfigError
+
+LAYER = 64 * 64 + 64  # one Linear(64, 64) of the script's MLP
+LAYERS = 4
+
+
+def expected_bytes(stage: int, nd: int) -> dict:
+    """Fig 1 in fp32 with an fp32 master: one flat buffer at stages 0-2 (padded to Nd from stage
+    1), one per layer at stage 3; params / grads / optimizer states divided from stage 3 / 2 / 1."""
+    psi = LAYERS * LAYER
+    if stage == 3:
+        padded = LAYERS * (LAYER + -LAYER % nd)
+    else:
+        padded = psi + (-psi % nd if stage else 0)
+    return {"params": 4 * padded // (nd if stage == 3 else 1), "grads": 4 * padded // (nd if stage >= 2 else 1),
+            "optimizer_states": 12 * padded // (nd if stage >= 1 else 1)}
+
+
+def test_the_script_imports_torch_alone(tmp_path):
+    text = take_home.script()
+    modules = set()
+    for node in ast.walk(ast.parse(text)):
+        if isinstance(node, ast.Import):
+            modules |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            modules.add(node.module.split(".")[0])
+    assert modules <= {"argparse", "json", "warnings", "torch"}, modules
+    for name in take_home.PARTS:
+        assert f"def {name}(" in text, name
+    assert "# PART" not in text and "BEGIN SOLUTION" not in text
+
+
+def test_the_readers_functions_are_written_and_skeletons_left_to_the_book(tmp_path):
+    path = tmp_path / "skeleton.py"
+    path.write_text("def gather_hooks(unit, flat, shard, world_size):\n    raise NotImplementedError\n")
+    spec = importlib.util.spec_from_file_location("skeleton", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert take_home.written({"gather_hooks": module.gather_hooks}) == {}
+    assert take_home.written({"gather_hooks": gather_hooks}) == {"gather_hooks": gather_hooks}
+    with pytest.raises(ConfigError, match="allowed are"):
+        take_home.script({"prefetch": gather_hooks})
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_my_zero_under_torchrun_equals_one_process_with_the_formulas_bytes(world_size, tmp_path):
+    take_home.write(tmp_path / "my_zero.py")
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                          str(world_size), "my_zero.py", "--stage", "0", "1", "2", "3", "--json"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    rows = [json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")]
+    assert [r["stage"] for r in rows] == [0, 1, 2, 3], run.stdout
+    for r in rows:
+        assert r["world_size"] == world_size
+        assert r["rel_loss"] <= 1e-6 and r["rel_params"] <= 1e-6, r
+        assert r["bytes"] == expected_bytes(r["stage"], world_size), r
+        assert r["ok"], r

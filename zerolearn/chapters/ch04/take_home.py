@@ -1,0 +1,81 @@
+"""A ZeRO file to take home: the reader's functions of chapters 1-4 written out as one
+standalone script, ``my_zero.py``, that runs DP and ZeRO-1/2/3 under torchrun (Sec 5.1-5.3).
+
+The script is :mod:`zerolearn.chapters.ch04.my_zero` with each line marked ``# PART`` (an
+import of one of the book's solutions) replaced by the source of the function that takes
+its place: the reader's, where given, else the book's solution. What remains imports torch
+alone, so the file runs anywhere torch does::
+
+    write("my_zero.py", {"gather_hooks": gather_hooks})   # yours, the book's for the rest
+    # then: torchrun --standalone --nproc-per-node 2 my_zero.py --stage 0 1 2 3
+"""
+
+from __future__ import annotations
+
+import inspect
+import textwrap
+from collections.abc import Callable
+from pathlib import Path
+
+from zerolearn.errors import ConfigError
+
+PARTS = {"average_gradients": "01.average_gradients", "flatten_params": "02.flatten_params",
+         "zero1_step": "02.zero1_step", "reduce_scatter_hook": "03.reduce_scatter_hook",
+         "gather_hooks": "04.gather_hooks"}
+"""The functions the script is made of, by name, and the exercise each one is."""
+TEMPLATE = Path(__file__).with_name("my_zero.py")
+
+
+def part_source(name: str, fn: Callable | None = None) -> str:
+    """The source of part ``name``: ``fn``'s (a function defined in a notebook cell or a file),
+    or, when ``fn`` is None, the book's solution with its markers removed. Raises ConfigError
+    for a name not in :data:`PARTS`, or a function whose name differs or whose source is lost."""
+    from zerolearn import exercises
+
+    if name not in PARTS:
+        raise ConfigError(f"part {name!r}: allowed are {', '.join(PARTS)}")
+    if fn is None:
+        return exercises.solution_source(PARTS[name])
+    if getattr(fn, "__name__", None) != name:
+        raise ConfigError(f"part {name!r} is a function named {getattr(fn, '__name__', fn)!r}; "
+                          f"the script calls {name}(...)")
+    try:
+        return textwrap.dedent(inspect.getsource(fn))
+    except (OSError, TypeError) as e:
+        raise ConfigError(f"the source of {name} cannot be read ({e}): define it with def in a cell") from e
+
+
+def written(parts: dict[str, Callable] | None) -> dict[str, Callable]:
+    """The parts of ``parts`` the reader has written: a function whose body still raises
+    NotImplementedError (the reader's copy's skeleton) is left out, so the book's solution
+    takes its place. Raises ConfigError naming a part not in :data:`PARTS`."""
+    parts = dict(parts or {})
+    unknown = sorted(set(parts) - set(PARTS))
+    if unknown:
+        raise ConfigError(f"parts: {', '.join(map(repr, unknown))} unknown; allowed are {', '.join(PARTS)}")
+    return {n: fn for n, fn in parts.items() if "raise NotImplementedError" not in part_source(n, fn)}
+
+
+def script(parts: dict[str, Callable] | None = None) -> str:
+    """The text of ``my_zero.py``: the template with every ``# PART`` line replaced, the first by
+    all the parts' sources (the reader's :func:`written` ones, the book's solutions for the
+    rest), the others removed."""
+    parts = written(parts)
+    out, written_yet = [], False
+    for line in TEMPLATE.read_text().splitlines():
+        if not line.endswith("# PART"):
+            out.append(line)
+        elif not written_yet:
+            out.append("\n\n\n".join(part_source(n, parts.get(n)).rstrip() for n in PARTS))
+            written_yet = True
+    return "\n".join(out) + "\n"
+
+
+def write(path: str | Path, parts: dict[str, Callable] | None = None) -> str:
+    """Write :func:`script` to ``path``. Returns one line saying which parts are the reader's
+    and which the book's solutions."""
+    Path(path).write_text(script(parts))
+    yours = written(parts)
+    books = [n for n in PARTS if n not in yours]
+    return (f"wrote {path}: yours {', '.join(yours) or 'none'}; "
+            f"the book's solution for {', '.join(books) or 'none'}")
