@@ -45,7 +45,10 @@ class Unit:
         name: the module's name in the model (``blocks.1``; ``<model>`` for the root).
         buckets: its buckets, in backward order.
         gathering: all_gathers in flight (started, not yet waited for).
-        gathered: every gather finished: the parameters hold their values.
+        gathered: every gather finished: the parameters hold their values. Setting it
+            swaps the class of the parameters :meth:`ShardedParameter.adopt` made sharded:
+            plain ``nn.Parameter`` while gathered (torch's ops on them pay no Python
+            check), :class:`ShardedParameter` while freed (every op checked).
         ran: its forward has started in the current forward pass.
         backward_gathered: its pre-backward gather already ran in this backward.
     """
@@ -53,9 +56,24 @@ class Unit:
     def __init__(self, index: int, name: str, module: nn.Module, buckets: list):
         self.index, self.name, self.module, self.buckets = index, name, module, buckets
         self.gathering: list[comm.Handle] = []
-        self.gathered = False
+        self._gathered = False
+        self.sharded: list[nn.Parameter] = []  # parameters whose class follows `gathered` (adopt)
         self.ran = False
         self.backward_gathered = False
+
+    @property
+    def gathered(self) -> bool:
+        return self._gathered
+
+    @gathered.setter
+    def gathered(self, value: bool) -> None:
+        value = bool(value)
+        if value != self._gathered:
+            # The guard's price paid once per gather and once per free, not per op.
+            cls = nn.Parameter if value else ShardedParameter
+            for p in self.sharded:
+                p.__class__ = cls
+        self._gathered = value
 
     def describe(self) -> str:
         return f"unit {self.index}: {self.name}, {type(self.module).__name__}"
@@ -226,8 +244,10 @@ class ShardedParameter(nn.Parameter):
     Between gathers a parameter's storage is resized to 0 bytes, and torch would read
     past its end (a segfault) if asked for its values. The engine turns every sharded
     parameter into this subclass of ``nn.Parameter`` (``isinstance(p, nn.Parameter)``
-    still holds): a torch op that reads one while its unit is not gathered raises a
-    ConfigError naming it and :meth:`Zero3Engine.summon_full_params
+    still holds) while its unit is freed, and back into a plain ``nn.Parameter`` while
+    the unit is gathered (``Unit.gathered`` swaps the class), so the guard costs two
+    class swaps per gather rather than a Python call per op. A torch op that reads one
+    while its unit is not gathered raises a ConfigError naming it and :meth:`Zero3Engine.summon_full_params
     <zerolearn.engines.zero3.Zero3Engine.summon_full_params>`, the context in which every
     parameter holds its full values (as FSDP's ``summon_full_params``). Metadata (shape,
     dtype, ``.grad``, hooks) stays readable; ``repr`` says what the parameter holds.
@@ -240,11 +260,15 @@ class ShardedParameter(nn.Parameter):
 
     @classmethod
     def adopt(cls, bucket, unit: Unit) -> None:
-        """Make ``bucket``'s plain ``nn.Parameter`` objects sharded parameters of ``unit``."""
+        """Make ``bucket``'s plain ``nn.Parameter`` objects sharded parameters of ``unit``
+        (of this class while ``unit`` is not gathered; a subclass of the user's own keeps
+        its class and is not guarded)."""
         for name, p in zip(bucket.layout.names, bucket.params):
             if type(p) is nn.Parameter:
-                p.__class__ = cls
                 p.zero3 = (name, unit)
+                unit.sharded.append(p)
+                if not unit.gathered:
+                    p.__class__ = cls
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
