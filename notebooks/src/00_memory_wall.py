@@ -357,8 +357,9 @@ plt.show()
 # (constant-size buffers, CB, Sec 6.2); the `temporary` category of the step above also holds
 # activation gradients and casting buffers.
 #
-# **Fragmentation** (Sec 3.2). Short-lived tensors (recomputed activations, activation gradients)
-# are interleaved with long-lived ones (checkpoints, parameter gradients). Free memory ends up in
+# **Fragmentation** (Sec 3.2 observes it; Sec 6.3 explains it). Short-lived tensors (recomputed
+# activations, activation gradients) are interleaved with long-lived ones (checkpoints, parameter
+# gradients). Free memory ends up in
 # holes between long-lived tensors, and a large allocation can fail although the sum of the holes
 # would hold it. ZeRO-R pre-allocates contiguous buffers for long-lived tensors (MD, Sec 6.3).
 # Chapter 5 measures both.

@@ -265,7 +265,8 @@ exercises.check("02.flatten_params", flatten_params)
 # First the whole step, on seven numbers over three ranks (padded to nine, so each shard
 # has three), with SGD at learning rate 1. A colour marks the rank that owns a slice; the
 # hatched slots are padding. Step through the four frames and follow rank 1's orange
-# shard: it is the only gradient rank 1 keeps and the only part it updates.
+# shard: the only part of the reduced gradient rank 1 reads, and the only part it updates. At
+# ZeRO-1 rank 1 still keeps its whole gradient buffer (grey: kept, not read by the step).
 
 # %%
 step = schematics.zero1_animation(nd=3)  # in JupyterLab, step.widget(): play button and slider
