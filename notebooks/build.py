@@ -35,6 +35,8 @@ SRC = HERE / "src"
 READERS = HERE / "exercises"
 EXERCISE = re.compile(r"# exercise: (\d\d\.\w+)")
 KERNELSPEC = {"name": "python3", "display_name": "Python 3", "language": "python"}
+# IPython's lexer: the book highlights a cell's shell escape (!torchrun ...) without a warning.
+LANGUAGE_INFO = {"name": "python", "pygments_lexer": "ipython3"}
 
 
 def sources() -> list[Path]:
@@ -49,7 +51,7 @@ def read_source(src: Path, reader: bool = False) -> nbformat.NotebookNode:
     from zerolearn import exercises
 
     nb = jupytext.read(src, fmt="py:percent")
-    nb.metadata = {"kernelspec": KERNELSPEC, "language_info": {"name": "python"}}
+    nb.metadata = {"kernelspec": KERNELSPEC, "language_info": LANGUAGE_INFO}
     for i, cell in enumerate(nb.cells):
         cell.id = f"c{i:02d}"
         cell.metadata.pop("lines_to_next_cell", None)
@@ -85,7 +87,7 @@ def build(src: Path, timeout: int = 600) -> Path:
     nb = read_source(src)
     NotebookClient(nb, timeout=timeout, kernel_name="python3",
                    resources={"metadata": {"path": str(HERE)}}).execute()
-    nb.metadata["language_info"] = {"name": "python"}  # the kernel's version string differs per machine
+    nb.metadata["language_info"] = LANGUAGE_INFO  # the kernel's version string differs per machine
     out = HERE / f"{src.stem}.ipynb"
     nbformat.write(nb, out)
     return out
