@@ -32,8 +32,11 @@ def reference(scenario: str) -> dict:
 
 def assert_exact(run, ref, what):
     assert not isinstance(run, str), f"{what}: {run}"
-    assert run["losses"] == pytest.approx(ref["losses"], rel=1e-5), what
-    assert user_model_jobs.rel_error(run["params"], ref["params"]) < 1e-5, what
+    # The frozen bf16 base computes in bf16, and so does the gradient through it: rounded to 8
+    # bits of mantissa on a slice of the batch here and on the whole batch in the reference.
+    rel = 1e-3 if what.startswith("lora_bf16") else 1e-5
+    assert run["losses"] == pytest.approx(ref["losses"], rel=rel), what
+    assert user_model_jobs.rel_error(run["params"], ref["params"]) < rel, what
 
 
 def assert_refused(run, *words):

@@ -15,7 +15,7 @@ def persistent_ranks():
 
 def _cell(name: str, source: str):
     namespace = {"__name__": "__main__"}
-    exec(compile(exercises.PRELUDE + "\n" + source, "<cell>", "exec"), namespace)
+    exec(compile(exercises.prelude(name) + "\n" + source, "<cell>", "exec"), namespace)
     return namespace[EXERCISES[name].solution.__name__]
 
 
@@ -23,7 +23,7 @@ READS_FREED = '''
 def prefetch(units, flats, shards, world_size):
     def before(i):
         flats[i].untyped_storage().resize_(flats[i].numel() * flats[i].element_size())
-        comm.all_gather(flats[i], shards[i])
+        dist.all_gather_into_tensor(flats[i], shards[i])
         flats[(i + 1) % len(units)].view(-1)[0].item()  # reads the next unit, still freed
     for i, unit in enumerate(units):
         unit.register_forward_pre_hook(lambda m, a, i=i: before(i))
