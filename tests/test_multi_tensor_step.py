@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from jobs import gpt_loss, global_batch, on_ranks, small_gpt
+from jobs import global_batch, gpt_loss, on_ranks, small_gpt
 from zerolearn.engines import optim
 
 KINDS = (None, "foreach", "fused")

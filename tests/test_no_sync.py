@@ -28,7 +28,7 @@ import threading
 import pytest
 import torch
 
-from jobs import gpt_loss, global_batch, on_ranks, small_gpt
+from jobs import global_batch, gpt_loss, on_ranks, small_gpt
 
 READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy", "nonzero", "cpu", "to")
 FUNCTIONS = ("equal", "allclose", "is_nonzero", "nonzero")

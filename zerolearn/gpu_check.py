@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -294,7 +293,8 @@ def plan(gpus: int) -> list[Check]:
 def versions() -> dict:
     """The device and the torch, CUDA and NCCL versions (None where absent)."""
     cuda = torch.cuda.is_available()
-    return {"device": torch.cuda.get_device_name(0) if cuda else "cpu", "gpus": torch.cuda.device_count() if cuda else 0,
+    return {"device": torch.cuda.get_device_name(0) if cuda else "cpu",
+            "gpus": torch.cuda.device_count() if cuda else 0,
             "torch": torch.__version__, "cuda": torch.version.cuda,
             "nccl": ".".join(map(str, torch.cuda.nccl.version())) if cuda else None,
             "python": sys.version.split()[0]}

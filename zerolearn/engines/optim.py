@@ -183,7 +183,8 @@ class GroupedOptimizer(torch.optim.Optimizer):
         """Copy what changed in ``param_groups[0]`` since the last push (an LR scheduler's
         ``lr``, a hand-set ``weight_decay``) into every bucket's optimizer."""
         group = self.param_groups[0]
-        changed = {k: v for k, v in group.items() if k != "params" and (k not in self._pushed or self._pushed[k] is not v)}
+        changed = {k: v for k, v in group.items()
+                   if k != "params" and (k not in self._pushed or self._pushed[k] is not v)}
         if changed:
             for o in self.optimizers:
                 o.param_groups[0].update(changed)

@@ -87,8 +87,9 @@ class ResidualExplorer(Explorer):
     Adam (K = 12) with 2-byte values, as in the paper. The defaults are Sec 6.1's
     100B example (seq 1K, Nm = 16) on 32 GB V100s, in the book's shape (125 x 8192;
     the paper's Table 4 holds its configurations) and at the book's choice of P_os+g
-    and Nd = 64 (Sec 6.1 names neither), at batch 16 per GPU: the paper states batch 32, but its checkpoints of about 33 GB
-    per GPU (about 2 GB with P_a) are what the formula gives at batch 16 (67 GB at 32).
+    and Nd = 64 (Sec 6.1 names neither), at batch 16 per GPU: the paper states batch 32,
+    but its checkpoints of about 33 GB per GPU (about 2 GB with P_a) are what the formula
+    gives at batch 16 (67 GB at 32).
 
     ``result``: ``{"with": ..., "without": ...}``, each ``residual_bytes`` (bytes): the
     chosen ZeRO-R, and none of it (replicated checkpoints, full buffer, no MD).
