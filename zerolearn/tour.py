@@ -6,7 +6,8 @@ Four gloo ranks on this machine's CPU (NCCL, one rank per GPU, when it has two G
 more; one GPU cannot show partitions, so a one-GPU machine runs the four gloo ranks
 too and says so: :func:`zerolearn.experiments.machine.plan_tour`) train the same
 byte-level GPT on CPython's Language Reference, once per stage, with the same seed
-and the same global batches. The table shows, for rank 0, the bytes it holds per category next to the paper's formula (Sec 5, Fig 1) and the
+and the same global batches. The table shows, for rank 0, the bytes it holds per
+category next to the paper's formula (Sec 5, Fig 1) and the
 data its collectives moved per step in units of Psi next to Sec 7's 2 Psi / 3 Psi.
 The losses agree across stages: ZeRO changes where state lives, not the maths.
 """
