@@ -66,7 +66,10 @@ RUNS = {
 }
 
 
-@pytest.mark.parametrize("name", list(RUNS))
+QUICK = ("stage 0", "stage 1", "stage 2", "stage 3")  # the options run in the full tier
+
+
+@pytest.mark.parametrize("name", [n if n in QUICK else pytest.param(n, marks=pytest.mark.slow) for n in RUNS])
 def test_train_four_times_in_one_process_leaves_nothing_behind(one_rank, name, tmp_path):
     options = {"model": "mlp", "mlp_width": 512, "mlp_layers": 4, "steps": 2, "quiet": True, **RUNS[name]}
     if options.get("offload") == "disk":
