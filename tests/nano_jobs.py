@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from zerolearn import comm, data
+from zerolearn.watch import watching
 from zerolearn import dist as zdist
 from zerolearn.models import GPTConfig, build_model
 from zerolearn.nano import NanoZero
@@ -33,15 +34,16 @@ def train(stage: int, model: str = "mlp", prefetch: bool = False, dtype: str = "
     engine = NanoZero(_model(model), stage, LR, prefetch=prefetch, dtype=dtype)
     comm.LEDGER.reset()
     losses, grads = [], 0
-    for step in range(STEPS):
-        x, y = _batch(model, step)
-        x, y = data.rank_slice(x, ctx.rank, ctx.world_size), data.rank_slice(y, ctx.rank, ctx.world_size)
-        loss = _loss(model, engine(x), y)
-        engine.backward(loss)
-        grads = engine.model_state_bytes()["grads"]
-        engine.step()
-        engine.zero_grad()
-        losses.append(loss.item())
+    with watching():  # nano's parts call torch.distributed's collectives by name: the ledger watches them
+        for step in range(STEPS):
+            x, y = _batch(model, step)
+            x, y = data.rank_slice(x, ctx.rank, ctx.world_size), data.rank_slice(y, ctx.rank, ctx.world_size)
+            loss = _loss(model, engine(x), y)
+            engine.backward(loss)
+            grads = engine.model_state_bytes()["grads"]
+            engine.step()
+            engine.zero_grad()
+            losses.append(loss.item())
     moved = comm.LEDGER.volume_elements() / STEPS
     held = {**engine.model_state_bytes(), "grads": grads}
     losses = [comm.monitor_mean(v) for v in losses]
