@@ -180,3 +180,32 @@ def test_stored_scaling_measures_what_the_paper_expects():
                 # d_model a multiple of 64: every tensor divides into Nd <= 4 shards, no padding.
                 assert all(b == s["expected_bytes"] for b in s["bytes"]), (point["world_size"], point["d_model"])
                 assert s["comm_elements_per_step"] == s["expected_comm_elements_per_step"]
+
+
+def test_the_summary_keeps_the_full_tables_cells():
+    stored = json.loads((STORED / "quick.json").read_text())
+    full = {r[0]: r for r in table_rows(stored)}
+    s = results.summary(stored)
+    assert [r[0] for r in s["rows"]] == list(full)
+    for row in s["rows"]:
+        f = full[row[0]]
+        assert len(row) == len(results.SUMMARY_HEADER)
+        assert row[:4] == f[:4] and row[4:6] == f[5:7] and row[6] == f[10]  # peak RSS on the CPU
+    assert s["job"] == format_table(stored).split("\n", 1)[0]
+    assert results.summary(s) is s  # a summary stays one
+    printed = results.format_summary(stored)
+    assert "peak RSS" in printed and "on the CPU" in printed
+
+
+def test_the_stored_gpu_measurement_names_its_machine_and_beats_no_peer_by_fiat():
+    gpu = json.loads((STORED / "gpu.json").read_text())
+    printed = results.format_summary(gpu)
+    assert gpu["device"] == "cuda" and gpu["accelerator"]["name"] in printed and "CUDA peak" in printed
+    assert gpu["measured"] and gpu["measured"] in printed
+    rows = {r[0]: r for r in results.summary(gpu)["rows"]}
+    for stage in range(4):
+        ours = rows[f"zerolearn-{stage}"]
+        ratio, peer = ours[4].split("x ")
+        # the ratio column is the medians' quotient, to the 3 digits stored
+        assert float(ratio) == pytest.approx(float(ours[2]) / float(rows[peer][2]), abs=0.006)
+        assert rows[peer][1] == stage

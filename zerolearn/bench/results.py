@@ -11,6 +11,8 @@ from __future__ import annotations
 import json
 import platform
 import statistics
+import subprocess
+from pathlib import Path
 
 import torch
 
@@ -125,10 +127,30 @@ def summarize(spec: BenchSpec, raw: dict[str, list[list[dict]]], errors: dict[st
     add_ratios(systems)
     return {"spec": spec.as_dict(), "world_size": spec.world_size, "device": spec.device,
             "backend": spec.backend, "torch": torch.__version__, "deepspeed": _deepspeed_version(spec),
-            "cpu": platform.processor() or platform.machine(), "psi": psi, "loss_atol": LOSS_ATOL,
-            "loss_reference": reference,
+            "cpu": platform.processor() or platform.machine(), "accelerator": accelerator(spec.device),
+            "commit": commit(), "psi": psi, "loss_atol": LOSS_ATOL, "loss_reference": reference,
             "formula_bytes": {str(s): formula_bytes(psi, spec.world_size, s) for s in range(4)},
             "systems": systems}
+
+
+def commit() -> str | None:
+    """The package's git commit (short hash) when it runs from a clone, else None."""
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=Path(__file__).resolve().parent,
+                             capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def accelerator(device: str) -> dict | None:
+    """On ``device == "cuda"``: the GPU's name and count, CUDA's and NCCL's versions (what a
+    GPU table must state beside its times); None on the CPU."""
+    if device != "cuda" or not torch.cuda.is_available():
+        return None
+    nccl = torch.cuda.nccl.version() if hasattr(torch.cuda, "nccl") else None
+    return {"name": torch.cuda.get_device_name(0), "count": torch.cuda.device_count(), "cuda": torch.version.cuda,
+            "nccl": ".".join(map(str, nccl)) if isinstance(nccl, tuple) else nccl}
 
 
 def _deepspeed_version(spec: BenchSpec) -> str | None:
@@ -206,6 +228,50 @@ def format_table(result: dict) -> str:
     cols = header(result)
     return "\n".join([head, "", text_table(cols, table_rows(result), align=["left"] + ["right"] * (len(cols) - 1)),
                       "", *foot])
+
+
+SUMMARY_HEADER = ["system", "stage", "step ms\nmedian", "IQR\nms", "vs best peer\n(median)", "losses",
+                  "peak MiB"]
+
+
+def summary(result: dict) -> dict:
+    """The seven columns of a comparison that fit a page (:data:`SUMMARY_HEADER`: system,
+    stage, step-time median and IQR in ms, ratio to the best peer, the loss check and the
+    peak memory of the busiest rank, MiB: CUDA's on a GPU, RSS on the CPU) and the job's
+    line, from a full result of :func:`summarize`. A result that already is a summary (the
+    stored GPU measurement, ``notebooks/data/bench/gpu.json``, has no per-step times) is
+    returned as it is.
+
+    Returns:
+        ``{"job": str, "device": str, "accelerator": dict | None, "torch": str,
+        "rows": [[str, int, str, str, str, str, str], ...]}``.
+    """
+    if "rows" in result:
+        return result
+    head = format_table(result).split("\n", 1)[0]
+    cuda = result["device"] == "cuda"
+    rows = []
+    for row in table_rows(result):
+        if len(row) < len(HEADER):  # a failed system: name, stage, the error
+            rows.append(row + [""] * (len(SUMMARY_HEADER) - len(row)))
+        else:
+            rows.append([row[0], row[1], row[2], row[3], row[5], row[6], row[-1] if cuda else row[10]])
+    return {"job": head, "device": result["device"], "accelerator": result.get("accelerator"),
+            "torch": result["torch"], "measured": f"at commit {result['commit']}" if result.get("commit") else None,
+            "rows": rows}
+
+
+def format_summary(result: dict) -> str:
+    """:func:`summary` as a printed table under its job line, then the machine's line."""
+    s = summary(result)
+    gpu = s.get("accelerator")
+    machine = (f"{gpu['count']} x {gpu['name']}, torch {s['torch']}, CUDA {gpu['cuda']}, NCCL {gpu['nccl']}"
+               if gpu else f"torch {s['torch']} on the CPU")
+    peak = "CUDA peak" if s["device"] == "cuda" else "peak RSS"
+    table = text_table([h.replace("peak MiB", f"{peak}\nMiB") for h in SUMMARY_HEADER], s["rows"],
+                       align=["left"] + ["right"] * (len(SUMMARY_HEADER) - 1))
+    lines = [s["job"], "", table, "", machine + (f"; {s['measured']}" if s.get("measured") else "")]
+    return "\n".join(lines)
 
 
 OVERHEAD_GOALS = {0: None, 1: 0.10, 2: 0.10, 3: 0.25}  # most overhead over DDP at world size 1, per stage
