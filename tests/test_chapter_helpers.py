@@ -27,7 +27,7 @@ def test_excerpt_spans_are_joined_by_an_ellipsis_and_dedented():
     shown = excerpt(Engine._on_grad, ("def _on_grad", "def _on_grad"), ("view = ", "view.add_"))
     assert shown.lines[0].startswith("def _on_grad(")
     assert shown.lines[1] == "..."
-    assert shown.lines[2].startswith("    view = b.grad_full")  # dedented as a whole: the body stays indented
+    assert shown.lines[2].startswith("    view = b.grad_view(i)")  # dedented as a whole: the body stays indented
     assert len(shown.lines) == 4
 
 

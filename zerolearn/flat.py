@@ -17,6 +17,7 @@ size of Sec 6.2.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -92,9 +93,22 @@ class FlatLayout:
             view.copy_(t.detach().reshape(view.shape))
         return flat
 
+    @functools.cached_property
+    def numels(self) -> tuple[int, ...]:
+        """Each parameter's number of elements, in buffer order."""
+        return tuple(math.prod(s) for s in self.shapes)
+
     def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """Views of ``flat`` (``padded_numel``,) shaped as each parameter, no copies."""
-        return [self.view_of(flat, i) for i in range(len(self.names))]
+        """Views of ``flat`` (``padded_numel``,) shaped as each parameter, no copies.
+
+        One ``split_with_sizes`` cuts every parameter's run at once (a bucket's hooks
+        ask for all its views each step); a ``flat`` that autograd tracks is cut one
+        view at a time, since views from one multi-output op may not be written in place.
+        """
+        if flat.requires_grad or not self.names:
+            return [self.view_of(flat, i) for i in range(len(self.names))]
+        parts = flat[:self.numel].split_with_sizes(self.numels)
+        return [part.view(shape) for part, shape in zip(parts, self.shapes)]
 
     def view_of(self, flat: torch.Tensor, index: int) -> torch.Tensor:
         """The view of parameter ``index`` inside ``flat``."""

@@ -325,12 +325,12 @@ exercises.check("01.bucket_hook", bucket_hook)
 # %% [markdown]
 # The engine does the same with the bookkeeping a library needs (gradient accumulation, shared
 # parameters, a bound on the buffers in flight). Its constructor registers
-# `functools.partial(self._on_grad, b, i)` on every parameter (bucket `b`, position `i`), and
-# autograd calls `_on_grad` once the parameter's gradient for this backward is complete. The
-# lines that matter:
+# a hook on every parameter that calls `self._on_grad(b, i, p)` (bucket `b`, position `i`;
+# through a weak reference, so the hooks do not keep a finished engine alive), and autograd
+# calls it once the parameter's gradient for this backward is complete. The lines that matter:
 
 # %%
-excerpt(Engine._on_grad, ("def _on_grad", "def _on_grad"), ("start = b.layout", "self._on_bucket_ready(b)"))
+excerpt(Engine._on_grad, ("def _on_grad", "def _on_grad"), ("view = b.grad_view(i)", "self._on_bucket_ready(b)"))
 
 # %% [markdown]
 # The gradient is copied into its bucket's flat buffer (added, when accumulating) and

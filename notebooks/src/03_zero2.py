@@ -205,7 +205,7 @@ exercises.check("03.reduce_scatter_hook", reduce_scatter_hook)
 # The lines that matter, from `Engine._on_grad` and `Engine._launch`:
 
 # %%
-excerpt(base.Engine, ("view = b.grad_full[start", "self._on_bucket_ready(b)"),
+excerpt(base.Engine, ("view = b.grad_view(i)", "self._on_bucket_ready(b)"),
         ("with comm.unit(b.layout.label", "self._finish_oldest()"))
 
 # %%

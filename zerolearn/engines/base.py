@@ -120,15 +120,21 @@ class Bucket:
     skipped: list[int] = field(default_factory=list)
     tally: list[int] | None = field(default=None, repr=False)  # [gradient bytes held by all buckets]
     written: list[bool] = field(default_factory=list, repr=False)  # per parameter: in grad_full yet
+    grad_views: list[torch.Tensor] | None = field(default=None, repr=False)  # grad_full per parameter, made once
 
     def __post_init__(self) -> None:
         self.used = [False] * len(self.params)
         self.skipped = [0] * len(self.params)
 
     def __setattr__(self, name: str, value) -> None:
-        # Keeps the engine's count of gradient bytes held (peak_grad_bytes) in O(1).
+        # Keeps the engine's count of gradient bytes held (peak_grad_bytes) in O(1), and
+        # drops grad_full's per-parameter views with it (they would keep its memory alive).
+        if name not in ("grad_full", "grad_shard"):
+            return object.__setattr__(self, name, value)
+        if name == "grad_full":
+            object.__setattr__(self, "grad_views", None)
         tally = self.__dict__.get("tally")
-        if tally is None or name not in ("grad_full", "grad_shard"):
+        if tally is None:
             return object.__setattr__(self, name, value)
         before = storage_bytes([self.grad_full, self.grad_shard])
         object.__setattr__(self, name, value)
@@ -138,6 +144,14 @@ class Bucket:
     def complete(self) -> bool:
         """Every parameter's gradient of this backward is in ``grad_full``."""
         return self.ready == len(self.params)
+
+    def grad_view(self, i: int) -> torch.Tensor:
+        """Parameter ``i``'s view of ``grad_full`` (allocated): the bucket's views are cut
+        once per ``grad_full`` (:meth:`FlatLayout.views`) and shared by every hook."""
+        views = self.grad_views
+        if views is None:
+            views = self.grad_views = self.layout.views(self.grad_full)
+        return views[i]
 
 
 class Engine(EngineStateMixin, abc.ABC):
@@ -508,7 +522,9 @@ class Engine(EngineStateMixin, abc.ABC):
         for b in self.buckets:
             if views and b.grad_full is not None:
                 self._zero_unwritten(b)
-                for p, view in zip(b.params, b.layout.views(b.grad_full)):
+                if b.grad_views is None:
+                    b.grad_views = b.layout.views(b.grad_full)
+                for p, view in zip(b.params, b.grad_views):
                     if p.dtype == view.dtype:  # else its data was cast: Bindings names it at the step
                         p.grad = view
                         exposed.append((p, view))
@@ -559,8 +575,7 @@ class Engine(EngineStateMixin, abc.ABC):
         grad = p.grad
         if grad.layout != torch.strided:
             refuse_sparse_grad(b.layout.names[i])
-        start = b.layout.offsets[i]
-        view = b.grad_full[start:start + p.numel()].view(p.shape)
+        view = b.grad_view(i)
         view.add_(grad) if b.written[i] else view.copy_(grad)
         b.written[i] = True
         p.grad = None  # autograd's copy is in the bucket now
@@ -614,7 +629,7 @@ class Engine(EngineStateMixin, abc.ABC):
         if b.grad_full is not None and not all(b.written):
             for i, done in enumerate(b.written):
                 if not done:
-                    b.layout.view_of(b.grad_full, i).zero_()
+                    b.grad_view(i).zero_()
             b.written = [True] * len(b.params)
 
     def _new_grad(self, numel: int) -> torch.Tensor:

@@ -76,6 +76,12 @@ class Bindings:
             if id(p) in where:
                 path, _, attr = name.rpartition(".")
                 self.entries.append((path.split(".") if path else [], attr, p, *where[id(p)]))
+        # The same entries by module (a module's weight and bias are looked up once), each
+        # with its parameter's size: a size-0 parameter has no address to compare.
+        by_path: dict[tuple[str, ...], list] = {}
+        for path, attr, p, b, i in self.entries:
+            by_path.setdefault(tuple(path), []).append((attr, p, b, i, p.numel() > 0))
+        self.modules = list(by_path.items())
         self.storage = storage
         self.dtype = {id(b): storage(b).dtype for b in buckets}
         # Frozen when the engine wrapped the model: a later requires_grad_(True) is named.
@@ -107,31 +113,47 @@ class Bindings:
                     "trainable when it wrapped the model, so it would never train. Set requires_grad on every "
                     "parameter before building the engine (unfreeze a layer by building a new engine, loading "
                     "the trained values with engine.load_state_dict or a checkpoint)")
-        keys = {}
-        for path, attr, p, b, i in self.entries:
-            name = ".".join([*path, attr])
-            module = self._module(path)
-            if module is None or module._parameters.get(attr) is not p:
-                now = None if module is None else module._parameters.get(attr)
-                what = ("its module was replaced" if module is None else "it was removed" if now is None
-                        else "it was replaced by another parameter")
-                raise ConfigError(
-                    f"parameter {name} is no longer the one the engine wrapped ({what} after the engine was "
-                    f"built), before the {when}: the engine trains the parameters it was given, so the new one "
-                    "would never train. Make every change to the model (a new head, a resized embedding, "
-                    "loaded weights by assignment) before building the engine, and load values with "
-                    "engine.load_state_dict or inside engine.summon_full_params()")
-            if id(b) not in keys:
-                keys[id(b)] = self.storage(b).untyped_storage()._cdata
-            if (p.untyped_storage()._cdata != keys[id(b)] or p.dtype != self.dtype[id(b)]
-                    or p.storage_offset() != b.layout.offsets[i]):
-                raise ConfigError(
-                    f"parameter {name} no longer holds the engine's values (now {str(p.dtype).removeprefix('torch.')}"
-                    f", outside its bucket) before the {when}: its data was replaced after the engine was built, "
-                    "typically by a module that casts itself inside forward (self.classifier = "
-                    "self.classifier.to(torch.float32)) or by param.data = .... Its updates would be lost. Cast "
-                    "the input and output instead of the module (F.linear(x.float(), w.float())), train in that "
-                    "dtype, or change values in place inside engine.summon_full_params()")
+        bases = {}  # id(bucket) -> its storage: (identity, address of element 0, bytes per element)
+        for path, entries in self.modules:
+            module = self._module(list(path))
+            for attr, p, b, i, sized in entries:
+                if module is None or module._parameters.get(attr) is not p:
+                    self._replaced(".".join([*path, attr]), module, attr, when)
+                base = bases.get(id(b))
+                if base is None:
+                    storage = self.storage(b).untyped_storage()
+                    base = bases[id(b)] = (storage._cdata, storage.data_ptr(), self.dtype[id(b)].itemsize)
+                if p.dtype != self.dtype[id(b)]:
+                    self._moved(".".join([*path, attr]), p, when)
+                # One address says "this bucket's storage, at this parameter's offset" while
+                # that storage holds memory; a freed one (ZeRO-3) is compared by identity.
+                if (p.data_ptr() != base[1] + b.layout.offsets[i] * base[2] if sized and base[1]
+                        else p.untyped_storage()._cdata != base[0] or p.storage_offset() != b.layout.offsets[i]):
+                    self._moved(".".join([*path, attr]), p, when)
+
+    @staticmethod
+    def _replaced(name: str, module: nn.Module | None, attr: str, when: str) -> None:
+        """Raise: parameter ``name`` is no longer the module's (ConfigError)."""
+        now = None if module is None else module._parameters.get(attr)
+        what = ("its module was replaced" if module is None else "it was removed" if now is None
+                else "it was replaced by another parameter")
+        raise ConfigError(
+            f"parameter {name} is no longer the one the engine wrapped ({what} after the engine was "
+            f"built), before the {when}: the engine trains the parameters it was given, so the new one "
+            "would never train. Make every change to the model (a new head, a resized embedding, "
+            "loaded weights by assignment) before building the engine, and load values with "
+            "engine.load_state_dict or inside engine.summon_full_params()")
+
+    @staticmethod
+    def _moved(name: str, p: torch.Tensor, when: str) -> None:
+        """Raise: parameter ``name``'s data left its bucket or changed dtype (ConfigError)."""
+        raise ConfigError(
+            f"parameter {name} no longer holds the engine's values (now {str(p.dtype).removeprefix('torch.')}"
+            f", outside its bucket) before the {when}: its data was replaced after the engine was built, "
+            "typically by a module that casts itself inside forward (self.classifier = "
+            "self.classifier.to(torch.float32)) or by param.data = .... Its updates would be lost. Cast "
+            "the input and output instead of the module (F.linear(x.float(), w.float())), train in that "
+            "dtype, or change values in place inside engine.summon_full_params()")
 
 
 class HeldGradient(torch.Tensor):
