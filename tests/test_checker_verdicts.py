@@ -9,6 +9,7 @@ import traceback
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from zerolearn import comm, exercises
 from zerolearn.exercises import check, core
@@ -73,7 +74,7 @@ def test_constant_buffer_accepts_a_scratch_tensor_of_the_buffers_size():
                 if a < b:
                     buffer[a - lo:b - lo].copy_(f[a - offset:b - offset])
                 offset += f.numel()
-            comm.all_reduce(buffer[:hi - lo])
+            dist.all_reduce(buffer[:hi - lo])
             torch.div(buffer[:hi - lo], world_size, out=scratch[:hi - lo])
             offset = 0
             for f in flats:
@@ -136,8 +137,8 @@ def test_quantized_all_gather_accepts_another_way_to_divide():
         q = torch.round(x * (127 / absmax)).to(torch.int8)
         all_q = torch.empty(world_size * nb * block, dtype=torch.int8)
         all_scales = torch.empty(world_size * nb)
-        comm.all_gather(all_q, q.flatten())
-        comm.all_gather(all_scales, (absmax / 127).flatten())
+        dist.all_gather_into_tensor(all_q, q.flatten())
+        dist.all_gather_into_tensor(all_scales, (absmax / 127).flatten())
         values = all_q.view(world_size, nb, block).float() * all_scales.view(world_size, nb, 1)
         out.copy_(values.view(world_size, -1)[:, :n].flatten())
 
@@ -181,11 +182,11 @@ def test_dpu_step_accepts_a_future_asked_done_as_concurrent_futures_promises(wai
     assert result.passed, str(result)
 
 
-def test_an_error_inside_a_collective_is_named_at_the_readers_line():
+@pytest.mark.parametrize("call", ["dist.all_gather_into_tensor", "comm.all_gather"])
+def test_an_error_inside_a_collective_is_named_at_the_readers_line(call):
     import inspect
     import math
 
-    import torch.distributed as dist
     import torch.nn.functional as F
 
     def partition_checkpoint(x, group):
@@ -195,16 +196,19 @@ def test_an_error_inside_a_collective_is_named_at_the_readers_line():
 
         def restore():
             full = torch.empty(c * nm + 1)  # one element too many: gloo refuses the all-gather
-            comm.all_gather(full, piece, group=group)
+            if call == "comm.all_gather":
+                comm.all_gather(full, piece, group=group)
+            else:
+                dist.all_gather_into_tensor(full, piece, group=group)
             return full[:numel].view(shape)
 
         return restore
 
     lines, first = inspect.getsourcelines(partition_checkpoint)
-    at = first + next(i for i, line in enumerate(lines) if "comm.all_gather(full" in line)
+    at = first + next(i for i, line in enumerate(lines) if line.strip().startswith(f"{call}(full"))
     result = check("05.partition_checkpoint", partition_checkpoint, quiet=True)
     assert not result.passed
-    assert f"(line {at}: comm.all_gather(full, piece, group=group))" in str(result), str(result)
+    assert f"(line {at}: {call}(full, piece, group=group))" in str(result), str(result)
 
 
 def test_a_trials_machinery_is_skipped_when_naming_the_readers_line():

@@ -87,7 +87,7 @@ from zerolearn import comm, exercises  # noqa: F401
 # `proj(F.gelu(fc(x)))`. `column` keeps this rank's rows of `fc`'s weight and bias (its
 # output features); `row` keeps the same columns of `proj`'s weight (its input features)
 # and the whole bias, added once after the sum. Each needs an autograd function of its
-# own: before `column`, the identity in forward and `comm.all_reduce` of the gradient in
+# own: before `column`, the identity in forward and `dist.all_reduce` of the gradient in
 # backward; after `row`, the reverse. The checker splits a block of 16 -> 32 -> 16 over
 # groups of $N_m = 2$, on 2 ranks and on $2 \times 2$, and compares the output and every
 # gradient with the whole block in one process for three steps; it counts one
@@ -143,7 +143,7 @@ print("all equal to the single process within 1e-5:", same)
 # elements $r c$ to $(r + 1) c - 1$ of `x` flattened and zero-padded at the end, with
 # $c = \lceil n / N_m \rceil$ for $n$ = `x.numel()`, and no reference to `x` or to a
 # view of it. Return `restore()`, a function that all-gathers the pieces with one
-# `comm.all_gather(output, piece, group=group)` and returns a tensor equal to `x`;
+# `dist.all_gather_into_tensor(output, piece, group=group)` and returns a tensor equal to `x`;
 # backward calls it just before recomputing the block. The checker trains three
 # checkpointed blocks whose input, 31 x 61 = 1,891 values, splits unevenly over 2 and 3
 # ranks (here all ranks form one model-parallel group, so $N_m$ is the world size); it
@@ -248,7 +248,7 @@ plt.show()
 # in place, using `buffer` (fp32, 1-D, $B$ elements) as the only fused buffer. Lay the
 # tensors' elements end to end and take them $B$ at a time: copy each run into
 # `buffer` (a tensor may span two runs, a run may hold pieces of several tensors),
-# average the filled part with one `comm.all_reduce` and copy it back. The checker
+# average the filled part with one `dist.all_reduce` and copy it back. The checker
 # averages the gradients of two MLPs, of 3,095 and 17,201 values, through the same
 # 1,024-element buffer; it compares the results with the average over ranks, counts the
 # all-reduce calls ($\lceil n / B \rceil$) and measures, with the memory ledger, what

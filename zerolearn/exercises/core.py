@@ -62,9 +62,9 @@ __all__ = ["COMM_CHAPTERS", "EXERCISES", "PRELUDE", "Bug", "Exercise", "Mistake"
 PRELUDE = "import torch\nimport torch.distributed as dist\nimport torch.nn.functional as F\nfrom torch import nn"
 """The imports every exercise function may rely on (a chapter runs them before its exercises)."""
 
-COMM_CHAPTERS = ("05", "06", "07", "08")
+COMM_CHAPTERS: tuple[str, ...] = ()
 """Chapters whose exercises also call :mod:`zerolearn.comm`'s wrappers (each imports it before
-its exercises): their checks watch the group and buffers a wrapper is given."""
+its exercises); none: every exercise calls torch.distributed's collectives by torch's names."""
 
 
 def prelude(name: str) -> str:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 
 from zerolearn import comm
 from zerolearn import dist as zdist
@@ -29,7 +30,7 @@ from zerolearn.tables import kib
 
 def _grows_with_model(tensors, buffer, world_size):
     fused = torch.cat([t.view(-1) for t in tensors])  # one buffer as large as the model
-    comm.all_reduce(fused)
+    dist.all_reduce(fused)
     fused /= world_size
     offset = 0
     for t in tensors:
@@ -49,7 +50,7 @@ def _drops_tail(tensors, buffer, world_size):
             offset += f.numel()
         for part, fused in pieces:
             fused.copy_(part)
-        comm.all_reduce(buffer)
+        dist.all_reduce(buffer)
         buffer.div_(world_size)
         for part, fused in pieces:
             part.copy_(fused)
@@ -159,7 +160,7 @@ def _fills(tensors, buffer, whole: bool = False, keep: list | None = None, scrat
         for part, fused in pieces:
             fused.add_(part) if add else fused.copy_(part)
         filled = buffer if whole else buffer[:hi - lo]
-        comm.all_reduce(filled)
+        dist.all_reduce(filled)
         filled.div_(world_size)
         if keep is not None:
             keep.append(buffer.clone())

@@ -9,8 +9,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from zerolearn import comm
-
 
 def partition_checkpoint(x, group):
     """Keep this rank's 1/Nm of the checkpoint ``x``; return a function that gives all of ``x`` back (P_a, Sec 6.1).
@@ -25,9 +23,9 @@ def partition_checkpoint(x, group):
     Keep piece r = elements r * c ... (r + 1) * c - 1 of x flattened, zero-padded at
     the end, c = ceil(x.numel() / Nm), and no reference to x or to a view of x: a
     view keeps x's whole storage alive. Return ``restore()``: a function of no
-    arguments that gathers the pieces with one ``comm.all_gather(output, piece,
-    group=group)`` and returns a tensor equal to x, of x's shape. Backward calls it
-    once, just before it recomputes the block.
+    arguments that gathers the pieces into a tensor of c * Nm elements with one
+    ``dist.all_gather_into_tensor(output, piece, group=group)`` and returns a tensor
+    equal to x, of x's shape. Backward calls it once, just before it recomputes the block.
     """
     # BEGIN SOLUTION
     nm, rank = dist.get_world_size(group), dist.get_rank(group)
@@ -39,7 +37,7 @@ def partition_checkpoint(x, group):
 
     def restore():
         full = torch.empty(c * nm, dtype=piece.dtype)
-        comm.all_gather(full, piece, group=group)
+        dist.all_gather_into_tensor(full, piece, group=group)
         return full[:numel].view(shape)
 
     return restore

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from zerolearn import comm
 from zerolearn import dist as zdist
@@ -45,7 +46,7 @@ def _keeps_a_view(x, group):
 
     def restore():
         full = torch.empty(c * nm)
-        comm.all_gather(full, piece, group=group)
+        dist.all_gather_into_tensor(full, piece, group=group)
         return full[:numel].view(shape)
 
     return restore
@@ -58,7 +59,7 @@ def _closure_keeps_x(x, group):
 
     def restore():  # reads x.numel() and x.shape: the closure holds x itself
         full = torch.empty(c * nm)
-        comm.all_gather(full, piece, group=group)
+        dist.all_gather_into_tensor(full, piece, group=group)
         return full[:x.numel()].view(x.shape)
 
     return restore
@@ -72,7 +73,7 @@ def _tensor_split(x, group):
 
     def restore():
         full = torch.empty(c * nm)
-        comm.all_gather(full, piece, group=group)
+        dist.all_gather_into_tensor(full, piece, group=group)
         return full[:numel].view(shape)
 
     return restore
@@ -86,7 +87,7 @@ def _all_reduce(x, group):
     def restore():
         full = torch.zeros(c * nm)
         full[rank * c:(rank + 1) * c] = piece
-        comm.all_reduce(full, group=group)  # the others' zeros add nothing: right values, twice the traffic
+        dist.all_reduce(full, group=group)  # the others' zeros add nothing: right values, twice the traffic
         return full[:numel].view(shape)
 
     return restore
@@ -99,7 +100,7 @@ def _global_rank(x, group):
 
     def restore():
         full = torch.empty(c * nm)
-        comm.all_gather(full, piece, group=group)
+        dist.all_gather_into_tensor(full, piece, group=group)
         return full[:numel].view(shape)
 
     return restore
@@ -112,7 +113,7 @@ def _world_gather(x, group):
 
     def restore():
         full = torch.empty(c * nm)
-        comm.all_gather(full, piece)  # no group=: every rank of the world
+        dist.all_gather_into_tensor(full, piece)  # no group=: every rank of the world
         return full[:numel].view(shape)
 
     return restore
@@ -126,7 +127,7 @@ def _frees_x(x, group):
 
     def restore():
         full = torch.empty(c * nm)
-        comm.all_gather(full, piece, group=group)
+        dist.all_gather_into_tensor(full, piece, group=group)
         return full[:numel].view(shape)
 
     return restore
@@ -141,7 +142,7 @@ def _frees_under_the_piece(x, group):
 
     def restore():
         full = torch.empty(c * nm)
-        comm.all_gather(full, piece, group=group)
+        dist.all_gather_into_tensor(full, piece, group=group)
         return full[:numel].view(shape)
 
     return restore
@@ -229,40 +230,49 @@ def _mp_group(world_size: int):
     return groups[mine], members[mine]
 
 
-def _checked_all_gather(original, group, members: list[int], step_of, freed: dict):
-    """``comm.all_gather`` that first checks the reader's call: buffers that hold their bytes, over
-    ``group``, and with this rank's piece of the checkpoint being restored (its place in the
-    group, not its global rank). An error inside the collective is the reader's, at its line."""
-    calls = {"n": 0}
+class _CheckedAllGathers(TorchDispatchMode):
+    """While on, every all-gather into one tensor is checked before it runs, whatever name called
+    it (``dist.all_gather_into_tensor``, ``dist.all_gather_single``, :func:`zerolearn.comm.all_gather`:
+    torch dispatches each as the operator ``c10d::_allgather_base_``): buffers that hold their
+    bytes, over ``group``, and with this rank's piece of the checkpoint being restored (its place
+    in the group, not its global rank). Then the ranks agree that every call was right, so that
+    none enters the collective to wait for a rank that stopped. An error inside the collective is
+    the reader's, at its line."""
+
+    def __init__(self, group, members: list[int], step_of, freed: dict):
+        super().__init__()
+        self.group, self.members, self.step_of, self.freed, self.calls = group, members, step_of, freed, 0
 
     @machinery
-    def all_gather(output, input, group=None, async_op=False, **kwargs):
-        step = step_of()
-        calls["n"] += 1
-        _check_buffers(output, input, step)
-        _check_call(group, input)
-        agree(step, point=f"all_gather {calls['n']}")  # every rank's call was right: none waits for a stopped one
-        return original(output, input, group=group, async_op=async_op, **kwargs)
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "c10d" and func._opname == "_allgather_base_":
+            step = self.step_of()
+            self.calls += 1
+            output, input = args[0], args[1]
+            self._check_buffers(output, input, step)
+            self._check_call(dist.ProcessGroup.unbox(args[2]), input, step)
+            agree(step, point=f"all_gather {self.calls}")  # every rank's call was right: none waits for a stopped one
+        return func(*args, **(kwargs or {}))
 
     @machinery
-    def _check_buffers(output, input, step):
+    def _check_buffers(self, output, input, step):
         line = readers_line()
         if not allocated(input):
             raise Wrong(f"your restore() all-gathers a piece whose storage holds 0 bytes{line}: it is a view of "
-                        f"a buffer that was freed{freed_where(input, freed)}; keep a copy of your piece "
+                        f"a buffer that was freed{freed_where(input, self.freed)}; keep a copy of your piece "
                         "(.clone()), which owns its memory, and free or drop the rest", step)
         if not allocated(output):
-            where = freed_where(output, freed)
+            where = freed_where(output, self.freed)
             raise Wrong(f"your restore() all-gathers into an output whose storage holds 0 bytes{line}: "
                         f"{f'it was freed{where}' if where else 'it was freed or never allocated'}; allocate it "
                         "(torch.empty) or grow its storage back (untyped_storage().resize_(bytes)) before the "
                         "all-gather writes into it", step)
 
     @machinery
-    def _check_call(group, input):
-        step = step_of()
-        if group is not wanted:
-            over = ("the default group, every rank" if group is None or group is dist.group.WORLD else
+    def _check_call(self, group, input, step):
+        members = self.members
+        if group is not self.group:
+            over = ("the default group, every rank" if group is None or group == dist.group.WORLD else
                     f"a group of ranks {dist.get_process_group_ranks(group)}")
             raise Wrong(f"your restore() all-gathered over {over}, not the model-parallel group it was given "
                         f"(ranks {members}): pass group=group", step)
@@ -281,9 +291,6 @@ def _checked_all_gather(original, group, members: list[int], step_of, freed: dic
                             f"model-parallel group (ranks {members}) it is rank {mine} and keeps piece {mine}: "
                             "use dist.get_rank(group), the rank in the group, not dist.get_rank()", step)
 
-    wanted = group
-    return all_gather
-
 
 def _partition_trial(fn) -> str:
     """Two SGD steps of a stem and three checkpointed blocks, P_a over a model-parallel group
@@ -291,13 +298,11 @@ def _partition_trial(fn) -> str:
     ctx = zdist.context()
     group, members = _mp_group(ctx.world_size)
     nm = len(members)
-    original, now = comm.all_gather, {"step": 0}
+    now = {"step": 0}
     try:
-        with watching_frees() as freed:
-            comm.all_gather = _checked_all_gather(original, group, members, lambda: now["step"], freed)
+        with watching_frees() as freed, _CheckedAllGathers(group, members, lambda: now["step"], freed):
             return _partition_steps(fn, group, nm, now, freed)
     finally:
-        comm.all_gather = original
         _RESTORING.clear()
 
 
@@ -363,7 +368,7 @@ register(Exercise(
                        "values, twice the traffic", "moved"),
      "global_rank": Bug(_global_rank, "dist.get_rank() for the piece: right while the model-parallel group is "
                         "the world in rank order, wrong in a 2 x 2 layout", "use dist.get_rank(group)"),
-     "world_gather": Bug(_world_gather, "comm.all_gather without group=: the default group, every rank",
+     "world_gather": Bug(_world_gather, "dist.all_gather_into_tensor without group=: the default group, every rank",
                          "pass group=group"),
      "frees_x": Bug(_frees_x, "x's storage resized to 0 bytes to free the checkpoint: x is the caller's, and "
                     "the block's forward still reads it", "partition_checkpoint freed x"),

@@ -8,10 +8,9 @@ package's own version is :mod:`zerolearn.residual.tensor_parallel`.
 """
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-
-from zerolearn import comm
 
 
 def tensor_parallel(fc, proj, group, nm, rank):
@@ -21,7 +20,7 @@ def tensor_parallel(fc, proj, group, nm, rank):
         fc: ``nn.Linear(d, h)``, fp32, whole; ``h`` divisible by ``nm``.
         proj: ``nn.Linear(h, d)``, fp32, whole.
         group: the process group of the Nm tensor-parallel ranks (pass it to
-            ``comm.all_reduce(tensor, group=group)``); they all see the same input.
+            ``dist.all_reduce(tensor, group=group)``); they all see the same input.
         nm: the tensor-parallel degree, Nm.
         rank: this rank's place in ``group``, 0 <= rank < nm.
 
@@ -49,14 +48,14 @@ def tensor_parallel(fc, proj, group, nm, rank):
         @staticmethod
         def backward(ctx, grad):
             grad = grad.contiguous()
-            comm.all_reduce(grad, group=group)
+            dist.all_reduce(grad, group=group)
             return grad
 
     class ReduceFromParallel(torch.autograd.Function):  # forward: sum over the group; backward: identity
         @staticmethod
         def forward(ctx, x):
             x = x.clone()  # reduced in place: leave autograd's input alone
-            comm.all_reduce(x, group=group)
+            dist.all_reduce(x, group=group)
             return x
 
         @staticmethod

@@ -6,7 +6,8 @@ groups of Nm = 2 ranks: on 2 ranks one group, on 4 ranks Nd x Nm = 2 x 2, each g
 its own slice of the batch. For three steps it checks what each rank keeps (its rows of
 the first layer, its columns of the second, the whole second bias), the block's output
 and the input's and every kept parameter's gradient against the whole block in one
-process, and the all-reduces booked by ``comm.LEDGER``: one of (batch, 16) in forward and
+process, and the all-reduces booked in ``comm.LEDGER`` (torch's collectives, watched by
+:func:`zerolearn.watch.watching` while the trial runs): one of (batch, 16) in forward and
 one in backward.
 
 This module holds the trial, the known bugs and the registration; the reader's function
@@ -16,6 +17,7 @@ This module holds the trial, the known bugs and the registration; the reader's f
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -111,7 +113,7 @@ def _tp(fc, proj, group, nm, rank, both_ways=False, bias_before=False, whole_bia
     """The reference split with one mistake switched on (see the bugs below)."""
     def reduce(t):
         t = t.contiguous().clone()
-        comm.all_reduce(t, group=group)
+        dist.all_reduce(t, group=group)
         return t
 
     class Copy(torch.autograd.Function):

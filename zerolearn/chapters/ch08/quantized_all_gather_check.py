@@ -15,8 +15,9 @@ Every element of ``out`` must lie within half a quantization step of the value t
 rank sent: round to nearest errs by at most ``scale / 2`` for that block's scale,
 whatever way the division is written. A wrong element is named by its rank, block and
 index, and compared with what each known mistake would give, to say which it is.
-``comm.LEDGER`` must show the all-gathers, at most the bytes of int8 values and one
-fp32 scale per block (fp32 values would be about 4x as many).
+The all-gathers booked in ``comm.LEDGER`` (torch's collectives, watched by
+:func:`zerolearn.watch.watching` while the trial runs) must move at most the bytes of int8
+values and one fp32 scale per block (fp32 values would be about 4x as many).
 
 This module holds the trial, the known bugs and the registration; the reader's function
 (with its reference solution) is in :mod:`zerolearn.chapters.ch08.quantized_all_gather`.
@@ -25,6 +26,7 @@ This module holds the trial, the known bugs and the registration; the reader's f
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from zerolearn import comm
@@ -150,8 +152,8 @@ def _qwz_trial(fn) -> str:
         gathered = comm.LEDGER.as_dict()["all_gather"]
         nb = -(-N // block)
         if gathered["calls"] == 0:
-            raise Wrong("comm.LEDGER saw no all_gather: gather with comm.all_gather (it books what moves), "
-                        "not dist.all_gather", step)
+            raise Wrong("your function made no all-gather: gather the int8 values and the scales with "
+                        "dist.all_gather_into_tensor(output, input)", step)
         budget = world_size * (nb * block + 4 * nb)
         if gathered["bytes"] > budget:
             raise Wrong(f"blocks of {block}: your all-gathers moved {gathered['bytes']:,} bytes; int8 values and "
@@ -167,7 +169,7 @@ def _qwz_trial(fn) -> str:
                         "scale 1 (any scale gives q = 0)", step)
         agree(step)
     return ("every element within half a quantization step of the value sent, in blocks of 64 (padded) and 50; "
-            "int8 values and fp32 scales through comm.all_gather")
+            "int8 values and fp32 scales all-gathered")
 
 
 def _one_scale(out, shard, block, world_size):
@@ -177,8 +179,8 @@ def _one_scale(out, shard, block, world_size):
     scale = shard.abs().max().reshape(1) / 127
     q = torch.round(shard / scale).clamp(-127, 127).to(torch.int8)
     all_q, all_s = torch.empty(world_size * n, dtype=torch.int8), torch.empty(world_size)
-    comm.all_gather(all_q, q)
-    comm.all_gather(all_s, scale)
+    dist.all_gather_into_tensor(all_q, q)
+    dist.all_gather_into_tensor(all_s, scale)
     out.copy_((all_q.view(world_size, n).float() * all_s.view(world_size, 1)).reshape(-1))
 
 
@@ -190,8 +192,8 @@ def _no_padding(out, shard, block, world_size):
     scales = x.abs().amax(dim=1) / 127
     q = torch.round(x / scales[:, None]).clamp(-127, 127).to(torch.int8)
     all_q, all_s = torch.empty(world_size * nb * block, dtype=torch.int8), torch.empty(world_size * nb)
-    comm.all_gather(all_q, q.view(-1))
-    comm.all_gather(all_s, scales)
+    dist.all_gather_into_tensor(all_q, q.view(-1))
+    dist.all_gather_into_tensor(all_s, scales)
     values = all_q.view(world_size, nb * block).float() * all_s.view(world_size, nb).repeat_interleave(block, dim=1)
     full = torch.zeros(world_size, n)
     full[:, :nb * block] = values
@@ -209,8 +211,8 @@ def _truncated(out, shard, block, world_size):
     scales = x.abs().amax(dim=1) / 127
     q = (x / scales[:, None]).to(torch.int8)
     all_q, all_s = torch.empty(world_size * nb * block, dtype=torch.int8), torch.empty(world_size * nb)
-    comm.all_gather(all_q, q.view(-1))
-    comm.all_gather(all_s, scales)
+    dist.all_gather_into_tensor(all_q, q.view(-1))
+    dist.all_gather_into_tensor(all_s, scales)
     values = all_q.view(world_size, nb, block).float() * all_s.view(world_size, nb, 1)
     out.copy_(values.view(world_size, nb * block)[:, :n].reshape(-1))
 
@@ -232,8 +234,8 @@ def _no_zero_guard(out, shard, block, world_size):
     ``x / scale`` is 0 / 0, NaN, cast to int8 (undefined)."""
     n, nb, scales, q = _unguarded_int8(shard, block)
     all_q, all_s = torch.empty(world_size * nb * block, dtype=torch.int8), torch.empty(world_size * nb)
-    comm.all_gather(all_q, q.view(-1))
-    comm.all_gather(all_s, scales)
+    dist.all_gather_into_tensor(all_q, q.view(-1))
+    dist.all_gather_into_tensor(all_s, scales)
     values = all_q.view(world_size, nb, block).float() * all_s.view(world_size, nb, 1)
     out.copy_(values.view(world_size, nb * block)[:, :n].reshape(-1))
 
@@ -242,7 +244,7 @@ def _own_scales(out, shard, block, world_size):
     """Every rank's int8 values dequantized with this rank's own scales (the scales never gathered)."""
     n, nb, scales, q = _unguarded_int8(shard, block)
     all_q = torch.empty(world_size * nb * block, dtype=torch.int8)
-    comm.all_gather(all_q, q.view(-1))
+    dist.all_gather_into_tensor(all_q, q.view(-1))
     values = all_q.view(world_size, nb, block).float() * scales.view(1, nb, 1)
     out.copy_(values.view(world_size, nb * block)[:, :n].reshape(-1))
 
