@@ -49,7 +49,7 @@ print(ch07.side_by_side_table(results))
 #
 # `exercises.check` tries every stage on 2, 3 and 4 ranks with padded flat shards, uneven
 # whole-tensor shards such as `ZeroRedundancyOptimizer` makes, and two combinations no
-# stage makes. Your functions may use `torch`, `nn`, `F`, `dist` and `comm` besides their
+# stage makes. Your functions may use `torch`, `nn`, `F` and `dist` besides their
 # arguments; the next cell imports them and the checker.
 
 # %%
