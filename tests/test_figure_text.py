@@ -113,7 +113,11 @@ def problems(fig: Figure) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("name", list(FIGURES))
+SLOW_FIGURES = {"fragmentation_figure"}  # records a training run's allocations, searches the smallest arena: ~25 s
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW_FIGURES else n
+                                  for n in FIGURES])
 def test_figure_labels_are_inside_and_apart(name):
     assert problems(FIGURES[name]()) == []
 

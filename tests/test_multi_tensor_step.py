@@ -68,7 +68,7 @@ def run_kinds(stages=(0, 1, 2, 3), steps: int = 4) -> dict:
     return out
 
 
-@pytest.mark.parametrize("world_size", [1, 2])
+@pytest.mark.parametrize("world_size", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_multi_tensor_step_forced_on_the_cpu_matches_the_per_master_step(world_size):
     out = on_ranks(run_kinds, world_size)[0]
     for (stage, name, options, kind), (params, stepped, state) in out.items():
