@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import time
 
 import torch
 import torch.nn.functional as F
@@ -262,3 +263,23 @@ def freed_where(t, freed: dict[int, str]) -> str:
     """The reader's line that freed ``t``'s storage, from :func:`watching_frees`'s record, as
     ``" (line N: code)"``; ``""`` when it was not freed inside the watched block."""
     return freed.get(t.untyped_storage()._cdata, "") if isinstance(t, torch.Tensor) else ""
+
+
+def settled(read, small_enough, timeout: float = comm.RELEASE_TIMEOUT) -> int:
+    """``read()`` (bytes alive, say) once ``small_enough(value)`` holds, or after ``timeout``
+    seconds (s), whichever comes first.
+
+    gloo runs a collective on a worker thread that lets go of its tensors a moment after
+    the caller's ``wait()`` returns (:mod:`zerolearn.comm` waits for that in its own calls;
+    a reader's ``dist.*`` calls do not). A buffer the reader dropped right after a
+    collective is therefore freed at a time that depends on thread scheduling. A check
+    that measures what a reader's code keeps alive reads it again until the measurement
+    passes or the worker has had ``timeout`` to let go: code that truly keeps the memory
+    still fails, code that dropped it is never blamed for gloo's thread.
+    """
+    start = time.perf_counter()
+    value = read()
+    while not small_enough(value) and time.perf_counter() - start < timeout:
+        time.sleep(1e-3)  # the worker thread needs the GIL to let go
+        value = read()
+    return value
