@@ -6,10 +6,10 @@ import torch
 import torch.nn.functional as F
 
 from zerolearn import comm, data
-from zerolearn.watch import watching
 from zerolearn import dist as zdist
 from zerolearn.models import GPTConfig, build_model
 from zerolearn.nano import NanoZero
+from zerolearn.watch import watching
 
 GPT = GPTConfig(seq_len=16, n_layer=2, n_head=2, d_model=32)
 BATCH, STEPS, LR, WIDTH = 12, 3, 1e-3, 64

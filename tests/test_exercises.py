@@ -27,7 +27,7 @@ def persistent_ranks():
 def _defined_in_a_cell(name: str, source: str):
     """The function ``source`` defines, compiled as a notebook cell is (not importable by name)."""
     namespace = {"__name__": "__main__"}
-    exec(compile(exercises.prelude(name) + "\n" + source, "<cell>", "exec"), namespace)
+    exec(compile(exercises.PRELUDE + "\n" + source, "<cell>", "exec"), namespace)
     return namespace[EXERCISES[name].solution.__name__]
 
 

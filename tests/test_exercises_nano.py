@@ -15,7 +15,7 @@ def persistent_ranks():
 
 def _cell(name: str, source: str):
     namespace = {"__name__": "__main__"}
-    exec(compile(exercises.prelude(name) + "\n" + source, "<cell>", "exec"), namespace)
+    exec(compile(exercises.PRELUDE + "\n" + source, "<cell>", "exec"), namespace)
     return namespace[EXERCISES[name].solution.__name__]
 
 

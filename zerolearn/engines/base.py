@@ -145,13 +145,16 @@ class Bucket:
         """Every parameter's gradient of this backward is in ``grad_full``."""
         return self.ready == len(self.params)
 
-    def grad_view(self, i: int) -> torch.Tensor:
-        """Parameter ``i``'s view of ``grad_full`` (allocated): the bucket's views are cut
+    def views_of_grad(self) -> list[torch.Tensor]:
+        """Each parameter's view of ``grad_full`` (allocated), shaped as the parameter: cut
         once per ``grad_full`` (:meth:`FlatLayout.views`) and shared by every hook."""
-        views = self.grad_views
-        if views is None:
-            views = self.grad_views = self.layout.views(self.grad_full)
-        return views[i]
+        if self.grad_views is None:
+            self.grad_views = self.layout.views(self.grad_full)
+        return self.grad_views
+
+    def grad_view(self, i: int) -> torch.Tensor:
+        """Parameter ``i``'s view of ``grad_full`` (:meth:`views_of_grad`)."""
+        return self.views_of_grad()[i]
 
 
 class Engine(EngineStateMixin, abc.ABC):
@@ -522,9 +525,7 @@ class Engine(EngineStateMixin, abc.ABC):
         for b in self.buckets:
             if views and b.grad_full is not None:
                 self._zero_unwritten(b)
-                if b.grad_views is None:
-                    b.grad_views = b.layout.views(b.grad_full)
-                for p, view in zip(b.params, b.grad_views):
+                for p, view in zip(b.params, b.views_of_grad()):
                     if p.dtype == view.dtype:  # else its data was cast: Bindings names it at the step
                         p.grad = view
                         exposed.append((p, view))

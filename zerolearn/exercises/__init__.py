@@ -31,14 +31,13 @@ from zerolearn.exercises.core import (
     check,
     first_difference,
     get,
-    prelude,
     reusing_ranks,
     skeleton,
     solution_source,
 )
 
 __all__ = ["EXERCISES", "PRELUDE", "Bug", "Exercise", "Mistake", "Result", "Wrong", "check", "first_difference",
-           "get", "prelude", "reusing_ranks", "show", "skeleton", "solution_source"]
+           "get", "reusing_ranks", "show", "skeleton", "solution_source"]
 
 
 def show(name: str) -> None:

@@ -55,23 +55,12 @@ import torch
 from zerolearn.errors import ConfigError
 from zerolearn.watch import watching
 
-__all__ = ["COMM_CHAPTERS", "EXERCISES", "PRELUDE", "Bug", "Exercise", "Mistake", "Result", "Wrong", "agree", "check",
-           "defined_at", "first_difference", "machinery", "prelude", "readers_line", "register", "reusing_ranks",
-           "skeleton", "solution_source"]
+__all__ = ["EXERCISES", "PRELUDE", "Bug", "Exercise", "Mistake", "Result", "Wrong", "agree", "check",
+           "defined_at", "first_difference", "machinery", "readers_line", "register", "reusing_ranks", "skeleton",
+           "solution_source"]
 
 PRELUDE = "import torch\nimport torch.distributed as dist\nimport torch.nn.functional as F\nfrom torch import nn"
 """The imports every exercise function may rely on (a chapter runs them before its exercises)."""
-
-COMM_CHAPTERS: tuple[str, ...] = ()
-"""Chapters whose exercises also call :mod:`zerolearn.comm`'s wrappers (each imports it before
-its exercises); none: every exercise calls torch.distributed's collectives by torch's names."""
-
-
-def prelude(name: str) -> str:
-    """The imports exercise ``name`` (``"05.constant_buffer"``) may rely on: :data:`PRELUDE`,
-    and ``from zerolearn import comm`` in the chapters of :data:`COMM_CHAPTERS`."""
-    return PRELUDE + "\nfrom zerolearn import comm" if name[:2] in COMM_CHAPTERS else PRELUDE
-
 
 class Wrong(Exception):  # noqa: N818 - reads as a verdict: raise Wrong("...")
     """Raised by a trial at the first wrong thing it sees; ``step`` (0-based) when it is in a step."""
