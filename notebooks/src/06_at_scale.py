@@ -285,7 +285,7 @@ figures.memory_figure()  # Fig 1: 120, 31.4, 16.6, 1.9 GB
 # ## 6. Memory against communication
 #
 # Stages 1 and 2 cost nothing in traffic: a reduce-scatter plus an all-gather moves the
-# same 2 Psi as DP's all-reduce (Sec 7.2.1). Stage 3 moves 3 Psi, 1.5 times as much
+# same 2 Psi as DP's all-reduce (Sec 7). Stage 3 moves 3 Psi, 1.5 times as much
 # (Sec 7.2.2), and in exchange divides the last replicated state. The trade-off
 # explorer shows both at once: memory per device against Nd on the left, and at the
 # chosen Nd each stage's memory against its traffic relative to DP on the right.

@@ -261,7 +261,7 @@ figures.scaling_figure(SCALING)
 # %% [markdown]
 # ## Choosing a stage
 #
-# Use the lowest stage that fits: stage 1 and 2 move no more data than DP (Sec 7.2.1),
+# Use the lowest stage that fits: stages 1 and 2 move no more data than DP (Sec 7),
 # stage 3 moves 1.5x (Sec 7.2.2). And budget for the residual states (activations,
 # temporary buffers; Sec 3.2), which ZeRO-DP does not divide.
 #

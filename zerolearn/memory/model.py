@@ -47,10 +47,12 @@ TABLE1_GB = {
                         16: (4750, 2875, 1000), 64: (4187, 2218, 250),
                         256: (4046, 2054, 62.5), 1024: (4011, 2013, 15.6)},
 }
-"""Table 1 as printed: {psi: {Nd: (P_os, P_os+g, P_os+g+p)}} in GB per device, K = 12.
+"""Table 1's cells: {psi: {Nd: (P_os, P_os+g, P_os+g+p)}} in GB per device, K = 12.
 
-The paper sometimes truncates rather than rounds (4187.5 is printed 4187), so a
-recomputed value lies within one unit of the last printed digit."""
+Table 1 is an image in the paper, in every text copy of it; these values are a
+transcription, and the formula of Fig 1 gives each of them to the digits shown. The
+table sometimes truncates rather than rounds (4187.5 appears as 4187), so a recomputed
+value lies within one unit of the last digit."""
 
 TABLE2_THEORETICAL_B = {
     (1, 64): (2, 7.6, 14.4, 128), (2, 128): (4, 15.2, 28.8, 256),
@@ -314,9 +316,11 @@ def comm_collectives_elements(psi: float, stage: int) -> dict[str, int | float]:
     """Elements per device per step of each collective a stage calls (Sec 7).
 
     Counts the logical tensor of each call as the ledger of comm.py does. Stage 0
-    all-reduces the gradients (Sec 7.1); stages 1 and 2 reduce-scatter gradients
-    and all-gather updated parameters (Sec 7.2.1); stage 3 reduce-scatters
-    gradients and all-gathers parameters twice, in forward and backward (Sec 7.2.2).
+    all-reduces the gradients (Sec 7.1); stage 2 reduce-scatters gradients and
+    all-gathers updated parameters (Sec 7.2.1).
+    Stage 1 calls the same two here; the paper gives it DP's volume (Sec 1, Sec 7)
+    and counts no schedule. Stage 3 reduce-scatters gradients and all-gathers
+    parameters twice, in forward and backward (Sec 7.2.2).
     Raises ValueError if psi < 0 or stage is not 0-3.
     """
     _check_real("psi", psi)

@@ -53,9 +53,14 @@ def _sec6_7() -> list[Row]:
             "all-reduce is a reduce-scatter plus an all-gather)", f"`comm_volume_elements(psi, DP)`: "
             f"{_sig(vol[0])} psi", f"{CH[1]}; {CH[2]} (ledger of every collective)", REPRODUCED,
             values={"psi": vol[0]}, paper={"psi": Stated(2)}),
-        Row("comm-posg", "Sec 7.2.1", "$P_{os}$ and $P_{os+g}$ move $2\\Psi$, the same as data parallelism",
-            f"{_sig(vol[1])} psi and {_sig(vol[2])} psi", f"{CH[2]}; {CH[3]}", REPRODUCED,
-            values={"pos_psi": vol[1], "posg_psi": vol[2]}, paper={"pos_psi": Stated(2), "posg_psi": Stated(2)}),
+        Row("comm-pos", "Sec 1, Sec 7", "$P_{os}$ keeps the communication volume of data parallelism, $2\\Psi$; "
+            "the paper counts no schedule for $P_{os}$ alone (Sec 5.1 ends its step with an all-gather)",
+            f"{_sig(vol[1])} psi: a reduce-scatter of the gradients and an all-gather of the updated parameters, "
+            "the book's schedule, the same two collectives as $P_{os+g}$'s", f"{CH[2]} (ledger of every collective)",
+            REPRODUCED, values={"psi": vol[1]}, paper={"psi": Stated(2)}),
+        Row("comm-posg", "Sec 7.2.1", "$P_{os+g}$ moves $2\\Psi$, the same as data parallelism: a reduce-scatter "
+            "of the gradients, $\\Psi$, and an all-gather of the updated parameters, $\\Psi$",
+            f"{_sig(vol[2])} psi", f"{CH[3]}", REPRODUCED, values={"psi": vol[2]}, paper={"psi": Stated(2)}),
         Row("comm-posgp", "Sec 7.2.2", "$P_{os+g+p}$ moves $3\\Psi$, 1.5x data parallelism",
             f"{_sig(vol[3])} psi; cost model (7.5B, Nd = 64, `ch06.DGX2`): {comm[0]:.2f} s against {comm[3]:.2f} s "
             f"of communication a step, {_sig(comm[3] / comm[0])}x", f"{CH[4]}; {CH[6]} (cost model)", REPRODUCED,

@@ -64,7 +64,8 @@ class StageExplorer(Explorer):
 
         rows = [[figures.readable(c), gb(dp[c]), gb(zero[c])] for c in figures.CATEGORIES[:3]]
         rows += [["total", gb(dp["total"]), gb(zero["total"])], ["communication per step", comm(dp), comm(zero)]]
-        traffic = ("as much as DP (Sec 7.2.1)" if zero["comm_elements"] == dp["comm_elements"]
+        same = "Sec 7.2.1" if stage == 2 else "Sec 1, Sec 7"  # the paper counts a schedule for stage 2 only
+        traffic = (f"as much as DP ({same})" if zero["comm_elements"] == dp["comm_elements"]
                    else f"{zero['comm_elements'] / dp['comm_elements']:g} x DP's (Sec 7.2.2)")
         return (html_table(["per device", "DP", stage_title(stage)], rows) +
                 f"<p>K = {r['k']} bytes per parameter. {stage_title(stage)} holds <b>{gb(zero['total'])}</b> per "

@@ -75,7 +75,7 @@ def step_timeline_figure(timeline: list, title: str):
 
 _PARTS = {"params": "params (fp16)", "grads": "grads (fp16)", "optimizer_states": "optimizer states (fp32)",
           "activations": "activations (fp16)", "recompute": "recompute of one block",
-          "temporary_buffers": "fused fp32 gradient buffer"}
+          "temporary_buffers": "fp32 buffer of all gradients (Sec 3.2's example)"}
 
 
 def memory_bars_figure(budgets: dict, device_bytes: float, title: str):

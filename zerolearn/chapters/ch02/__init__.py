@@ -1,4 +1,4 @@
-"""Chapter 2, ZeRO-1 (P_os): partition the optimizer states (paper Sec 5.1, Sec 7.2.1).
+"""Chapter 2, ZeRO-1 (P_os): partition the optimizer states (paper Sec 5.1; traffic: Sec 1, Sec 7).
 
 * notebook: ``notebooks/src/02_zero1.py``, built into ``notebooks/02_zero1.ipynb`` and
   the reader's copy ``notebooks/exercises/02_zero1.ipynb``;

@@ -10,7 +10,7 @@ updated tensors. It trains correctly, but
 * whole-tensor ownership leaves shards unequal: the rank owning the largest
   tensors sets everyone's memory (flat padded shards, ``zerolearn.flat``, do not);
 * all-reduce (2 Psi) plus broadcast (Psi) moves 3 Psi per step, where
-  reduce-scatter plus all-gather moves 2 Psi (paper Sec 7.2.1).
+  reduce-scatter plus all-gather moves 2 Psi, DP's volume (paper Sec 1, Sec 7).
 
 Everything here runs on ranks spawned by :func:`zerolearn.dist.launch`; the real
 engine is :class:`zerolearn.engines.Zero1Engine`. The layout of the chapter's tables and

@@ -1,5 +1,5 @@
 """Exercise ``02.zero1_step``: one ZeRO-1 (P_os) step on a flat gradient, in mixed precision
-(paper Sec 3.1, Sec 5.1, Sec 7.2.1).
+(paper Sec 3.1, Sec 5.1; DP's traffic, Sec 1 and Sec 7).
 
 What the reader writes: this function, its body between ``# BEGIN SOLUTION`` and
 ``# END SOLUTION`` (the reader's copy has ``raise NotImplementedError`` there). Its
@@ -46,7 +46,7 @@ def zero1_step(flat_params, flat_grad, state, world_size, rank, lr, *, reduced=F
 
     Move data with ``dist.reduce_scatter_tensor(output, input)`` and ``dist.all_gather_into_tensor(output,
     input)`` only (output and input of one dtype): ZeRO-1 moves 2 Psi per step, as DP
-    does (Sec 7.2.1).
+    does (Sec 1, Sec 7).
     """
     # BEGIN SOLUTION
     n = flat_grad.numel() if reduced else flat_grad.numel() // world_size  # this rank's shard

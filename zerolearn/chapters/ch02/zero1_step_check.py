@@ -1,5 +1,5 @@
 """Exercise ``02.zero1_step``'s check: one ZeRO-1 (P_os) step on a flat gradient, in mixed
-precision (paper Sec 3.1, Sec 5.1, Sec 7.2.1).
+precision (paper Sec 3.1, Sec 5.1; DP's traffic, Sec 1 and Sec 7).
 
 Reduce-scatter, Adam on this rank's fp32 master shard, all-gather of the updated
 parameters. The trial trains a small GPT whose parameters are views of one flat padded
@@ -207,7 +207,8 @@ def _zero1_trial(fn) -> str:
                         "all-gather the updated shards with dist.all_gather_into_tensor", step)
         if not reduced and moved != 2 * layout.padded_numel:
             raise Wrong(f"you moved {psi_per_step(moved, psi)} per step; ZeRO-1 moves 2.0 Psi (a reduce-scatter "
-                        "of the gradients and an all-gather of the updated parameters, Sec 7.2.1)", step)
+                        "of the gradients and an all-gather of the updated parameters: DP's volume, Sec 1, Sec 7)",
+                        step)
         if reduced and moved != (layout.padded_numel if gather else 0):
             expected = "the all-gather alone, 1.0 Psi" if gather else "nothing: ZeRO-3 gathers parameters when " \
                 "a unit needs them"

@@ -8,7 +8,7 @@ its whole gradient buffer (2 Psi bytes in fp16, Fig 1), the rest of it still thi
 unreduced gradient, which the step does not read. Rank r's optimizer (torch's SGD here, on a
 master shard, as :mod:`zerolearn.engines.zero1` steps it) updates shard r alone; an
 all-gather puts the updated shards back together on every rank.
-Traffic: Psi reduce-scattered + Psi all-gathered = 2 Psi, the same as DP's all-reduce (Sec 7.2.1).
+Traffic: Psi reduce-scattered + Psi all-gathered = 2 Psi, the same as DP's all-reduce (Sec 1, Sec 7).
 """
 
 from __future__ import annotations
