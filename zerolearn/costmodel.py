@@ -450,8 +450,10 @@ def zeropp_cross_node_bytes(psi: float, nd: int, gpus_per_node: int, *, qwz: boo
 
 
 INFINITY_PEAK_FLOPS = 70e12
-"""The achievable throughput of one V100 that ZeRO-Infinity's bandwidth analysis assumes
-(Rajbhandari et al., SC'21, arXiv 2104.07857, Sec 4.2, Fig 3): 70 TFLOP/s."""
+"""The peak of one V100 taken for ZeRO-Infinity's bandwidth analysis (Rajbhandari et al.,
+SC'21, arXiv 2104.07857, Sec 4.2, Fig 3): 70 TFLOP/s, the book's assumption. With it the
+formula gives the paper's own reading of Fig 3, about 70 GB/s for half the peak at batch 1
+and sequence 1K."""
 
 INFINITY_STATES = ("parameters and gradients", "optimizer states", "activation checkpoints")
 """The three kinds of data whose bandwidth ZeRO-Infinity's Sec 4 analyses, in its order."""

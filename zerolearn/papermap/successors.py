@@ -107,10 +107,11 @@ def _infinity() -> list[Row]:
             "for forward and for backward and written after the step, w = 2 bytes; falling as 1/Nd)",
             f"{CH8} (bytes each rank reads and writes measured)", SHAPE_ONLY,
             "the ranks of one machine share one disk here, so their bandwidth does not add up"),
-        Row("infinity-bandwidth-needs", "ZeRO-Infinity", "its bandwidth analysis (Sec 4, Fig 3, at 70 TFLOP/s per "
-            "V100): about 70 GB/s for parameters and gradients keeps over half the peak even at batch 1 per GPU; "
+        Row("infinity-bandwidth-needs", "ZeRO-Infinity", "its bandwidth analysis (Sec 4, Fig 3, on V100 GPUs): "
+            "about 70 GB/s for parameters and gradients keeps over half the peak even at batch 1 per GPU; "
             "optimizer states need about 1.5 TB/s for 90% at batch 2; activation checkpoints a few GB/s",
-            f"`infinity_bandwidth_GBps` on `infinity_ait`: {needs['pg']:.1f} GB/s for parameters and gradients at "
+            f"`infinity_bandwidth_GBps` on `infinity_ait`, at a peak of 70 TFLOP/s per V100 (the book's assumption): "
+            f"{needs['pg']:.1f} GB/s for parameters and gradients at "
             f"50% (batch 1, seq 1K); {needs['os'] / 1e3:.2f} TB/s for optimizer states at 90% (batch 2), where "
             f"1.5 TB/s gives {_sig(100 * needs['os_at_1500'])}%; {needs['ac_2k']:.2f} GB/s for checkpoints at 50% "
             f"(width 2K, one per layer), {needs['ac_8k']:.2f} GB/s at width 8K",
