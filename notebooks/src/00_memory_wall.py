@@ -24,7 +24,8 @@
 # 3. measure a transformer's activations with the memory ledger, with and without activation
 #    checkpointing, and compare them with the paper's 12 · h · b · s · L values (Sec 3.2);
 # 4. reproduce the paper's GPT-2 1.5B example: 24 GB of model states, about 60 GB of activations
-#    at sequence length 1K and batch 32, and a 6 GB fused gradient buffer (Sec 3.1, Sec 3.2).
+#    at sequence length 1K and batch 32, and the 6 GB an fp32 buffer fusing all its gradients
+#    can take (Sec 3.1, Sec 3.2).
 #
 # Notation, fixed for the whole book: `psi` (Ψ) is the number of trainable parameters, `k` (K) the
 # optimizer's bytes per parameter, `nd` (N<sub>d</sub>) the data-parallel degree, `nm` (N<sub>m</sub>)
@@ -95,8 +96,9 @@ print(text_table(["fp32 Adam", "KiB", "bytes per parameter"], rows, align=["left
 # Four bytes of parameter, four of gradient, eight of optimizer state: **16 bytes per parameter**,
 # and K = 8 for fp32 Adam.
 #
-# **Mixed precision** (Sec 3.1) runs forward and backward in a 2-byte format (fp16 or bf16), so
-# parameters and gradients take 2 Ψ + 2 Ψ bytes. The optimizer must still update in fp32, or
+# **Mixed precision** (Sec 3.1) runs forward and backward in fp16, so parameters and gradients
+# take 2 Ψ + 2 Ψ bytes. (The paper speaks of fp16; the book also runs bf16, another 2-byte
+# format, which takes the same bytes.) The optimizer must still update in fp32, or
 # small updates vanish in rounding: it keeps an fp32 *master* copy of the parameters (4 Ψ) beside
 # the fp32 momentum and variance (4 Ψ + 4 Ψ). The paper counts the master copy in the optimizer
 # states: K = 12, and in total
@@ -351,9 +353,10 @@ plt.show()
 # ## 3. Residual states: temporary buffers and fragmentation
 #
 # **Temporary buffers** (Sec 3.2). Communication libraries move one large buffer faster than many
-# small ones, so implementations fuse all gradients into one flat buffer before an all-reduce. For
-# 1.5B parameters an fp32 fused buffer alone is 6 GB, and it grows with the model. Our engines
-# fuse gradients into buckets of at most `--bucket-mb` MiB instead, which is ZeRO-R's fix
+# small ones, so operations such as the gradient all-reduce tend to fuse all gradients into one
+# flat buffer, which can be fp32 (Sec 3.2; Sec 6.2 names Apex and Megatron). The paper's example:
+# 6 GB for 1.5B parameters, growing with the model. PyTorch's DDP reduces bounded buckets instead
+# (chapter 1); our engines fuse gradients into buckets of at most `--bucket-mb` MiB, ZeRO-R's fix
 # (constant-size buffers, CB, Sec 6.2); the `temporary` category of the step above also holds
 # activation gradients and casting buffers.
 #
@@ -365,10 +368,10 @@ plt.show()
 # Chapter 5 measures both.
 
 # %%
-print(f"fused fp32 gradient buffer, 1.5B parameters: {analytic.fused_buffer_bytes(1.5e9, 4) / GB:.0f} GB")
-print(f"capped at 256 MiB (CB):                      "
+print(f"Sec 3.2's fp32 fused buffer, 1.5B parameters: {analytic.fused_buffer_bytes(1.5e9, 4) / GB:.0f} GB")
+print(f"capped at 256 MiB (CB):                       "
       f"{analytic.constant_buffer_bytes(1.5e9, cap_bytes=256 * 2**20) / GB:.2f} GB")
-print(f"temporaries at the peak of our bf16 step:    "
+print(f"temporaries at the peak of our bf16 step:     "
       f"{watched['peak_by_category']['temporary'] / 1024:.1f} KiB")
 
 # %% [markdown]
@@ -400,9 +403,10 @@ print(f"\nlargest psi whose model states fit a 32 GB V100 under DP: "
 # 32 GB GPU stops at 2B parameters.
 #
 # Activations are not the only residual state. Backward recomputes one checkpointed block at a
-# time, holding that block's 12 b · s · h values again, and data parallelism fuses all gradients
-# into one fp32 buffer before the all-reduce: 4 Ψ = 6 GB (section 3). `per_device_bytes` counts
-# them all beside the model states, for one GPU at batch 32:
+# time, holding that block's 12 b · s · h values again, and in the paper's example an fp32 buffer
+# fusing all gradients takes 4 Ψ = 6 GB (Sec 3.2; bounded buckets, as in DDP, take far less).
+# `per_device_bytes` counts them all, that buffer at its full size, beside the model states, for
+# one GPU at batch 32:
 
 # %%
 from zerolearn.memory.fit import ActivationSpec, per_device_bytes
@@ -486,8 +490,8 @@ print(text_table(["stage", "held by each rank (bytes)", "formula (bytes)"], rows
 # * Activations grow linearly with batch, sequence, width and depth: our block keeps about 16
 #   b · s · h values, the paper estimates 12. Checkpointing keeps one b · s · h per block, at
 #   about 33% more compute.
-# * Fused gradient buffers grow with the model (6 GB for 1.5B in fp32); fragmentation can make an
-#   allocation fail with memory still free (chapter 5).
+# * A buffer fusing all gradients grows with the model (Sec 3.2's example: 6 GB for 1.5B in fp32);
+#   fragmentation can make an allocation fail with memory still free (chapter 5).
 # * GPT-2 1.5B at seq 1K and batch 32: 24 GB of model states, 60 GB of activations (5 GB
 #   checkpointed) and a 6 GB buffer do not fit a 32 GB GPU, with checkpointing or without.
 #

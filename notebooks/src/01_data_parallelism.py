@@ -85,7 +85,8 @@ import sys
 
 # %% [markdown]
 # Both ranks print 1 + 2 = 3. On GPUs the script is the same with `"nccl"` and a
-# `torch.cuda.set_device(rank)`; on several machines, `torchrun --nnodes` says where rank 0 is.
+# `torch.cuda.set_device(rank)`; on several machines, `--nnodes` says how many there are and
+# `--rdzv-endpoint` (or `--master-addr` and `--master-port`) where rank 0's machine is.
 #
 # ## 2. Collectives on four ranks
 #
@@ -584,7 +585,7 @@ plt.show()
 # copies of the parameters, the gradients and, the largest part, the optimizer states (Sec 4).
 # Each rank then runs the same optimizer step on the same numbers. ZeRO-1 (chapter 2) gives each
 # rank 1/N<sub>d</sub> of the optimizer states and of the step, keeping DP's 2 Ψ of communication
-# (Sec 5.1, Sec 7.2.1).
+# (Sec 5.1, Sec 1, Sec 7).
 #
 # ## 5. Your engine trains
 #

@@ -14,7 +14,7 @@
 # 2. explain why giving each rank *whole tensors* leaves shards unequal, and how flat
 #    buffers padded to a multiple of $N_d$ make them equal (`zerolearn.flat`);
 # 3. trace one ZeRO-1 step as reduce-scatter, local update, all-gather, and count its
-#    traffic: $2\Psi$ per step, the same as DP (Sec 7.2.1);
+#    traffic: $2\Psi$ per step, the same as DP (Sec 1, Sec 7);
 # 4. measure why the common "all-reduce, then broadcast from each owner" version moves
 #    $3\Psi$ instead, while computing exactly the same losses.
 
@@ -273,7 +273,7 @@ step = schematics.zero1_animation(nd=3)  # in JupyterLab, step.widget(): play bu
 HTML(step.html)
 
 # %% [markdown]
-# With equal flat shards the ZeRO-1 step is three moves (Sec 5.1, Sec 7.2.1):
+# With equal flat shards the ZeRO-1 step is three moves (Sec 5.1; the schedule is ours):
 #
 # 1. **reduce-scatter** the gradient buffer: rank $r$ receives the sum over ranks of
 #    slice $r$ only, exactly the slice it updates ($\Psi$ elements in the paper's count);
@@ -487,7 +487,7 @@ for nd in (3, 4):
     runs += [(f"Nd {nd}, engine (RS + AG)", eng["ranks"][0]["comm"]),
              (f"Nd {nd}, naive (AR + bcast)", by_count["comm"])]
 print(ch02.traffic_table(runs, psi, steps=3))
-print(f"elements per step; Psi = {psi:,}; paper (Sec 7.2.1): ZeRO-1 moves "
+print(f"elements per step; Psi = {psi:,}; paper (Sec 1, Sec 7): ZeRO-1 moves "
       f"{analytic.comm_volume_elements(1, 1)} Psi per step, like DP")
 
 # %% [markdown]
@@ -499,23 +499,33 @@ print(f"elements per step; Psi = {psi:,}; paper (Sec 7.2.1): ZeRO-1 moves "
 # rank used only the gradients of the tensors it owns.
 
 # %% [markdown]
-# The paper counts ZeRO-1's traffic exactly as the engine does it (Sec 7.2.1): a
-# reduce-scatter of the gradients, $\Psi$, then an all-gather of the updated parameters,
-# $\Psi$. Elsewhere it words the moves per partition: gradients *reduced* to the rank
+# The paper counts no schedule for ZeRO-1 alone. It gives $P_{os}$ DP's volume (Sec 1,
+# and Sec 7: no additional communication with $P_{os}$ and $P_g$) and ends its step
+# with an all-gather of the updated parameters (Sec 5.1). The count it writes out, a
+# reduce-scatter of the gradients, $\Psi$, then that all-gather, $\Psi$, is for
+# gradient partitioning, $P_{os+g}$ (Sec 7.2.1, chapter 3).
+# Our ZeRO-1 runs the same two collectives: the schedule is the book's. DeepSpeed's
+# first stage 1 all-reduced the gradients instead; its news of 17 March 2020 reports
+# the partition-aware version cutting the volume from 1.5x to 1x DP's: the naive
+# $3\Psi$ and the engine's $2\Psi$ above.
+#
+# Elsewhere the paper words the moves per partition: gradients *reduced* to the rank
 # that owns them (Sec 5.2), parameters *broadcast* by their owner (Sec 5.3, 7.2.2). Done
 # for all $N_d$ partitions at once, those reduces are one reduce-scatter and those
 # broadcasts one all-gather: the same data reaches the same ranks. Per rank each sends and
 # receives $\Psi (N_d - 1)/N_d$ elements, so about $2\Psi$ in all, the engine's measured
 # volume above. A ring all-reduce is this same pair (Sec 7.1), which is why $P_{os}$
 # moves no more than DP.
-#
+
+# %% [markdown]
 # ### 5.4 Same arithmetic, same losses
 #
 # Both versions apply the same Adam update to the same averaged gradients, so the
 # losses must agree, step by step, to rounding (the engine averages before summing,
 # the naive version after). bf16 computes in a different precision, so its losses
 # differ slightly. Losses are printed to the digits that are information: fp32 to 5
-# significant digits, bf16 to 3 (an 8-bit mantissa; further digits change with the CPU).
+# significant digits, bf16 to 3 (7 stored fraction bits, 8 bits of precision with the
+# implicit one; further digits change with the CPU).
 
 # %%
 rows, gap = [], 0.0
@@ -580,7 +590,7 @@ excerpt(NanoZero.step, ("elif self.stage == 1:", "args, kwargs ="), ("self.fn[\"
 # parts, beside one process on the whole batch and beside the package's `Zero1Engine`. Look
 # at three columns: your losses must equal one process's; a rank holds Fig 1's formula with
 # fp32's 4-byte parameters and gradients, $(4 + 4 + K/N_d)\Psi$ bytes, $K = 12$ since your
-# step keeps an fp32 master; and the traffic is $2\Psi$ per step (Sec 7.2.1).
+# step keeps an fp32 master; and the traffic is $2\Psi$ per step (Sec 1, Sec 7).
 
 # %%
 your_engine(1, {"shard_range": shard_range, "zero1_step": zero1_step})
@@ -645,7 +655,7 @@ print(f"fullest rank {kib(fullest_rank, unit=True)}; perfect split {kib(8 * psi 
 # - Sharding by whole tensor leaves ranks unequal, and no whole-tensor split gives
 #   its fullest rank less than the largest tensor. Flat buffers padded to a multiple of $N_d$ give equal
 #   shards at the cost of fewer than $N_d$ zeros per group.
-# - A step is reduce-scatter, local update, all-gather: $2\Psi$ per step, as in DP
-#   (Sec 7.2.1). All-reduce plus broadcast computes the same losses but moves $3\Psi$.
+# - A step is reduce-scatter, local update, all-gather: $2\Psi$ per step, DP's volume
+#   (Sec 1, Sec 7). All-reduce plus broadcast computes the same losses but moves $3\Psi$.
 # - Parameters and gradients are still replicated: $4\Psi$ is ZeRO-1's floor. The
 #   next chapter partitions the gradients.

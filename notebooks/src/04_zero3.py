@@ -41,15 +41,19 @@ from zerolearn.tables import text_table
 # %% [markdown]
 # ## 1. Units: what is gathered together
 #
-# The paper says that the parameters are all-gathered spread over the forward pass,
-# pipelined with it, and again over backward (Sec 7.2.2); it does not say in what pieces.
-# One parameter at a time would pay a collective's fixed cost for each of hundreds of
-# tensors; the whole model at once would hold the whole replica again, if only for a
-# moment. Implementations (DeepSpeed, PyTorch's FSDP, this package) gather *units*
-# instead: groups of modules that run together. The book's GPT of the exercises
-# (Psi = 42,368) has four: the embedding, each of its two blocks and the head
-# (`GPT.units()`). The engine lays each unit's parameters into its own flat buffers, so
-# a unit is gathered with one all-gather per buffer; in bf16 a parameter takes 2 bytes.
+# The paper's piece is a partition, owned whole by one rank: just before forward reaches
+# the part of the model it holds, its owner broadcasts it to every rank, which discard
+# it once that part has run; backward repeats this in reverse (Sec 5.3, Sec 7.2.2).
+# Later implementations shard every piece over all ranks and all-gather it (ZeRO-Infinity,
+# its Sec 6.1, DeepSpeed, PyTorch's FSDP, this package): Psi per pass either way, but an
+# owner's broadcast keeps only its own link busy, while an all-gather uses every rank's.
+# Their pieces are *units*, groups of modules that run together. One parameter at a time
+# would pay a collective's fixed cost for each of hundreds of tensors; the whole model at
+# once would hold the whole replica again, if only for a moment. The book's GPT of the
+# exercises (Psi = 42,368) has four units: the embedding, each of its two blocks and the
+# head (`GPT.units()`). The engine lays each unit's parameters into its own flat buffers,
+# sharded over all ranks, so a unit is gathered with one all-gather per buffer; in bf16 a
+# parameter takes 2 bytes.
 
 # %%
 BOOK = dict(model="gpt", n_layer=GPT.n_layer, d_model=GPT.d_model, n_head=GPT.n_head, seq_len=GPT.seq_len)
@@ -458,7 +462,8 @@ print(f'all-gathers into a buffer   : {sum(1 for a, b in zip(params, params[1:])
 # formula, then each stage's *ratio* to DP's 16 Psi. Table 1 is in GB for models of
 # 7.5B parameters and more; the ratio is what carries over to any model size, e.g.
 # 31.4 / 120 = 0.262 for P_os at Nd = 64. Its last column is that ratio from Table 1's
-# printed numbers, where Table 1 has the Nd.
+# numbers, where Table 1 has the Nd. Table 1 is an image in the paper: `TABLE1_GB` is a
+# transcription of it, whose every value the formula gives to the digits shown.
 
 # %%
 SMALL = TrainConfig(**BOOK, steps=1, dtype="bf16", bucket_mb=64)
@@ -611,12 +616,13 @@ print(f"rank 0 of 16 keeps {r['ranks'][0]['model_state_bytes']['params']:,} byte
 # %% [markdown]
 # **4.** Table 1's last row: how many GB per GPU do $P_{os}$, $P_{os+g}$ and
 # $P_{os+g+p}$ need for a trillion parameters on 1024 GPUs (K = 12)? Compute them with
-# the formula your measurements matched.
+# the formula your measurements matched. (The table is an image in the paper; beside
+# each answer is our transcription of its cell.)
 
 # %%
 for stage in (1, 2, 3):
     gb = model_state_bytes(1e12, 1024, stage)['total'] / 1e9
-    print(f"{STAGE_NAMES[stage]:<9} {gb:,.2f} GB per GPU; Table 1 prints {TABLE1_GB[10**12][1024][stage - 1]}")
+    print(f"{STAGE_NAMES[stage]:<9} {gb:,.2f} GB per GPU; Table 1, transcribed: {TABLE1_GB[10**12][1024][stage - 1]}")
 
 # %% [markdown]
 # ## Summary

@@ -53,8 +53,13 @@ schematics.offload_figure(psi=7.5e9, nd=64, stage=2)
 # forward and backward run. The fp32 master copy, Adam's two moments and the gradients
 # move to host memory, and the optimizer step runs on the CPU: each step the GPU sends
 # its partition of the gradient down over PCIe and gets its partition of the updated
-# parameters back. ZeRO-Infinity goes one tier further and keeps the optimizer states
-# on NVMe, read before the step and written after it.
+# parameters back. ZeRO-Infinity builds on ZeRO-3 instead. Its offload engine can put
+# every partitioned model state, parameters, gradients and optimizer states, in CPU
+# memory or on NVMe, and it can move activation checkpoints to CPU memory (its Sec 5.1);
+# memory-centric tiling, bandwidth-centric partitioning and an overlap-centric design
+# keep the GPU busy meanwhile (Sec 5-6). The book builds one part of this, the placement
+# of the states: with `"disk"` the optimizer states live on NVMe (here: a file), read
+# before the step and written after it, and at stage 3 the parameter shard too.
 
 # %% [markdown]
 # `zerolearn.memory.model.offload_state_bytes` extends Sec 5's formulas to those three
@@ -166,11 +171,26 @@ plt.show()
 # %% [markdown]
 # Steps 0 and 1 agree exactly: step 0 is synchronous, so both runs compute step 1 with
 # the same parameters. From step 2 on, DPU's forward is one update behind and its loss
-# trails the plain run's: at step 2 by about one update's progress (0.11), and after
-# that by 0.07 to 0.12, many of the later, smaller updates, without closing.
-# That is the price the paper accepts after its first steps, when each update changes
-# the model less. What it buys is time: on a GPU
-# machine the CPU's Adam runs while the GPU computes. Here both halves share the same
+# trails the plain run's, at step 2 by about one update's progress (0.11). The gap over
+# the whole run:
+
+# %%
+import statistics
+
+gap = [d - p for p, d in zip(curves["plain"], curves["dpu"])]
+print("DPU's loss minus the plain run's (nats per byte), ten steps at a time")
+print(text_table(["steps", "median", "smallest", "largest"],
+                 [[f"{a}-{b - 1}", *(f"{f(gap[a:b]):+.3f}" for f in (statistics.median, min, max))]
+                  for a, b in ((2, 10), (10, 20), (20, 30), (30, 40))]))
+
+# %% [markdown]
+# DPU trails by about 0.1 over the first 20 steps (medians 0.10 and 0.12), and by less
+# as the updates shrink, 0.09 over steps 20-29 and 0.06 over steps 30-39: each stale
+# update is one of the later, smaller ones. One batch reverses the order: at step 36
+# DPU's loss is 0.15 *below* the plain run's. The gap narrows; in 40 steps it does not
+# close. That is the price the paper accepts after its first steps, when each update
+# changes the model less. What it buys is time: on a GPU machine the CPU's Adam runs
+# while the GPU computes. Here both halves share the same
 # two CPU cores, so the times below show the bookkeeping, not the overlap:
 
 # %% tags=["nbval-ignore-output"]
@@ -227,12 +247,13 @@ print(inspect.getsource(offload_step_time).split("    Raises:")[0].split('"""')[
 # **How fast can a CPU run Adam?** Adam is a handful of element-wise operations per
 # parameter: O(Psi) work a step, against the GPU's O(Psi x tokens) for forward and
 # backward. Done naively (one tensor operation after another, each a pass over memory,
-# on one core) it is slow; ZeRO-Offload's CPU-Adam, one of the paper's three
-# contributions, makes it fast by vectorising the update with SIMD instructions, fusing
-# it into one pass over each element, and spreading the elements over the cores
-# (DeepSpeed's documentation gives 5-7x over PyTorch's CPU Adam). PyTorch's own Adam
-# has the same three levels: one tensor at a time, `foreach` (many tensors per kernel)
-# and `fused` (the whole update in one pass). Measured on this machine's cores (the
+# on one core) it is slow. ZeRO-Offload's CPU-Adam (its Sec 5.1; with DPU, one of its two
+# ways of keeping the CPU's step short) uses three levels of parallelism: SIMD vector
+# instructions, loop unrolling, and OpenMP threads over the cores. The paper reports it
+# about 6x faster than PyTorch's CPU Adam; DeepSpeed's documentation gives 5-7x. PyTorch's
+# own Adam has three levels of another kind: one tensor at a time, `foreach` (many
+# tensors per kernel) and `fused` (the whole update in one pass). Measured on this
+# machine's cores (the
 # figures change with the machine):
 
 # %% tags=["nbval-ignore-output"]
@@ -310,7 +331,9 @@ cost_table(host_adam=rates["fused"])
 # * A checkpoint every ci layers, written and read in fp16: ait = 24 x hd x ci.
 #
 # Without overlap the GPU keeps ait x bw / (ait x bw + peak) of its peak. Solved for the
-# bandwidth, at the paper's 70 TFLOP/s per V100 and sequences of 1,024:
+# bandwidth, at sequences of 1,024 and a peak of 70 TFLOP/s per V100: our assumption, the
+# peak at which the paper's own reading of its Fig 3, about 70 GB/s for half the peak at
+# batch 1, comes out of the formula:
 
 # %%
 from zerolearn.costmodel import infinity_ait, infinity_bandwidth_GBps
@@ -374,8 +397,9 @@ schematics.zeropp_figure(psi=4096, world_size=4, node_ranks=2)
 # before backward, and the gradients reduce-scattered. On a cluster, most of it crosses
 # the slow links between nodes. ZeRO++ cuts each of the three:
 #
-# * **qwZ** sends the forward's all-gather as int8 with one scale per block of 256
-#   values: about half the bytes of bf16;
+# * **qwZ** sends the forward's all-gather as int8 with one scale per block of values,
+#   each block quantized on its own (ZeRO++ Sec 3.1): about half the bytes of bf16. The
+#   paper fixes no block size; the package's blocks hold 256 values (`zeropp.DEFAULT_BLOCK`);
 # * **hpZ** keeps a second copy of the parameters, partitioned over the GPUs of each
 #   node, so backward's all-gather stays inside the node (for Psi / k more elements per
 #   GPU, k GPUs per node);
@@ -478,7 +502,8 @@ print(text_table(["what", "bits", "scales", "bytes", "vs 2-byte", "rel. error", 
 # Block scales cut the parameters' error 15-fold for 1.6% more bytes: one large value
 # spoils only its own block. Gradients in int4 keep a relative error of about 13% per
 # quantization, which is why qgZ quantizes each value as few times as it can (two hops,
-# not a ring's Nd - 1) and sums in fp32 between hops. How far the training moves from
+# not a ring's Nd - 1) and, between hops, dequantizes to full precision before it sums
+# (ZeRO++ Sec 3.3; the package sums in fp32). How far the training moves from
 # plain ZeRO-3 over the 3 steps (the largest difference of the mean loss, and of any
 # trained parameter), measured; the last digits of such differences change with the
 # CPU, so read them for their order of magnitude:
@@ -542,17 +567,18 @@ print(f"{qgz_cross_node_bytes(1e9, 16, 4)['per_gpu'] / plain_bytes:.4f} of ZeRO-
 # %% [markdown]
 # ## Summary
 #
-# - Offload keeps the working parameters on the GPU and moves the optimizer states (and
-#   gradient shard) to host memory or disk: our engines hold exactly what the extended
-#   formulas say, and compute exactly what the plain stage computes.
+# - Offload moves the optimizer states (and gradient shard) to host memory or disk, and
+#   with disk at stage 3 the parameter shard too: our engines hold exactly what the
+#   extended formulas say, and compute exactly what the plain stage computes.
 # - DPU overlaps the CPU's step with the GPU's next one at the price of one step of
-#   staleness, measured here as a loss that trails the synchronous run's (by 0.07 to
-#   0.12 over 40 steps) without closing.
+#   staleness, measured here as a loss that trails the synchronous run's by about 0.1
+#   early and about 0.06 by steps 30-39 (medians): narrowing, not closed in 40 steps.
 # - Whether offload pays is a question of bandwidths: PCIe, the CPU's Adam and the disk
 #   against the GPU's compute; the cost model and the explorer answer it on paper, and
 #   ZeRO-Infinity's arithmetic intensities say how much bandwidth each kind of data needs.
 # - ZeRO++ sends stage 3's traffic across nodes as int8 weights and int4 gradients and
 #   keeps backward's gather inside the node: about a fifth of the bytes cross here, a
 #   quarter in the paper's count, for a bounded quantization error.
-# - Not built here: ZeRO-Infinity's prefetching of offloaded parameters while the GPU
-#   computes, and its tiling of operators too large for one GPU.
+# - Not built here: ZeRO-Infinity's gradients on NVMe and activation checkpoints in CPU
+#   memory, its prefetching of offloaded parameters while the GPU computes, and its
+#   tiling of operators too large for one GPU.
