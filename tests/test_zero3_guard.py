@@ -8,6 +8,8 @@ branch runs on rank 0 only, a unit's output is used on rank 0 only. Every case e
 trains exactly as one process on the whole batch, or stops with a ConfigError that
 names the parameter (or the ranks), its unit and the fix, and the ranks go on to the
 next case in the same process group: no garbage, no crash, no hang. All cases run inside one set of rank processes.
+A branch taken on some ranks only is named by the ranks' agreement checks, which run in
+debug mode (``ZEROLEARN_DEBUG_COLLECTIVES=1``); a read outside a unit is refused in any mode.
 """
 
 import functools
@@ -51,7 +53,8 @@ def reference(kind: str, branch: str | None = None) -> dict:
 
 @functools.cache
 def runs() -> list:
-    return on_ranks(user_model_jobs.many, 2, [dict(kind=kind, stage=stage, **SGD, **extra)
+    # A branch taken on some ranks only is named by the ranks' agreement checks: debug mode.
+    return on_ranks(user_model_jobs.many, 2, [dict(kind=kind, stage=stage, **SGD, **extra, debug="branch" in extra)
                                               for kind, stage, extra in CASES])[0]
 
 
@@ -125,12 +128,14 @@ def test_a_unit_run_inside_another_trains_as_one_process_agreeing_on_every_unit(
     assert run["schedule"] is None  # units inside units: no schedule, every unit agreed on before it runs
 
 
-def test_after_the_first_forward_ranks_agree_once_per_forward_not_once_per_unit():
-    # The small GPT has 5 units (embedding, 3 blocks, head). The first forward agrees on each
-    # unit and on its end (6 exchanges); later forwards only on the end (1). Each step's
-    # backward adds one (the units that get gradients).
-    counts = on_ranks(user_model_jobs.proposals_per_forward, 2)
-    assert counts[0] == counts[1] == [6 + 1, 1 + 1, 1 + 1], counts
+def test_ranks_exchange_nothing_by_default_and_agree_on_every_unit_in_debug_mode():
+    # Without debug mode the ranks exchange nothing to agree on units. In debug mode every
+    # forward of the small GPT's 5 units (embedding, 3 blocks, head) agrees on each unit and on
+    # its end (6 exchanges), and each backward on the units that get gradients (1).
+    plain = on_ranks(user_model_jobs.proposals_per_forward, 2)
+    assert plain[0] == plain[1] == [0, 0, 0], plain
+    counts = on_ranks(user_model_jobs.proposals_per_forward, 2, debug=True)
+    assert counts[0] == counts[1] == [6 + 1] * 3, counts
 
 
 def test_a_unit_whose_output_one_rank_discards_is_named_in_backward_at_zero_3():

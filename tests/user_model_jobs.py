@@ -454,7 +454,7 @@ def train(kind: str, stage: int | None, steps: int = 3, accum: int = 1, accum_st
                     engine.backward(loss)
             else:
                 engine.backward(loss)
-            uneven += getattr(engine, "_uneven", False)  # ZeRO-3: a parameter got a gradient on some ranks only
+            uneven += getattr(engine, "zeros_counted", 0) > 0  # ZeRO-3: a reached unit's parameter got no gradient here
             local += loss.item()
         engine.step()
         engine.zero_grad()
@@ -473,9 +473,9 @@ def train(kind: str, stage: int | None, steps: int = 3, accum: int = 1, accum_st
     return out
 
 
-def proposals_per_forward(steps: int = 3) -> list[int]:
+def proposals_per_forward(steps: int = 3, debug: bool = False) -> list[int]:
     """ZeRO-3 on the small GPT: how many agreement exchanges (:func:`guard.propose`) each
-    forward makes."""
+    step makes, without and with debug mode (``debug``)."""
     from zerolearn import guard
     from zerolearn.models import GPTConfig, build_model
 
@@ -488,6 +488,7 @@ def proposals_per_forward(steps: int = 3) -> list[int]:
         return propose(*args, **kwargs)
 
     guard.propose = counted
+    comm.set_debug(debug)
     try:
         for step in range(steps):
             x = data.rank_slice(torch.randint(0, 256, (4, 16), generator=torch.Generator().manual_seed(step)),
@@ -499,6 +500,7 @@ def proposals_per_forward(steps: int = 3) -> list[int]:
             engine.zero_grad()
     finally:
         guard.propose = propose
+        comm.set_debug(False)
     return counts
 
 
@@ -556,9 +558,13 @@ def many(runs: list[dict]) -> list[dict | str]:
     """Several :func:`train` runs in one process group; an exception becomes its message."""
     out = []
     for kw in runs:
+        debug = kw.pop("debug", False)  # the ranks' agreement checks (ZEROLEARN_DEBUG_COLLECTIVES)
+        comm.set_debug(debug)
         try:
             job = train_ddp if kw.pop("ddp", False) else used_flag_exchanges if kw.pop("count", False) else train
             out.append(job(**kw))
         except Exception as e:  # noqa: BLE001  (the test reads the message)
             out.append(f"{type(e).__name__}: {e}")
+        finally:
+            comm.set_debug(False)
     return out

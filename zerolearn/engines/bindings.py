@@ -163,8 +163,8 @@ class HeldGradient(torch.Tensor):
     ConfigError naming the engine's clipping (``max_grad_norm=``,
     ``engine.clip_grad_norm_(max_norm)``). So ``torch.nn.utils.clip_grad_norm_(
     model.parameters(), ...)`` or a gradient norm logged from ``p.grad`` fails loudly
-    instead of reading nothing (torch returns a norm of 0.0 when every ``p.grad`` is None).
-    Shape, dtype and ``repr`` stay readable.
+    instead of reading nothing (torch returns a norm of 0.0 when every ``p.grad`` is None);
+    ``p.grad.data`` is refused too. Shape, dtype and ``repr`` stay readable.
 
     Attributes:
         stage: the engine's stage (0-3), for the message.
@@ -184,9 +184,11 @@ class HeldGradient(torch.Tensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", None)
-        if name in _READS_NOTHING:
+        # p.grad.data hands out the zeros underneath: a read like any other.
+        if name in _READS_NOTHING and not (name == "__get__" and _attribute(func) == "data"):
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
+        name = "data" if name == "__get__" else name
         held = next((a for a in _flat(args, kwargs) if isinstance(a, HeldGradient)), None)
         if name == "__repr__" and held is not None:
             return (f"HeldGradient(shape={tuple(held.shape)}): the engine (stage {held.stage}) holds this "
@@ -205,6 +207,11 @@ class HeldGradient(torch.Tensor):
 _READS_NOTHING = frozenset({"__get__", "__set__", "size", "dim", "ndimension", "numel", "nelement", "__len__",
                             "stride", "storage_offset", "element_size", "is_floating_point", "is_complex",
                             "is_contiguous", "get_device", "data_ptr", "untyped_storage", "__hash__"})
+
+
+def _attribute(func) -> str | None:
+    """The attribute a property getter belongs to (``data`` for ``t.data``)."""
+    return getattr(getattr(func, "__self__", None), "__name__", None)
 
 
 def _flat(args, kwargs):

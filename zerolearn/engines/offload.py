@@ -413,7 +413,13 @@ class Offload:
         grads: per bucket, the fp32 host gradient shard, (``b.master.numel()``,).
         swapper: the :class:`DiskSwapper` ("disk"), else None.
         delay: the :class:`DelayedUpdate` (``dpu=True``), else None.
+
+    The engine calls it as its placement, as it calls :class:`zerolearn.engines.step.OnDevice`
+    without offload: ``land``, ``grads_for_step``, ``step``, ``take_grad``, ``shard_in``,
+    ``shard_out``, ``publishing``, ``zero_grad``, ``wait``, ``stats``, ``close``.
     """
+
+    decides_on_host = True  # the host steps: an overflow flag is read before the step's work
 
     def __init__(self, engine, kind: str, directory: str | None, dpu: bool):
         self.kind, self.pin = kind, engine.device.type == "cuda"
@@ -598,9 +604,11 @@ class Offload:
             opt.step_bucket(i, parts)
         b.master.grad = None
 
-    def step(self, engine, used: list[list[bool]], coef: float) -> None:
-        """The host step of every bucket, then publish; under DPU (after the first
-        step) launched on the background thread and published by the next :meth:`land`."""
+    def step(self, engine, grads: list[torch.Tensor], used: list[list[bool]], coef: float, found_inf=None) -> None:
+        """The host step of every bucket from ``grads`` (:meth:`grads_for_step`), then
+        publish; under DPU (after the first step) launched on the background thread and
+        published by the next :meth:`land`. ``found_inf`` is None: the host decided the
+        step already (:attr:`decides_on_host`)."""
         opt = engine._optimizer
         parts = [optim.parts_to_step(opt, i, b, used[i]) for i, b in enumerate(engine.buckets)]
         if self.delay is not None and self.delay.warm:

@@ -8,11 +8,13 @@ state, that nothing goes wrong silently around them:
 * the model may read a unit's parameters only while the unit is gathered
   (:class:`ReadGuard`, a ``TorchFunctionMode`` run during forward; a read elsewhere
   is a ConfigError naming the parameter, its unit and the fix, before any arithmetic);
-* every rank runs the same units and computes gradients for the same units, so a branch
-  taken on some ranks only is named at once instead of pairing gathers of different
-  sizes: one 8-byte all_gather per forward once the ranks share a schedule (one per
-  unit before that, :class:`Schedule`) and one before backward (:func:`agree_backward`),
-  outside the ledger.
+* in debug mode (``ZEROLEARN_DEBUG_COLLECTIVES=1``, ``debug_collectives=True``), every rank
+  runs the same units and computes gradients for the same units, so a branch taken on
+  some ranks only is named at once instead of pairing gathers of different sizes: one
+  8-byte all_gather per forward once the ranks share a schedule (one per unit before
+  that, :class:`Schedule`) and one before backward (:func:`agree_backward`), outside the
+  ledger. Without it nothing is exchanged and nothing read on the host, as torch's
+  DDP checks only at ``TORCH_DISTRIBUTED_DEBUG=DETAIL``.
 """
 
 from __future__ import annotations
@@ -51,6 +53,8 @@ class Unit:
             check), :class:`ShardedParameter` while freed (every op checked).
         ran: its forward has started in the current forward pass.
         backward_gathered: its pre-backward gather already ran in this backward.
+        in_forward: the engine's forward runs (a read of a freed parameter then names the
+            unit's forward, :func:`refuse_read`).
     """
 
     def __init__(self, index: int, name: str, module: nn.Module, buckets: list):
@@ -60,6 +64,7 @@ class Unit:
         self.sharded: list[nn.Parameter] = []  # parameters whose class follows `gathered` (adopt)
         self.ran = False
         self.backward_gathered = False
+        self.in_forward = False
 
     @property
     def gathered(self) -> bool:
@@ -282,6 +287,8 @@ class ShardedParameter(nn.Parameter):
                     if name == "__repr__":
                         return (f"ZeRO-3 parameter {found[0]} of shape {tuple(p.shape)}: not gathered, this "
                                 "rank holds a shard (engine.summon_full_params() gathers it)")
+                    if found[1].in_forward:
+                        refuse_read(*found)
                     refuse_outside(*found, name)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
@@ -438,8 +445,13 @@ class Schedule:
     before anything pairs wrongly: gloo aborts the process when gathers of two sizes
     meet, and units of one size would mix silently. Two modes:
 
-    * *lockstep* (the first forward, after a forward with nested units, in debug
-      mode): before each unit's forward the ranks exchange its index
+    Without debug mode nothing is exchanged: the first forward (and one with nested
+    units, or off the schedule) prefetches in ``units=`` order, later ones follow the
+    schedule, and a forward that leaves it goes on in ``units=`` order; every rank that
+    runs the same units issues the same gathers. In debug mode (:func:`guard.debug_enabled`):
+
+    * *lockstep* (the first forward, after a forward with nested units, every forward):
+      before each unit's forward the ranks exchange its index
       (:func:`guard.propose`, 8 bytes that pair whatever they say) and check it, then
       gather it and prefetch the unit after it in ``units=`` order; the forward's end
       is proposed too (:data:`END`). A forward whose units never nested becomes the
@@ -454,8 +466,7 @@ class Schedule:
       lockstep; otherwise every rank raises with the message below, with every
       collective paired (the process group stays usable).
 
-    One 8-byte exchange per forward, instead of one per unit: on 4 gloo ranks sharing
-    2 cores each such collective costs milliseconds.
+    One 8-byte exchange per forward in debug mode once scheduled, instead of one per unit.
 
     Args:
         units: the engine's units in ``units=`` order, the root (the model) last if it has
@@ -474,15 +485,23 @@ class Schedule:
         self.prefetch = True  # False: no unit gathered before its own hook (chapter 4's timeline)
         self.window_bytes = window_bytes  # a prefetch gathers following units up to this many bytes
         self.start()
+        self.stop()  # no forward runs yet
 
     def start(self) -> None:
         """A new forward: nothing has run."""
         self.ran: list[int] = []  # unit indices, in the order their forward started
         self.open: list[Unit] = []  # units (not the root) whose forward has started, not returned
         self.flat = True  # no unit's forward started inside another's
-        self.lockstep = self.trace is None or guard.debug_enabled()
+        self.checked = guard.debug_enabled()  # ranks compare the units they run
+        self.lockstep = self.trace is None or self.checked
         for unit in self.units:
             unit.ran = False
+            unit.in_forward = True
+
+    def stop(self) -> None:
+        """The engine's forward returned or failed."""
+        for unit in self.units:
+            unit.in_forward = False
 
     def enter(self, unit: Unit, engine) -> list[Unit]:
         """``unit``'s forward starts; returns the units to prefetch (:meth:`window`)."""
@@ -492,11 +511,14 @@ class Schedule:
             self.flat = self.flat and not outer
             self.open.append(unit)
         if self.lockstep:
-            self._agree(position, unit.index)
+            if self.checked:
+                self._agree(position, unit.index)
         elif unit.index == self.trace[position] and not outer:
             return self._scheduled(position)
-        else:
+        elif self.checked:
             self._leave(position, unit.index, outer, engine)  # every rank left here alike: lockstep now
+        else:
+            self.lockstep = True  # off the schedule: units= order from here, as on every rank that left here
         return self._after(unit)
 
     def exit(self, unit: Unit) -> None:
@@ -508,7 +530,9 @@ class Schedule:
         """The forward ended on this rank: check it with the others; an agreed flat forward
         becomes the schedule."""
         position = len(self.ran)
-        if self.lockstep:
+        if not self.checked:
+            pass
+        elif self.lockstep:
             self._agree(position, END)
         elif self.trace[position] != END:
             self._leave(position, END, list(self.open), engine)
@@ -597,18 +621,26 @@ def params_reached(loss, param_unit: dict[int, tuple[str, Unit]]) -> set[int]:
             continue
         seen.add(fn)
         variable = getattr(fn, "variable", None)  # AccumulateGrad: a leaf tensor
-        if variable is not None and id(variable) in param_unit:
+        if variable is not None and id(variable) in param_unit and _executes(fn):
             reached.add(id(variable))
         stack.extend(next_fn for next_fn, _ in fn.next_functions)
     return reached
 
 
+def _executes(fn) -> bool:
+    """Inside a backward: whether it runs node ``fn`` (``backward(inputs=...)`` and
+    ``torch.autograd.grad`` leave out the parameters they were not asked for)."""
+    try:
+        return torch._C._will_engine_execute_node(fn)
+    except RuntimeError:  # outside a backward: every node of the graph runs
+        return True
+
+
 class Reached:
-    """The parameters of the units (the root's left out), numbered alike on every rank, and
-    the agreement before each backward on which of them get gradients (:func:`agree_backward`).
+    """The parameters of the units (the root's left out), and which of them a backward reaches.
 
     Args:
-        units: the units whose parameters are compared; param_unit: ``id(parameter) -> (name, Unit)``.
+        units: the units whose parameters are counted; param_unit: ``id(parameter) -> (name, Unit)``.
     """
 
     def __init__(self, units: list[Unit], param_unit: dict[int, tuple[str, Unit]]):
@@ -616,52 +648,49 @@ class Reached:
         self.slot_of = {id(b.params[i]): k for k, (b, i, _) in enumerate(self.slots)}
         self.param_unit = param_unit
 
-    def agree(self, loss: torch.Tensor, units: list[Unit], pg, device) -> bool:
-        """Agree on the parameters ``loss`` reaches; each parameter only other ranks reach is
-        counted as arrived in its bucket (``ready``; its gradient is zeros). True if any was.
+    def count(self, roots: list, units: list[Unit], pg, device, check: bool = False) -> int:
+        """Count each parameter of a unit this backward reaches that gets no gradient here as
+        arrived in its bucket (``ready``; its gradient is zeros), so the bucket completes in
+        its unit's backward on every rank, whichever ranks compute that parameter. Returns
+        how many were counted. ``check`` (debug mode): first agree with the other ranks that
+        every rank reaches the same units (:func:`agree_backward`).
 
         Raises:
             ConfigError: from :func:`agree_backward`.
         """
-        mine = sorted(self.slot_of[i] for i in params_reached(loss, self.param_unit) if i in self.slot_of)
-        others = agree_backward(sorted({self.slots[k][2] for k in mine}), mine, units, pg, device)
-        for k in others:
-            self.slots[k][0].ready += 1
-        return bool(others)
+        mine = {self.slot_of[i] for i in params_reached(roots, self.param_unit) if i in self.slot_of}
+        reached_units = sorted({self.slots[k][2] for k in mine})
+        if check:
+            agree_backward(reached_units, units, pg, device)
+        counted = 0
+        for k, (b, _, u) in enumerate(self.slots):
+            if k not in mine and u in reached_units:
+                b.ready += 1
+                counted += 1
+        return counted
 
 
-def agree_backward(reached: list[int], reached_params: list[int], units: list[Unit], pg, device) -> set[int]:
-    """Check, once before backward, that every rank computes gradients for the same units,
-    and find the parameters of those units that get gradients on other ranks only.
-
-    A unit may call some of its sub-modules on some ranks only (a mixture-of-experts
-    block whose router sends no token to an expert on this rank): the unit runs
-    everywhere, but the expert's parameters get gradients on some ranks only. Every rank
-    then reduce-scatters the unit's whole gradient, zeros where it computed none, at the
-    same point of its backward (DDP's ``find_unused_parameters`` does the same with
-    all_reduce). One 8-byte all_gather of a checksum when the ranks agree on every
-    parameter; the lists themselves are exchanged only when they differ.
+def agree_backward(reached: list[int], units: list[Unit], pg, device) -> None:
+    """Debug mode: check, before backward, that every rank computes gradients for the same
+    units. A unit may call some of its sub-modules on some ranks only (an expert no token
+    reached here): that is allowed, its parameters count as zeros (:meth:`Reached.count`);
+    a unit whose gradients only some ranks compute would make the ranks gather different
+    units in backward. One 8-byte all_gather of a checksum; the lists are exchanged only
+    when they differ.
 
     Args:
         reached: indices of the units (the root left out) with a parameter that gets a
-            gradient on this rank; reached_params: positions (in the engine's parameter
-            order) of those units' parameters that do.
-
-    Returns:
-        positions of parameters some other rank computes a gradient for and this one
-        does not: the engine counts them as arrived, with zeros.
+            gradient on this rank.
 
     Raises:
         ConfigError: some units get gradients on some ranks only, each named with its ranks.
     """
-    code = zlib.crc32(f"{reached};{reached_params}".encode())
+    code = zlib.crc32(f"{reached}".encode())
     if len(set(guard.propose(code, pg, device).result())) == 1:
-        return set()
-    everyone = comm.gather_objects((reached, reached_params), group=pg)
-    unit_sets = [set(u) for u, _ in everyone]
-    if any(s != unit_sets[0] for s in unit_sets):
-        _refuse_backward([u for u, _ in everyone], units, pg)
-    return set().union(*(set(p) for _, p in everyone)) - set(reached_params)
+        return
+    everyone = comm.gather_objects(reached, group=pg)
+    if any(set(u) != set(everyone[0]) for u in everyone):
+        _refuse_backward(everyone, units, pg)
 
 
 def _refuse_backward(everyone: list[list[int]], units: list[Unit], pg) -> None:

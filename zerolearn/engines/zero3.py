@@ -21,12 +21,14 @@ itself, gathered for all of forward and backward (as FSDP2 and DeepSpeed treat a
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
 from zerolearn import comm, guard
 from zerolearn.engines import units as U
-from zerolearn.engines.base import Bucket, Engine
+from zerolearn.engines.base import Bucket, Engine, TrainingState
 from zerolearn.engines.zeropp_units import ZeroPP
 
 
@@ -76,7 +78,7 @@ class Zero3Engine(Engine):
                             for name, p in zip(b.layout.names, b.params)}
         self._reached = U.Reached([u for u in self.units if u.module is not self.model], self._param_unit)
         self._position = {id(b): k for k, b in enumerate(buckets)}  # launch order
-        self._uneven = False  # this backward counts parameters other ranks alone compute as arrived
+        self.zeros_counted = 0  # the last backward's parameters counted as zeros (units.Reached.count)
         self.schedule = U.Schedule(self.units, self.units[-1].module is self.model, self.pg, self.device,
                                    min(self.prefetch_bytes, self.bucket_bytes))  # a fused buffer <= CB
         self._storage_unit: dict[int, U.Unit] = {}  # a storage autograd may save -> its unit
@@ -102,7 +104,7 @@ class Zero3Engine(Engine):
         units = [unit for unit in units if not (unit.gathered or unit.gathering)]
         buckets = [b for unit in units for b in unit.buckets]
         for b in buckets:
-            self._shard_in(b)  # offload="disk": the shard read from its file first (ZeRO-Infinity)
+            self._placement.shard_in(b)  # offload="disk": the shard read from its file first (ZeRO-Infinity)
             b.full.untyped_storage().resize_(b.full.nbytes)
             self.gathered_bytes += b.full.nbytes
         fuse = len(units) > 1 and self.world_size > 1 and self.offload != "disk" and not self.zpp.enabled
@@ -118,7 +120,7 @@ class Zero3Engine(Engine):
     def _finish_gather(self, unit: U.Unit) -> None:
         for b, handle in zip(unit.buckets, unit.gathering):  # one gather per bucket, in order
             handle.wait()
-            self._shard_out(b)  # offload="disk": the shard's memory released, its file kept
+            self._placement.shard_out(b)  # offload="disk": the shard's memory released, its file kept
         unit.gathered = unit.gathered or bool(unit.gathering)
         unit.gathering.clear()
 
@@ -143,10 +145,13 @@ class Zero3Engine(Engine):
     # ----- forward: gather before a unit, free after, prefetch the next ---------------
     def forward(self, *args, **kwargs):
         self.schedule.start()  # also: no unit has run yet
+        # Debug mode: every op checked for a parameter read outside its unit (a freed parameter
+        # refuses any read anyway: units.ShardedParameter); without it, no per-op Python.
+        reads = U.ReadGuard(self._param_unit) if guard.debug_enabled() else contextlib.nullcontext()
         try:
-            with U.ReadGuard(self._param_unit), torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            with reads, torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 out = super().forward(*args, **kwargs)
-            self.schedule.finish(self)  # every rank ran the same units: the next forward's schedule
+            self.schedule.finish(self)  # the next forward's schedule (debug mode: checked on every rank)
             self._settle()  # a prefetch the forward did not use
             return out
         except (guard.CollectiveError, guard.CollectiveMismatch):
@@ -154,6 +159,8 @@ class Zero3Engine(Engine):
         except BaseException:
             self._settle()
             raise
+        finally:
+            self.schedule.stop()
 
     def _pre_forward(self, unit: U.Unit) -> None:
         U.refuse_compiling()
@@ -177,13 +184,16 @@ class Zero3Engine(Engine):
                     t.register_hook(lambda grad, unit=unit: self._pre_backward(unit))
 
     # ----- backward: gather again, free once the gradients are in ---------------------
-    def _before_backward(self, loss: torch.Tensor) -> None:
-        # Which units a rank gathers in backward follows the gradients it computes: all ranks must
-        # compute gradients for the same units (the root, gathered throughout, is left out).
-        # A parameter only other ranks compute a gradient for (an expert no token reached here)
-        # counts as arrived, as zeros: its bucket then completes inside its unit's backward on
-        # every rank and launches there (_may_launch, _launch_arrived): one collective order.
-        self._uneven = self.world_size > 1 and self._reached.agree(loss, self.units, self.pg, self.device)
+    def _before_backward(self, roots: list) -> None:
+        # A parameter of a unit this backward reaches that gets no gradient here (an expert no
+        # token reached on this rank) counts as arrived, as zeros: its bucket then completes
+        # inside its unit's backward on every rank, whichever rank computes it, and launches
+        # there (_may_launch, _launch_arrived): one collective order with no exchange. Debug
+        # mode also checks that every rank reaches the same units (units.Reached).
+        self.zeros_counted = 0  # parameters of reached units that get no gradient on this rank
+        if self.world_size > 1 and roots:
+            self.zeros_counted = self._reached.count(roots, self.units, self.pg, self.device,
+                                                     check=guard.debug_enabled())
 
     def _pre_backward(self, unit: U.Unit) -> None:
         self._ensure_backward()  # loss.backward(): the engine's backward starts here
@@ -195,8 +205,8 @@ class Zero3Engine(Engine):
             self._start_gather(self._previous(unit))
         self._launch_arrived(unit)
 
-    def _launch_arrived(self, unit: U.Unit) -> None:  # uneven: buckets complete before their unit's backward
-        if self._uneven:
+    def _launch_arrived(self, unit: U.Unit) -> None:  # buckets complete (zeros counted) before its backward
+        if self.state is TrainingState.PRE_BACKWARD:
             for b in unit.buckets:
                 if b.complete and self._position[id(b)] >= self._next:  # not launched yet
                     self._on_bucket_ready(b)
@@ -226,8 +236,8 @@ class Zero3Engine(Engine):
 
     def _may_launch(self, b: Bucket) -> bool:  # the root unit's buckets: reduced at backward's end
         unit = self._unit_of[id(b)]
-        # Uneven: a bucket complete before its unit's backward (zeros counted in) waits for it.
-        return b.complete and unit.module is not self.model and (not self._uneven or unit.backward_gathered)
+        # A bucket complete before its unit's backward (zeros counted in) waits for it.
+        return b.complete and unit.module is not self.model and unit.backward_gathered
 
     def _reduce(self, b: Bucket) -> comm.Handle:
         # As ZeRO-2: reduce-scatter into the kept shard (or a temporary when accumulating).
