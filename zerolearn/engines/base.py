@@ -6,36 +6,35 @@ the gradients (all or a shard) and the optimizer's fp32 master and moments (all 
 shard). Each stage file (``ddp.py``, ``zero1.py``, ``zero2.py``, ``zero3.py``) fills in
 the four methods of the contract and reads alone.
 
-This file holds what does not differ, in the manner of torch's FSDP2: one
-:class:`TrainingState` per engine, and one place where a backward begins
-(:meth:`Engine._ensure_backward`, run by the hook on the model's outputs, whether
-``engine(x)`` or ``model(x)`` made them) and one where it ends (a callback queued on
-autograd's graph task). The gradient path is in :mod:`zerolearn.engines.reduce`, the
-step in :mod:`zerolearn.engines.step`, the module's face in
-:mod:`zerolearn.engines.module_view`.
+This file holds what does not differ: a :class:`Bucket`'s fields, the contract, the
+engine's construction and its forward. The rest of the engine is one concern a file,
+each a part of :class:`Engine`: the training state and the one beginning and one end of
+a backward (:mod:`zerolearn.engines.backward`), the gradient path
+(:mod:`zerolearn.engines.reduce`), the step and ``zero_grad``
+(:mod:`zerolearn.engines.step`, with offload as a placement of it), the wrapped
+module's face (:mod:`zerolearn.engines.module_view`) and the state API
+(:mod:`zerolearn.engines.state`).
 """
 
 from __future__ import annotations
 
 import abc
-import enum
 import functools
 import weakref
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
-from torch.autograd.graph import get_gradient_edge
 
 from zerolearn import comm
 from zerolearn.engines import offload as offloading
 from zerolearn.engines import optim
-from zerolearn.engines.bindings import Bindings, HeldGradient, refuse_unsupported
+from zerolearn.engines.backward import Backward, TrainingState, _root_forward_done
+from zerolearn.engines.bindings import Bindings, refuse_unsupported
 from zerolearn.engines.module_view import ModuleView
 from zerolearn.engines.reduce import MAX_IN_FLIGHT, GradientReduction, _grad_arrived, _grad_coming
 from zerolearn.engines.state import EngineStateMixin
 from zerolearn.engines.step import OnDevice, Stepping
-from zerolearn.engines.units import tensors_in
 from zerolearn.errors import ConfigError
 from zerolearn.flat import FlatLayout, bucket_caps, make_buckets
 from zerolearn.memory.ledger import storage_bytes
@@ -47,61 +46,6 @@ __all__ = ["MAX_IN_FLIGHT", "Bucket", "Engine", "TrainingState"]
 # travels as its bytes, which is the same copy.
 _WIRE_DTYPES = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8,
                           torch.int32, torch.int64})
-
-
-class TrainingState(enum.Enum):
-    """Where an engine is in a step (torch FSDP2's ``TrainingState``)."""
-
-    IDLE = "idle"  # between steps, or between forward and backward
-    FORWARD = "forward"  # the model's forward runs
-    PRE_BACKWARD = "pre_backward"  # a backward reached the model's outputs: gradients arrive
-    POST_BACKWARD = "post_backward"  # the backward's end: the last reductions finish
-
-
-def _root_forward_done(engine_ref: weakref.ref, module, args, output) -> None:
-    """Forward hook on the wrapped model (``engine(x)`` and ``model(x)`` alike): a hook on
-    each output that needs a gradient begins the engine's backward when one reaches it."""
-    engine = engine_ref()
-    if engine is None or engine.in_backward or not torch.is_grad_enabled():
-        return  # a recomputation inside backward (activation checkpointing), or no graph
-    outputs = [t for t in tensors_in(output) if t.requires_grad]
-    for t in outputs:
-        t.register_hook(functools.partial(_root_grad_arrived, engine_ref))
-    engine._roots = [t.grad_fn for t in outputs if t.grad_fn is not None]
-
-
-def _root_grad_arrived(engine_ref: weakref.ref, grad: torch.Tensor) -> None:
-    engine = engine_ref()
-    if engine is not None:
-        engine._ensure_backward()
-
-
-def _backward_over(engine_ref: weakref.ref) -> None:
-    """Queued on autograd's graph task by :meth:`Engine._ensure_backward`: runs once that
-    backward is over (``Engine._end_backward``)."""
-    engine = engine_ref()
-    if engine is not None and engine.state is TrainingState.PRE_BACKWARD:
-        engine._end_backward()
-
-
-def _passive_backward_over(engine_ref: weakref.ref) -> None:
-    """Queued by a backward that reaches no parameter (an input's gradient): what it
-    gathered is freed (ZeRO-3's ``_after_backward``); the buckets were never touched."""
-    engine = engine_ref()
-    if engine is not None:
-        engine._passive = False
-        if engine.state is TrainingState.IDLE:
-            engine._after_backward()
-
-
-def _reaches_a_parameter(engine) -> bool:
-    """Inside a backward: will autograd accumulate a gradient into any trainable parameter?
-    (``torch.autograd.grad`` of an input, or ``backward(inputs=[x])``, will not.) Each
-    parameter's gradient accumulator is looked up once and kept, as torch DDP keeps them."""
-    if engine._grad_accumulators is None:
-        with torch._C.DisableTorchFunctionSubclass():  # a freed ZeRO-3 parameter refuses ops otherwise
-            engine._grad_accumulators = [get_gradient_edge(p).node for b in engine.buckets for p in b.params]
-    return any(torch._C._will_engine_execute_node(node) for node in engine._grad_accumulators)
 
 
 @dataclass(eq=False)
@@ -185,7 +129,7 @@ class Bucket:
         return self.views_of_grad()[i]
 
 
-class Engine(GradientReduction, Stepping, ModuleView, EngineStateMixin, abc.ABC):
+class Engine(Backward, GradientReduction, Stepping, ModuleView, EngineStateMixin, abc.ABC):
     """Forward, backward, step and zero_grad over buckets; a stage implements four methods.
 
     **The contract** (a class lacking one fails at construction, naming it):
@@ -430,150 +374,7 @@ class Engine(GradientReduction, Stepping, ModuleView, EngineStateMixin, abc.ABC)
     def __call__(self, *args, **kwargs):
         return self.forward(*args, **kwargs)
 
-    # ----- backward: one beginning, one end --------------------------------------------
-    @property
-    def in_backward(self) -> bool:
-        """A backward is running: forwards run now are recomputations (activation checkpointing)."""
-        return self.state is TrainingState.PRE_BACKWARD
-
-    def backward(self, loss: torch.Tensor, sync: bool = True, **kwargs) -> None:
-        """Backpropagate ``loss`` (a scalar, this rank's mean) into the buckets and reduce them.
-
-        Gradient accumulation: scale each micro-batch's loss by 1 / micro-batches. Several
-        ``backward`` calls before ``step`` each reduce at once and add to the earlier
-        reduced gradient; ``sync=False`` or :meth:`no_sync` adds gradients locally and the
-        next reducing backward reduces the sum once, like DDP's ``no_sync``.
-
-        ``loss.backward()`` does the same, except with fp16's loss scale, which only this
-        method applies. After backward, at stage 0 each ``p.grad`` is the reduced gradient,
-        a view of its bucket (DDP's ``gradient_as_bucket_view``); at stages 1-3, and with
-        fp16 or tensor parallelism, ``p.grad`` is a
-        :class:`~zerolearn.engines.bindings.HeldGradient` that refuses to be read (use
-        ``max_grad_norm=`` or :meth:`clip_grad_norm_`). A backward that reaches no
-        parameter (``torch.autograd.grad`` of an input) leaves the buckets alone.
-
-        Args:
-            kwargs: torch's ``Tensor.backward`` arguments (``retain_graph``, ``gradient``,
-                ``inputs``), passed on.
-
-        Raises:
-            ConfigError: ``create_graph=True`` (the buckets hold gradients without their graph).
-        """
-        self._check_open()
-        if kwargs.get("create_graph"):
-            raise ConfigError(_CREATE_GRAPH)
-        self._engine_backward, self._sync = True, sync and self._no_sync_depth == 0
-        try:
-            self._scaled(loss).backward(**kwargs)
-        except Exception as e:
-            self._passive = False
-            if self.state is not TrainingState.IDLE:
-                self._drop_backward(e)
-            raise
-        finally:
-            self._engine_backward = False
-
-    def _scaled(self, loss: torch.Tensor) -> torch.Tensor:
-        """``loss`` times fp16's loss scale, in ``loss``'s dtype (a device tensor: nothing read)."""
-        if not self.scaler.enabled:
-            return loss
-        return (loss * self.scaler.scale_tensor.to(torch.float32)).to(loss.dtype)
-
-    def _ensure_backward(self) -> None:
-        """The one place a backward begins: the hook on the model's outputs (or, for a loss
-        that did not pass them, the first parameter's hook) runs it. State PRE_BACKWARD,
-        ``p.grad`` handed back to autograd, the stage's :meth:`_before_backward`, and the
-        end (:meth:`_end_backward`) queued on autograd's graph task.
-
-        Raises:
-            ConfigError: ``create_graph=True``; fp16 through ``loss.backward()``.
-        """
-        if self.state is TrainingState.PRE_BACKWARD or self._passive:
-            return
-        if not _reaches_a_parameter(self):  # an input's gradient: the engine has nothing to do
-            self._passive = True
-            torch.autograd.Variable._execution_engine.queue_callback(
-                functools.partial(_passive_backward_over, self._me))
-            return
-        if torch.is_grad_enabled():  # autograd runs a backward with create_graph=True in grad mode
-            raise ConfigError(_CREATE_GRAPH)
-        if self.scaler.enabled and not self._engine_backward:
-            raise ConfigError("loss.backward() in an fp16 run: the engine multiplies the loss by its dynamic loss "
-                              "scale, which only engine.backward(loss) can do; call engine.backward(loss)")
-        if not self._engine_backward:
-            self._sync = self._no_sync_depth == 0
-        self.state = TrainingState.PRE_BACKWARD
-        self._accumulating, self._next = False, 0
-        for b in self.buckets:
-            b.ready = 0
-        self._had_exposed = bool(self._exposed)
-        self._unexpose()
-        roots, self._roots = self._roots, []
-        torch.autograd.Variable._execution_engine.queue_callback(functools.partial(_backward_over, self._me))
-        self._before_backward(roots)
-
-    def _end_backward(self) -> None:
-        """The one place a backward ends: a backward that accumulated a gradient reduces
-        what is left and waits for every reduction; ``p.grad`` set; state IDLE."""
-        self.state = TrainingState.POST_BACKWARD
-        try:
-            if self._accumulating and self._sync:
-                self._reduce_the_rest()
-            self._after_backward()
-        except Exception as e:
-            self._drop_backward(e)
-            raise
-        self.state = TrainingState.IDLE
-        if self._accumulating or self._had_exposed:
-            self._expose()
-
-    def _recover(self) -> None:
-        """Outside every backward, a state left by one that failed before its end (an error
-        in a hook or in the user's code): the engine starts clean."""
-        if torch._C._current_graph_task_id() != -1:
-            return  # a recomputation inside a running backward
-        self._passive = False
-        if self.state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
-            self._drop_backward()
-        self.state = TrainingState.IDLE
-
-    def _drop_backward(self, error: Exception | None = None) -> None:
-        """A backward failed: :meth:`_abandon_backward`, and no backward is open any more."""
-        self.state = TrainingState.IDLE
-        self._abandon_backward(error if error is not None else RuntimeError("backward abandoned"))
-
-    # ----- zero_grad and close ------------------------------------------------------------
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        """Drop all gradients (buffers are allocated again in the next backward).
-
-        Args:
-            set_to_none: as torch's: True, every ``p.grad`` becomes None; False, a parameter
-                that had a gradient keeps a zero one, so the next step updates it, as torch
-                steps a zero ``p.grad`` (momentum, weight decay); at stage 0 the buckets are
-                kept and zeroed, so ``p.grad`` reads zeros.
-        """
-        if self._used_flags is not None:
-            self._used_anywhere()  # an exchange nobody stepped with: finish it
-        if set_to_none:
-            self._kept_grads = None
-        elif self._last_used is not None:
-            kept = self._kept_grads or [[False] * len(b.params) for b in self.buckets]
-            self._kept_grads = [[k or u for k, u in zip(ks, us, strict=True)]
-                                for ks, us in zip(kept, self._last_used, strict=True)]
-        self._last_used = None
-        keep = not set_to_none and self._exposed and not isinstance(self._exposed[0][1], HeldGradient)
-        if not keep:
-            self._unexpose()
-        for b in self.buckets:
-            if keep and b.grad_full is not None:
-                b.grad_full.zero_()
-            else:
-                b.grad_full = None
-            b.grad_shard = None
-            b.used = [False] * len(b.params)
-        self._placement.zero_grad()
-        self.holds_reduced = False
-
+    # ----- close ------------------------------------------------------------------------
     def close(self) -> None:
         """Release what the engine holds now rather than when it is garbage collected.
 
@@ -616,10 +417,3 @@ class Engine(GradientReduction, Stepping, ModuleView, EngineStateMixin, abc.ABC)
         if getattr(self, "_closed", False):
             raise ConfigError(f"this {type(self).__name__} was closed (engine.close()): it holds no optimizer "
                               "state or masters any more; wrap the model in a new engine to train again")
-
-
-_CREATE_GRAPH = ("backward with create_graph=True: the engine copies gradients into flat buckets and reduces "
-                 "them, without their graph, so a gradient of a gradient would be silently wrong; compute "
-                 "higher-order gradients with torch.autograd.grad(..., create_graph=True) on the model's "
-                 "inputs (the engine leaves a backward that reaches no parameter alone), and the training "
-                 "loss's backward without create_graph")

@@ -47,7 +47,8 @@ class GradientReduction:
     """The engine's gradient path (mixed into :class:`zerolearn.engines.base.Engine`)."""
 
     def _start_accumulating(self) -> None:
-        """This backward's first parameter gradient (or first launch) is coming: a backward
+        """This backward's first parameter gradient is coming (or, at ZeRO-3, a bucket of
+        zeros launches first): a backward
         that a hook on the outputs did not begin (a loss from a submodule called directly)
         begins here; a reduced gradient kept from an earlier backward is set aside for the
         stage to add to (``_keep_reduced``). A backward that never gets here (an input
@@ -85,8 +86,6 @@ class GradientReduction:
             self._next += 1
 
     def _launch(self, b) -> None:
-        if not self._accumulating:
-            self._start_accumulating()
         self._ensure_grad_full(b)  # a bucket whose gradients all arrive as zeros (zero3's uneven backward)
         self._zero_unwritten(b)  # parameters no gradient reached in this buffer hold zeros
         if self.world_size > 1:

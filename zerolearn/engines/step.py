@@ -24,6 +24,7 @@ import torch
 
 from zerolearn import comm
 from zerolearn.engines import optim
+from zerolearn.engines.bindings import HeldGradient
 from zerolearn.errors import ConfigError
 from zerolearn.memory.ledger import retag
 
@@ -163,6 +164,37 @@ class Stepping:
         retag(optim.optimizer_state(self._optimizer, b.master), "optimizer_states")
         with comm.unit(b.layout.label, "step: publish"):
             self._publish(b)
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Drop all gradients (buffers are allocated again in the next backward).
+
+        Args:
+            set_to_none: as torch's: True, every ``p.grad`` becomes None; False, a parameter
+                that had a gradient keeps a zero one, so the next step updates it, as torch
+                steps a zero ``p.grad`` (momentum, weight decay); at stage 0 the buckets are
+                kept and zeroed, so ``p.grad`` reads zeros.
+        """
+        if self._used_flags is not None:
+            self._used_anywhere()  # an exchange nobody stepped with: finish it
+        if set_to_none:
+            self._kept_grads = None
+        elif self._last_used is not None:
+            kept = self._kept_grads or [[False] * len(b.params) for b in self.buckets]
+            self._kept_grads = [[k or u for k, u in zip(ks, us, strict=True)]
+                                for ks, us in zip(kept, self._last_used, strict=True)]
+        self._last_used = None
+        keep = not set_to_none and self._exposed and not isinstance(self._exposed[0][1], HeldGradient)
+        if not keep:
+            self._unexpose()
+        for b in self.buckets:
+            if keep and b.grad_full is not None:
+                b.grad_full.zero_()
+            else:
+                b.grad_full = None
+            b.grad_shard = None
+            b.used = [False] * len(b.params)
+        self._placement.zero_grad()
+        self.holds_reduced = False
 
     # ----- which parameters were used ----------------------------------------------------
     def _exchange_used_flags(self, reduced: bool = False) -> None:

@@ -209,6 +209,8 @@ class Zero3Engine(Engine):
         if self.state is TrainingState.PRE_BACKWARD:
             for b in unit.buckets:
                 if b.complete and self._position[id(b)] >= self._next:  # not launched yet
+                    if not self._accumulating:
+                        self._start_accumulating()
                     self._on_bucket_ready(b)
 
     def _pack(self, t: torch.Tensor):

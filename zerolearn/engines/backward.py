@@ -1,0 +1,202 @@
+"""Where a step is, and the one beginning and one end of every backward (torch FSDP2's manner).
+
+An engine is in one :class:`TrainingState` at a time. A backward begins in one place,
+:meth:`Backward._ensure_backward`, run by the hook on the wrapped model's outputs (the
+model's forward hook puts it there, whether ``engine(x)`` or ``model(x)`` ran it), and
+ends in one place, :meth:`Backward._end_backward`, a callback queued on autograd's graph
+task: a reentrant activation checkpoint's inner backward, which runs inside the outer
+one, ends nothing. A backward that reaches no parameter (``torch.autograd.grad`` of an
+input) neither begins nor reduces anything. Parameter hooks only accumulate
+(:mod:`zerolearn.engines.reduce`).
+"""
+
+from __future__ import annotations
+
+import enum
+import functools
+import weakref
+
+import torch
+from torch.autograd.graph import get_gradient_edge
+
+from zerolearn.engines.units import tensors_in
+from zerolearn.errors import ConfigError
+
+
+class TrainingState(enum.Enum):
+    """Where an engine is in a step (torch FSDP2's ``TrainingState``)."""
+
+    IDLE = "idle"  # between steps, or between forward and backward
+    FORWARD = "forward"  # the model's forward runs
+    PRE_BACKWARD = "pre_backward"  # a backward reached the model's outputs: gradients arrive
+    POST_BACKWARD = "post_backward"  # the backward's end: the last reductions finish
+
+
+
+
+def _root_forward_done(engine_ref: weakref.ref, module, args, output) -> None:
+    """Forward hook on the wrapped model (``engine(x)`` and ``model(x)`` alike): a hook on
+    each output that needs a gradient begins the engine's backward when one reaches it."""
+    engine = engine_ref()
+    if engine is None or engine.in_backward or not torch.is_grad_enabled():
+        return  # a recomputation inside backward (activation checkpointing), or no graph
+    outputs = [t for t in tensors_in(output) if t.requires_grad]
+    for t in outputs:
+        t.register_hook(functools.partial(_root_grad_arrived, engine_ref))
+    engine._roots = [t.grad_fn for t in outputs if t.grad_fn is not None]
+
+
+def _root_grad_arrived(engine_ref: weakref.ref, grad: torch.Tensor) -> None:
+    engine = engine_ref()
+    if engine is not None:
+        engine._ensure_backward()
+
+
+def _backward_over(engine_ref: weakref.ref) -> None:
+    """Queued on autograd's graph task by :meth:`Engine._ensure_backward`: runs once that
+    backward is over (``Engine._end_backward``)."""
+    engine = engine_ref()
+    if engine is not None and engine.state is TrainingState.PRE_BACKWARD:
+        engine._end_backward()
+
+
+def _passive_backward_over(engine_ref: weakref.ref) -> None:
+    """Queued by a backward that reaches no parameter (an input's gradient): what it
+    gathered is freed (ZeRO-3's ``_after_backward``); the buckets were never touched."""
+    engine = engine_ref()
+    if engine is not None:
+        engine._passive = False
+        if engine.state is TrainingState.IDLE:
+            engine._after_backward()
+
+
+def _reaches_a_parameter(engine) -> bool:
+    """Inside a backward: will autograd accumulate a gradient into any trainable parameter?
+    (``torch.autograd.grad`` of an input, or ``backward(inputs=[x])``, will not.) Each
+    parameter's gradient accumulator is looked up once and kept, as torch DDP keeps them."""
+    if engine._grad_accumulators is None:
+        with torch._C.DisableTorchFunctionSubclass():  # a freed ZeRO-3 parameter refuses ops otherwise
+            engine._grad_accumulators = [get_gradient_edge(p).node for b in engine.buckets for p in b.params]
+    return any(torch._C._will_engine_execute_node(node) for node in engine._grad_accumulators)
+
+
+class Backward:
+    """The engine's backward (mixed into :class:`zerolearn.engines.base.Engine`)."""
+
+    @property
+    def in_backward(self) -> bool:
+        """A backward is running: forwards run now are recomputations (activation checkpointing)."""
+        return self.state is TrainingState.PRE_BACKWARD
+
+    def backward(self, loss: torch.Tensor, sync: bool = True, **kwargs) -> None:
+        """Backpropagate ``loss`` (a scalar, this rank's mean) into the buckets and reduce them.
+
+        Gradient accumulation: scale each micro-batch's loss by 1 / micro-batches. Several
+        ``backward`` calls before ``step`` each reduce at once and add to the earlier
+        reduced gradient; ``sync=False`` or :meth:`no_sync` adds gradients locally and the
+        next reducing backward reduces the sum once, like DDP's ``no_sync``.
+
+        ``loss.backward()`` does the same, except with fp16's loss scale, which only this
+        method applies. After backward, at stage 0 each ``p.grad`` is the reduced gradient,
+        a view of its bucket (DDP's ``gradient_as_bucket_view``); at stages 1-3, and with
+        fp16 or tensor parallelism, ``p.grad`` is a
+        :class:`~zerolearn.engines.bindings.HeldGradient` that refuses to be read (use
+        ``max_grad_norm=`` or :meth:`clip_grad_norm_`). A backward that reaches no
+        parameter (``torch.autograd.grad`` of an input) leaves the buckets alone.
+
+        Args:
+            kwargs: torch's ``Tensor.backward`` arguments (``retain_graph``, ``gradient``,
+                ``inputs``), passed on.
+
+        Raises:
+            ConfigError: ``create_graph=True`` (the buckets hold gradients without their graph).
+        """
+        self._check_open()
+        if kwargs.get("create_graph"):
+            raise ConfigError(_CREATE_GRAPH)
+        self._engine_backward, self._sync = True, sync and self._no_sync_depth == 0
+        try:
+            self._scaled(loss).backward(**kwargs)
+        except Exception as e:
+            self._passive = False
+            if self.state is not TrainingState.IDLE:
+                self._drop_backward(e)
+            raise
+        finally:
+            self._engine_backward = False
+
+    def _scaled(self, loss: torch.Tensor) -> torch.Tensor:
+        """``loss`` times fp16's loss scale, in ``loss``'s dtype (a device tensor: nothing read)."""
+        if not self.scaler.enabled:
+            return loss
+        return (loss * self.scaler.scale_tensor.to(torch.float32)).to(loss.dtype)
+
+    def _ensure_backward(self) -> None:
+        """The one place a backward begins: the hook on the model's outputs (or, for a loss
+        that did not pass them, the first parameter's hook) runs it. State PRE_BACKWARD,
+        ``p.grad`` handed back to autograd, the stage's :meth:`_before_backward`, and the
+        end (:meth:`_end_backward`) queued on autograd's graph task.
+
+        Raises:
+            ConfigError: ``create_graph=True``; fp16 through ``loss.backward()``.
+        """
+        if self.state is TrainingState.PRE_BACKWARD or self._passive:
+            return
+        if not _reaches_a_parameter(self):  # an input's gradient: the engine has nothing to do
+            self._passive = True
+            torch.autograd.Variable._execution_engine.queue_callback(
+                functools.partial(_passive_backward_over, self._me))
+            return
+        if torch.is_grad_enabled():  # autograd runs a backward with create_graph=True in grad mode
+            raise ConfigError(_CREATE_GRAPH)
+        if self.scaler.enabled and not self._engine_backward:
+            raise ConfigError("loss.backward() in an fp16 run: the engine multiplies the loss by its dynamic loss "
+                              "scale, which only engine.backward(loss) can do; call engine.backward(loss)")
+        if not self._engine_backward:
+            self._sync = self._no_sync_depth == 0
+        self.state = TrainingState.PRE_BACKWARD
+        self._accumulating, self._next = False, 0
+        for b in self.buckets:
+            b.ready = 0
+        self._had_exposed = bool(self._exposed)
+        self._unexpose()
+        roots, self._roots = self._roots, []
+        torch.autograd.Variable._execution_engine.queue_callback(functools.partial(_backward_over, self._me))
+        self._before_backward(roots)
+
+    def _end_backward(self) -> None:
+        """The one place a backward ends: a backward that accumulated a gradient reduces
+        what is left and waits for every reduction; ``p.grad`` set; state IDLE."""
+        self.state = TrainingState.POST_BACKWARD
+        try:
+            if self._accumulating and self._sync:
+                self._reduce_the_rest()
+            self._after_backward()
+        except Exception as e:
+            self._drop_backward(e)
+            raise
+        self.state = TrainingState.IDLE
+        if self._accumulating or self._had_exposed:
+            self._expose()
+
+    def _recover(self) -> None:
+        """Outside every backward, a state left by one that failed before its end (an error
+        in a hook or in the user's code): the engine starts clean."""
+        if torch._C._current_graph_task_id() != -1:
+            return  # a recomputation inside a running backward
+        self._passive = False
+        if self.state in (TrainingState.PRE_BACKWARD, TrainingState.POST_BACKWARD):
+            self._drop_backward()
+        self.state = TrainingState.IDLE
+
+    def _drop_backward(self, error: Exception | None = None) -> None:
+        """A backward failed: :meth:`_abandon_backward`, and no backward is open any more."""
+        self.state = TrainingState.IDLE
+        self._abandon_backward(error if error is not None else RuntimeError("backward abandoned"))
+
+
+_CREATE_GRAPH = ("backward with create_graph=True: the engine copies gradients into flat buckets and reduces "
+                 "them, without their graph, so a gradient of a gradient would be silently wrong; compute "
+                 "higher-order gradients with torch.autograd.grad(..., create_graph=True) on the model's "
+                 "inputs (the engine leaves a backward that reaches no parameter alone), and the training "
+                 "loss's backward without create_graph")
