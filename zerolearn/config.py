@@ -95,8 +95,10 @@ class TrainConfig:
     checkpoint_every: int = _opt(0, "save every K steps (0: only at the end); needs --checkpoint-dir", metavar="K")
     checkpoint_keep: int = _opt(2, "complete checkpoints kept (0: all)")
     loss_scale_window: int = _opt(1000, "fp16: clean steps after which the loss scale doubles")
-    debug_collectives: bool = _opt(False, "before every collective, check that all ranks are about to run the "
-                                          "same one (also ZEROLEARN_DEBUG_COLLECTIVES=1)")
+    debug_collectives: bool = _opt(False, "debug mode: before every collective, check that all ranks are about to "
+                                          "run the same one; at ZeRO-3 also the units each rank runs and computes "
+                                          "gradients for, and every read of a parameter (also "
+                                          "ZEROLEARN_DEBUG_COLLECTIVES=1)")
     fail_at_step: int | None = _opt(None, "testing: --fail-rank fails during step K, on the first attempt only",
                                     metavar="K")
     fail_rank: int = _opt(0, "testing: the rank that fails")

@@ -216,6 +216,9 @@ def _diagnose(op: str, group, seq: int | None, error: BaseException) -> str:
         parts.append(f"rank{'s' * (len(silent) > 1)} {', '.join(map(str, silent))} posted nothing within "
                      f"{REPORT_GRACE_S:g} s: dead or stuck")
     parts += [f"rank {r} failed in {d}" for r, d in sorted(heard.items()) if r != me]
+    if not debug_enabled():  # the checks that would have named a rank on another code path first
+        parts.append(f"if the ranks took different code paths, {DEBUG_ENV}=1 (debug mode) compares every "
+                     "collective, and ZeRO-3's units, before running it and names the rank that differs")
     return "; ".join(parts)
 
 
