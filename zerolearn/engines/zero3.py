@@ -22,12 +22,14 @@ itself, gathered for all of forward and backward (as FSDP2 and DeepSpeed treat a
 from __future__ import annotations
 
 import contextlib
+import weakref
 
 import torch
 from torch import nn
 
 from zerolearn import comm, guard
 from zerolearn.engines import units as U
+from zerolearn.engines import zero3_checks as C
 from zerolearn.engines.base import Bucket, Engine, TrainingState
 from zerolearn.engines.zeropp_units import ZeroPP
 
@@ -45,7 +47,7 @@ class Zero3Engine(Engine):
     every rank must run the same units in the same order.
 
     Between steps a parameter holds no elements: a torch op reading it raises a ConfigError
-    naming :meth:`summon_full_params`, which gathers them all (:class:`units.ShardedParameter`).
+    naming :meth:`summon_full_params`, which gathers them all (:class:`zero3_checks.ShardedParameter`).
 
     Raises:
         ConfigError: a bad ``prefetch_mb``; a unit in ``units=`` without a forward; a compiled
@@ -60,7 +62,7 @@ class Zero3Engine(Engine):
                  hpz=False, qgz=False, **options):
         self.prefetch_bytes = U.prefetch_bytes(prefetch_mb)  # small units: several per prefetch, one all_gather
         self.zpp = ZeroPP(node_ranks, qwz_block, hpz, qgz, options.get("group"))  # ZeRO++, checked first
-        U.refuse_compiled(model)
+        C.refuse_compiled(model)
         super().__init__(model, **options)
 
     # ----- what a rank keeps: shards; a unit's buckets never cross its boundary -------
@@ -76,15 +78,17 @@ class Zero3Engine(Engine):
         self._unit_of = {id(b): unit for unit in self.units for b in unit.buckets}
         self._param_unit = {id(p): (name, unit) for unit in self.units for b in unit.buckets
                             for name, p in zip(b.layout.names, b.params)}
-        self._reached = U.Reached([u for u in self.units if u.module is not self.model], self._param_unit)
+        self._reached = C.Reached([u for u in self.units if u.module is not self.model], self._param_unit)
         self._position = {id(b): k for k, b in enumerate(buckets)}  # launch order
-        self.zeros_counted = 0  # the last backward's parameters counted as zeros (units.Reached.count)
+        self.zeros_counted = 0  # the last backward's parameters counted as zeros (zero3_checks.Reached.count)
         self.schedule = U.Schedule(self.units, self.units[-1].module is self.model, self.pg, self.device,
                                    min(self.prefetch_bytes, self.bucket_bytes))  # a fused buffer <= CB
         self._storage_unit: dict[int, U.Unit] = {}  # a storage autograd may save -> its unit
         self.gathered_bytes = self.peak_gathered_bytes = 0  # full parameters alive now / at most
-        self._module_hooks = (U.unit_hooks(self.units, self._pre_forward, self._post_forward)  # gather, free
-                              + U.guard_load_state_dict(self.model, self._param_unit))  # load outside a summon
+        me = weakref.ref(self)  # the model's hooks must not keep the engine alive (close() or not)
+        self._module_hooks = (U.unit_hooks(self.units, lambda u: (e := me()) and e._pre_forward(u),  # gather, free
+                                           lambda u, out: (e := me()) and e._post_forward(u, out))
+                              + C.guard_load_state_dict(self.model, self._param_unit))  # load outside a summon
         return buckets
 
     def _init_bucket(self, b: Bucket, master32: torch.Tensor) -> None:
@@ -95,7 +99,7 @@ class Zero3Engine(Engine):
         b.layout.bind(b.params, full)  # parameters are views of the full buffer, whose storage we free
         self._storage_unit[U.storage_key(full)] = self._unit_of[id(b)]
         b.full.untyped_storage().resize_(0)
-        U.ShardedParameter.adopt(b, self._unit_of[id(b)])  # a read while freed raises, never reads freed memory
+        C.ShardedParameter.adopt(b, self._unit_of[id(b)])  # a read while freed raises, never reads freed memory
 
     # ----- gather and free a unit ----------------------------------------------------
     def _start_gather(self, units: list[U.Unit]) -> None:  # a unit, or a prefetch's window: fused
@@ -110,9 +114,7 @@ class Zero3Engine(Engine):
         fuse = len(units) > 1 and self.world_size > 1 and self.offload != "disk" and not self.zpp.enabled
         fused = U.FusedGather(buckets, self.pg) if fuse else None
         for unit in units:  # else ZeRO++'s own gathers, or one all_gather per bucket
-            unit.gathering = [fused or (self.zpp.gather(b, self.in_backward) if self.zpp.enabled else
-                                        comm.all_gather(b.full, b.shard, group=self.pg, async_op=True))
-                              for b in unit.buckets]
+            unit.gathering = [fused or self.zpp.gather(b, self.in_backward) for b in unit.buckets]
         peak = fused.nbytes if fused else max(b.full.nbytes for b in buckets)
         self.temp_buffer_peak_bytes = max(self.temp_buffer_peak_bytes, peak)
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
@@ -146,12 +148,14 @@ class Zero3Engine(Engine):
     def forward(self, *args, **kwargs):
         self.schedule.start()  # also: no unit has run yet
         # Debug mode: every op checked for a parameter read outside its unit (a freed parameter
-        # refuses any read anyway: units.ShardedParameter); without it, no per-op Python.
-        reads = U.ReadGuard(self._param_unit) if guard.debug_enabled() else contextlib.nullcontext()
+        # refuses any read anyway: zero3_checks.ShardedParameter); without it, no per-op Python.
+        reads = C.ReadGuard(self._param_unit) if guard.debug_enabled() else contextlib.nullcontext()
         try:
             with reads, torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 out = super().forward(*args, **kwargs)
-            self.schedule.finish(self)  # the next forward's schedule (debug mode: checked on every rank)
+            departure = self.schedule.finish()  # the next forward's schedule (debug mode: checked on every rank)
+            if departure is not None:
+                self._depart(departure, None)
             self._settle()  # a prefetch the forward did not use
             return out
         except (guard.CollectiveError, guard.CollectiveMismatch):
@@ -163,14 +167,31 @@ class Zero3Engine(Engine):
             self.schedule.stop()
 
     def _pre_forward(self, unit: U.Unit) -> None:
-        U.refuse_compiling()
+        C.refuse_compiling()
         recompute = self.in_backward  # activation checkpointing recomputes inside backward
         unit.ran = unit.ran or not recompute
         with comm.unit(unit.name, "forward: gather"):
             # Prefetch what the ranks' agreed schedule says comes next, the same on every rank
             # (units.Schedule); a recomputation inside backward walks the units in reverse.
-            self._start_gather(self._previous(unit) if recompute else self.schedule.enter(unit, self))
+            ahead = self._previous(unit) if recompute else self.schedule.enter(unit)
+            if isinstance(ahead, U.Departure):
+                ahead = self._depart(ahead, unit)
+            self._start_gather(ahead)
             self._gather(unit)
+
+    def _depart(self, d: U.Departure, unit: U.Unit | None) -> list[U.Unit]:
+        # Debug mode, off the schedule: issue the others' gathers to its end (no compute), compare.
+        for outer in d.outer:
+            self._free_unit(outer)  # on the schedule, no unit is inside another: they were closed
+        for window, scheduled in self.schedule.replay(d.position):
+            self._start_gather(window)
+            self._gather(scheduled)
+            if scheduled.module is not self.model:
+                self._free_unit(scheduled)
+        ahead = self.schedule.departed(d, unit)  # raises unless every rank left here alike
+        for outer in d.outer:
+            self._gather(outer)
+        return ahead
 
     def _post_forward(self, unit: U.Unit, output) -> None:
         if self.in_backward:
@@ -185,11 +206,9 @@ class Zero3Engine(Engine):
 
     # ----- backward: gather again, free once the gradients are in ---------------------
     def _before_backward(self, roots: list) -> None:
-        # A parameter of a unit this backward reaches that gets no gradient here (an expert no
-        # token reached on this rank) counts as arrived, as zeros: its bucket then completes
-        # inside its unit's backward on every rank, whichever rank computes it, and launches
-        # there (_may_launch, _launch_arrived): one collective order with no exchange. Debug
-        # mode also checks that every rank reaches the same units (units.Reached).
+        # A reached unit's parameter with no gradient here (an expert no token reached) counts as
+        # zeros: its bucket completes in its unit's backward on every rank and launches there
+        # (_may_launch, _launch_arrived), one order, no exchange (zero3_checks.Reached.count).
         self.zeros_counted = 0  # parameters of reached units that get no gradient on this rank
         if self.world_size > 1 and roots:
             self.zeros_counted = self._reached.count(roots, self.units, self.pg, self.device,
@@ -248,9 +267,7 @@ class Zero3Engine(Engine):
             b.grad_shard = out
         else:
             b.reduced = out
-        if self.zpp.qgz:  # ZeRO++'s qgZ: a quantized two-hop all-to-all instead
-            return self.zpp.reduce_scatter(out, b.grad_full)
-        return comm.reduce_scatter(out, b.grad_full, group=self.pg, async_op=True, overwrite_input=True)
+        return self.zpp.reduce_scatter(out, b.grad_full)  # ZeRO++'s qgZ: a quantized two-hop all-to-all
 
     def _after_reduce(self, b: Bucket) -> None:
         b.grad_full = None  # the full gradient bucket is no longer needed: free it now

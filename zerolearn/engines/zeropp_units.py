@@ -2,10 +2,10 @@
 reduces its gradient (Wang et al., arXiv 2306.10209, Sec 3; the collectives themselves
 are in :mod:`zerolearn.zeropp`).
 
-:class:`ZeroPP` is what :class:`zerolearn.engines.zero3.Zero3Engine` calls when an option
-is set (``enabled``): ``gather(b, in_backward)`` for a bucket's all_gather and, with qgZ,
-``reduce_scatter(out, inp)`` for its gradient. With no option set zero3.py makes its
-own all_gather and reduce_scatter.
+:class:`ZeroPP` is the part of :class:`zerolearn.engines.zero3.Zero3Engine` that makes a
+bucket's two collectives, through two calls: ``gather(b, in_backward)`` for a bucket's
+all_gather and ``reduce_scatter(out, inp)`` for its gradient. With no option set they are
+the plain all_gather and reduce_scatter of Sec 5.3 and 7.2.2.
 
 * ``qwz_block`` (qwZ, Sec 3.1): every all_gather of working parameters is int8 block
   quantized, ``qwz_block`` elements per scale. Backward's gather (where hpZ does not
@@ -133,9 +133,11 @@ class ZeroPP:
 
     # ----- gradients ----------------------------------------------------------------------
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor) -> comm.Handle:
-        """qgZ (``qgz=True``; without it zero3.py reduce-scatters itself): the sum over ranks
-        of ``inp`` into this rank's chunk ``out`` by the quantized two-hop all-to-all, done
-        when it returns."""
+        """The sum over ranks of ``inp`` (a bucket's gradient, (padded_numel,), overwritten)
+        into this rank's chunk ``out``, (shard_numel,): the plain async reduce_scatter, or
+        with qgZ (``qgz=True``) the quantized two-hop all-to-all, done when it returns."""
+        if not self.qgz:
+            return comm.reduce_scatter(out, inp, group=self.pg, async_op=True, overwrite_input=True)
         zeropp.reduce_scatter_quantized(out, inp, self.nodes, bits=4,
                                         block=self.qwz_block or zeropp.DEFAULT_BLOCK)
         return comm.Handle(None, "all_to_all")
