@@ -449,19 +449,18 @@ print(f'all-gathers into a buffer   : {sum(1 for a, b in zip(params, params[1:])
 # %% [markdown]
 # ## 7. Table 1's trend at Nd = 8, 64 and 1024
 #
-# Two CPU cores cannot run 1024 ranks. But rank 0's memory does not depend on the
-# other ranks being real: `python -m zerolearn.train --simulate-world-size N` runs
+# Two CPU cores cannot run 1024 ranks, but rank 0's memory does not need the others: `python -m zerolearn.train --simulate-world-size N` runs
 # rank 0 of N ranks in one process on torch's "fake" process group, whose collectives
-# move no data. Every flat buffer is still padded and sharded for N ranks, so the bytes
-# are those rank 0 of a real N-rank job would hold. `ch04.simulate(stage, nd, config)` is
+# move no data. Every flat buffer is padded and sharded for N ranks: rank 0 holds the
+# bytes of a real N-rank job. `ch04.simulate(stage, nd, config)` is
 # that command run in this process,
 # `train_here(config.replace(stage=stage, simulate_world_size=nd))`.
 #
 # We run the book's GPT (one flat buffer per stage: `--bucket-mb 64`) under each ZeRO
 # stage at Nd = 8, 64 and 1024, one sequence per rank, and print the bytes beside the
 # formula, then each stage's *ratio* to DP's 16 Psi. Table 1 is in GB for models of
-# 7.5B parameters and more; the ratio is what carries over to any model size, e.g.
-# 31.4 / 120 = 0.262 for P_os at Nd = 64. Its last column is that ratio from Table 1's
+# 7.5B parameters and more; the ratio carries over to any model size (31.4 / 120 =
+# 0.262 for P_os at Nd = 64). Its last column is that ratio from Table 1's
 # numbers, where Table 1 has the Nd. Table 1 is an image in the paper: `TABLE1_GB` is a
 # transcription of it, whose every value the formula gives to the digits shown.
 

@@ -573,9 +573,8 @@ print(f"{qgz_cross_node_bytes(1e9, 16, 4)['per_gpu'] / plain_bytes:.4f} of ZeRO-
 # - DPU overlaps the CPU's step with the GPU's next one at the price of one step of
 #   staleness, measured here as a loss that trails the synchronous run's by about 0.1
 #   early and about 0.06 by steps 30-39 (medians): narrowing, not closed in 40 steps.
-# - Whether offload pays is a question of bandwidths: PCIe, the CPU's Adam and the disk
-#   against the GPU's compute; the cost model and the explorer answer it on paper, and
-#   ZeRO-Infinity's arithmetic intensities say how much bandwidth each kind of data needs.
+# - Whether offload pays is a question of bandwidths (PCIe, the CPU's Adam, the disk)
+#   against the GPU's compute: the cost model and the explorer answer it on paper.
 # - ZeRO++ sends stage 3's traffic across nodes as int8 weights and int4 gradients and
 #   keeps backward's gather inside the node: about a fifth of the bytes cross here, a
 #   quarter in the paper's count, for a bounded quantization error.
