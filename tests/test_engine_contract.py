@@ -6,7 +6,7 @@ often first written, the gradient all-reduced and each rank stepping its 1/Nd
 shard of the optimizer state, then the updated shards all-gathered. It trains like
 one process on the global batch, as the four real stages do, but moves 3 Psi per
 step where :class:`~zerolearn.engines.zero1.Zero1Engine`'s reduce-scatter moves
-2 Psi (paper Sec 7.2.1): the contract makes a stage correct, not efficient.
+2 Psi (as DP's, paper Sec 1 and Sec 7): the contract makes a stage correct, not efficient.
 """
 
 import functools

@@ -5,8 +5,10 @@ its 1/Nd shard of the optimizer state (fp32 master, Adam's two moments):
 4 Psi + K Psi / Nd bytes in mixed precision (Fig 1). Gradients are reduce-scattered,
 so each rank receives the average of just the shard it updates (Psi elements moved);
 after the step, an all_gather of the updated shards rebuilds the full parameters (Psi
-more). 2 Psi per step, the same as DP's all_reduce (Sec 7.2.1). (An all_reduce
-followed by a broadcast of each owner's parameters would move 3 Psi.)
+more). 2 Psi per step, the same as DP's all_reduce: the paper says P_os keeps DP's
+communication volume (Sec 1, Sec 7); this schedule is the book's, as the paper writes
+out none for P_os alone. (An all_reduce followed by a broadcast of each owner's
+parameters would move 3 Psi.)
 
 The four stage files repeat each other where that lets each one read alone: none
 inherits from another, all fill in the contract of :mod:`zerolearn.engines.base`.
