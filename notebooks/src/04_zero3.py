@@ -318,16 +318,17 @@ exercises.check("04.prefetch", prefetch)
 
 # %%
 excerpt(Zero3Engine, ("def _pre_forward", "def _pre_forward"),
-        ("self._start_gather(self._previous(unit) if recompute", "self._gather(unit)"),
+        ("self._start_gather(ahead)", "self._gather(unit)"),
         ("def _pre_backward", "def _pre_backward"),
         ('comm.unit(unit.name, "backward: gather")', "self._start_gather(self._previous(unit))"),
         ("def _on_bucket_ready", "def _on_bucket_ready"), ("if all(other.complete", "self._free_unit(unit)"))
 
 # %% [markdown]
-# In forward the unit to prefetch is the one that came next
-# in the last forward all ranks agreed on (`units.Schedule`), so every rank issues the
-# same gathers even when one of them takes another branch, and the ranks need to compare
-# notes only once per forward. Backward walks the units in reverse, so the unit to
+# In forward the unit to prefetch (`ahead`) is the one that came next in the last forward
+# (`units.Schedule`), so every rank that runs the same units issues the same gathers, with
+# nothing exchanged; in debug mode (`ZEROLEARN_DEBUG_COLLECTIVES=1`) the ranks also compare
+# notes on each unit, and one that takes another branch is named before anything pairs
+# wrongly. Backward walks the units in reverse, so the unit to
 # prefetch there is the previous one. (By default a prefetch also takes the units after
 # that one while all together hold at most `prefetch_mb` (4 MiB) and a bucket, in one
 # all_gather through one fused buffer, `units.FusedGather`, the constant-size buffers of
@@ -521,7 +522,7 @@ your_engine(3, {"gather_hooks": gather_hooks})
 # |---|---|---|
 # | small units in one fused all-gather (`prefetch_mb`) | one fixed cost per window, not per unit | §3; ch. 5 (CB), 7 |
 # | asynchronous reduce-scatters in buckets of `bucket_mb` | overlap with backward; bounded buffers (Sec 5.2) | ch. 3 |
-# | a unit schedule all ranks agree on | collectives pair by order: a rank on another branch hangs | §3; ch. 7 |
+# | a unit schedule every rank follows, checked in debug mode | collectives pair by order: a rank on another branch hangs | §3; ch. 7 |
 # | units kept gathered for checkpointing's recompute | backward needs them again at once | docs/ARCHITECTURE.md |
 # | bf16 or fp16 parameters, fp32 master, loss scale | 2-byte forward and backward (Sec 3.1) | ch. 0 |
 # | shards on the host or on disk; quantized gathers | fewer GPUs; less traffic between nodes | ch. 8 |

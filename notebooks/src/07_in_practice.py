@@ -241,7 +241,7 @@ print(bench_results.format_summary(chapters.stored("bench/gpu.json")))
 # momentum, and the reduced gradient, the same on every rank, already says which
 # parameters some rank used, so the ranks exchange flags only in a step where some
 # parameter's reduced gradient is all zeros. On gloo every collective pays a fixed
-# start-up (the same start-up is why ZeRO-3's ranks compare notes only once per forward:
+# start-up (the same start-up is why ZeRO-3's ranks compare notes only in debug mode:
 # chapter 4). The bucket size trades on it: many small buckets pay the start-up many
 # times, one large bucket cannot start before backward ends (chapter 3 measures what
 # bucket size does to memory).
