@@ -154,6 +154,7 @@ class Backward:
                               "scale, which only engine.backward(loss) can do; call engine.backward(loss)")
         if not self._engine_backward:
             self._sync = self._no_sync_depth == 0
+        self._absorb_dropped_grads()
         self.state = TrainingState.PRE_BACKWARD
         self._accumulating, self._next = False, 0
         for b in self.buckets:
@@ -163,6 +164,24 @@ class Backward:
         roots, self._roots = self._roots, []
         torch.autograd.Variable._execution_engine.queue_callback(functools.partial(_backward_over, self._me))
         self._before_backward(roots)
+
+    def _absorb_dropped_grads(self) -> None:
+        """``model.zero_grad()`` (or a torch optimizer's over ``model.parameters()``) set every
+        ``p.grad`` the last backward gave to None: as torch would, this backward starts from
+        no gradient (the engine's :meth:`zero_grad`).
+
+        Raises:
+            ConfigError: only some of them were set to None (the engine drops all or none).
+        """
+        dropped = [p for p, _ in self._exposed if p.grad is None]
+        if not dropped:
+            return
+        if len(dropped) < len(self._exposed):
+            names = {id(q): n for n, q in self.model.named_parameters()}
+            raise ConfigError(f"p.grad of {names.get(id(dropped[0]), '?')} (and {len(dropped) - 1} more, not all) "
+                              "was set to None after the last backward: the engine keeps every parameter's "
+                              "gradient in its buckets and drops them all at once; call engine.zero_grad()")
+        self.zero_grad()
 
     def _end_backward(self) -> None:
         """The one place a backward ends: a backward that accumulated a gradient reduces

@@ -44,8 +44,22 @@ __all__ = ["MAX_IN_FLIGHT", "Bucket", "Engine", "TrainingState"]
 
 # Buffer dtypes every backend broadcasts as they are; any other (int16, bool, uint16, complex)
 # travels as its bytes, which is the same copy.
+# model -> weak reference to the engine that wraps it (a model wrapped twice would run two
+# engines' hooks on one set of parameters).
+_WRAPPED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _WIRE_DTYPES = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8,
                           torch.int32, torch.int64})
+
+
+def _refuse_wrapped(model: nn.Module) -> None:
+    """Raise a ConfigError if an engine that is not closed wraps ``model`` already."""
+    earlier = _WRAPPED.get(model)
+    engine = earlier() if earlier is not None else None
+    if engine is not None and not engine._closed:
+        raise ConfigError(
+            f"this model is wrapped already by a {type(engine).__name__} that is not closed: two engines "
+            "would each copy every gradient into their own buckets and step their own masters. Call "
+            "engine.close() on the first one before wrapping the model again (or wrap a new model)")
 
 
 @dataclass(eq=False)
@@ -198,6 +212,7 @@ class Engine(Backward, GradientReduction, Stepping, ModuleView, EngineStateMixin
                  group=None, units: list[nn.Module] | None = None, mp_group=None,
                  broadcast_buffers: bool = True, offload: str | None = None, offload_dir: str | None = None,
                  dpu: bool = False):
+        _refuse_wrapped(model)
         self.dtype = parse_dtype(dtype)
         optim.check_options(optimizer, lr, bucket_mb, max_grad_norm)
         offloading.check_options(self.stage, offload, offload_dir, dpu)
@@ -230,6 +245,7 @@ class Engine(Backward, GradientReduction, Stepping, ModuleView, EngineStateMixin
             mp_group)) if mp_group is not None else None)
         self._init_training_state()
         self._optimizer.bind(self)  # engine.optimizer.step() is engine.step()
+        _WRAPPED[model] = self._me
 
     def _make_states(self, trainable: list[tuple[str, nn.Parameter]], units) -> None:
         """Buckets, the stage's share of each (``_init_bucket``), the model in the working

@@ -314,7 +314,11 @@ class GroupedOptimizer(torch.optim.Optimizer):
         if "step" in state:
             state["step"] += 1
 
-    def step(self, closure=None):
+    # torch.amp.GradScaler hands itself to step() (grad_scaler=) instead of unscaling masters
+    # that hold no gradient between backward and step: refused there, by name.
+    _step_supports_amp_scaling = True
+
+    def step(self, closure=None, grad_scaler=None):
         """Bound to an engine: the engine's step (``engine.step()``); ``closure``, if given,
         is called first with gradients enabled and its loss returned, as in torch.
         Unbound: update every master that has a ``.grad``.
@@ -324,9 +328,14 @@ class GroupedOptimizer(torch.optim.Optimizer):
             overflow skipped it) is :attr:`stepped`.
 
         Raises:
-            ConfigError: the engine was closed or garbage collected, or any error of
-                ``engine.step()``.
+            ConfigError: the engine was closed or garbage collected; ``torch.amp.GradScaler``
+                stepping it (``grad_scaler``); or any error of ``engine.step()``.
         """
+        if grad_scaler is not None:
+            raise ConfigError(
+                "torch.amp.GradScaler.step(engine.optimizer): the engine keeps its own dynamic loss scale, "
+                'applied in its backward and undone in its step; build the engine with dtype="fp16" and call '
+                "engine.backward(loss) and engine.step() without a GradScaler (bf16 needs no scale)")
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -415,14 +424,18 @@ class Stepped:
 
 def _fresh_state(opt: torch.optim.Optimizer, master: torch.Tensor) -> dict:
     """The state torch's ``opt`` creates for ``master`` on its first step, before it
-    updates it: Adam's zero step count and moments, SGD's zero momentum buffer (whose
+    updates it: Adam's zero step count and moments (and ``max_exp_avg_sq`` with
+    ``amsgrad``), SGD's zero momentum buffer (whose
     first update, 0 * momentum + grad, equals torch's clone of the first gradient)."""
     if isinstance(opt, torch.optim.SGD):
         return {"momentum_buffer": torch.zeros_like(master)} if opt.param_groups[0]["momentum"] else {}
     on_device = opt.defaults.get("fused") or opt.defaults.get("capturable")  # torch keeps the count there
-    return {"step": torch.tensor(0.0, dtype=torch.float32 if on_device else torch.get_default_dtype(),
-                                 device=master.device if on_device else None), "exp_avg": torch.zeros_like(master),
-            "exp_avg_sq": torch.zeros_like(master)}
+    state = {"step": torch.tensor(0.0, dtype=torch.float32 if on_device else torch.get_default_dtype(),
+                                  device=master.device if on_device else None), "exp_avg": torch.zeros_like(master),
+             "exp_avg_sq": torch.zeros_like(master)}
+    if opt.param_groups[0].get("amsgrad"):  # the running maximum of exp_avg_sq, as torch starts it
+        state["max_exp_avg_sq"] = torch.zeros_like(master)
+    return state
 
 
 def make_grouped(name: str, masters: list[nn.Parameter], lr: float, weight_decay: float = 0.0,

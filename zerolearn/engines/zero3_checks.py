@@ -311,3 +311,12 @@ def _refuse_backward(everyone: list[list[int]], units: list, pg) -> None:
         "depends on the rank or its data), so the ranks would gather different units in backward. Leave "
         "such a module out of units= (its parameters then belong to the root unit, gathered for the whole "
         "backward and reduced at its end on every rank).")
+
+
+def refuse_view_output(unit, output) -> None:
+    """Raise the ConfigError for a unit whose forward returns, inside a ``type(output)``
+    other than a tensor, list or tuple, a view of its own parameters (freed once it returns)."""
+    raise ConfigError(
+        f"ZeRO-3: {unit.describe()} returned a view of its own parameter inside a {type(output).__name__}; "
+        "its parameters are freed when its forward returns, so the view would hold nothing. Return a copy "
+        "(self.weight[:n].clone()) or a tensor, list or tuple of outputs (the engine copies a view there)")
