@@ -324,11 +324,10 @@ excerpt(Zero3Engine, ("def _pre_forward", "def _pre_forward"),
         ("def _on_bucket_ready", "def _on_bucket_ready"), ("if all(other.complete", "self._free_unit(unit)"))
 
 # %% [markdown]
-# In forward the unit to prefetch (`ahead`) is the one that came next in the last forward
-# (`units.Schedule`), so every rank that runs the same units issues the same gathers, with
-# nothing exchanged; in debug mode (`ZEROLEARN_DEBUG_COLLECTIVES=1`) the ranks also compare
-# notes on each unit, and one that takes another branch is named before anything pairs
-# wrongly. Backward walks the units in reverse, so the unit to
+# In forward the unit to prefetch (`ahead`) came next in the last forward
+# (`units.Schedule`): ranks that run the same units issue the same gathers, with nothing
+# exchanged; in debug mode (`ZEROLEARN_DEBUG_COLLECTIVES=1`) they also compare notes, and
+# a rank that takes another branch is named before anything pairs wrongly. Backward walks the units in reverse, so the unit to
 # prefetch there is the previous one. (By default a prefetch also takes the units after
 # that one while all together hold at most `prefetch_mb` (4 MiB) and a bucket, in one
 # all_gather through one fused buffer, `units.FusedGather`, the constant-size buffers of

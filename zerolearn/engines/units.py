@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from zerolearn import comm, guard
-from zerolearn.engines.zero3_checks import ShardedParameter
+from zerolearn.engines.zero3_checks import ShardedParameter, refuse_view_output
 from zerolearn.errors import ConfigError, require_real
 from zerolearn.memory.ledger import category
 
@@ -202,6 +202,25 @@ class Saved:
 def storage_key(t: torch.Tensor) -> int:
     """Identity of ``t``'s storage, the same before and after it is resized."""
     return t.untyped_storage()._cdata
+
+
+def own_copies(output, storage_unit: dict, unit: Unit):
+    """``output`` of ``unit``'s forward, each tensor that views a unit's buffer (a storage in
+    ``storage_unit``, as ``self.weight[:n]`` does) replaced by a copy, made before the unit
+    is freed (autograd still reaches the parameter through the copy).
+
+    Raises:
+        ConfigError: such a view inside a structure other than a tensor, list or tuple.
+    """
+    if not any(storage_key(t) in storage_unit for t in tensors_in(output)):
+        return output
+    own = [t.clone() if torch.is_tensor(t) and storage_key(t) in storage_unit else t
+           for t in (output if isinstance(output, (list, tuple)) else [output])]
+    if torch.is_tensor(output):
+        return own[0]
+    if type(output) in (list, tuple):
+        return type(output)(own)
+    return refuse_view_output(unit, output)
 
 
 def tensors_in(output) -> list[torch.Tensor]:

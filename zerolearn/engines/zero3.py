@@ -196,7 +196,7 @@ class Zero3Engine(Engine):
     def _post_forward(self, unit: U.Unit, output):
         if self.in_backward:
             return None  # recomputed for backward, which needs the parameters next: keep them
-        output = self._own_copies(unit, output)  # before the free: a view of the buffer would read nothing
+        output = U.own_copies(output, self._storage_unit, unit)  # a view of the buffer, copied before the free
         self.schedule.exit(unit)
         self._free_unit(unit)
         if torch.is_grad_enabled():
@@ -205,17 +205,6 @@ class Zero3Engine(Engine):
                 if t.requires_grad:
                     t.register_hook(lambda grad, unit=unit: self._pre_backward(unit))
         return output
-
-    def _own_copies(self, unit: U.Unit, output):  # a unit returns a view of its parameter (p.weight[:n])
-        if not any(U.storage_key(t) in self._storage_unit for t in U.tensors_in(output)):
-            return output
-        own = [t.clone() if torch.is_tensor(t) and U.storage_key(t) in self._storage_unit else t
-               for t in (output if isinstance(output, (list, tuple)) else [output])]
-        if torch.is_tensor(output):
-            return own[0]
-        if type(output) in (list, tuple):
-            return type(output)(own)
-        return C.refuse_view_output(unit, output)
 
     # ----- backward: gather again, free once the gradients are in ---------------------
     def _before_backward(self, roots: list) -> None:
