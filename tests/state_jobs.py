@@ -14,7 +14,7 @@ from zerolearn import comm, data
 from zerolearn import dist as zdist
 from zerolearn.engines import make_engine
 
-BATCH, STEPS, LR = 12, 3, 0.1
+BATCH, STEPS, LR, CLIP = 12, 3, 0.1, 0.05
 
 
 class Net(nn.Module):
@@ -154,6 +154,8 @@ def habit_reference(habit: str) -> dict:
         x, y = batch(step)
         loss = F.mse_loss(model(x), y)
         loss.backward()
+        if habit == "clip_groups":
+            torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
         opt.step()
         model.zero_grad() if habit == "model_zero_grad" else opt.zero_grad()
         losses.append(loss.item())
@@ -184,6 +186,8 @@ def habit(habit: str, stage: int | None) -> dict:
             scaler.update()
         else:
             loss.backward()
+            if habit == "clip_groups":  # Lightning's habit: clip what the optimizer holds
+                torch.nn.utils.clip_grad_norm_([p for g in engine.optimizer.param_groups for p in g["params"]], CLIP)
             engine.step()
         model.zero_grad() if habit == "model_zero_grad" else engine.zero_grad()
         losses.append(comm.monitor_mean(loss.item()))

@@ -6,6 +6,8 @@ names the cause, never a hang or a crash.
   the first step (the engine then creates the optimizer's state itself);
 * a ZeRO-3 unit whose forward returns a view of its own parameter (a positional table);
 * ``model.zero_grad()``, the wrapped module's, instead of the engine's;
+* clipping the optimizer's params (``engine.optimizer.param_groups``, Lightning's habit):
+  exact at stage 0, where they hold the reduced gradient, else refused by name;
 * ``torch.amp.GradScaler`` around the engine's optimizer (refused: the engine's own fp16);
 * the model wrapped a second time while the first engine lives (a notebook cell run twice).
 """
@@ -22,7 +24,7 @@ from jobs import on_ranks
 
 STAGES = (0, 1, 2, 3)
 EXACT = ("amsgrad", "view_unit", "model_zero_grad")
-REFUSED = ("grad_scaler", "wrap_twice")
+REFUSED = ("grad_scaler", "wrap_twice", "clip_groups")
 WORLD_SIZES = [2, pytest.param(3, marks=pytest.mark.slow)]
 
 
@@ -48,6 +50,16 @@ def test_the_habit_trains_as_one_process(world_size, habit, stage):
     assert run["losses"] == pytest.approx(ref["losses"], rel=1e-5)
     assert sorted(run["params"]) == sorted(ref["params"])
     torch.testing.assert_close(run["params"], ref["params"], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("stage", STAGES)
+def test_clipping_the_optimizers_params_is_exact_where_they_hold_the_gradient_else_refused(stage):
+    run = runs(2)[("clip_groups", stage)]
+    if stage == 0:  # fp32 DP: the master is the working buffer, its .grad the reduced gradient
+        torch.testing.assert_close(run["params"], reference("clip_groups")["params"], rtol=1e-5, atol=1e-6)
+    else:
+        assert isinstance(run, str) and run.startswith("ConfigError: p.grad was read"), run
+        assert "masters get their gradient only inside engine.step()" in run and "max_grad_norm=" in run, run
 
 
 @pytest.mark.parametrize("stage", STAGES)

@@ -167,7 +167,8 @@ class HeldGradient(torch.Tensor):
     ``p.grad.data`` is refused too. Shape, dtype and ``repr`` stay readable.
 
     Attributes:
-        stage: the engine's stage (0-3), for the message.
+        stage: the engine's stage (0-3), for the message; -1: the ``.grad`` of a master in
+            ``engine.optimizer.param_groups`` (clipping over the optimizer's params).
     """
 
     stage: int
@@ -193,8 +194,12 @@ class HeldGradient(torch.Tensor):
         if name == "__repr__" and held is not None:
             return (f"HeldGradient(shape={tuple(held.shape)}): the engine (stage {held.stage}) holds this "
                     "parameter's reduced gradient in its buckets, not here")
-        why = ("each rank holds only its 1/Nd shard of the reduced gradient" if held is None or held.stage > 0
-               else "this gradient is still multiplied by fp16's loss scale, or is one tensor-parallel slice")
+        if held is not None and held.stage < 0:  # a master of engine.optimizer.param_groups
+            why = "the optimizer's fp32 masters get their gradient only inside engine.step()"
+        elif held is None or held.stage > 0:
+            why = "each rank holds only its 1/Nd shard of the reduced gradient"
+        else:
+            why = "this gradient is still multiplied by fp16's loss scale, or is one tensor-parallel slice"
         raise ConfigError(
             f"p.grad was read ({name}) between backward and step, where {why}: "
             "torch.nn.utils.clip_grad_norm_(model.parameters(), ...) or a norm of p.grad would see no true "

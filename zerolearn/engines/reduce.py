@@ -172,12 +172,19 @@ class GradientReduction:
                     p.grad = held
                     exposed.append((p, held))
         self._exposed = exposed
+        for b in self.buckets:  # the optimizer's params (clip over engine.optimizer.param_groups)
+            whole = (views and self._offload is None and b.grad_full is not None
+                     and b.grad_full.dtype == b.master.dtype and b.grad_full.numel() == b.master.numel())
+            b.master.grad = b.grad_full if whole else HeldGradient.make(b.master, -1)
 
     def _unexpose(self) -> None:
         """``p.grad`` back to None (autograd accumulates into it in the next backward)."""
         for p, _ in self._exposed:
             p.grad = None
         self._exposed = []
+        for b in self.buckets:
+            if b.master is not None:
+                b.master.grad = None
 
     def _check_exposed(self) -> None:
         """Before a step: every ``p.grad`` set after backward is still the one set.
