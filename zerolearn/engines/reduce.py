@@ -172,8 +172,9 @@ class GradientReduction:
                     p.grad = held
                     exposed.append((p, held))
         self._exposed = exposed
-        for b in self.buckets:  # the optimizer's params (clip over engine.optimizer.param_groups)
-            whole = (views and self._offload is None and b.grad_full is not None
+        for b in self.buckets if self._offload is None else ():  # (offload's host step sets its own)
+            # the optimizer's params (clip over engine.optimizer.param_groups)
+            whole = (views and b.grad_full is not None
                      and b.grad_full.dtype == b.master.dtype and b.grad_full.numel() == b.master.numel())
             b.master.grad = b.grad_full if whole else HeldGradient.make(b.master, -1)
 
@@ -182,7 +183,7 @@ class GradientReduction:
         for p, _ in self._exposed:
             p.grad = None
         self._exposed = []
-        for b in self.buckets:
+        for b in self.buckets if self._offload is None else ():  # under DPU a thread steps the host masters
             if b.master is not None:
                 b.master.grad = None
 
