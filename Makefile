@@ -37,7 +37,8 @@ test: $(VENV)/.installed
 	echo "--- the reader's copies (notebooks/exercises/, nbval-lax) ---"; cat $$log; rm -f $$log; \
 	[ $$strict -eq 0 ] && [ $$lax -eq 0 ]
 
-# A few minutes on 2 cores: everything not marked slow or browser (tests/conftest.py)
+# A few minutes on 2 cores: everything not marked slow or browser (each tests/test_*.py
+# states its tier in its pytestmark; tests/conftest.py adds slow at world size > 2)
 # and the shortest chapter under nbval.
 check: $(VENV)/.installed
 	$(PY) -m pytest tests -m "not slow and not browser" -q

@@ -122,7 +122,7 @@ def train_engine(stage: int, optimizer: str = "sgd", dtype: str = "fp32", steps:
         x, y = global_batch(step) if model == "gpt" else frozen_batch(step)
         x, y = data.rank_slice(x, ctx.rank, ctx.world_size), data.rank_slice(y, ctx.rank, ctx.world_size)
         local = 0.0
-        for i, (xm, ym) in enumerate(zip(x.chunk(accum), y.chunk(accum))):
+        for i, (xm, ym) in enumerate(zip(x.chunk(accum), y.chunk(accum), strict=True)):
             if model == "gpt":
                 loss = gpt_loss(engine(xm), ym)
             else:
@@ -346,7 +346,7 @@ def _snapshot(engine) -> dict:
 
 def _same_snapshot(a: dict, b: dict) -> bool:
     return (all(torch.equal(a["params"][n], b["params"][n]) for n in a["params"])
-            and all(torch.equal(x[k], y[k]) for x, y in zip(a["optimizer"], b["optimizer"]) for k in x)
+            and all(torch.equal(x[k], y[k]) for x, y in zip(a["optimizer"], b["optimizer"], strict=True) for k in x)
             and a["scaler"] == b["scaler"])
 
 

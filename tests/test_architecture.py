@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.quick
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "zerolearn"
 DOCUMENT = ROOT / "docs" / "ARCHITECTURE.md"

@@ -9,6 +9,10 @@ import ast
 import re
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.quick
+
 ROOT = Path(__file__).resolve().parents[1]
 ROW = re.compile(r"^\| (\d+) \| `([^`]+)` \| `([^`]+)` \|")
 

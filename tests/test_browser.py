@@ -58,6 +58,8 @@ from zerolearn import widgets
 from zerolearn.figures import formulas, schematics
 from zerolearn.memory import GB, model_state_bytes, per_device_bytes
 
+pytestmark = pytest.mark.browser
+
 ROOT = Path(__file__).resolve().parent.parent
 CHROMIUM = Path(os.environ.get("ZEROLEARN_CHROMIUM", "/usr/bin/chromium"))
 SHOTS = ROOT / "artifacts" / "screenshots"

@@ -18,6 +18,8 @@ from zerolearn.chapters.ch02 import lesson as ch02
 from zerolearn.exercises.helpers import GPT
 from zerolearn.models import build_model
 
+pytestmark = pytest.mark.quick
+
 SOURCE = Path(__file__).resolve().parent.parent / "notebooks" / "src" / "02_zero1.py"
 
 
@@ -65,7 +67,10 @@ def _train_both(steps: int) -> dict:
 
 
 def test_naive_zero1_written_in_chapter_2_trains_as_the_lessons_copy():
-    for result in on_ranks(_train_both, 2, 3):
+    results = on_ranks(_train_both, 2, 3)
+    assert len(results) == 2
+    for result in results:
         for owners in ("count", "size"):
-            for a, b in zip(result["chapter", owners], result["lesson", owners], strict=True):
-                assert torch.equal(a, b), owners
+            chapter, lesson = result["chapter", owners], result["lesson", owners]
+            assert len(chapter) == len(lesson) > 0, owners
+            torch.testing.assert_close(chapter, lesson, rtol=0, atol=0, msg=owners)

@@ -12,6 +12,8 @@ from zerolearn.engines.base import Engine
 from zerolearn.errors import ConfigError
 from zerolearn.nano import NanoZero
 
+pytestmark = pytest.mark.quick
+
 
 def test_excerpt_is_the_code_without_its_docstring():
     shown = excerpt(NanoZero.zero_grad)

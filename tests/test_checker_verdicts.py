@@ -16,6 +16,8 @@ from zerolearn.exercises import check, core
 from zerolearn.exercises.__main__ import main
 from zerolearn.exercises.timing import OnOneRank
 
+pytestmark = pytest.mark.quick
+
 
 @pytest.fixture(scope="module", autouse=True)
 def persistent_ranks():

@@ -3,6 +3,7 @@
 import functools
 import json
 import os
+import re
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -16,6 +17,8 @@ from jobs import on_ranks
 from zerolearn.config import TrainConfig
 from zerolearn.dist import ConfigError, launch
 from zerolearn.engines import make_engine
+
+pytestmark = pytest.mark.slow  # the CLI trained at world sizes 1-4
 
 RUN = TrainConfig(steps=2, global_batch_size=12, seq_len=16, d_model=32, n_head=2, bucket_mb=0.01, quiet=True)
 ARGV = RUN.to_argv()  # the same run on the command line
@@ -34,7 +37,9 @@ def cli(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_report_contract_holds_for_every_stage(world_size):
-    for stage, report in enumerate(reports(world_size)):
+    per_stage = reports(world_size)
+    assert len(per_stage) == 4
+    for stage, report in enumerate(per_stage):
         assert report["config"]["stage"] == stage and report["world_size"] == world_size
         assert report["backend"] == "gloo" and report["device"] == "cpu"
         assert report["torch"] == torch.__version__.split("+")[0]
@@ -60,7 +65,9 @@ def test_report_contract_holds_for_every_stage(world_size):
 def test_losses_agree_across_stages_and_world_sizes():
     base = reports(1)[0]["losses"]
     for world_size in (1, 2, 3, 4):
-        for report in reports(world_size):
+        per_stage = reports(world_size)
+        assert len(per_stage) == 4, world_size
+        for report in per_stage:
             assert report["losses"] == pytest.approx(base, rel=1e-5)
 
 
@@ -150,6 +157,7 @@ def test_cuda_memory_snapshot_files_are_one_per_rank():
 def test_ranks_started_with_other_options_are_named_before_training():
     per_rank = {1: dict(seed=1), 2: dict(seed=1, lr=0.002)}
     messages = on_ranks(jobs.train_with_per_rank_options, 3, RUN, per_rank)
+    assert len(messages) == 3
     for message in messages:  # every rank refuses alike, so none waits on a collective
         assert message.startswith("ConfigError: ranks were started with different configurations"), message
         assert "--seed: rank 0 has 0; ranks 1, 2 have 1" in message
@@ -166,4 +174,6 @@ def test_a_checkpoint_dir_that_ranks_do_not_share_is_refused(tmp_path):
     for message in messages:  # every rank refuses alike
         assert message.startswith("ConfigError: --checkpoint-dir "), message
         assert "rank 1 does not see the files rank 0 writes there" in message
-    assert agree.code_version() == agree.code_version() and len(agree.code_version()) == 12
+    version = agree.code_version()
+    assert re.fullmatch(r"[0-9a-f]{12}", version), version  # SHA-256's first 12 hex digits
+    assert agree.fingerprint({})["zerolearn source"] == version  # what the ranks compare

@@ -18,6 +18,8 @@ from zerolearn.dist import ConfigError, free_port
 from zerolearn.engines import Zero3Engine
 from zerolearn.models import GPTConfig, build_model
 
+pytestmark = pytest.mark.quick
+
 TINY = TrainConfig(steps=2, global_batch_size=8, seq_len=16, n_layer=2, d_model=32, n_head=2, quiet=True)
 # Chapter 8's ZeRO++ table trains this model (zerolearn.experiments.zeropp: small_gpt(64), bf16, Adam at lr 1e-2,
 # batches of 8 sequences of 32 bytes): the command-line runs below train the same one.
@@ -146,7 +148,7 @@ def test_report_bytes_per_link_equal_the_engine_run_directly(name, cli_reports):
     report, stdout = cli_reports[name]
     assert report["node_size"] == NODE and report["world_size"] == WORLD
     expected = on_ranks(engine_bytes_by_link, WORLD, CHAPTER, RUNS[name][1], NODE)
-    for entry, want in zip(report["ranks"], expected):
+    for entry, want in zip(report["ranks"], expected, strict=True):
         assert entry["comm_by_link"] == want, (entry["rank"], entry["comm_by_link"], want)
         assert entry["comm_by_link"]["inter"] > 0  # some traffic crosses nodes under every option
     steps = len(report["losses"])

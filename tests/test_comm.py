@@ -7,6 +7,8 @@ from jobs import on_ranks
 from zerolearn import comm
 from zerolearn import dist as zdist
 
+pytestmark = pytest.mark.quick
+
 
 def reduce_scatter_both_ways(n: int) -> dict:
     """Each rank's chunk of the sum, by the plain reduce_scatter and by overwrite_input
@@ -30,7 +32,9 @@ def reduce_scatter_both_ways(n: int) -> dict:
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_reduce_scatter_overwriting_its_input_gives_the_same_bits(world_size):
-    for rank, r in enumerate(on_ranks(reduce_scatter_both_ways, world_size, 1001)):
+    results = on_ranks(reduce_scatter_both_ways, world_size, 1001)
+    assert len(results) == world_size
+    for rank, r in enumerate(results):
         assert torch.equal(r["kept"], r["x"])  # the plain one leaves its input alone
         for async_op in (False, True):
             got, given = r[async_op]

@@ -8,6 +8,8 @@ import pytest
 from zerolearn.config import TrainConfig, build_parser
 from zerolearn.errors import ConfigError
 
+pytestmark = pytest.mark.quick
+
 
 def test_every_field_is_a_flag_and_the_command_line_round_trips():
     flags = {a.dest for a in build_parser()._actions if a.dest != "help"}

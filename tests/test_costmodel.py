@@ -30,6 +30,8 @@ from zerolearn.dist import ConfigError
 from zerolearn.memory.fit import ActivationSpec, gpt_params, per_device_bytes
 from zerolearn.memory.model import GB
 
+pytestmark = pytest.mark.quick
+
 HW = Hardware(tflops_achieved=100, intra_node_GBps=100, inter_node_GBps=10, gpus_per_node=8)
 GPT2_1_5B = {"layers": 48, "hidden": 1600}
 GPT_60B = {"layers": 75, "hidden": 8192}  # a GPT-like config of ~60B parameters (12 x 75 x 8192^2 = 60.4e9)
@@ -188,8 +190,8 @@ def test_zero2_throughput_per_gpu_grows_from_64_to_400_gpus():
     assert batches[0] > 0 and batches == sorted(batches) and batches[-1] > batches[0]
     # Per GPU it grows while the batch does (at 256 and 400 GPUs one block's recomputation
     # and the buffers, not model states, bound the batch).
-    assert per_gpu[-1] > per_gpu[0] and all(b > a for a, b, x, y in zip(per_gpu, per_gpu[1:], batches, batches[1:])
-                                            if y > x)
+    neighbours = zip(per_gpu, per_gpu[1:], batches, batches[1:], strict=False)  # each point with the next
+    assert per_gpu[-1] > per_gpu[0] and all(b > a for a, b, x, y in neighbours if y > x)
     # Super-linear: 400/64 = 6.25x the GPUs give more than 6.25x the aggregate throughput.
     aggregate_gain = (gpus[-1] * per_gpu[-1]) / (gpus[0] * per_gpu[0])
     assert aggregate_gain > gpus[-1] / gpus[0]
@@ -274,7 +276,7 @@ def test_nothing_crosses_a_node_boundary_inside_one_node():
 
 # ----- ZeRO-Infinity's bandwidth analysis (arXiv 2104.07857, Sec 4) and qgZ's hops ----------------
 def test_infinity_efficiency_and_bandwidth_are_inverse():
-
+    assert len(INFINITY_STATES) == 3  # parameters and gradients, optimizer states, activation checkpoints
     for state in INFINITY_STATES:
         for batch, hidden in ((1, 1024), (4, 8192)):
             ait = infinity_ait(state, batch_per_gpu=batch, hidden=hidden)

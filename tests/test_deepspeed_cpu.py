@@ -13,6 +13,8 @@ from zerolearn.chapters.ch07 import lesson as ch07
 from zerolearn.experiments import deepspeed_cpu
 from zerolearn.models import build_model
 
+pytestmark = pytest.mark.slow  # DeepSpeed's engine on gloo ranks
+
 STORED = Path(__file__).resolve().parent.parent / "notebooks" / "data" / "deepspeed_cpu.json"
 
 

@@ -7,6 +7,8 @@ import jobs
 from zerolearn import dist as zdist
 from zerolearn.dist import ConfigError, RankError, launch
 
+pytestmark = pytest.mark.quick
+
 
 @pytest.mark.slow  # 3 ranks
 def test_launch_returns_each_ranks_result_in_rank_order():

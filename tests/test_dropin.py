@@ -11,6 +11,8 @@ import user_model_jobs
 
 from jobs import on_ranks
 
+pytestmark = pytest.mark.quick
+
 STAGES = (0, 1, 2, 3)
 EXACT = ("plain", "loss_backward", "opt_step", "zero_grad_keep", "lambda_lr", "cosine", "retain", "eval_dropout",
          "lora_bf16", "clip_engine", "weight_norm", "spectral_norm", "param_list")

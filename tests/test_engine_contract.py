@@ -20,6 +20,8 @@ from jobs import on_ranks
 from zerolearn import comm, guard
 from zerolearn.engines.base import Engine
 
+pytestmark = pytest.mark.quick
+
 
 class AllReduceZero1(Engine):
     """ZeRO-1 by all_reduce: full params and grads, sharded optimizer state; 3 Psi per step."""

@@ -19,6 +19,8 @@ import torch
 
 from jobs import on_ranks
 
+pytestmark = pytest.mark.quick
+
 STAGES = (0, 1, 2, 3)
 CASES = [("input_grad", "sgd"), ("reentrant", "sgd"), ("zero_grad_keep", "sgd"), ("zero_grad_keep", "adam"),
          ("grad_data", "sgd"), ("create_graph", "sgd"), ("plain", "sgd")]

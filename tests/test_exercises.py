@@ -11,6 +11,8 @@ from zerolearn import exercises
 from zerolearn.errors import ConfigError
 from zerolearn.exercises import EXERCISES, check
 
+pytestmark = pytest.mark.quick
+
 NAMES = sorted(EXERCISES)
 BUGS = [(n, b) for n in NAMES for b in EXERCISES[n].bugs]
 RANK_EXERCISES = [n for n in NAMES if EXERCISES[n].world_sizes]

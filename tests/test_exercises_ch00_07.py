@@ -2,12 +2,15 @@
 exercise, not only the reference solution's: other formulas, a list for a tuple, one
 collective where the solution makes one per tensor."""
 
+import pytest
 import torch
 
 from zerolearn import comm
 from zerolearn.exercises import check
 from zerolearn.memory import fit
 from zerolearn.memory import model as analytic
+
+pytestmark = pytest.mark.quick
 
 
 def test_model_states_from_the_package_formula_pass():

@@ -10,6 +10,8 @@ from zerolearn.exercises.helpers import compare_shard, located
 from zerolearn.flat import FlatLayout
 from zerolearn.tables import kib
 
+pytestmark = pytest.mark.quick
+
 # A weight (3, 4) and a bias (4,): 16 elements, padded to 18 for 3 shards of 6; this is shard 1.
 LAYOUT = FlatLayout.of(["w", "b"], [torch.Size([3, 4]), torch.Size([4])], 3, 1)
 

@@ -6,6 +6,8 @@ import pytest
 from zerolearn import exercises
 from zerolearn.exercises import EXERCISES, check
 
+pytestmark = pytest.mark.quick
+
 
 @pytest.fixture(scope="module", autouse=True)
 def persistent_ranks():

@@ -12,6 +12,8 @@ import pytest
 from zerolearn import comm, exercises
 from zerolearn.exercises import EXERCISES, check
 
+pytestmark = pytest.mark.quick
+
 ROOT = Path(__file__).resolve().parents[1]
 CHAPTERS = ("01", "02", "03", "04", "05", "08")
 NAMES = sorted(n for n in EXERCISES if n[:2] in CHAPTERS)

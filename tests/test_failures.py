@@ -20,6 +20,8 @@ from zerolearn.config import TrainConfig
 from zerolearn.dist import RankError, free_port, launch
 from zerolearn.train import train
 
+pytestmark = pytest.mark.slow  # torchrun restarts, killed and stuck ranks
+
 TORCHRUN = os.path.join(os.path.dirname(sys.executable), "torchrun")
 RUN = TrainConfig(steps=6, global_batch_size=12, seq_len=16, d_model=32, n_head=2, bucket_mb=0.01, quiet=True)
 
@@ -78,7 +80,7 @@ def test_a_rank_dependent_branch_is_named_instead_of_hanging(monkeypatch):
 def test_debug_mode_changes_no_number_and_no_ledger_entry(two_ranks):
     out = two_ranks[0][-1]
     assert out["checks"] > 0  # fingerprints were really exchanged
-    for plain, debug in zip(out["plain"], out["debug"]):
+    for plain, debug in zip(out["plain"], out["debug"], strict=True):
         assert debug["config"]["debug_collectives"] and not plain["config"]["debug_collectives"]
         assert debug["losses"] == plain["losses"]
         assert [r["comm"] for r in debug["ranks"]] == [r["comm"] for r in plain["ranks"]]
@@ -135,6 +137,7 @@ def test_fp16_overflow_on_one_rank_skips_the_step_on_every_rank(two_ranks, stage
             clean, scale = 0, scale / 2
         expected_scales.append(scale)
     ranks = [r[stage] for r in two_ranks]
+    assert len(ranks) == 2 and ranks[0]["params"]
     for run in ranks:
         assert run["flags"] == expected_flags
         assert run["scales"] == expected_scales
@@ -160,7 +163,7 @@ def interrupt_when_training(procs: list[subprocess.Popen], d, timeout: float = 6
     for p in procs:
         p.send_signal(sig)
     errs = [p.communicate(timeout=60)[1] for p in procs]
-    return [(p.returncode, err) for p, err in zip(procs, errs)]
+    return [(p.returncode, err) for p, err in zip(procs, errs, strict=True)]
 
 
 CTRL_C = [sys.executable, "-m", "zerolearn.train", *RUN.replace(steps=1000, checkpoint_keep=1).to_argv(),

@@ -12,6 +12,10 @@
 import re
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.quick
+
 ROOT = Path(__file__).resolve().parent.parent
 
 SEC_721 = re.compile(r"7\.2\.1")

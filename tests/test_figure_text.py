@@ -21,6 +21,8 @@ from zerolearn.figures import animate
 from zerolearn.figures import schematics as S
 from zerolearn.figures import timeline as tl
 
+pytestmark = pytest.mark.quick
+
 DATA = Path(__file__).resolve().parent.parent / "notebooks" / "data"
 TOLERANCE = 1.0  # pixels: anti-aliasing at a box's edge is not an overlap
 
@@ -125,6 +127,7 @@ def test_figure_labels_are_inside_and_apart(name):
 @pytest.mark.parametrize("name", list(ANIMATIONS))
 def test_every_frame_of_a_step_through_reads(name):
     anim = ANIMATIONS[name]()
+    assert anim.n_frames >= 2  # a step-through steps
     for i in range(anim.n_frames):
         assert problems(anim.frame(i)) == [], f"frame {i}"
 

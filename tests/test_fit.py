@@ -16,6 +16,8 @@ from zerolearn.memory.__main__ import main
 from zerolearn.memory.fit import ActivationSpec, gpt_params, per_device_bytes, smallest_fit, table
 from zerolearn.memory.model import FIGURE1_GB, GB, TABLE1_GB, activation_bytes
 
+pytestmark = pytest.mark.quick
+
 GPT2_1_5B = {"layers": 48, "hidden": 1600}  # the paper's 1.5B config (Sec 3.2)
 GPT2_XL_PARAMS = 1_557_611_200  # GPT-2 XL's published parameter count (48 x 1600, tied embeddings)
 
@@ -112,6 +114,7 @@ def test_checkpointing_keeps_twelve_times_fewer_activation_bytes():
 
 def test_table_rows_follow_table_1():
     rows = table(7_500_000_000, [4, 16, 64])
+    assert [row["nd"] for row in rows] == [4, 16, 64]
     for row in rows:
         printed = TABLE1_GB[7_500_000_000][row["nd"]]
         got = tuple(row["stages"][s]["total"] / GB for s in (1, 2, 3))

@@ -8,6 +8,8 @@ from torch import nn
 
 from zerolearn.flat import FlatLayout, make_buckets
 
+pytestmark = pytest.mark.quick
+
 
 def test_flat_group_pads_to_equal_shards_whatever_the_layer_sizes():
     params = [nn.Parameter(torch.randn(3, 5)), nn.Parameter(torch.randn(7))]  # 22 elements
@@ -23,7 +25,7 @@ def test_bound_parameters_are_views_of_the_flat_buffer():
     g = FlatLayout.of(["a", "b"], [p.shape for p in params], num_shards=3, shard_index=0)
     flat = g.flatten(params, torch.float32, torch.device("cpu"))
     g.bind(params, flat)
-    assert all(torch.equal(p, o) for p, o in zip(params, original))
+    assert all(torch.equal(p, o) for p, o in zip(params, original, strict=True))
     flat.zero_()
     assert all(torch.count_nonzero(p) == 0 for p in params)  # shared memory, no copies
     assert flat[g.numel:].numel() == g.padding

@@ -11,6 +11,8 @@ import torch
 from zerolearn import gpu_check
 from zerolearn.errors import ConfigError
 
+pytestmark = pytest.mark.quick
+
 
 def test_the_plan_covers_every_check_within_six_minutes_on_one_gpu():
     names = [c.name for c in gpu_check.plan(1)]

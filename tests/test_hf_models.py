@@ -15,6 +15,8 @@ import user_model_jobs
 
 from jobs import on_ranks
 
+pytestmark = pytest.mark.quick
+
 STAGES = (0, 1, 2, 3)
 SGD = dict(optimizer="sgd", momentum=0.9, lr=0.05)
 # ZeRO-3 with one unit per layer as well as the default (the model's children): Hugging
@@ -38,7 +40,7 @@ def reference(kind: str) -> dict:
 def test_models_nobody_here_wrote_train_as_one_process_at_every_stage(world_size):
     out = on_ranks(user_model_jobs.many, world_size,
                    [dict(kind=kind, stage=stage, units=units, **SGD) for kind, stage, units in CASES])[0]
-    for (kind, stage, units), run in zip(CASES, out):
+    for (kind, stage, units), run in zip(CASES, out, strict=True):
         where = f"{kind} at stage {stage}" + (f" with units {units}" if units else "")
         assert not isinstance(run, str), f"{where}: {run}"
         ref = reference(kind)

@@ -20,6 +20,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from jobs import on_ranks
 
+pytestmark = pytest.mark.quick
+
 WIDTH, LAYERS = 8, 30  # 60 parameters
 
 

@@ -16,6 +16,8 @@ import torch
 from zerolearn import dist as zdist
 from zerolearn.dist import RankError, free_port, launch
 
+pytestmark = pytest.mark.quick
+
 TINY = ["--steps", "1", "--global-batch-size", "4", "--seq-len", "16", "--n-layer", "1", "--d-model", "32",
         "--n-head", "2", "--quiet"]
 
@@ -33,6 +35,7 @@ def test_bad_input_exits_2_before_any_worker_starts():
     assert "Traceback" not in done.stderr and "ChildFailedError" not in done.stderr
 
 
+@pytest.mark.slow  # torchrun
 def test_input_only_the_workers_can_refuse_exits_2_too(tmp_path):
     # Another job holds the checkpoint folder: only a running rank can find out, and
     # plain torchrun would turn the workers' exit 2 into 1.
@@ -59,6 +62,7 @@ def train_as_rank(rank: int, port: int, timeout: str) -> subprocess.CompletedPro
                           capture_output=True, text=True, timeout=120, env={**os.environ, **env})
 
 
+@pytest.mark.slow  # torchrun
 def test_a_master_port_another_program_holds_is_named_and_does_not_hang():
     import socket
     import time
@@ -112,6 +116,7 @@ def a_nested_function_returning_its_own_class():
 def test_launch_runs_functions_defined_in_place_on_3_ranks(case):
     fn, args, expected = case()
     results = launch(fn, 3, *args, timeout_s=120)
+    assert len(results) == 3
     for got, want in zip(results, expected, strict=True):
         if isinstance(want, torch.Tensor):
             torch.testing.assert_close(got, want)

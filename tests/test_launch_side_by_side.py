@@ -15,6 +15,8 @@ import textwrap
 
 import pytest
 
+pytestmark = pytest.mark.quick
+
 SCRIPT = textwrap.dedent('''
     import sys
     from zerolearn.dist import launch
@@ -54,7 +56,7 @@ def run_script(tmp_path, mode: str, times: int, world: int) -> subprocess.Popen:
 def test_eight_launches_started_at_once_all_finish(tmp_path):
     procs = [run_script(tmp_path, "launch", 1, 2) for _ in range(8)]
     outs = [p.communicate(timeout=900) for p in procs]
-    for p, (out, err) in zip(procs, outs):
+    for p, (out, err) in zip(procs, outs, strict=True):
         assert p.returncode == 0 and out.strip() == "ok 1", err[-2000:]
         assert err == "", err[-2000:]
 

@@ -11,6 +11,8 @@ from zerolearn.config import TrainConfig
 from zerolearn.memory.ledger import MemoryLedger, category
 from zerolearn.train import train
 
+pytestmark = pytest.mark.quick
+
 # ZeRO-3 prefetches one unit at a time (prefetch_mb=0): the per-unit schedule of Sec 5.3.
 MLP = TrainConfig(model="mlp", mlp_width=128, mlp_layers=6, global_batch_size=4, steps=2, bucket_mb=0.07,
                   quiet=True, memory_timeline=True, prefetch_mb=0)
@@ -59,8 +61,8 @@ def test_zero3_timeline_shows_gather_and_free_per_unit():
     timeline = reports(3)["ranks"][0]["memory"]["timeline"]
     start = next(i for i, event in enumerate(timeline) if event[1] != "setup") - 1
     params = [event[3]["params"] for event in timeline[start:]]  # from the end of setup
-    rises = sum(1 for a, b in zip(params, params[1:]) if b > a)
-    falls = sum(1 for a, b in zip(params, params[1:]) if b < a)
+    rises = sum(1 for a, b in zip(params, params[1:], strict=False) if b > a)  # each value with the next
+    falls = sum(1 for a, b in zip(params, params[1:], strict=False) if b < a)
     # 6 units gathered in forward and again in backward, each freed after use.
     assert rises >= 12 and falls >= 12
     shards = min(params)

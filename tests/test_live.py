@@ -12,6 +12,8 @@ import torch
 from zerolearn import live
 from zerolearn.errors import ConfigError
 
+pytestmark = pytest.mark.quick
+
 TIMEOUT_S = 5.0  # every call here takes well under a second; a hang is cut off after this
 
 

@@ -25,6 +25,8 @@ from zerolearn.memory.model import (
     partitioned_checkpoint_bytes,
 )
 
+pytestmark = pytest.mark.quick
+
 GPT2_1_5B = {"hidden": 1600, "layers": 48}  # the paper's 1.5B config (48 x 1600)
 GPT_100B = {"hidden": 8192, "layers": 125}  # the paper's 100B config (125 x 8192)
 

@@ -21,6 +21,8 @@ import user_model_jobs
 
 from jobs import on_ranks
 
+pytestmark = pytest.mark.quick
+
 STAGES = (0, 1, 2, 3)
 SGD = dict(optimizer="sgd", momentum=0.9, lr=0.05)
 BLOCKS = {"moe_top1": ["emb", "blocks.0", "blocks.1", "head"], "moe_top2": ["emb", "blocks.0", "blocks.1", "head"],
@@ -45,6 +47,8 @@ def test_experts_idle_on_some_ranks_train_as_one_process_at_every_stage(world_si
     out = on_ranks(user_model_jobs.many, world_size,
                    [dict(kind=kind, stage=stage, units=BLOCKS[kind] if stage == 3 else None, **SGD)
                     for kind, stage in cases])
+    assert len(cases) >= 2 * len(STAGES)  # moe_top1 and moe_top2 at least, with or without transformers
+    assert len(out) == world_size and all(len(rank_out) == len(cases) for rank_out in out)
     for i, (kind, stage) in enumerate(cases):
         where = f"{kind} at stage {stage}" + (" with blocks as units" if stage == 3 else "")
         runs = [rank_out[i] for rank_out in out]

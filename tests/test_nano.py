@@ -15,6 +15,8 @@ from zerolearn.memory import model as analytic
 from zerolearn.models import build_model
 from zerolearn.nano import NanoZero
 
+pytestmark = pytest.mark.quick
+
 NANO = Path(__file__).resolve().parents[1] / "zerolearn" / "nano.py"
 RUNS = [dict(stage=s, model=m) for m in ("mlp", "gpt") for s in (0, 1, 2, 3)] + \
     [dict(stage=3, model="mlp", prefetch=True), dict(stage=1, model="gpt", dtype="bf16")]

@@ -29,6 +29,8 @@ import torch
 
 from jobs import global_batch, gpt_loss, on_ranks, small_gpt
 
+pytestmark = pytest.mark.quick
+
 READS = ("item", "tolist", "__bool__", "__int__", "__float__", "__index__", "numpy", "nonzero", "cpu", "to")
 FUNCTIONS = ("equal", "allclose", "is_nonzero", "nonzero")
 CONFIGS = [  # (name, engine options, micro-batches, micro-batches inside no_sync)
@@ -190,14 +192,18 @@ def _check(runs: list[dict], world_size: int) -> None:
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_no_value_read_inside_backward_or_step(world_size):
     results = on_ranks(steps_without_reads, world_size)
+    assert len(results) == world_size
     for runs in results:
+        assert len(runs) == len(STAGES) * len(CONFIGS)
         _check(runs, world_size)
 
 
 def test_stage_0_as_on_an_accelerator_reads_nothing_at_all():
     # The accelerator's choice (flags exchanged, the reduced gradient not looked at), run on the CPU.
     results = on_ranks(steps_without_reads, 2, stages=(0,), flags_from_grads=False)
+    assert len(results) == 2
     for runs in results:
+        assert len(runs) == len(CONFIGS)
         _check(runs, 2)
         assert all(not run["excused"].get("stage 0 on the CPU: the reduced gradient tells the used parameters")
                    for run in runs)
@@ -217,7 +223,11 @@ def test_the_counter_sees_reads_inside_autograd_hooks():
 def test_the_fused_multi_tensor_step_reads_nothing_either():
     # CUDA's one fused step over all masters (optim.multi_tensor_kind), forced on the CPU, fp32 runs.
     fp32 = [c for c in CONFIGS if c[1].get("dtype") is None]
-    for runs in on_ranks(steps_without_reads, 2, configs=fp32, flags_from_grads=False, multi="fused"):
+    assert fp32
+    results = on_ranks(steps_without_reads, 2, configs=fp32, flags_from_grads=False, multi="fused")
+    assert len(results) == 2
+    for runs in results:
+        assert len(runs) == len(STAGES) * len(fp32)
         _check(runs, 2)
 
 

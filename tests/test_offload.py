@@ -24,6 +24,8 @@ from zerolearn.engines import make_engine
 from zerolearn.errors import ConfigError
 from zerolearn.memory import model as analytic
 
+pytestmark = pytest.mark.quick
+
 STAGES = (1, 2, 3)
 OFFLOADS = (None, "cpu", "disk")
 STEPS = 3
@@ -46,7 +48,7 @@ def train(stage: int, offload: str | None = None, dpu: bool = False, dtype: str 
         batch = jobs.global_batch(step) if model == "gpt" else jobs.frozen_batch(step)
         x, y = (data.rank_slice(t, ctx.rank, ctx.world_size) for t in batch)
         local, gathered = 0.0, comm.LEDGER.ops["all_gather"].bytes
-        for xm, ym in zip(x.chunk(accum), y.chunk(accum)):
+        for xm, ym in zip(x.chunk(accum), y.chunk(accum), strict=True):
             if model == "gpt":
                 loss = jobs.gpt_loss(engine(xm), ym)
             else:
@@ -186,7 +188,7 @@ def test_offload_equals_the_plain_stage_bit_for_bit_in_fp32(stage, offload, opti
         assert off["losses"] == plain["losses"], rank
         assert plain["losses"][-1] < plain["losses"][0]  # it trained
         assert same(off["params"], plain["params"]), rank
-        assert all(torch.equal(a, b) for a, b in zip(off["working"], plain["working"])), rank
+        assert all(torch.equal(a, b) for a, b in zip(off["working"], plain["working"], strict=True)), rank
 
 
 def test_offload_with_accumulation_and_clipping_equals_the_plain_stage():
@@ -213,10 +215,10 @@ def test_offload_with_unused_and_frozen_parameters_and_padding_equals_the_plain_
 def test_offload_in_bf16_matches_the_plain_stage_to_bf16_precision(stage, offload):
     plain, off = run_of(stage=stage, offload=None, dtype="bf16"), run_of(stage=stage, offload=offload, dtype="bf16")
     eps = torch.finfo(torch.bfloat16).eps
-    for (a, b) in zip(off["losses"], plain["losses"]):
+    assert plain["losses"] and plain["params"]
+    for (a, b) in zip(off["losses"], plain["losses"], strict=True):
         assert abs(a - b) <= 4 * eps * abs(b)
-    for name, p in plain["params"].items():
-        torch.testing.assert_close(off["params"][name], p, rtol=4 * eps, atol=4 * eps)
+    torch.testing.assert_close(off["params"], plain["params"], rtol=4 * eps, atol=4 * eps)
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
@@ -255,18 +257,23 @@ def test_disk_reads_and_writes_the_optimizer_states_once_per_step(stage):
 
 
 def test_dpu_parameters_are_one_update_behind_on_the_same_gradients():
-    for rank, runs in enumerate(on_ranks(linear_runs, 2)):
+    results = on_ranks(linear_runs, 2)
+    assert len(results) == 2
+    for rank, runs in enumerate(results):
         for stage in STAGES:
             for offload in ("cpu", "disk"):
                 plain, dpu = runs[(stage, offload, False)], runs[(stage, offload, True)]
                 steps = len(plain["seen"])
+                assert steps >= 2 and len(dpu["seen"]) == steps, (rank, stage, offload)
                 for t in range(1, steps):  # the plain run moves every step: the check is not vacuous
-                    assert not all(torch.equal(a, b) for a, b in zip(plain["seen"][t], plain["seen"][t - 1]))
+                    assert not all(torch.equal(a, b)
+                                   for a, b in zip(plain["seen"][t], plain["seen"][t - 1], strict=True))
                 for t in range(steps):  # step 0 is synchronous; then one update behind
                     behind = plain["seen"][max(t - 1, 0)]
-                    assert all(torch.equal(a, b) for a, b in zip(dpu["seen"][t], behind)), (rank, stage, offload, t)
+                    assert all(torch.equal(a, b) for a, b in zip(dpu["seen"][t], behind, strict=True)), \
+                        (rank, stage, offload, t)
                 # finish_dpu publishes the update in flight: the plain run's last parameters
-                assert all(torch.equal(a, b) for a, b in zip(dpu["final"], plain["seen"][-1]))
+                assert all(torch.equal(a, b) for a, b in zip(dpu["final"], plain["seen"][-1], strict=True))
 
 
 def test_dpu_loss_curve_is_measured_beside_the_plain_one():
@@ -274,7 +281,7 @@ def test_dpu_loss_curve_is_measured_beside_the_plain_one():
     # Steps 0 and 1 see the same parameters (step 0's update is synchronous)...
     assert dpu["losses"][:2] == plain["losses"][:2]
     # ...from step 2 on, forward and backward use parameters one update stale.
-    assert all(a != b for a, b in zip(dpu["losses"][2:], plain["losses"][2:]))
+    assert all(a != b for a, b in zip(dpu["losses"][2:], plain["losses"][2:], strict=True))
     assert dpu["losses"][-1] < dpu["losses"][0]  # it still trains
 
 
@@ -411,7 +418,9 @@ def ledger_job(offload: str | None) -> dict:
 
 @pytest.mark.parametrize("offload", [None, "cpu", "disk"])
 def test_the_memory_ledger_splits_every_category_into_device_and_host(offload):
-    for r in on_ranks(ledger_job, 2, offload):
+    results = on_ranks(ledger_job, 2, offload)
+    assert len(results) == 2
+    for r in results:
         for where in ("device", "host"):
             for c in ("params", "optimizer_states"):  # what stays between steps (grads: dropped by zero_grad)
                 assert r["ledger"][where][c] == r["engine"][where][c], (where, c)

@@ -19,6 +19,8 @@ from zerolearn.engines import make_engine
 from zerolearn.engines import offload as off
 from zerolearn.errors import ConfigError
 
+pytestmark = pytest.mark.quick
+
 
 class IORecorder:
     """Wraps the swapper's two file calls; records (what, device, address, bytes) of each."""

@@ -15,6 +15,8 @@ import torch
 from zerolearn.errors import ConfigError
 from zerolearn.experiments import machine, seed_experiment
 
+pytestmark = pytest.mark.quick
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 

@@ -7,6 +7,8 @@ from torch import nn
 
 from zerolearn.engines import optim
 
+pytestmark = pytest.mark.quick
+
 N = 3 * optim.CPU_CHUNK + 5  # several chunks and a short last one
 
 

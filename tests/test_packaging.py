@@ -3,7 +3,10 @@
 import re
 from pathlib import Path
 
+import pytest
 import tomllib
+
+pytestmark = pytest.mark.quick
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -23,6 +23,8 @@ from zerolearn.errors import ConfigError
 from zerolearn.models import build_model
 from zerolearn.train import train
 
+pytestmark = pytest.mark.quick
+
 MIB = 2**20
 
 

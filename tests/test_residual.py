@@ -14,6 +14,8 @@ from zerolearn.memory import model as analytic
 from zerolearn.models import GPTConfig, build_model
 from zerolearn.residual import defrag
 
+pytestmark = pytest.mark.slow  # ZeRO-R measured on 4 ranks
+
 STAGES = (0, 1, 2, 3)
 RUNS = [dict(stage=s, **kw) for s in STAGES for kw in VARIANTS.values()]
 

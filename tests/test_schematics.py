@@ -17,6 +17,8 @@ from zerolearn.figures.schematics import zero3_units as z3
 from zerolearn.flat import FlatLayout
 from zerolearn.memory.model import model_state_bytes, offload_state_bytes
 
+pytestmark = pytest.mark.quick
+
 
 def test_at_nd3_stage2_rank1_holds_its_flatlayout_shard_of_grads_and_optimizer_states():
     data = S.model_states(3)
@@ -137,7 +139,7 @@ def test_bucket_schedule_matches_the_recorded_run_and_its_buckets():
     s = S.bucket_schedule(stage=2)
     assert s.op == "reduce_scatter" and len(s.buckets) == len(s.measured) == len(s.ideal) == 12
     assert s.buckets[0][0] == "head.proj.weight"  # the last layer's gradients come first
-    for (c0, c1, m0, m1), nxt in zip(s.ideal, s.ideal[1:] + [None]):
+    for (c0, c1, m0, m1), nxt in zip(s.ideal, s.ideal[1:] + [None], strict=True):
         assert c0 <= c1 <= m0 <= m1  # a bucket is reduced only once complete
         if nxt:
             assert nxt[0] == pytest.approx(c1) and nxt[2] >= m1 - 1e-12  # one link, in launch order

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.quick
+
 ROOT = Path(__file__).resolve().parents[1]
 CHAPTERS = sorted(p for p in (ROOT / "notebooks").glob("0[0-5]_*.ipynb"))
 MIN_CHARS = 8

@@ -10,6 +10,8 @@ import pytest
 from zerolearn.config import TrainConfig
 from zerolearn.memory import model as analytic
 
+pytestmark = pytest.mark.slow  # simulated worlds in fresh processes
+
 NDS = (1, 8, 64, 1024)
 
 

@@ -19,6 +19,8 @@ import pytest
 
 from zerolearn import exercises
 
+pytestmark = pytest.mark.quick
+
 ROOT = Path(__file__).resolve().parents[1]
 READERS = ROOT / "notebooks" / "exercises"
 N = 6

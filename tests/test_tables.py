@@ -6,6 +6,8 @@ from zerolearn.memory.model import stage_title
 from zerolearn.report import format_rank_table, format_table
 from zerolearn.tables import cell, kib, text_table
 
+pytestmark = pytest.mark.quick
+
 
 def test_cells_keep_the_callers_precision_and_ints_get_separators():
     assert cell(1_070) == "1,070" and cell("1.50") == "1.50" and cell(0.1) == "0.1"

@@ -20,6 +20,8 @@ from zerolearn.timeline import Spec, intersect, intervals_from_events, length, o
 from zerolearn.timeline.__main__ import main
 from zerolearn.timeline.intervals import PHASE, STEP
 
+pytestmark = pytest.mark.quick
+
 STORED = os.path.join(os.path.dirname(__file__), "..", "notebooks", "data", "timeline")
 EXPECTED_OPS = {0: {"all_reduce"}, 1: {"reduce_scatter", "all_gather"}, 2: {"reduce_scatter", "all_gather"},
                 3: {"reduce_scatter", "all_gather"}}
@@ -220,6 +222,7 @@ def recorded(tmp_path_factory):
 @pytest.mark.slow
 def test_recorded_steps_hold_each_stages_collectives_as_the_ledger_counts(recorded):
     records, _ = recorded
+    assert [rec["stage"] for rec in records] == [0, 1, 2, 3, 3]  # stage_specs, then stage 3 without prefetch
     for rec in records:
         (step,) = rec["steps"]
         check_step(step["intervals"], step["ledger"], rec["stage"], rec["buckets"])
@@ -237,7 +240,7 @@ def test_without_prefetch_each_forward_gather_is_waited_for_before_the_next(reco
         gathers = [i for i in off if i["rank"] == rank and i["lane"] == "comm" and i["phase"] == "forward"]
         units = list(dict.fromkeys(i["unit"] for i in gathers))
         assert len(units) == 4  # embed, blocks.0, blocks.1, head
-        for a, b in zip(units, units[1:]):
+        for a, b in zip(units, units[1:], strict=False):  # each unit with the next
             assert max(i["end"] for i in gathers if i["unit"] == a) <= min(i["start"] for i in gathers
                                                                            if i["unit"] == b)
 

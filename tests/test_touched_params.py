@@ -16,6 +16,8 @@ import touch_jobs
 
 from jobs import on_ranks
 
+pytestmark = pytest.mark.quick
+
 STAGES = (0, 1, 2, 3)
 
 
@@ -41,6 +43,7 @@ def results(world_size: int) -> dict:
 
 def find(world_size: int, name: str, *args) -> list:
     r = results(world_size)
+    assert len(r["ranks"]) == world_size
     i = r["calls"].index((name, args))
     return [rank_out[i] for rank_out in r["ranks"]]
 

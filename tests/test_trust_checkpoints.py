@@ -22,6 +22,8 @@ from zerolearn.checkpoint import __main__ as checkpoint_cli
 from zerolearn.config import TrainConfig
 from zerolearn.dist import launch
 
+pytestmark = pytest.mark.slow  # damaged checkpoints resumed on spawned ranks
+
 RUN = TrainConfig(stage=2, steps=4, global_batch_size=4, seq_len=16, d_model=32, n_head=2, bucket_mb=0.01,
                   checkpoint_every=2, checkpoint_keep=0, quiet=True, checkpoint_dir="unset")
 NEW, OLD = "step_00000004", "step_00000002"
@@ -141,7 +143,7 @@ def saved(tmp_path_factory) -> dict:
     configs[-1] = configs[-1].replace(weight_decay=0.1, max_grad_norm=1.0)
     with stderr_into(root / "stderr.txt"):
         reports = launch(jobs.train_jobs, 2, configs)[0]
-    return {"dir": d, "first": first, "copies": copies, "reports": dict(zip(copies, reports)),
+    return {"dir": d, "first": first, "copies": copies, "reports": dict(zip(copies, reports, strict=True)),
             "stderr": (root / "stderr.txt").read_text()}
 
 

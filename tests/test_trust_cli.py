@@ -13,6 +13,8 @@ from zerolearn.checkpoint import __main__ as checkpoint_cli
 from zerolearn.memory import __main__ as memory_cli
 from zerolearn.timeline import __main__ as timeline_cli
 
+pytestmark = pytest.mark.quick
+
 
 @pytest.fixture
 def paths(tmp_path, monkeypatch) -> dict:

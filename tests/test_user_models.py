@@ -16,6 +16,8 @@ import user_model_jobs
 import jobs
 from jobs import on_ranks
 
+pytestmark = pytest.mark.quick
+
 STAGES = (0, 1, 2, 3)
 needs_hf = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,
                               reason="transformers is not installed (pip install .[hf])")
@@ -53,7 +55,7 @@ def runs(kind: str, world_size: int) -> list:
 @pytest.mark.parametrize("kind", HF)
 def test_hugging_face_models_train_as_one_process_at_every_stage(kind, world_size):
     ref = reference(kind)
-    for stage, run in zip(STAGES, runs(kind, world_size)):
+    for stage, run in zip(STAGES, runs(kind, world_size), strict=True):
         assert not isinstance(run, str), f"stage {stage}: {run}"
         assert run["losses"] == pytest.approx(ref["losses"], rel=1e-5), f"stage {stage}"
         assert user_model_jobs.rel_error(run["params"], ref["params"]) < 1e-2, f"stage {stage}"
@@ -100,7 +102,7 @@ def test_accumulation_written_any_way_equals_one_large_batch(style):
     runs_ = [dict(stage=s, optimizer="sgd", accum=2, accum_style=style) for s in STAGES]
     out = on_ranks(jobs.many, 2, runs_)[0]
     ref = sgd_reference()
-    for stage, run in zip(STAGES, out):
+    for stage, run in zip(STAGES, out, strict=True):
         assert run["losses"] == pytest.approx(ref["losses"], rel=1e-5), f"stage {stage}"
         assert user_model_jobs.rel_error(run["params"], ref["params"]) < 1e-5, f"stage {stage}"
 
@@ -111,7 +113,7 @@ def test_reducing_and_local_micro_batches_mixed_in_one_step_equal_one_large_batc
     runs_ = [dict(stage=s, optimizer="sgd", accum=3, accum_style="mixed") for s in STAGES]
     out = on_ranks(jobs.many, 2, runs_)[0]
     ref = sgd_reference()
-    for stage, run in zip(STAGES, out):
+    for stage, run in zip(STAGES, out, strict=True):
         assert user_model_jobs.rel_error(run["params"], ref["params"]) < 1e-5, f"stage {stage}"
 
 

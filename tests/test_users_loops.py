@@ -22,6 +22,8 @@ import torch
 
 from jobs import on_ranks
 
+pytestmark = pytest.mark.quick
+
 STAGES = (0, 1, 2, 3)
 EXACT = ("amsgrad", "view_unit", "model_zero_grad")
 REFUSED = ("grad_scaler", "wrap_twice", "clip_groups")

@@ -9,6 +9,8 @@ from jobs import on_ranks
 from zerolearn import comm
 from zerolearn.watch import watching
 
+pytestmark = pytest.mark.quick
+
 
 def torch_named(n: int) -> dict:
     """Each of torch's four collectives once (one async), plus comm's all_reduce and bookkeeping."""
@@ -34,7 +36,9 @@ def torch_named(n: int) -> dict:
 @pytest.mark.parametrize("world_size", [2])
 def test_torch_named_collectives_are_booked_once_each(world_size):
     n = 5
-    for r in on_ranks(torch_named, world_size, n):
+    results = on_ranks(torch_named, world_size, n)
+    assert len(results) == world_size
+    for r in results:
         e = n * world_size
         got = r["ledger"]
         assert got["all_reduce"] == {"calls": 3, "elements": 3 * e, "bytes": 12 * e}

@@ -23,6 +23,8 @@ from zerolearn.memory.model import FIGURE1_GB, GB, V100_BYTES, comm_volume_eleme
 from zerolearn.residual import defrag
 from zerolearn.widgets.stage import CB_MB
 
+pytestmark = pytest.mark.quick
+
 PSIS = [1e8, 1.5e9, 7.5e9, 1.28e11, 1e12]
 MIB = 2**20
 
@@ -78,12 +80,15 @@ def test_memory_explorer_follows_every_control():
 def test_memory_explorer_says_whether_the_stage_fits_each_gpu():
     explorer = widgets.MemoryExplorer(psi=7.5e9, nd=8, stage=2)
     need = per_device_bytes(7.5e9, 8, 2)["total"]  # 15 + 105 / 8 = 28.1 GB
+    verdicts = set()
     for gpu, device in figures.GPUS.items():
         explorer.controls["gpu"].value = gpu
         assert explorer.result["device_bytes"] == device
         assert explorer.result["fits"] == (need <= device)
         verdict = "<b>fits</b>" if need <= device else "<b>does not fit</b>"
         assert verdict in explorer.summary.value and shown(device) in explorer.summary.value
+        verdicts.add(verdict)
+    assert verdicts == {"<b>fits</b>", "<b>does not fit</b>"}  # 16 and 24 GB are too small, 32 GB is not
 
 
 def test_memory_explorer_adds_activations_of_sec_3_2():
@@ -184,6 +189,7 @@ def test_timeline_viewer_shows_the_ledgers_numbers_per_stage():
         assert viewer.view.value[:4] == b"\x89PNG"
 
 
+@pytest.mark.slow  # figures.recorded_trace
 def test_fragmentation_simulator_replays_through_defrag():
     sim = widgets.FragmentationSimulator()
     trace = figures.recorded_trace()
@@ -199,6 +205,7 @@ def test_fragmentation_simulator_replays_through_defrag():
         assert ("<b>Fits</b>" if expected.ok else "<b>Out of memory</b>") in sim.summary.value
 
 
+@pytest.mark.slow  # figures.recorded_trace
 def test_fragmentation_default_fails_with_a_third_free_until_md_is_on():
     sim = widgets.FragmentationSimulator()
     assert sim.controls["capacity"].value == -(-defrag.smallest_capacity(figures.recorded_trace(), md=True) // MIB)
@@ -212,6 +219,7 @@ def test_fragmentation_default_fails_with_a_third_free_until_md_is_on():
                                   lambda: figures.timeline_figure(measured_reports()[3])])
 def test_default_views_are_static_figures_with_labelled_axes(make):
     fig = make()
+    assert fig.axes
     for ax in fig.axes:
         assert ax.get_xlabel() and ax.get_ylabel() and ax.get_title()
 
@@ -261,6 +269,7 @@ def test_stage_explorer_follows_the_papers_formulas():
 
 def test_stage_2_gradients_shrink_as_one_over_nd_and_its_parameters_do_not():
     explorer = widgets.StageExplorer(stage=2, psi=1.5e9)
+    assert len(figures.NDS) >= 2
     for nd in figures.NDS:
         explorer.controls["nd"].value = nd
         row = explorer.result["rows"][2]
@@ -409,6 +418,7 @@ def test_beyond_follows_every_control():
     explorer = BeyondExplorer()
     ranges = {"psi": [1e9, 7.5e9, 1e11], "nd": [1, 8, 64], "gpu_gb": GPU_GB[::3], "host_gb": HOST_GB[::4],
               "disk_GBps": [0.5, 25.0], "pcie_GBps": PCIE_GBPS[::3], "host_adam": HOST_ADAM[::2], "dpu": [False, True]}
+    assert all(len(values) >= 2 for values in ranges.values()), ranges  # every control really moves
     moves = ((name, value) for name, values in ranges.items() for value in values)
     for name, value in moves:  # no figure to draw, so no deferral: every move refreshes
         explorer.controls[name].value = value

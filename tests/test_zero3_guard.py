@@ -22,6 +22,8 @@ from jobs import on_ranks
 from zerolearn.engines import Zero3Engine
 from zerolearn.errors import ConfigError
 
+pytestmark = pytest.mark.quick
+
 STAGES = (0, 1, 2, 3)
 SGD = dict(optimizer="sgd", momentum=0.9, lr=0.05)
 # (kind, stage, extra options): an error case is always followed by one that trains.
@@ -59,7 +61,8 @@ def runs() -> list:
 
 
 def results(kind: str, extra: dict | None = None) -> list:
-    return [(stage, run) for (k, stage, e), run in zip(CASES, runs()) if k == kind and (extra is None or e == extra)]
+    return [(stage, run) for (k, stage, e), run in zip(CASES, runs(), strict=True)
+            if k == kind and (extra is None or e == extra)]
 
 
 def assert_exact(kind: str, stage: int, run, branch: str | None = None) -> None:
@@ -84,7 +87,9 @@ def test_a_parameter_read_outside_its_unit_is_refused_by_name_before_any_arithme
 
 @pytest.mark.parametrize("kind", ["dataclass_units", "encoder_only"])
 def test_units_returning_dataclasses_and_module_lists_train_as_one_process(kind):
-    for stage, run in results(kind, {}):
+    runs_ = results(kind, {})
+    assert [stage for stage, _ in runs_][:4] == list(STAGES)
+    for stage, run in runs_:
         assert_exact(kind, stage, run)
 
 
@@ -186,6 +191,8 @@ def test_a_module_list_passed_as_a_unit_is_refused_before_work():
 
 
 def test_parameters_of_two_other_dtypes_are_refused_by_name_at_every_stage():
-    for stage, run in results("mixed_dtypes"):
+    runs_ = results("mixed_dtypes")
+    assert [stage for stage, _ in runs_] == list(STAGES)
+    for stage, run in runs_:
         assert isinstance(run, str) and run.startswith("ConfigError"), f"stage {stage}: {run}"
         assert "float64: scale" in run and "bfloat16: shift" in run, run

@@ -18,6 +18,8 @@ from zerolearn import dist as zdist
 from zerolearn.engines import Zero3Engine, make_engine
 from zerolearn.errors import ConfigError
 
+pytestmark = pytest.mark.quick
+
 
 def scale_per_element(scales: torch.Tensor, n: int, block: int) -> torch.Tensor:
     return scales.repeat_interleave(block)[:n]
@@ -153,7 +155,9 @@ def collectives_job(node_ranks: int, m: int = 1000, block: int = 256) -> dict:
 def test_quantized_collectives_against_the_exact_ones(world_size, node_ranks):
     m, block = 1000, 256
     k, n_nodes = node_ranks, world_size // node_ranks
-    for res in jobs.on_ranks(collectives_job, world_size, node_ranks, m, block):
+    results = jobs.on_ranks(collectives_job, world_size, node_ranks, m, block)
+    assert len(results) == world_size
+    for res in results:
         # qwZ: every rank holds the same dequantized values, each within half its block's scale.
         assert res["gather_same_as_simulated"] and res["gather_within_half_scale"] and not res["gather_exact"]
         piece = m + 4 * math.ceil(m / block)  # int8 codes + fp32 scales of one rank's shard
@@ -198,7 +202,9 @@ def ledger_job(node_ranks: int) -> dict:
 @pytest.mark.parametrize("world_size,node_ranks", [(2, 1), (2, 2), (4, 2)])
 def test_ledger_bytes_per_link_by_hand(world_size, node_ranks):
     k, piece = node_ranks, 24  # 6 fp32 elements per rank's piece
-    for res in jobs.on_ranks(ledger_job, world_size, node_ranks):
+    results = jobs.on_ranks(ledger_job, world_size, node_ranks)
+    assert [res["rank"] for res in results] == list(range(world_size))
+    for res in results:
         r, links = res["rank"], res["links"]
         same, other = k - 1, world_size - k  # peers in this rank's node, and outside it
         for op in ("all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast"):

@@ -447,7 +447,7 @@ def train(kind: str, stage: int | None, steps: int = 3, accum: int = 1, accum_st
         x, y = (data.rank_slice(t, ctx.rank, ctx.world_size) for t in batch(kind, step))
         model.use_branch = use_branch(kind, step, ctx.rank, branch)
         local = 0.0
-        for i, (xm, ym) in enumerate(zip(x.chunk(accum), y.chunk(accum))):
+        for i, (xm, ym) in enumerate(zip(x.chunk(accum), y.chunk(accum), strict=True)):
             loss = loss_of(kind, model, run_model(kind, engine, xm), ym) / accum
             if accum_style == "no_sync" and i < accum - 1:
                 with engine.no_sync():
@@ -469,7 +469,8 @@ def train(kind: str, stage: int | None, steps: int = 3, accum: int = 1, accum_st
         out["schedule"] = None if trace is None else [engine.schedule.by_index[i].name for i in trace if i >= 0]
         # all_gather calls and elements of the whole run
         out["all_gather"] = [now - then for now, then in zip((comm.LEDGER.ops["all_gather"].calls,
-                                                              comm.LEDGER.ops["all_gather"].elements), gathers)]
+                                                              comm.LEDGER.ops["all_gather"].elements), gathers,
+                                                             strict=True)]
     return out
 
 

@@ -211,9 +211,9 @@ def _use_counts(tensors, group=None, check_backend: bool = True) -> list | None:
 
 
 def _released(count, before, relaxed, grace_over: bool) -> bool:
-    if all(c <= n for c, n in zip(count, before)):
+    if all(c <= n for c, n in zip(count, before, strict=True)):
         return True
-    return relaxed is not None and grace_over and all(c <= n for c, n in zip(count, relaxed))
+    return relaxed is not None and grace_over and all(c <= n for c, n in zip(count, relaxed, strict=True))
 
 
 def _await_release(tensors, before: list | None, relaxed: list | None = None, op: str = "-") -> None:
@@ -230,7 +230,7 @@ def _poll_release(tensors, before: list, relaxed: list | None) -> None:
         waited = time.perf_counter() - start
         counts = _use_counts(tensors, check_backend=False)
         if waited > RELEASE_TIMEOUT or all(_released(c, b, r, waited > VIEW_GRACE)
-                                           for c, b, r in zip(counts, before, relaxed)):
+                                           for c, b, r in zip(counts, before, relaxed, strict=True)):
             return
         time.sleep(1e-4)  # not 0: the worker thread needs the GIL to let go
 
@@ -270,8 +270,8 @@ class Handle:
             self._work = None
             if counts is not None:
                 # Python references are left out: a view makes C++ hold one, however many views.
-                relaxed = [(now[0] + 1_000_000, *(c - h for c, h in zip(now[1:], took[1:])))
-                           for now, took in zip(counts, self._held)]
+                relaxed = [(now[0] + 1_000_000, *(c - h for c, h in zip(now[1:], took[1:], strict=True)))
+                           for now, took in zip(counts, self._held, strict=True)]
                 _await_release(self._tensors, self._before, relaxed, self._op)
         self._tensors = ()
 
@@ -300,7 +300,8 @@ def _booked(op: str, counted: torch.Tensor, call, async_op: bool, group, tensors
     if not async_op:
         return Handle(None, op, group)
     after = _use_counts(tensors, group)
-    held = None if before is None else [tuple(a - b for a, b in zip(*pair)) for pair in zip(after, before)]
+    held = None if before is None else [tuple(a - b for a, b in zip(*pair, strict=True))
+                                        for pair in zip(after, before, strict=True)]
     return Handle(work, op, group, tensors, before, held)
 
 

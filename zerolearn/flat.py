@@ -108,7 +108,7 @@ class FlatLayout:
         if flat.requires_grad or not self.names:
             return [self.view_of(flat, i) for i in range(len(self.names))]
         parts = flat[:self.numel].split_with_sizes(self.numels)
-        return [part.view(shape) for part, shape in zip(parts, self.shapes)]
+        return [part.view(shape) for part, shape in zip(parts, self.shapes, strict=True)]
 
     def view_of(self, flat: torch.Tensor, index: int) -> torch.Tensor:
         """The view of parameter ``index`` inside ``flat``."""

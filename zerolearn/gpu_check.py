@@ -164,7 +164,7 @@ def check_seed(world: int) -> Callable[[Scale], dict]:
             peaks[how] = [r["ranks"][0]["peak_bytes"] for r in reports]
             _require(peaks[how][2] < peaks[how][1], f"seed-{world} ({how}): ZeRO-2's peak {peaks[how][2]} B is "
                      f"not below ZeRO-1's {peaks[how][1]} B")
-        for s, (a, b) in enumerate(zip(peaks["per_process"], peaks["one_process"])):
+        for s, (a, b) in enumerate(zip(peaks["per_process"], peaks["one_process"], strict=True)):
             _require(abs(a - b) <= SAME_PEAK_REL * a, f"seed-{world} stage {s}: peak {b} B in one process, {a} B "
                      "in a fresh one (a run left memory behind)")
         return {"world_size": world, "width": scale.seed_width,

@@ -131,7 +131,7 @@ def before(op: str, shapes: tuple, dtype: torch.dtype, group) -> None:
     if all(e["fingerprint"] == mine["fingerprint"] for e in everyone):
         return
     lines = []
-    for r, e in zip(group_ranks(group), everyone):
+    for r, e in zip(group_ranks(group), everyone, strict=True):
         o, s, d, w = e["fingerprint"]
         lines.append(f"  rank {r}: {o} {d} {' -> '.join(str(list(x)) for x in s)} "
                      f"from unit {w} (in {e['doing']})")

@@ -184,7 +184,7 @@ class NanoZero:
         if self.prefetch:
             self.fn["prefetch"](units, fulls, self.shards, self.nd)
         else:
-            for unit, full, shard in zip(units, fulls, self.shards):
+            for unit, full, shard in zip(units, fulls, self.shards, strict=True):
                 self.fn["gather_hooks"](unit, full, shard, self.nd)
 
     def __call__(self, *args, **kwargs):
@@ -260,7 +260,7 @@ class NanoZero:
         into a copy (a collective every rank must call; the comm ledger counts it)."""
         if self.stage == 3:
             gathered = {}
-            for flat, shard in zip(self.flats, self.shards):
+            for flat, shard in zip(self.flats, self.shards, strict=True):
                 full = torch.empty(flat.numel + flat.padding, dtype=self.dtype)
                 comm.all_gather(full, shard)
                 offset = 0

@@ -70,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
           f"{args.steps} steps of {cfg['global_batch_size']} x {cfg['seq_len']} bytes, "
           f"{r0['world_size']} {r0['backend']} ranks on {r0['device']}; bytes held by rank 0:\n")
     print(format_table(rows))
-    spread = max(max(abs(a - b) for a, b in zip(r["losses"], r0["losses"])) for r in reports)
+    spread = max(max(abs(a - b) for a, b in zip(r["losses"], r0["losses"], strict=True)) for r in reports)
     pad = max(r["padding"] for r in rows)
     print(f"\nlargest loss difference between stages over all steps: {spread:.2e}")
     print(f"measured - formula: flat buffers are padded so Nd shards are equal ({pad} zero elements "

@@ -139,7 +139,7 @@ runs = {  # label: (dtype, optimizer, SGD momentum)
     "fp32 SGD": ("fp32", "sgd", 0.0),
 }
 configs = [common.replace(dtype=d, optimizer=o, momentum=m) for d, o, m in runs.values()]
-reports = dict(zip(runs, launch(train_all, 1, configs)[0]))  # [0]: rank 0's results
+reports = dict(zip(runs, launch(train_all, 1, configs)[0], strict=True))  # [0]: rank 0's results
 
 # %%
 cats = ("params", "grads", "optimizer_states")

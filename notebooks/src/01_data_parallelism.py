@@ -441,7 +441,7 @@ runs = {"one process": reference, **{name: dp[name]["losses"] for name in ("naiv
 rows = [[step, *(f"{losses[step]:.4f}" for losses in runs.values())] for step in range(steps)]
 print("global mean loss per step (cross-entropy, nats per byte)\n")
 print(text_table(["step", *runs], rows))
-worst = max(abs(a - b) for losses in runs.values() for a, b in zip(losses, reference))
+worst = max(abs(a - b) for losses in runs.values() for a, b in zip(losses, reference, strict=True))
 print(f"\nevery DP run matches one process to within 1e-5 at every step: {worst < 1e-5}")
 
 # %%
@@ -465,7 +465,7 @@ for name in ("naive", "engine", "torch_ddp"):
 
 # %%
 fig, ax = plt.subplots(figsize=(7, 4))
-for (name, losses), marker in zip(runs.items(), "os^x"):
+for (name, losses), marker in zip(runs.items(), "os^x", strict=True):
     ax.plot(range(steps), losses, marker=marker, ms=8 if marker == "o" else 6, label=name,
             ls="-" if name == "one process" else "none")
 ax.set_xlabel("training step")

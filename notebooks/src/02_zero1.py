@@ -123,7 +123,7 @@ class NaiveZero1:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.owners = OWNERS[owners]([p.numel() for p in self.params], self.world_size)
-        mine = [p for p, r in zip(self.params, self.owners) if r == self.rank]
+        mine = [p for p, r in zip(self.params, self.owners, strict=True) if r == self.rank]
         self.optimizer = torch.optim.Adam(mine, lr=lr)  # state only for the tensors this rank owns
 
     @torch.no_grad()
@@ -132,7 +132,7 @@ class NaiveZero1:
             dist.all_reduce(p.grad)
             p.grad /= self.world_size
         self.optimizer.step()  # updates only the owned tensors
-        for p, owner in zip(self.params, self.owners):  # each owner sends its new values: Psi
+        for p, owner in zip(self.params, self.owners, strict=True):  # each owner sends its new values: Psi
             dist.broadcast(p.data, src=owner)
 
 # %% [markdown]
@@ -146,7 +146,7 @@ class NaiveZero1:
 # %%
 def owned_elements(sizes, owners, world_size):  # elements each rank keeps Adam state for
     per_rank = [0] * world_size
-    for size, r in zip(sizes, owners):
+    for size, r in zip(sizes, owners, strict=True):
         per_rank[r] += size
     return per_rank
 
@@ -534,7 +534,8 @@ for nd in (3, 4):
     for step in range(3):
         rows.append([nd, step, *(f"{run['losses'][step]:.4f}" for run in (eng, by_count, by_size)),
                      f"{eng16['losses'][step]:#.3g}"])
-    gap = max([gap] + [abs(a - b) for run in (by_count, by_size) for a, b in zip(eng["losses"], run["losses"])])
+    gap = max([gap] + [abs(a - b) for run in (by_count, by_size)
+                       for a, b in zip(eng["losses"], run["losses"], strict=True)])
 print(text_table(["Nd", "step", "engine fp32", "naive by count", "naive by size", "engine bf16"], rows))
 print(f"fp32 engine and naive agree within 1e-5: {gap < 1e-5}")
 

@@ -308,18 +308,18 @@ ch03.grads_timeline_figure(timelines, psi)
 class BlogZero2(ch02.NaiveZero1):  # chapter 2's naive ZeRO-1: whole tensors, then broadcasts
     def __init__(self, model, lr=1e-3, owners="count"):
         super().__init__(model, lr, owners)
-        for p, owner in zip(self.params, self.owners):  # 1. meant to discard others' gradients
+        for p, owner in zip(self.params, self.owners, strict=True):  # 1. meant to discard others' gradients
             p.register_hook(lambda grad, keep=owner == self.rank: grad if keep else None)
 
     @torch.no_grad()
     def step(self):
-        for p, owner in zip(self.params, self.owners):
+        for p, owner in zip(self.params, self.owners, strict=True):
             stacked = torch.cat([p.grad.reshape(-1)] * self.world_size)  # 2. Nd copies of the full gradient
             out = p.grad.new_empty(p.numel())  # and a full-size output
             dist.reduce_scatter_tensor(out, stacked)  # every rank receives the whole sum
             p.grad = (out / self.world_size).view_as(p) if owner == self.rank else None  # 3. dropped only now
         self.optimizer.step()
-        for p, owner in zip(self.params, self.owners):
+        for p, owner in zip(self.params, self.owners, strict=True):
             dist.broadcast(p.data, src=owner)
 
 # %% [markdown]
@@ -361,7 +361,7 @@ mlp_psi = ours1["num_params"]
 versions = (("blog-style ZeRO-1 (AR+bcast)", blog1), ("blog-style ZeRO-2", blog2),
             ("ours ZeRO-1 (engine)", ours1["ranks"][0]), ("ours ZeRO-2 (engine)", ours2["ranks"][0]))
 rows = []
-for (name, entry), run in zip(versions, (blog1, blog2, ours1, ours2)):
+for (name, entry), run in zip(versions, (blog1, blog2, ours1, ours2), strict=True):
     held = entry["grads_bytes"] if "grads_bytes" in entry else entry["model_state_bytes"]["grads"]
     ops = {op: entry["comm"][op]["elements"] / 2 / mlp_psi for op in entry["comm"]}  # per step
     volume = 2 * ops["all_reduce"] + ops["reduce_scatter"] + ops["all_gather"] + ops["broadcast"]
@@ -412,7 +412,7 @@ print(f"our ZeRO-2 peaks below both blog-style versions:                     {o2
 # %%
 fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
 for ax, pair, title in ((axes[0], versions[:2], "blog-style versions"), (axes[1], versions[2:], "the engines")):
-    for (name, entry), style in zip(pair, ("--", "-")):
+    for (name, entry), style in zip(pair, ("--", "-"), strict=True):
         timeline = entry["memory"]["timeline"]
         ax.plot([e[2] / 2**20 for e in timeline], style, label=f"{name}: peak {entry['peak_bytes'] / 2**20:.1f} MiB")
     ax.set_xlabel("allocation and free events in the last step (event index)")

@@ -438,7 +438,7 @@ params = series['by_category']['params']
 print(f'shards (formula, 2 Psi / Nd): {model_state_bytes(psi, 2, 3)["params"]:>9,} bytes')
 print(f'lowest over the step        : {min(params):>9,} bytes')
 print(f'highest over the step       : {max(params):>9,} bytes = shards + {(max(params) - shards) / block:.2f} blocks')
-print(f'all-gathers into a buffer   : {sum(1 for a, b in zip(params, params[1:]) if b > a)}')
+print(f'all-gathers into a buffer   : {sum(1 for a, b in zip(params, params[1:], strict=False) if b > a)}')
 
 # %% [markdown]
 # Forward climbs unit by unit, never above two gathered blocks; at the end of forward

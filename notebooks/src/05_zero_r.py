@@ -119,10 +119,12 @@ VARIANTS = ch05.VARIANTS
 for name, kwargs in VARIANTS.items():
     print(f"{name:<24} {kwargs}")
 single = launch(ch05.zero_r_runs, 1, [dict(stage=2)])[0][0]
-runs = dict(zip(VARIANTS, launch(ch05.zero_r_runs, 4, [dict(stage=2, **kw) for kw in VARIANTS.values()])[0]))
+runs = dict(zip(VARIANTS, launch(ch05.zero_r_runs, 4, [dict(stage=2, **kw) for kw in VARIANTS.values()])[0],
+                strict=True))
 rows = [[name, *(f"{x:.4f}" for x in r["losses"])] for name, r in {"1 rank, Nm = 1": single, **runs}.items()]
 print(text_table(["run", "loss@0", "loss@1", "loss@2"], rows, align=["left", "right", "right", "right"]))
-same = all(abs(a - b) <= 1e-5 * abs(b) for r in runs.values() for a, b in zip(r["losses"], single["losses"]))
+same = all(abs(a - b) <= 1e-5 * abs(b) for r in runs.values()
+           for a, b in zip(r["losses"], single["losses"], strict=True))
 print("all equal to the single process within 1e-5:", same)
 
 # %% [markdown]

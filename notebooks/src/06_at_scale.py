@@ -55,9 +55,9 @@ for psi in TABLE1_GB:
     print(f'Psi = {psi / 1e9:g}B parameters, GB per device (computed | printed)')
     rows = []
     for row in ch06.table1_rows(psi):
-        cells = [f'{c:,.2f} | {p:g}' for c, p in zip(row['computed'], row['printed'])]
+        cells = [f'{c:,.2f} | {p:g}' for c, p in zip(row['computed'], row['printed'], strict=True)]
         rows.append([row['nd'], *cells])
-        worst = max(worst, *(abs(c - p) / p for c, p in zip(row['computed'], row['printed'])))
+        worst = max(worst, *(abs(c - p) / p for c, p in zip(row['computed'], row['printed'], strict=True)))
     print(text_table(['Nd', 'P_os', 'P_os+g', 'P_os+g+p'], rows), end='\n\n')
 print(f'largest relative difference from the printed values: {100 * worst:.1f} %')
 
@@ -146,7 +146,7 @@ exercises.check("06.max_psi", max_psi)
 
 # %%
 rows = [[f"{r['mp']} x {r['gpus'] // r['mp']}", r['gpus'],
-         *(f'{c:,.1f} | {p:g}' for c, p in zip(r['computed'], r['printed']))] for r in ch06.table2_rows()]
+         *(f'{c:,.1f} | {p:g}' for c, p in zip(r['computed'], r['printed'], strict=True))] for r in ch06.table2_rows()]
 print('largest Psi in billions of parameters (computed | printed), 32 GB per GPU')
 print(text_table(['MP x Nd', 'GPUs', 'DP', 'P_os', 'P_os+g', 'P_os+g+p'], rows))
 

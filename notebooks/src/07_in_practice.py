@@ -153,7 +153,7 @@ hf = launch(ch07.hf_gpt2_zero3, 2)[0]
 print(f"GPT2LMHeadModel: Psi = {hf['psi']:,} (tied weight counted once), {hf['units']} units")
 print(f"params held per rank between steps: {hf['params_bytes']:,} bytes = "
       f"{hf['params_bytes'] / (4 * hf['psi']):.3f} x the fp32 model")
-for step, (a, b) in enumerate(zip(hf["losses"], hf["reference_losses"])):
+for step, (a, b) in enumerate(zip(hf["losses"], hf["reference_losses"], strict=True)):
     print(f"step {step}: ZeRO-3 on 2 ranks {a:.4f} | one process {b:.4f}")
 
 # %% [markdown]

@@ -177,7 +177,7 @@ plt.show()
 # %%
 import statistics
 
-gap = [d - p for p, d in zip(curves["plain"], curves["dpu"])]
+gap = [d - p for p, d in zip(curves["plain"], curves["dpu"], strict=True)]
 print("DPU's loss minus the plain run's (nats per byte), ten steps at a time")
 print(text_table(["steps", "median", "smallest", "largest"],
                  [[f"{a}-{b - 1}", *(f"{f(gap[a:b]):+.3f}" for f in (statistics.median, min, max))]

@@ -56,7 +56,7 @@ def summarize_system(spec: BenchSpec, rounds: list[list[dict]]) -> dict:
                  for ranks in rounds]
     measured = [s for r in per_round for s in r]
     losses = [ranks[0]["losses"] for ranks in rounds]
-    spread = max(abs(a - b) for lo in losses for a, b in zip(lo, losses[0]))
+    spread = max(abs(a - b) for lo in losses for a, b in zip(lo, losses[0], strict=True))
     world = len(rounds[0])
     return {"stage": None, "step_seconds": measured, **step_stats(measured),
             "round_medians_s": [statistics.median(r) for r in per_round],
@@ -93,7 +93,7 @@ def compare_losses(systems: dict[str, dict]) -> str | None:
         return None
     ref = next((n for n in ran if n.startswith("zerolearn")), ran[0])
     for name in ran:
-        diff = max(abs(a - b) for a, b in zip(systems[name]["losses"], systems[ref]["losses"]))
+        diff = max(abs(a - b) for a, b in zip(systems[name]["losses"], systems[ref]["losses"], strict=True))
         systems[name]["loss_max_abs_diff"] = diff
         systems[name]["losses_equal"] = diff <= LOSS_ATOL and systems[name]["loss_round_spread"] <= LOSS_ATOL
     return ref

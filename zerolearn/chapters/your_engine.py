@@ -106,7 +106,7 @@ class Trained:
     def max_rel_diff(self, name: str) -> float:
         """Largest |loss - one process's| / one process's over the steps."""
         ref = self.rows["one process"]["losses"]
-        return max(abs(a - b) / abs(b) for a, b in zip(self.rows[name]["losses"], ref))
+        return max(abs(a - b) / abs(b) for a, b in zip(self.rows[name]["losses"], ref, strict=True))
 
     def formula(self, name: str) -> dict:
         """Fig 1's bytes per rank for this row's engine (fp32 parameters and gradients, 4

@@ -178,7 +178,7 @@ def check_shard(man: Manifest, rank: int, saved, name: str) -> None:
     if not isinstance(pieces, list) or len(pieces) != len(mine):
         raise CheckpointError(f"{name}: pieces: {len(pieces) if isinstance(pieces, list) else pieces!r}, the "
                               f"manifest lists {len(mine)} for rank {rank}")
-    for (gi, p), got in zip(mine, pieces):
+    for (gi, p), got in zip(mine, pieces, strict=True):
         where = f"{name}: pieces[{p.index}]"
         if not isinstance(got, dict) or [got.get(k) for k in ("group", "start", "stop")] != [gi, p.start, p.stop]:
             shown = [got.get(k) for k in ("group", "start", "stop")] if isinstance(got, dict) else got
@@ -255,7 +255,7 @@ class Reader:
         self._files: dict[int, dict] = {}
         self.where = {}  # parameter name -> (group, offset, numel)
         for gi, g in enumerate(man.groups):
-            for n, o, s in zip(g.names, g.offsets, g.shapes):
+            for n, o, s in zip(g.names, g.offsets, g.shapes, strict=True):
                 self.where[n] = (gi, o, math.prod(s))
 
     def file(self, rank: int) -> dict:
@@ -312,7 +312,7 @@ def read_full(path: str, key: str = "master") -> dict[str, torch.Tensor]:
             saved = reader.piece(rank, p.index)
             table = saved if key == "master" else saved["state"]
             g = man.groups[gi]
-            for n, o, s in zip(g.names, g.offsets, g.shapes):
+            for n, o, s in zip(g.names, g.offsets, g.shapes, strict=True):
                 lo, hi = max(p.start, o), min(p.stop, o + math.prod(s))
                 if lo < hi:
                     out[n].view(-1)[lo - o:hi - o].copy_(table[key][lo - p.start:hi - p.start])

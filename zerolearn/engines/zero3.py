@@ -77,7 +77,7 @@ class Zero3Engine(Engine):
         self.units.sort(key=lambda unit: unit.index)  # forward order
         self._unit_of = {id(b): unit for unit in self.units for b in unit.buckets}
         self._param_unit = {id(p): (name, unit) for unit in self.units for b in unit.buckets
-                            for name, p in zip(b.layout.names, b.params)}
+                            for name, p in zip(b.layout.names, b.params, strict=True)}
         self._reached = C.Reached([u for u in self.units if u.module is not self.model], self._param_unit)
         self._position = {id(b): k for k, b in enumerate(buckets)}  # launch order
         self.zeros_counted = 0  # the last backward's parameters counted as zeros (zero3_checks.Reached.count)
@@ -120,7 +120,7 @@ class Zero3Engine(Engine):
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
 
     def _finish_gather(self, unit: U.Unit) -> None:
-        for b, handle in zip(unit.buckets, unit.gathering):  # one gather per bucket, in order
+        for b, handle in zip(unit.buckets, unit.gathering, strict=False):  # one per bucket; none if not gathering
             handle.wait()
             self._placement.shard_out(b)  # offload="disk": the shard's memory released, its file kept
         unit.gathered = unit.gathered or bool(unit.gathering)

@@ -111,7 +111,7 @@ class ShardedParameter(nn.Parameter):
         """Make ``bucket``'s plain ``nn.Parameter`` objects sharded parameters of ``unit``
         (of this class while ``unit`` is not gathered; a subclass of the user's own keeps
         its class and is not guarded)."""
-        for name, p in zip(bucket.layout.names, bucket.params):
+        for name, p in zip(bucket.layout.names, bucket.params, strict=True):
             if type(p) is nn.Parameter:
                 p.zero3 = (name, unit)
                 unit.sharded.append(p)
@@ -304,7 +304,8 @@ def _refuse_backward(everyone: list[list[int]], units: list, pg) -> None:
     by_index = {u.index: u for u in units}
     differ = sorted(set().union(*map(set, everyone)) - set.intersection(*map(set, everyone)))
     doing = "; ".join(f"{by_index[i].describe()} on rank{'s' if len(on) > 1 else ''} {', '.join(map(str, on))} "
-                      "only" for i in differ for on in [[r for r, got in zip(ranks, everyone) if i in got]])
+                      "only" for i in differ
+                      for on in [[r for r, got in zip(ranks, everyone, strict=True) if i in got]])
     raise ConfigError(
         f"ZeRO-3: ranks are about to compute gradients for different units ({doing}): some parameters "
         "get gradients on some ranks only (a unit whose output only some ranks use, or a branch that "

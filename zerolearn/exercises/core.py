@@ -14,7 +14,8 @@ for the formula exercises of chapters 00, 06 and 07. A trial compares against
 single-process training and the communication and memory ledgers and raises
 :class:`Wrong` at the first difference, naming the step and the element; the rank is
 added here. Every exercise also ships the known bugs of its kind (:class:`Bug`), each
-with the words its message must contain, so tests prove the checker catches them.
+with the words its message must contain, so tests prove the checker catches them; most
+are the solution with a line or two changed (:func:`edited`).
 
 A mistake may live on one rank only. The ranks then agree on the verdict: at the end of
 each step a trial calls :func:`agree`, which exchanges pass or fail on the process
@@ -35,11 +36,13 @@ instead is booked the same, once.
 """
 
 from __future__ import annotations
+import __future__  # the module too: its features' compiler flags, for edited()
 
 import contextlib
 import inspect
 import linecache
 import re
+import sys
 import sysconfig
 import textwrap
 import time
@@ -56,8 +59,8 @@ from zerolearn.errors import ConfigError
 from zerolearn.watch import watching
 
 __all__ = ["EXERCISES", "PRELUDE", "Bug", "Exercise", "Mistake", "Result", "Wrong", "agree", "check",
-           "defined_at", "first_difference", "machinery", "readers_line", "register", "reusing_ranks", "skeleton",
-           "solution_source"]
+           "defined_at", "edited", "first_difference", "machinery", "readers_line", "register", "reusing_ranks",
+           "skeleton", "solution_source"]
 
 PRELUDE = "import torch\nimport torch.distributed as dist\nimport torch.nn.functional as F\nfrom torch import nn"
 """The imports every exercise function may rely on (a chapter runs them before its exercises)."""
@@ -73,11 +76,76 @@ class Wrong(Exception):  # noqa: N818 - reads as a verdict: raise Wrong("...")
 @dataclass(frozen=True)
 class Bug:
     """A known bug of an exercise's kind: a wrong implementation ``fn``, where it is
-    seen (``source``), and words its check's message must contain (``says``)."""
+    seen (``source``), and words its check's message must contain (``says``). ``fn`` is
+    the reference solution with a line or two changed (:func:`edited`) where the bug is
+    a near-copy of it, and a function of its own otherwise."""
 
     fn: Callable
     source: str
     says: str
+
+
+def edited(solution: Callable, replacements: dict[str, str], *, name: str, doc: str | None = None,
+           names: dict[str, Any] | None = None) -> Callable:
+    """A known bug written as a small edit of the reference ``solution``: its source
+    (:func:`inspect.getsource`, markers and all) with each ``old`` text of
+    ``replacements`` replaced by its ``new`` text, in order, and the function renamed
+    ``name``. Built at import time, so that a change to a solution that a bug's edit no
+    longer fits fails at once; where a bug is not a near-copy of its solution, it stays a
+    hand-written function.
+
+    The new function is compiled in ``solution``'s module globals (a copy of them with
+    ``names`` added, the check module's helpers a bug needs, when given), with the
+    solution's ``from __future__`` flags; it takes the solution's signature, and ``doc``
+    (what the bug gets wrong) as its docstring. It belongs to the calling module, as
+    ``<module>.<name>``: the check module must bind it there under ``name``
+    (``_always_pad = edited(shard_range, {...}, name="_always_pad")``), so that it is
+    sent to rank processes by reference, like a hand-written bug (:func:`register`
+    checks this). Its line numbers are the solution file's (shifted by any lines an
+    edit adds or removes) and its edited source is put in :mod:`linecache` under a
+    file name of its own beside the solution's, so a traceback and the checker's
+    verdict show the edited line, and :func:`inspect.getsource` the edited function.
+    ``fn.edited_from`` is the solution, ``fn.edits`` the replacements.
+
+    Raises:
+        ValueError: an ``old`` text that does not occur exactly once in the source (at
+            its turn; naming the bug, the text and how often it occurs), an empty
+            ``old`` text, or an edited source that does not compile (naming the bug).
+    """
+    caller = inspect.currentframe().f_back.f_globals["__name__"]
+    where = f"known bug {caller}.{name}"
+    lines, first = inspect.getsourcelines(solution)
+    source = "".join(lines)
+    for old, new in replacements.items():
+        if not old:
+            raise ValueError(f"{where}: an empty text to replace")
+        found = source.count(old)
+        if found != 1:
+            raise ValueError(f"{where}: the text {old!r} occurs {found} times in the source of "
+                             f"{solution.__module__}.{solution.__qualname__}; an edit must match exactly once")
+        source = source.replace(old, new)
+    source, renamed = re.subn(rf"^(\s*(?:async\s+)?def\s+){re.escape(solution.__name__)}\b", rf"\g<1>{name}",
+                              source, count=1, flags=re.MULTILINE)
+    if not renamed:
+        raise ValueError(f"{where}: no 'def {solution.__name__}' left in the edited source")
+    filename = f"{inspect.getsourcefile(solution)} (edited: {caller}.{name})"
+    padded = "\n" * (first - 1) + source  # line N is line N of the solution's file
+    flags = sum(feature.compiler_flag for feature in (getattr(__future__, f) for f in __future__.all_feature_names)
+                if solution.__code__.co_flags & feature.compiler_flag)
+    try:
+        code = compile(padded, filename, "exec", flags=flags, dont_inherit=True)
+    except SyntaxError as e:
+        raise ValueError(f"{where}: the edited source of {solution.__qualname__} does not compile: {e}") from e
+    linecache.cache[filename] = (len(padded), None, padded.splitlines(True), filename)
+    namespace = solution.__globals__ if names is None else {**solution.__globals__, **names}
+    defined: dict[str, Any] = {}
+    exec(code, namespace, defined)  # noqa: S102 - the solution's own source, edited
+    fn = defined[name]
+    fn.__module__, fn.__qualname__ = caller, name
+    if doc is not None:
+        fn.__doc__ = doc
+    fn.edited_from, fn.edits = solution, dict(replacements)
+    return fn
 
 
 @dataclass(frozen=True)
@@ -111,11 +179,18 @@ EXERCISES: dict[str, Exercise] = {}
 
 
 def register(exercise: Exercise) -> Exercise:
-    """Add ``exercise`` to :data:`EXERCISES`; raises ValueError on a repeated or malformed name."""
+    """Add ``exercise`` to :data:`EXERCISES`; raises ValueError on a repeated or malformed name, or
+    on a bug built by :func:`edited` that its module does not bind under its name (it could not
+    be sent to the ranks by reference)."""
     if not re.fullmatch(r"\d\d\.[a-z0-9_]+", exercise.name):
         raise ValueError(f"exercise name {exercise.name!r}: must be 'NN.function_name'")
     if exercise.name in EXERCISES:
         raise ValueError(f"exercise {exercise.name!r} is registered twice")
+    for bug_name, bug in exercise.bugs.items():
+        fn = bug.fn
+        if hasattr(fn, "edited_from") and getattr(sys.modules.get(fn.__module__), fn.__qualname__, None) is not fn:
+            raise ValueError(f"{exercise.name}: bug {bug_name!r} was built by edited(name={fn.__qualname__!r}); "
+                             f"bind it in {fn.__module__} as {fn.__qualname__} = edited(...)")
     EXERCISES[exercise.name] = exercise
     return exercise
 

@@ -108,7 +108,7 @@ def compare_grad(what: str, got, want: torch.Tensor, local: torch.Tensor, param:
 def compare_params(model: nn.Module, ref: nn.Module, step: int, rtol: float = PARAM_RTOL,
                    atol: float = PARAM_ATOL) -> None:
     """Every parameter of ``model`` against ``ref`` after ``step``'s optimizer step."""
-    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
         first_difference(f"parameter {name!r} after the optimizer step", p, q, step=step, rtol=rtol, atol=atol)
 
 
@@ -149,11 +149,11 @@ def mlp_buckets(world_size: int, rank: int):
 def sgd_on_shards(buckets, layouts, shards, ref: nn.Module) -> None:
     """Each rank updates its shard of the parameters and all-gathers them; ``ref`` steps in one process."""
     with torch.no_grad():
-        for b, layout, shard in zip(buckets, layouts, shards):
+        for b, layout, shard in zip(buckets, layouts, shards, strict=True):
             full = layout.flatten([p for _, p in b], torch.float32, CPU)
             updated = layout.shard_of(full) - SGD_LR * shard
             comm.all_gather(full, updated)
-            for (_, p), view in zip(b, layout.views(full)):
+            for (_, p), view in zip(b, layout.views(full), strict=True):
                 p.copy_(view)
         for p in ref.parameters():
             p -= SGD_LR * p.grad
@@ -184,7 +184,7 @@ def gathered_units(flats) -> list[int]:
 
 def located(layout: FlatLayout, index: int) -> str:
     """The parameter and position of element ``index`` of a flat buffer: ``"layers.1.weight[3, 5]"``."""
-    for name, shape, offset in zip(layout.names, layout.shapes, layout.offsets):
+    for name, shape, offset in zip(layout.names, layout.shapes, layout.offsets, strict=True):
         if index < offset + math.prod(shape):
             position = torch.unravel_index(torch.tensor(index - offset), shape)
             return f"{name}[{', '.join(str(int(i)) for i in position)}]"
@@ -230,7 +230,7 @@ def allocated(t: torch.Tensor) -> bool:
     or for a tensor made over a storage never allocated). Anything but a tensor counts as allocated."""
     if not isinstance(t, torch.Tensor) or t.numel() == 0:
         return True
-    extent = t.storage_offset() + 1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride()))
+    extent = t.storage_offset() + 1 + sum((n - 1) * abs(st) for n, st in zip(t.shape, t.stride(), strict=True))
     return t.untyped_storage().nbytes() >= extent * t.element_size()
 
 

@@ -77,7 +77,7 @@ def offload_rows(stage: int, steps: int = 4, d_model: int = 64) -> list[dict]:
             row[f"{loc} formula B"] = sum(run["formula"][loc].values())
         row["bytes"], row["formula"] = run["bytes"], run["formula"]
         row["step ms"] = run["step_s"] * 1e3
-        row["max |loss diff|"] = max(abs(a - b) for a, b in zip(run["losses"], plain["losses"]))
+        row["max |loss diff|"] = max(abs(a - b) for a, b in zip(run["losses"], plain["losses"], strict=True))
         row["losses"] = run["losses"]
         row.update({k: run["io"][k] for k in ("bytes_read", "bytes_written", "read_bandwidth", "write_bandwidth")})
         row["psi"], row["padding"] = run["psi"], run["padding"]

@@ -67,7 +67,7 @@ def _rows(node_ranks: int, steps: int, d_model: int) -> list[dict]:
             row[f"{work} intra B"], row[f"{work} inter B"] = moved["intra"], moved["inter"]
         row["inter B"] = sum(m["inter"] for m in run["bytes"].values())
         row["step ms"] = run["step_s"] * 1e3
-        row["max |loss diff|"] = max(abs(a - b) for a, b in zip(run["losses"], plain["losses"]))
+        row["max |loss diff|"] = max(abs(a - b) for a, b in zip(run["losses"], plain["losses"], strict=True))
         row["max |param diff|"] = max((run["params"][n] - p).abs().max().item() for n, p in plain["params"].items())
         row["extra bytes"] = run["secondary_bytes"]
         row["psi"] = run["psi"]

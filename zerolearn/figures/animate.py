@@ -156,12 +156,14 @@ def step_through(draw: Callable[[Figure, int], None], n_frames: int, *, figsize:
         captions: ``n_frames`` lines shown with the widget, or None.
 
     Raises:
-        ConfigError: a count out of range, a size <= 0, or captions of another length.
+        ConfigError: a count out of range, a figsize not of two sizes > 0, or captions of another length.
     """
     require_count("n_frames", n_frames)
     require_count("dpi", dpi, minimum=20)
     require_count("interval_ms", interval_ms, minimum=100)
-    for name, value in zip(("figsize width", "figsize height"), figsize):
+    if not isinstance(figsize, (tuple, list)) or len(figsize) != 2:
+        raise ConfigError(f"figsize: {figsize!r}; allowed: (width, height) in inches")
+    for name, value in zip(("figsize width", "figsize height"), figsize, strict=True):
         require_real(name, value)
     if captions is not None and len(captions) != n_frames:
         raise ConfigError(f"captions: {len(captions)} lines for {n_frames} frames; allowed: one per frame")

@@ -91,13 +91,13 @@ def _panel_row(axes, series: dict, xlabel: str) -> None:
         if ours:
             ax_bytes.plot(d["x"], [b / 2**20 for b in d["expected_bytes"]], "-", color=color, alpha=0.6,
                           label=f"{label}, Sec 5")
-            measured = [(x, c) for x, c in zip(d["x"], d["comm_psi"]) if c is not None]
+            measured = [(x, c) for x, c in zip(d["x"], d["comm_psi"], strict=True) if c is not None]
             # Stages 0-2 all move 2 Psi: shrinking markers keep each one visible.
             ax_comm.plot([x for x, _ in measured], [c for _, c in measured], marker, color=color, label=label,
                          markersize=10 - 2 * d["stage"])
             ax_comm.plot(d["x"], d["expected_comm_psi"], "-", color=color, alpha=0.6)
-        err = [[m - q1 for m, q1 in zip(d["median_ms"], d["q1_ms"])],
-               [q3 - m for m, q3 in zip(d["median_ms"], d["q3_ms"])]]
+        err = [[m - q1 for m, q1 in zip(d["median_ms"], d["q1_ms"], strict=True)],
+               [q3 - m for m, q3 in zip(d["median_ms"], d["q3_ms"], strict=True)]]
         ax_time.errorbar(d["x"], d["median_ms"], yerr=err, fmt=marker + "-", color=color, capsize=3,
                          mfc="none" if not ours else color, label=label)
     ax_bytes.set_ylabel("model states per rank (MiB)")

@@ -107,7 +107,7 @@ def memory_figure(psi: float = 7.5e9, nd: int = 64, stage: int = 3, device_bytes
         heights = [rows[s][c] / GB for s in x]
         if any(heights):
             ax.bar(x, heights, bottom=bottom, color=COLORS[c], label=readable(c))
-            bottom = [b + h for b, h in zip(bottom, heights)]
+            bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
     ax.bar([stage], [bottom[stage]], fill=False, edgecolor="black", linewidth=2, label=f"selected: stage {stage}")
     ax.axhline(device_bytes / GB, color="black", linestyle="--", label=f"device {device_bytes / GB:g} GB")
     for s in x:  # on a white box, so the device line never runs through the number
@@ -218,8 +218,8 @@ def _stacked(ax, x: list, rows: list[dict], categories, colors: dict, names: dic
         if any(heights):
             ax.bar(x, heights, bottom=bottom, color=colors[c], label=(names or {}).get(c, readable(c)),
                    hatch="//" if c == "fragmentation" else None)
-            bottom = [b + h for b, h in zip(bottom, heights)]
-    for xi, top in zip(x, bottom):
+            bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
+    for xi, top in zip(x, bottom, strict=True):
         ax.annotate(f"{top:,.2f} GB", (xi, top), xytext=(0, 2), textcoords="offset points", ha="center",
                     va="bottom", fontsize=8, bbox={"boxstyle": "square,pad=0.1", "fc": "white", "ec": "none"})
     return bottom
@@ -244,7 +244,7 @@ def stage_figure(psi: float = 7.5e9, nd: int = 64, stage: int = 1, *, optimizer:
     _gb_axis(left, f"Per device, Psi = {psi / 1e9:g}B, Nd = {nd}, K = {data['k']}")
     multiples = [r["comm_elements"] / psi for r in rows]
     right.bar([0, 1], multiples, color=[STAGE_COLORS[0], STAGE_COLORS[stage]])
-    for xi, (m, r) in enumerate(zip(multiples, rows)):
+    for xi, (m, r) in enumerate(zip(multiples, rows, strict=True)):
         right.annotate(f"{m:g} Psi\n{r['comm_bytes'] / GB:,.1f} GB", (xi, m), xytext=(0, 2),
                        textcoords="offset points", ha="center", va="bottom", fontsize=8)
     right.set_ylim(0, 4)

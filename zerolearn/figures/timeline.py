@@ -114,7 +114,7 @@ def lanes_figure(panels: list[tuple[str, list[dict]]], ranks: list[int] | None =
     fig = Figure(figsize=(9, 0.7 + (0.75 * n_ranks + 0.55) * len(panels) + 0.5), layout="constrained")
     axes = fig.subplots(len(panels), 1, sharex=sharex, squeeze=False)[:, 0]
     ends = []
-    for ax, (title, intervals) in zip(axes, panels):
+    for ax, (title, intervals) in zip(axes, panels, strict=True):
         ends.append(draw_lanes(ax, intervals, ranks, phase))
         ax.set_title(title, fontsize=9, loc="left")
     if sharex:
@@ -130,7 +130,7 @@ def lanes_figure(panels: list[tuple[str, list[dict]]], ranks: list[int] | None =
 def _overlap_text(summary: list[dict], phase: str | None = None) -> str:
     rows = [s if phase is None else s["phases"][phase] for s in summary]
     return ", ".join(f"rank {s['rank']}: {r['overlap']:.0%} hidden, wait {r['wait_s'] * _MS:.1f} ms"
-                     for s, r in zip(summary, rows))
+                     for s, r in zip(summary, rows, strict=True))
 
 
 def stage_timelines_figure(stored: dict, stages: tuple[int, ...] = (0, 1, 2, 3),

@@ -140,7 +140,8 @@ def _table1() -> list[Row]:
                          f"at 1024: {', '.join(f'{p:g}' for p in printed[1024])}",
                          f"at Nd = 1024: {', '.join(_gb(b) for b in at)}; all {3 * len(printed)} cells within "
                          f"{_sig(100 * worst)}% of the print", f"{CH[4]}; {CH['6sim']}", REPRODUCED,
-                         values={"worst_rel": worst, **{STAGE_NAMES[s]: b / GB for s, b in zip((1, 2, 3), at)}},
+                         values={"worst_rel": worst,
+                                 **{STAGE_NAMES[s]: b / GB for s, b in zip((1, 2, 3), at, strict=True)}},
                          paper={"worst_rel": Stated(PRINT, kind="below", label=WORST)}))
     return rows_
 
@@ -148,7 +149,8 @@ def _table1() -> list[Row]:
 def _table2() -> list[Row]:
     t2 = {key: [max_model_params(V100_BYTES, key[1] // key[0], s, nm=key[0]) / 1e9 for s in range(4)]
           for key in TABLE2_THEORETICAL_B}
-    worst2 = max(abs(c - p) / p for key, printed in TABLE2_THEORETICAL_B.items() for c, p in zip(t2[key], printed))
+    worst2 = max(abs(c - p) / p for key, printed in TABLE2_THEORETICAL_B.items()
+                 for c, p in zip(t2[key], printed, strict=True))
     measured = _states(6.2e9, 64, 1)
     return [
         Row("table2-theory", "Table 2", "theoretical largest model on 32 GB V100s, Nd = 64: MP 1 on 64 GPUs "

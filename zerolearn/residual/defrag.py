@@ -71,7 +71,7 @@ def _gpt_steps(cfg, batch_size: int, steps: int, seed: int, fused_allreduce: boo
     model.checkpoint_store = CheckpointStore(contiguous=md)  # MD: one pool, reserved in the first forward
     if md:  # MD for gradients: one flat buffer, each .grad a view that backward accumulates into
         flat_grads = torch.zeros(sum(p.numel() for p in params), device=device)
-        for p, g in zip(params, flat_grads.split([p.numel() for p in params])):
+        for p, g in zip(params, flat_grads.split([p.numel() for p in params]), strict=True):
             p.grad = g.view_as(p)
     optimizer = torch.optim.Adam(params, lr=1e-3)
     for step in range(steps):
@@ -85,7 +85,7 @@ def _gpt_steps(cfg, batch_size: int, steps: int, seed: int, fused_allreduce: boo
             if fused_allreduce and not md:  # with MD the gradients are already one flat buffer
                 grads = [p.grad for p in params]
                 flat = torch.cat([g.flatten() for g in grads])
-                for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+                for g, part in zip(grads, flat.split([g.numel() for g in grads]), strict=True):
                     g.copy_(part.view_as(g))
                 del flat, part, g, grads
             optimizer.step()  # the first step creates Adam's states

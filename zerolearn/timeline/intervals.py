@@ -224,7 +224,7 @@ def intervals_from_events(events: Iterable[tuple[str, int, float, float]], rank:
 
     # gloo opens its event while the call enqueues the work, on the calling thread:
     # both lists are in issue order.
-    for (name, _, a, b), (gloo, _, _, done) in zip(launches, backend):
+    for (name, _, a, b), (gloo, _, _, done) in zip(launches, backend, strict=True):
         _, op, mode, unit, doing = name.split("|")
         phase = _containing(phases, a)
         out.append({"rank": rank, "lane": "comm", "label": op, "start": sec(a), "end": sec(max(b, done)),

@@ -212,7 +212,7 @@ def sweep(records: list[dict], config: TrainConfig = CONFIG, world_size: int = 2
                      statistics.mean(r["phases"]["backward"]["overlap"] for r in s["summary"]),
                      statistics.mean(r["phases"]["backward"]["wait_s"] for r in s["summary"]),
                      statistics.mean(r["wait_s"] for r in s["summary"])) for s in rec["steps"]]
-        step_s, ovl, bwait, wait = (statistics.median(col) for col in zip(*per_step))
+        step_s, ovl, bwait, wait = (statistics.median(col) for col in zip(*per_step, strict=True))
         rows.append({"bucket_mb": rec["bucket_mb"], "buckets": rec["buckets"],
                      "calls": {op: c["calls"] for op, c in rec["steps"][0]["ledger"][0].items()},
                      **_rounded({"step_s": step_s, "backward_overlap": ovl, "backward_wait_s": bwait,
@@ -237,7 +237,7 @@ def prefetch(records: list[dict], config: TrainConfig = PREFETCH_CONFIG, world_s
         per_step = [[statistics.mean(r["phases"]["forward"][k] for r in s["summary"]) for k in
                      ("overlap", "wait_s", "comm_s")] + [max(r["step_s"] for r in s["summary"])]
                     for s in rec["steps"]]
-        ovl, wait, comm_s, step_s = (statistics.median(col) for col in zip(*per_step))
+        ovl, wait, comm_s, step_s = (statistics.median(col) for col in zip(*per_step, strict=True))
         runs.append({"prefetch": rec["prefetch"], "buckets": rec["buckets"],
                      **_rounded({"forward_overlap": ovl, "forward_wait_s": wait, "forward_comm_s": comm_s,
                                  "step_s": step_s}), **_median_step(rec)})

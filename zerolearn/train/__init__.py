@@ -278,7 +278,8 @@ def train_step(run: Run, step: int, watched: Watched | None) -> tuple[float, boo
         if watched:
             watched.grads_bytes = run.engine.model_state_bytes()["grads"]  # as held after backward
 
-    return step_engine(run.engine, list(zip(x.chunk(k), y.chunk(k))), lambda out, t: loss_fn(run.config, out, t),
+    micro = list(zip(x.chunk(k), y.chunk(k), strict=True))
+    return step_engine(run.engine, micro, lambda out, t: loss_fn(run.config, out, t),
                        phase=ledger.phase if ledger is not None else None, after_forward=after_forward,
                        before_step=before_step)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 
 from zerolearn.chapters.ch00.max_batch import max_batch
-from zerolearn.exercises.core import Bug, Exercise, Wrong, register
+from zerolearn.exercises.core import Bug, Exercise, Wrong, edited, register
 from zerolearn.memory import model as analytic
 
 BATCH_CASES = (  # psi, device bytes, hidden, seq_len, layers, checkpointing
@@ -65,23 +65,17 @@ def _max_batch_trial(fn) -> str:
             f"{fn(psi, device, hidden, seq_len, layers)} sequences of 1K tokens without checkpointing")
 
 
-def _rounds_up(psi, device_bytes, hidden, seq_len, layers, checkpointing=False):
-    """math.ceil where floor was meant: one sequence more than fits."""
-    per_sequence = (1 if checkpointing else 12) * hidden * seq_len * layers * 2
-    return max(0, math.ceil((device_bytes - 16 * psi) / per_sequence))
+_rounds_up = edited(max_batch, {"int(left // per_sequence)": "math.ceil(left / per_sequence)"}, name="_rounds_up",
+                    names={"math": math}, doc="math.ceil where floor was meant: one sequence more than fits.")
 
+_ignores_model_states = edited(
+    max_batch, {"left = device_bytes - 16 * psi": "left = device_bytes"}, name="_ignores_model_states",
+    doc="""The whole device given to activations, as if the weights, gradients and Adam's
+    states took no room (the paper's point in Sec 3: they take 24 GB for GPT-2 1.5B).""")
 
-def _ignores_model_states(psi, device_bytes, hidden, seq_len, layers, checkpointing=False):
-    """The whole device given to activations, as if the weights, gradients and Adam's
-    states took no room (the paper's point in Sec 3: they take 24 GB for GPT-2 1.5B)."""
-    per_sequence = (1 if checkpointing else 12) * hidden * seq_len * layers * 2
-    return int(device_bytes // per_sequence)
-
-
-def _fp32_activations(psi, device_bytes, hidden, seq_len, layers, checkpointing=False):
-    """Activations counted as 4-byte values, although mixed precision keeps them in 2 bytes."""
-    per_sequence = (1 if checkpointing else 12) * hidden * seq_len * layers * 4
-    return max(0, int((device_bytes - 16 * psi) // per_sequence))
+_fp32_activations = edited(
+    max_batch, {"layers * 2": "layers * 4"}, name="_fp32_activations",
+    doc="Activations counted as 4-byte values, although mixed precision keeps them in 2 bytes.")
 
 
 register(Exercise(

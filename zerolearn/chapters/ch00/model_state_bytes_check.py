@@ -13,7 +13,7 @@ This module holds the trial, the known bugs and the registration; the reader's f
 from __future__ import annotations
 
 from zerolearn.chapters.ch00.model_state_bytes import model_state_bytes
-from zerolearn.exercises.core import Bug, Exercise, Wrong, register
+from zerolearn.exercises.core import Bug, Exercise, Wrong, edited, register
 from zerolearn.memory import model as analytic
 
 OPTIMIZERS = {"adam": ("adam", True), "sgd_momentum": ("sgd", True), "sgd": ("sgd", False)}
@@ -67,29 +67,20 @@ def _model_state_trial(fn) -> str:
             "(4 + 4 + 8) Psi = 16 Psi in fp32")
 
 
-def _no_master_copy(psi, optimizer, dtype):
-    """K counted as the optimizer's own buffers only (Adam: 8), the fp32 master copy of
-    mixed precision forgotten; the commonest undercount of model states."""
-    width = 4 if dtype == "fp32" else 2
-    moments = {"adam": 8, "sgd_momentum": 4, "sgd": 0}[optimizer]
-    return {"params": width * psi, "grads": width * psi, "optimizer_states": moments * psi}
+_no_master_copy = edited(
+    model_state_bytes, {"(master + moments) * psi": "moments * psi"}, name="_no_master_copy",
+    doc="""K counted as the optimizer's own buffers only (Adam: 8), the fp32 master copy of
+    mixed precision forgotten; the commonest undercount of model states.""")
 
+_master_in_fp32 = edited(
+    model_state_bytes, {'master = 0 if dtype == "fp32" else 4': "master = 4"}, name="_master_in_fp32",
+    doc="""The master copy counted in fp32 training too, where the working parameters already
+    are fp32 (K = 12 for fp32 Adam): the copy exists only in mixed precision.""")
 
-def _master_in_fp32(psi, optimizer, dtype):
-    """The master copy counted in fp32 training too, where the working parameters already
-    are fp32 (K = 12 for fp32 Adam): the copy exists only in mixed precision."""
-    width = 4 if dtype == "fp32" else 2
-    moments = {"adam": 8, "sgd_momentum": 4, "sgd": 0}[optimizer]
-    return {"params": width * psi, "grads": width * psi, "optimizer_states": (4 + moments) * psi}
-
-
-def _fp32_grads(psi, optimizer, dtype):
-    """Gradients counted in fp32 under mixed precision, as when an implementation keeps fp32
-    gradient buffers (Megatron-LM's main_grad); the paper counts 2-byte gradients."""
-    width = 4 if dtype == "fp32" else 2
-    master = 0 if dtype == "fp32" else 4
-    moments = {"adam": 8, "sgd_momentum": 4, "sgd": 0}[optimizer]
-    return {"params": width * psi, "grads": 4 * psi, "optimizer_states": (master + moments) * psi}
+_fp32_grads = edited(
+    model_state_bytes, {'"grads": width * psi': '"grads": 4 * psi'}, name="_fp32_grads",
+    doc="""Gradients counted in fp32 under mixed precision, as when an implementation keeps fp32
+    gradient buffers (Megatron-LM's main_grad); the paper counts 2-byte gradients.""")
 
 
 register(Exercise(

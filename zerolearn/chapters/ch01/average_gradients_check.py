@@ -14,12 +14,11 @@ This module holds the trial, the known bugs and the registration; the reader's f
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from zerolearn import comm
 from zerolearn import dist as zdist
 from zerolearn.chapters.ch01.average_gradients import average_gradients
-from zerolearn.exercises.core import Bug, Exercise, Wrong, agree, register
+from zerolearn.exercises.core import Bug, Exercise, Wrong, agree, edited, register
 from zerolearn.exercises.helpers import (
     ADAM_LR,
     batches,
@@ -47,7 +46,7 @@ def _average_trial(fn) -> str:
         loss_of(model, x, y).backward()
         comm.LEDGER.reset()
         fn(model, world_size)
-        for (name, p), q, g in zip(model.named_parameters(), ref.parameters(), local):
+        for (name, p), q, g in zip(model.named_parameters(), ref.parameters(), local, strict=True):
             compare_grad(f"the gradient of {name!r}", p.grad, q.grad, g, p, world_size, step)
         moved = comm.LEDGER.volume_elements()
         if moved == 0:
@@ -66,28 +65,21 @@ def _average_trial(fn) -> str:
             f"2.0 Psi per step in {calls} all_reduce calls")
 
 
-def _average_the_weights(model, world_size):
-    """huggingface/picotron issue #39: the reduction is applied to the parameter, not to
-    its gradient, so the (identical) weights are averaged and the gradients never are."""
-    for p in model.parameters():
-        dist.all_reduce(p.data)
-        p.data.div_(world_size)
+_average_the_weights = edited(
+    average_gradients, {"dist.all_reduce(p.grad)": "dist.all_reduce(p.data)", "p.grad.div_(": "p.data.div_("},
+    name="_average_the_weights",
+    doc="""huggingface/picotron issue #39: the reduction is applied to the parameter, not to
+    its gradient, so the (identical) weights are averaged and the gradients never are.""")
 
+_sum_not_mean = edited(
+    average_gradients, {"            p.grad.div_(world_size)\n": ""}, name="_sum_not_mean",
+    doc="""The division by Nd forgotten: every rank steps with Nd times the gradient (a common
+    slip in hand-written DP; Adam hides it, SGD does not).""")
 
-def _sum_not_mean(model, world_size):
-    """The division by Nd forgotten: every rank steps with Nd times the gradient (a common
-    slip in hand-written DP; Adam hides it, SGD does not)."""
-    for p in model.parameters():
-        dist.all_reduce(p.grad)
-
-
-def _divide_twice(model, world_size):
-    """Nd divided out twice, e.g. once by the loss (``loss / world_size``) and once after the
-    all-reduce, as when code written for a summed loss meets a mean loss."""
-    for p in model.parameters():
-        dist.all_reduce(p.grad)
-        p.grad.div_(world_size)
-        p.grad.div_(world_size)
+_divide_twice = edited(
+    average_gradients, {"p.grad.div_(world_size)": "p.grad.div_(world_size).div_(world_size)"}, name="_divide_twice",
+    doc="""Nd divided out twice, e.g. once by the loss (``loss / world_size``) and once after the
+    all-reduce, as when code written for a summed loss meets a mean loss.""")
 
 
 register(Exercise(

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from zerolearn import comm, flat
 from zerolearn import dist as zdist
 from zerolearn.chapters.ch01.bucket_hook import bucket_hook
-from zerolearn.exercises.core import Bug, Exercise, Wrong, agree, register
+from zerolearn.exercises.core import Bug, Exercise, Wrong, agree, edited, register
 from zerolearn.exercises.helpers import (
     ADAM_LR,
     batches,
@@ -88,7 +88,7 @@ def _bucket_trial(fn) -> str:
         ledgers.append(ledger)
         moved = comm.LEDGER.volume_elements()
         _one_per_bucket(during, comm.LEDGER.as_dict()["all_reduce"]["calls"], moved, n, step)
-        for (name, p), q, g in zip(model.named_parameters(), ref.parameters(), local):
+        for (name, p), q, g in zip(model.named_parameters(), ref.parameters(), local, strict=True):
             compare_grad(f"the gradient of {name!r}", p.grad, q.grad, g, p, world_size, step)
         if moved != 2 * psi:
             raise Wrong(f"you moved {psi_per_step(moved, psi)} per step; DP moves 2.0 Psi "
@@ -112,50 +112,15 @@ def _bucket_trial(fn) -> str:
             f"per step, all launched during backward; 2.0 Psi per step")
 
 
-def _bucketed(buckets, world_size, *, divide: bool = True, grads: bool = True):
-    """The reference bucketing with one mistake switched on: ``divide=False`` leaves the
-    sum; ``grads=False`` takes the hook's argument for the gradient, packing the
-    parameters' values and writing the averaged values back into the parameters."""
-    bucket_of = {id(p): i for i, bucket in enumerate(buckets) for p in bucket}
-    got = [[] for _ in buckets]
-    in_flight = []
+_hook_reduces_the_parameter = edited(
+    bucket_hook, {"q.grad.flatten()": "q.detach().flatten()", "q.grad.copy_(": "q.data.copy_("},
+    name="_hook_reduces_the_parameter",
+    doc="""huggingface/picotron issue #39, bucketed: the hook's argument is taken for the
+    gradient, so the weights are averaged and the gradients stay this rank's own.""")
 
-    def hook(p):
-        i = bucket_of[id(p)]
-        got[i].append(p.grad if grads else p)
-        if len(got[i]) == len(buckets[i]):
-            tensors, got[i] = got[i], []
-            buffer = torch.cat([t.detach().flatten() for t in tensors])
-            in_flight.append((dist.all_reduce(buffer, async_op=True), buffer, tensors))
-
-    for bucket in buckets:
-        for p in bucket:
-            p.register_post_accumulate_grad_hook(hook)
-
-    def finish():
-        for handle, buffer, tensors in in_flight:
-            handle.wait()
-            if divide:
-                buffer.div_(world_size)
-            offset = 0
-            with torch.no_grad():
-                for t in tensors:
-                    t.copy_(buffer[offset:offset + t.numel()].view_as(t))
-                    offset += t.numel()
-        in_flight.clear()
-
-    return finish
-
-
-def _hook_reduces_the_parameter(buckets, world_size):
-    """huggingface/picotron issue #39, bucketed: the hook's argument is taken for the
-    gradient, so the weights are averaged and the gradients stay this rank's own."""
-    return _bucketed(buckets, world_size, grads=False)
-
-
-def _bucket_sum_not_mean(buckets, world_size):
-    """The bucketed reduction without the division by Nd (the sum reaches the optimizer)."""
-    return _bucketed(buckets, world_size, divide=False)
+_bucket_sum_not_mean = edited(
+    bucket_hook, {"            buffer.div_(world_size)\n": ""}, name="_bucket_sum_not_mean",
+    doc="The bucketed reduction without the division by Nd (the sum reaches the optimizer).")
 
 
 def _one_per_tensor(buckets, world_size):
@@ -196,66 +161,15 @@ def _after_backward(buckets, world_size):
     return finish
 
 
-def _counter_never_reset(buckets, world_size):
-    """The reference hooks without ``arrived[i] = 0``: after the first backward no count equals its
-    bucket's size again, so no bucket launches from the second step on."""
-    bucket_of = {id(p): i for i, bucket in enumerate(buckets) for p in bucket}
-    arrived = [0] * len(buckets)
-    in_flight = []
+_counter_never_reset = edited(
+    bucket_hook, {"            arrived[i] = 0\n": ""}, name="_counter_never_reset",
+    doc="""The reference hooks without ``arrived[i] = 0``: after the first backward no count equals its
+    bucket's size again, so no bucket launches from the second step on.""")
 
-    def hook(p):
-        i = bucket_of[id(p)]
-        arrived[i] += 1
-        if arrived[i] == len(buckets[i]):
-            buffer = torch.cat([q.grad.flatten() for q in buckets[i]])
-            in_flight.append((dist.all_reduce(buffer, async_op=True), buffer, buckets[i]))
-
-    for bucket in buckets:
-        for p in bucket:
-            p.register_post_accumulate_grad_hook(hook)
-
-    def finish():
-        for handle, buffer, bucket in in_flight:
-            handle.wait()
-            buffer.div_(world_size)
-            offset = 0
-            for q in bucket:
-                q.grad.copy_(buffer[offset:offset + q.numel()].view_as(q))
-                offset += q.numel()
-        in_flight.clear()
-
-    return finish
-
-
-def _never_cleared(buckets, world_size):
-    """The reference hooks without ``in_flight.clear()``: every finish() waits on and copies back every
-    earlier step's buckets too (the last copy wins, so the gradients are right) and keeps their buffers."""
-    bucket_of = {id(p): i for i, bucket in enumerate(buckets) for p in bucket}
-    arrived = [0] * len(buckets)
-    in_flight = []
-
-    def hook(p):
-        i = bucket_of[id(p)]
-        arrived[i] += 1
-        if arrived[i] == len(buckets[i]):
-            arrived[i] = 0
-            buffer = torch.cat([q.grad.flatten() for q in buckets[i]])
-            in_flight.append((dist.all_reduce(buffer, async_op=True), buffer, buckets[i]))
-
-    for bucket in buckets:
-        for p in bucket:
-            p.register_post_accumulate_grad_hook(hook)
-
-    def finish():
-        for handle, buffer, bucket in in_flight:
-            handle.wait()
-            buffer.div_(world_size)
-            offset = 0
-            for q in bucket:
-                q.grad.copy_(buffer[offset:offset + q.numel()].view_as(q))
-                offset += q.numel()
-
-    return finish
+_never_cleared = edited(
+    bucket_hook, {"        in_flight.clear()\n": ""}, name="_never_cleared",
+    doc="""The reference hooks without ``in_flight.clear()``: every finish() waits on and copies back every
+    earlier step's buckets too (the last copy wins, so the gradients are right) and keeps their buffers.""")
 
 
 register(Exercise(

@@ -28,7 +28,7 @@ def collectives_figure(grads: list, chunks: list, gathered: list):
               "2. after reduce-scatter:\nrank r keeps chunk r of the sum": scattered,
               "3. after all-gather:\nevery rank holds the whole sum": after}
     fig, axes = plt.subplots(1, 3, figsize=(13, 3.2), sharey=True)
-    for ax, (title, grid) in zip(axes, panels.items()):
+    for ax, (title, grid) in zip(axes, panels.items(), strict=True):
         ax.imshow(np.ma.masked_invalid(grid), cmap="viridis", vmin=0, vmax=after.max(), aspect="auto")
         for (row, col), v in np.ndenumerate(grid):
             if not np.isnan(v):

@@ -20,7 +20,7 @@ from torch import nn
 
 from zerolearn import dist as zdist
 from zerolearn.chapters.ch02.flatten_params import flatten_params
-from zerolearn.exercises.core import Bug, Exercise, Wrong, agree, first_difference, register
+from zerolearn.exercises.core import Bug, Exercise, Wrong, agree, edited, first_difference, register
 from zerolearn.exercises.helpers import RTOL, SGD_LR, batches, compare_params, gpt_pair, loss_of, reference_grads
 
 STEPS = 3
@@ -50,7 +50,7 @@ def _views(named, before, flat: torch.Tensor, flat_grad: torch.Tensor) -> int:
     """Every parameter a view of ``flat`` at its offset with its values, its gradient a zeroed view of
     ``flat_grad`` at the same offset; returns Psi."""
     size, o = flat.element_size(), 0
-    for (name, p), b in zip(named, before):
+    for (name, p), b in zip(named, before, strict=True):
         n = b.numel()
         if p.shape != b.shape:
             raise Wrong(f"parameter {name!r} has shape {tuple(p.shape)}, it had {tuple(b.shape)}: view_as(p) keeps it")
@@ -100,7 +100,7 @@ def _flat_trial(fn) -> str:
         loss_of(model, x, y).backward()
         local = reference_grads(ref, step)  # this rank's own gradient; the global one left in ref
         o = 0
-        for (name, _), g in zip(named, local):
+        for (name, _), g in zip(named, local, strict=True):
             n = g.numel()
             first_difference(f"flat_grad[{o}:{o + n}] after backward, {name}'s gradient",
                              flat_grad[o:o + n].view_as(g), g, step=step, rtol=RTOL, atol=1e-6)
@@ -120,57 +120,26 @@ def _flat_trial(fn) -> str:
             "equal one process")
 
 
-def _no_padding(model, world_size):
-    """Psi elements and no padding: equal shards only when world_size divides Psi (2 ranks here, not 3)."""
-    params = list(model.parameters())
-    flat = torch.cat([p.detach().reshape(-1) for p in params])
-    flat_grad = torch.zeros_like(flat)
-    o = 0
-    for p in params:
-        p.data, p.grad = flat[o:o + p.numel()].view_as(p), flat_grad[o:o + p.numel()].view_as(p)
-        o += p.numel()
-    return flat, flat_grad
+_no_padding = edited(
+    flatten_params, {"torch.zeros(psi + -psi % world_size,": "torch.zeros(psi,"}, name="_no_padding",
+    doc="Psi elements and no padding: equal shards only when world_size divides Psi (2 ranks here, not 3).")
 
+_copies = edited(
+    flatten_params, {"        p.data = flat[o:o + n].view_as(p)\n": ""}, name="_copies",
+    doc="""A flat copy of the parameters (torch.cat): the module keeps its own tensors, so a step
+    written into the buffer never reaches it.""")
 
-def _copies(model, world_size):
-    """A flat copy of the parameters (torch.cat): the module keeps its own tensors, so a step
-    written into the buffer never reaches it."""
-    params = list(model.parameters())
-    psi = sum(p.numel() for p in params)
-    flat = torch.cat([p.detach().reshape(-1) for p in params] + [torch.zeros(-psi % world_size)])
-    flat_grad = torch.zeros_like(flat)
-    o = 0
-    for p in params:
-        p.grad = flat_grad[o:o + p.numel()].view_as(p)
-        o += p.numel()
-    return flat, flat_grad
+_values_lost = edited(
+    flatten_params,
+    {"        flat[o:o + n].copy_(p.detach().reshape(-1))  # the values first, then the parameter moves in\n": ""},
+    name="_values_lost",
+    doc="Each parameter pointed at its view of a new zero buffer without copying its values in first.")
 
-
-def _values_lost(model, world_size):
-    """Each parameter pointed at its view of a new zero buffer without copying its values in first."""
-    params = list(model.parameters())
-    psi = sum(p.numel() for p in params)
-    flat = torch.zeros(psi + -psi % world_size)
-    flat_grad = torch.zeros_like(flat)
-    o = 0
-    for p in params:
-        p.data, p.grad = flat[o:o + p.numel()].view_as(p), flat_grad[o:o + p.numel()].view_as(p)
-        o += p.numel()
-    return flat, flat_grad
-
-
-def _grads_elsewhere(model, world_size):
-    """Parameters as views, but ``p.grad`` left None: backward makes each gradient a tensor of its
-    own, and the flat twin stays zeros."""
-    params = list(model.parameters())
-    psi = sum(p.numel() for p in params)
-    flat = torch.zeros(psi + -psi % world_size)
-    o = 0
-    for p in params:
-        flat[o:o + p.numel()].copy_(p.detach().reshape(-1))
-        p.data = flat[o:o + p.numel()].view_as(p)
-        o += p.numel()
-    return flat, torch.zeros_like(flat)
+_grads_elsewhere = edited(
+    flatten_params, {"        p.grad = flat_grad[o:o + n].view_as(p)  # backward accumulates into the twin\n": ""},
+    name="_grads_elsewhere",
+    doc="""Parameters as views, but ``p.grad`` left None: backward makes each gradient a tensor of its
+    own, and the flat twin stays zeros.""")
 
 
 def _new_parameters(model, world_size):

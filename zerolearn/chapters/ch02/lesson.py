@@ -87,7 +87,7 @@ class NaiveZero1:
         ctx = zdist.context()
         self.rank, self.world_size = ctx.rank, ctx.world_size
         self.owners = OWNERS[owners]([p.numel() for p in self.params], self.world_size)
-        mine = [p for p, r in zip(self.params, self.owners) if r == self.rank]
+        mine = [p for p, r in zip(self.params, self.owners, strict=True) if r == self.rank]
         self.optimizer = torch.optim.Adam(mine, lr=lr)  # state only for what this rank owns
 
     @torch.no_grad()
@@ -96,7 +96,7 @@ class NaiveZero1:
             dist.all_reduce(p.grad)
             p.grad /= self.world_size
         self.optimizer.step()  # updates only the owned tensors
-        for p, owner in zip(self.params, self.owners):  # owners send the new values: Psi
+        for p, owner in zip(self.params, self.owners, strict=True):  # owners send the new values: Psi
             dist.broadcast(p.data, src=owner)
 
 
@@ -200,7 +200,7 @@ def imbalance_figure(nds: list[int], curves: dict[str, list[float]], results: di
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    for (label, ys), marker in zip(curves.items(), ("o", "s", "^")):
+    for (label, ys), marker in zip(curves.items(), ("o", "s", "^"), strict=True):
         ax.plot(nds, ys, marker=marker, markersize=3, label=label)
     for nd in (3, 4):  # measured: the largest rank's Adam bytes (fp32, 8 per element) over 8 Psi / Nd
         worst = [max(per_rank[j]["optimizer_state_bytes"] for per_rank in results[nd]) for j in (2, 3)]

@@ -14,7 +14,7 @@ from __future__ import annotations
 from zerolearn import comm
 from zerolearn import dist as zdist
 from zerolearn.chapters.ch02.shard_range import shard_range
-from zerolearn.exercises.core import Bug, Exercise, Wrong, register
+from zerolearn.exercises.core import Bug, Exercise, Wrong, edited, register
 
 SIZES = (23, 22, 24, 10, 1, 2, 3, 42_368)
 """Buffer sizes (Psi, elements) the trial asks about: with and without a remainder on 2 and 3 ranks."""
@@ -82,27 +82,22 @@ def _shard_trial(fn) -> str:
             f"once (Psi = {SIZES[0]} on {ws} ranks: padding {padding}, rank {rank} owns [{start}, {end}))")
 
 
-def _drop_remainder(psi, world_size, rank):
-    """psi // world_size per rank and no padding: the last psi % world_size elements get no
-    owner (their optimizer state and update are silently lost)."""
-    shard = psi // world_size
-    return rank * shard, (rank + 1) * shard, 0
+_drop_remainder = edited(
+    shard_range, {"padding = -psi % world_size": "padding = 0"}, name="_drop_remainder",
+    doc="""psi // world_size per rank and no padding: the last psi % world_size elements get no
+    owner (their optimizer state and update are silently lost).""")
 
+_last_takes_rest = edited(
+    shard_range, {"padding = -psi % world_size": "padding = 0",
+                  "(rank + 1) * shard, padding": "psi if rank == world_size - 1 else (rank + 1) * shard, padding"},
+    name="_last_takes_rest",
+    doc="""torch.chunk / array_split style: the last rank takes the remainder, so shards differ
+    and an equal-size reduce-scatter or all-gather cannot move them.""")
 
-def _last_takes_rest(psi, world_size, rank):
-    """torch.chunk / array_split style: the last rank takes the remainder, so shards differ
-    and an equal-size reduce-scatter or all-gather cannot move them."""
-    shard = psi // world_size
-    end = psi if rank == world_size - 1 else (rank + 1) * shard
-    return rank * shard, end, 0
-
-
-def _always_pad(psi, world_size, rank):
-    """``world_size - psi % world_size`` zeros: a whole extra row of padding when psi already
-    divides (an off-by-one of the ceil-to-multiple formula)."""
-    padding = world_size - psi % world_size
-    shard = (psi + padding) // world_size
-    return rank * shard, (rank + 1) * shard, padding
+_always_pad = edited(
+    shard_range, {"padding = -psi % world_size": "padding = world_size - psi % world_size"}, name="_always_pad",
+    doc="""``world_size - psi % world_size`` zeros: a whole extra row of padding when psi already
+    divides (an off-by-one of the ceil-to-multiple formula).""")
 
 
 register(Exercise(

@@ -24,7 +24,7 @@ from torch import nn
 from zerolearn import comm
 from zerolearn import dist as zdist
 from zerolearn.chapters.ch02.zero1_step import zero1_step
-from zerolearn.exercises.core import Bug, Exercise, Wrong, agree, first_difference, register
+from zerolearn.exercises.core import Bug, Exercise, Wrong, agree, edited, first_difference, register
 from zerolearn.exercises.helpers import (
     PARAM_ATOL,
     PARAM_RTOL,
@@ -310,113 +310,53 @@ def _bf16_trial(fn, ws: int, rank: int, first: int) -> int:
     return kept
 
 
-def _allreduce_then_broadcast(flat_params, flat_grad, state, world_size, rank, lr, **_):
-    """Seed 002 (the blog reproduction this book starts from): every gradient is
+_allreduce_then_broadcast = edited(
+    zero1_step, {"grad = torch.empty(n, dtype=flat_grad.dtype)\n"
+                 "        dist.reduce_scatter_tensor(grad, flat_grad)  # the sum over ranks of this rank's shard only":
+                 "dist.all_reduce(flat_grad)\n        grad = flat_grad[rank * n:(rank + 1) * n]",
+                 "dist.all_gather_into_tensor(flat_params, working)  # every rank's updated shard, on every rank":
+                 "flat_params[rank * n:(rank + 1) * n].copy_(working)\n        for owner in range(world_size):\n"
+                 "            dist.broadcast(flat_params[owner * n:(owner + 1) * n], src=owner)"},
+    name="_allreduce_then_broadcast",
+    doc="""Seed 002 (the blog reproduction this book starts from): every gradient is
     all-reduced (2 Psi), the owner steps its shard, then each owner broadcasts its
-    updated parameters (Psi more): 3 Psi per step for the numbers of 2 Psi."""
-    shard = flat_params.numel() // world_size
-    if not state:
-        state["master"] = nn.Parameter(flat_params[rank * shard:(rank + 1) * shard].clone())
-        state["adam"] = torch.optim.Adam([state["master"]], lr=lr)
-    master, adam = state["master"], state["adam"]
-    dist.all_reduce(flat_grad)
-    grad = flat_grad[rank * shard:(rank + 1) * shard] / world_size
-    master.grad = grad
-    adam.step()
-    master.grad = None
-    flat_params[rank * shard:(rank + 1) * shard].copy_(master.detach())
-    for owner in range(world_size):
-        dist.broadcast(flat_params[owner * shard:(owner + 1) * shard], src=owner)
-    return grad
+    updated parameters (Psi more): 3 Psi per step for the numbers of 2 Psi.""")
 
+_whole_model_state = edited(
+    zero1_step, {"mine = flat_params[rank * n:(rank + 1) * n] if gather else flat_params": "mine = flat_params",
+                 "    master.grad = grad\n": "    master.grad = torch.empty(flat_grad.numel())\n"
+                                             "    dist.all_gather_into_tensor(master.grad, grad)\n",
+                 "dist.all_gather_into_tensor(flat_params, working)  # every rank's updated shard, on every rank":
+                 "flat_params.copy_(working)"},
+    name="_whole_model_state",
+    doc="""Every rank keeps an fp32 master and Adam's moments for the whole model and steps all
+    of it: DP's optimizer, the redundancy ZeRO-1 exists to remove (Sec 4, Sec 5.1).""")
 
-def _whole_model_state(flat_params, flat_grad, state, world_size, rank, lr, **_):
-    """Every rank keeps an fp32 master and Adam's moments for the whole model and steps all
-    of it: DP's optimizer, the redundancy ZeRO-1 exists to remove (Sec 4, Sec 5.1)."""
-    shard = flat_params.numel() // world_size
-    if not state:
-        state["master"] = nn.Parameter(flat_params.clone())
-        state["adam"] = torch.optim.Adam([state["master"]], lr=lr)
-    master, adam = state["master"], state["adam"]
-    grad = torch.empty(shard)
-    dist.reduce_scatter_tensor(grad, flat_grad)
-    grad.div_(world_size)
-    full = torch.empty_like(flat_grad)
-    dist.all_gather_into_tensor(full, grad)
-    master.grad = full
-    adam.step()
-    master.grad = None
-    flat_params.copy_(master.detach())
-    return grad
-
-
-def _average_twice(flat_params, flat_grad, state, world_size, rank, lr, **_):
-    """Nd divided out before the sum (as engines do, to keep fp16 sums finite) and again
+_average_twice = edited(
+    zero1_step, {"dist.reduce_scatter_tensor(grad, flat_grad)  # the sum over ranks of this rank's shard only":
+                 "dist.reduce_scatter_tensor(grad, flat_grad / world_size)"},
+    name="_average_twice",
+    doc="""Nd divided out before the sum (as engines do, to keep fp16 sums finite) and again
     after it. Adam's update barely changes with the gradient's scale, so only the
-    gradient itself shows the mistake."""
-    shard = flat_params.numel() // world_size
-    if not state:
-        state["master"] = nn.Parameter(flat_params[rank * shard:(rank + 1) * shard].clone())
-        state["adam"] = torch.optim.Adam([state["master"]], lr=lr)
-    master, adam = state["master"], state["adam"]
-    grad = torch.empty(shard)
-    dist.reduce_scatter_tensor(grad, flat_grad / world_size)
-    grad.div_(world_size)
-    master.grad = grad
-    adam.step()
-    master.grad = None
-    dist.all_gather_into_tensor(flat_params, master.detach())
-    return grad
+    gradient itself shows the mistake.""")
 
-
-def _divide_before_reduce(flat_params, flat_grad, state, world_size, rank, lr, **flags):
-    """Nd divided out of each rank's gradient before the reduce-scatter, in the working dtype (as
+_divide_before_reduce = edited(
+    zero1_step, {"dist.reduce_scatter_tensor(grad, flat_grad)  # the sum over ranks of this rank's shard only":
+                 "dist.reduce_scatter_tensor(grad, flat_grad / world_size)",
+                 "grad = grad.float() / world_size  # averaged in fp32, where Adam works": "grad = grad.float()"},
+    name="_divide_before_reduce",
+    doc="""Nd divided out of each rank's gradient before the reduce-scatter, in the working dtype (as
     the engines of chapter 1 divide before the sum, to keep fp16 sums finite). In fp32 and on 2
-    ranks (a division by 2 is exact) it passes; in bf16 on 3 ranks each g / 3 loses bits first."""
-    if flags:  # as ZeRO-2 and ZeRO-3 call it: the reference step
-        return zero1_step(flat_params, flat_grad, state, world_size, rank, lr, **flags)
-    shard = flat_params.numel() // world_size
-    if not state:
-        state["master"] = nn.Parameter(flat_params[rank * shard:(rank + 1) * shard].float())
-        state["adam"] = torch.optim.Adam([state["master"]], lr=lr)
-    master, adam = state["master"], state["adam"]
-    grad = torch.empty(shard, dtype=flat_grad.dtype)
-    dist.reduce_scatter_tensor(grad, flat_grad / world_size)
-    grad = grad.float()
-    master.grad = grad
-    adam.step()
-    master.grad = None
-    dist.all_gather_into_tensor(flat_params, master.detach().to(flat_params.dtype))
-    return grad
+    ranks (a division by 2 is exact) it passes; in bf16 on 3 ranks each g / 3 loses bits first.""")
 
+_default_lr = edited(
+    zero1_step, {'torch.optim.Adam([state["master"]], lr=lr)': 'torch.optim.Adam([state["master"]])'},
+    name="_default_lr", doc="torch.optim.Adam built without ``lr=``: it steps at its default, 1e-3, whatever lr says.")
 
-def _zero1_with(optimizer, flat_params, flat_grad, state, world_size, rank):
-    """The reference step with another optimizer over the master shard (``optimizer(params)``)."""
-    shard = flat_params.numel() // world_size
-    if not state:
-        state["master"] = nn.Parameter(flat_params[rank * shard:(rank + 1) * shard].clone())
-        state["adam"] = optimizer([state["master"]])
-    master, adam = state["master"], state["adam"]
-    grad = torch.empty(shard)
-    dist.reduce_scatter_tensor(grad, flat_grad)
-    grad.div_(world_size)
-    master.grad = grad
-    adam.step()
-    master.grad = None
-    dist.all_gather_into_tensor(flat_params, master.detach())
-    return grad
-
-
-def _default_lr(flat_params, flat_grad, state, world_size, rank, lr, **_):
-    """torch.optim.Adam built without ``lr=``: it steps at its default, 1e-3, whatever lr says."""
-    return _zero1_with(torch.optim.Adam, flat_params, flat_grad, state, world_size, rank)
-
-
-def _adamw(flat_params, flat_grad, state, world_size, rank, lr, **_):
-    """AdamW for Adam: its decoupled weight decay (0.01 by default) moves every parameter a little
-    more than single-process Adam does, too little to see in one step's parameters."""
-    return _zero1_with(lambda params: torch.optim.AdamW(params, lr=lr), flat_params, flat_grad, state,
-                       world_size, rank)
+_adamw = edited(
+    zero1_step, {"torch.optim.Adam([": "torch.optim.AdamW(["}, name="_adamw",
+    doc="""AdamW for Adam: its decoupled weight decay (0.01 by default) moves every parameter a little
+    more than single-process Adam does, too little to see in one step's parameters.""")
 
 
 def _extra_gather_on_one_rank(flat_params, flat_grad, state, world_size, rank, lr, **_):
@@ -428,24 +368,12 @@ def _extra_gather_on_one_rank(flat_params, flat_grad, state, world_size, rank, l
     return grad
 
 
-def _bf16_master(flat_params, flat_grad, state, world_size, rank, lr, **flags):
-    """No fp32 master: Adam steps a copy of the shard in the working dtype, so in bf16 its moments
-    are bf16 too (6 bytes per element instead of K = 12) and small updates round away."""
-    if flags:  # as ZeRO-2 and ZeRO-3 call it: the reference step
-        return zero1_step(flat_params, flat_grad, state, world_size, rank, lr, **flags)
-    shard = flat_params.numel() // world_size
-    if not state:
-        state["master"] = nn.Parameter(flat_params[rank * shard:(rank + 1) * shard].clone())
-        state["adam"] = torch.optim.Adam([state["master"]], lr=lr)
-    master, adam = state["master"], state["adam"]
-    grad = torch.empty(shard, dtype=flat_grad.dtype)
-    dist.reduce_scatter_tensor(grad, flat_grad)
-    grad = grad.float() / world_size
-    master.grad = grad.to(master.dtype)
-    adam.step()
-    master.grad = None
-    dist.all_gather_into_tensor(flat_params, master.detach())
-    return grad
+_bf16_master = edited(
+    zero1_step, {"mine.detach().to(torch.float32, copy=True)": "mine.detach().clone()",
+                 "    master.grad = grad\n": "    master.grad = grad.to(master.dtype)\n"},
+    name="_bf16_master",
+    doc="""No fp32 master: Adam steps a copy of the shard in the working dtype, so in bf16 its moments
+    are bf16 too (6 bytes per element instead of K = 12) and small updates round away.""")
 
 
 def _master_from_params(flat_params, flat_grad, state, world_size, rank, lr, **flags):

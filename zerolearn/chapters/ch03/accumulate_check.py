@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from zerolearn import comm, data
 from zerolearn import dist as zdist
 from zerolearn.chapters.ch03.accumulate import accumulate
-from zerolearn.exercises.core import Bug, Exercise, Wrong, agree, register
+from zerolearn.exercises.core import Bug, Exercise, Wrong, agree, edited, register
 from zerolearn.exercises.helpers import WIDTH, close_to, compare_shard, mlp, mlp_buckets, mlp_grads, sgd_on_shards
 
 BATCH, STEPS, MICRO = 12, 3, 4  # BATCH * MICRO samples per global batch
@@ -31,26 +31,15 @@ def _last_only(shard, bucket_grad, micro_batch, micro_batches, world_size):
     shard /= world_size
 
 
-def _no_divide(shard, bucket_grad, micro_batch, micro_batches, world_size):
-    part = torch.empty_like(shard)
-    dist.reduce_scatter_tensor(part, bucket_grad)
-    part /= world_size
-    shard.copy_(part) if micro_batch == 0 else shard.add_(part)
+_no_divide = edited(accumulate, {"part /= world_size * micro_batches": "part /= world_size"}, name="_no_divide")
 
+_divide_twice = edited(accumulate, {
+    "        shard.add_(part)\n": "        shard.add_(part)\n    if micro_batch == micro_batches - 1:\n"
+    "        shard /= micro_batches  # 'average the accumulated gradient': already done above\n"}, name="_divide_twice")
 
-def _divide_twice(shard, bucket_grad, micro_batch, micro_batches, world_size):
-    part = torch.empty_like(shard)
-    dist.reduce_scatter_tensor(part, bucket_grad)
-    part /= world_size * micro_batches
-    shard.copy_(part) if micro_batch == 0 else shard.add_(part)
-    if micro_batch == micro_batches - 1:
-        shard /= micro_batches  # "average the accumulated gradient": already done above
-
-
-def _never_resets(shard, bucket_grad, micro_batch, micro_batches, world_size):
-    part = torch.empty_like(shard)
-    dist.reduce_scatter_tensor(part, bucket_grad)
-    shard.add_(part / (world_size * micro_batches))
+_never_resets = edited(accumulate, {
+    "    if micro_batch == 0:\n        shard.copy_(part)  # a new step: the previous step's gradient goes\n"
+    "    else:\n        shard.add_(part)\n": "    shard.add_(part)\n"}, name="_never_resets")
 
 
 def _accumulate_trial(fn) -> str:
@@ -67,10 +56,10 @@ def _accumulate_trial(fn) -> str:
         x, y = data.mlp_batch(step, batch, WIDTH)
         mine = [t.chunk(MICRO) for t in (data.rank_slice(x, rank, ws), data.rank_slice(y, rank, ws))]
         comm.LEDGER.reset()
-        for i, (xm, ym) in enumerate(zip(*mine)):
+        for i, (xm, ym) in enumerate(zip(*mine, strict=True)):
             model.zero_grad()
             F.mse_loss(model(xm), ym).backward()
-            for b, layout, shard in zip(buckets, layouts, shards):
+            for b, layout, shard in zip(buckets, layouts, shards, strict=True):
                 fn(shard, layout.flatten([p.grad for _, p in b], torch.float32, torch.device("cpu")), i, MICRO, ws)
         # The step's micro-batch i, over all ranks: rank r's i-th chunk of its slice.
         per_micro = [[torch.cat([data.rank_slice(t, r, ws).chunk(MICRO)[i] for r in range(ws)]) for t in (x, y)]
@@ -78,7 +67,7 @@ def _accumulate_trial(fn) -> str:
         micro_grads = [mlp_grads(ref, xm, ym) for xm, ym in per_micro]
         want = mlp_grads(ref, x, y)
         wants = []
-        for k, (b, layout, shard) in enumerate(zip(buckets, layouts, shards)):
+        for k, (b, layout, shard) in enumerate(zip(buckets, layouts, shards, strict=True)):
             def shard_of(grads, b=b, layout=layout):
                 return layout.shard_of(layout.flatten([grads[n] for n, _ in b], torch.float32, torch.device("cpu")))
 

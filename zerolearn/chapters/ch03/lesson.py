@@ -47,7 +47,7 @@ def accumulation_tradeoff(micro_batches: int = 4, steps: int = 2) -> dict[str, d
         for step in range(steps):
             x, y = (data.rank_slice(t, ctx.rank, ctx.world_size) for t in data.gpt_batch(step, 16, gpt.seq_len))
             local = 0.0
-            for i, (xm, ym) in enumerate(zip(x.chunk(micro_batches), y.chunk(micro_batches))):
+            for i, (xm, ym) in enumerate(zip(x.chunk(micro_batches), y.chunk(micro_batches), strict=True)):
                 loss = F.cross_entropy(engine(xm).float().flatten(0, 1), ym.flatten()) / micro_batches
                 if way == "no_sync" and i < micro_batches - 1:
                     with engine.no_sync():
@@ -112,7 +112,7 @@ def grads_timeline_figure(timelines: dict[int, list], psi: int):
 
     shade = {"forward": "#e8e8ff", "backward": "#e8ffe8", "step": "#ffe8e8"}
     fig, axes = plt.subplots(len(timelines), 1, figsize=(8, 6))
-    for ax, (stage, timeline) in zip(axes, timelines.items()):
+    for ax, (stage, timeline) in zip(axes, timelines.items(), strict=True):
         for phase, a, b in _phase_spans(timeline):
             if phase in shade:  # "setup": registering existing tensors, freeing the graph
                 ax.axvspan(a, b, color=shade[phase], lw=0)

@@ -14,13 +14,12 @@ This module holds the trial, the known bugs and the registration; the reader's f
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from zerolearn import comm, data
 from zerolearn import dist as zdist
 from zerolearn.chapters.ch03.reduce_scatter_hook import reduce_scatter_hook
-from zerolearn.exercises.core import Bug, Exercise, Wrong, agree, register
+from zerolearn.exercises.core import Bug, Exercise, Wrong, agree, edited, register
 from zerolearn.exercises.helpers import (
     BUCKETS,
     WIDTH,
@@ -37,52 +36,22 @@ from zerolearn.tables import kib
 BATCH, STEPS = 12, 3
 
 
-def _hook_setup(bucket, shard, world_size, grad_of, free, reduce):
-    # The bugs below differ from the solution only in these three places.
-    ready = []
+_keeps_whole_gradient = edited(reduce_scatter_hook, {
+    "        for q in bucket:\n            q.grad = None  # the full gradient goes; only the shard stays\n": "",
+    "        p.register_post_accumulate_grad_hook(hook)\n": "        p.register_post_accumulate_grad_hook(hook)\n"
+    "        p.register_hook(lambda grad: None)  # meant to discard the gradient: returning None keeps it\n"},
+    name="_keeps_whole_gradient")
 
-    def hook(p):
-        ready.append(p)
-        if len(ready) < len(bucket):
-            return
-        ready.clear()
-        flat = torch.zeros(shard.numel() * world_size)
-        torch.cat([grad_of(q).flatten() for q in bucket], out=flat[:sum(q.numel() for q in bucket)])
-        if free:
-            for q in bucket:
-                q.grad = None
-        reduce(shard, flat, world_size)
+_sums = edited(reduce_scatter_hook, {"        shard.div_(world_size)\n": ""}, name="_sums")
 
-    for p in bucket:
-        p.register_post_accumulate_grad_hook(hook)
-        if not free:
-            p.register_hook(lambda grad: None)  # meant to discard the gradient: returning None keeps it
+_reduces_parameters = edited(reduce_scatter_hook, {"q.grad.flatten()": "q.detach().flatten()"},
+                             name="_reduces_parameters")
 
-
-def _mean_rs(shard, flat, world_size):
-    dist.reduce_scatter_tensor(shard, flat)
-    shard.div_(world_size)
-
-
-def _keeps_whole_gradient(bucket, shard, world_size):
-    _hook_setup(bucket, shard, world_size, lambda q: q.grad, False, _mean_rs)
-
-
-def _sums(bucket, shard, world_size):
-    _hook_setup(bucket, shard, world_size, lambda q: q.grad, True, lambda s, f, n: dist.reduce_scatter_tensor(s, f))
-
-
-def _reduces_parameters(bucket, shard, world_size):
-    _hook_setup(bucket, shard, world_size, lambda q: q, True, _mean_rs)
-
-
-def _all_reduce_then_slice(bucket, shard, world_size):
-    def reduce(shard, flat, n):
-        dist.all_reduce(flat)
-        rank = dist.get_rank()
-        shard.copy_(flat[rank * shard.numel():(rank + 1) * shard.numel()] / n)
-
-    _hook_setup(bucket, shard, world_size, lambda q: q.grad, True, reduce)
+_all_reduce_then_slice = edited(reduce_scatter_hook, {
+    "        dist.reduce_scatter_tensor(shard, flat)\n        shard.div_(world_size)\n":
+    "        dist.all_reduce(flat)\n        rank = dist.get_rank()\n"
+    "        shard.copy_(flat[rank * shard.numel():(rank + 1) * shard.numel()] / world_size)\n"},
+    name="_all_reduce_then_slice")
 
 
 def _rs_trial(fn) -> str:
@@ -93,7 +62,7 @@ def _rs_trial(fn) -> str:
     ref = mlp()
     shards = [torch.zeros(layout.shard_numel) for layout in layouts]
     with MemoryLedger(record_timeline=False) as setup:  # what the reader's set-up allocates and keeps
-        for b, shard in zip(buckets, shards):
+        for b, shard in zip(buckets, shards, strict=True):
             fn([p for _, p in b], shard, ws)
     psi = sum(layout.numel for layout in layouts)
     padded = sum(layout.padded_numel for layout in layouts)
@@ -113,7 +82,7 @@ def _rs_trial(fn) -> str:
         held = made + kept
         moved, reduced = comm.LEDGER.volume_elements(), comm.LEDGER.as_dict()
         want = mlp_grads(ref, x, y)
-        for k, (b, layout, shard) in enumerate(zip(buckets, layouts, shards)):
+        for k, (b, layout, shard) in enumerate(zip(buckets, layouts, shards, strict=True)):
             flat = layout.flatten([want[n] for n, _ in b], torch.float32, torch.device("cpu"))
             weights = layout.flatten([p for _, p in b], torch.float32, torch.device("cpu"))
             if torch.allclose(shard, layout.shard_of(weights), atol=1e-6) and shard.abs().sum() > 0:
@@ -144,25 +113,12 @@ def _rs_trial(fn) -> str:
             f"backward moved {padded / psi:.2f} Psi")
 
 
-def _flat_kept_from_setup(bucket, shard, world_size):
-    """One flat buffer per bucket allocated once at set-up and reused every step: as large as the
-    bucket's whole gradient, alive for the whole run (the blog's ZeRO-2 keeps such buffers)."""
-    flat = torch.zeros(shard.numel() * world_size)
-    ready = []
-
-    def hook(p):
-        ready.append(p)
-        if len(ready) < len(bucket):
-            return
-        ready.clear()
-        torch.cat([q.grad.flatten() for q in bucket], out=flat[:sum(q.numel() for q in bucket)])
-        for q in bucket:
-            q.grad = None
-        dist.reduce_scatter_tensor(shard, flat)
-        shard.div_(world_size)
-
-    for p in bucket:
-        p.register_post_accumulate_grad_hook(hook)
+_flat_kept_from_setup = edited(
+    reduce_scatter_hook, {"        flat = torch.zeros(shard.numel() * world_size)\n": "",
+                          "    ready = []\n": "    flat = torch.zeros(shard.numel() * world_size)\n    ready = []\n"},
+    name="_flat_kept_from_setup",
+    doc="""One flat buffer per bucket allocated once at set-up and reused every step: as large as the
+    bucket's whole gradient, alive for the whole run (the blog's ZeRO-2 keeps such buffers).""")
 
 
 register(Exercise(

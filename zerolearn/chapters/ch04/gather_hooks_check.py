@@ -21,13 +21,12 @@ from __future__ import annotations
 import contextlib
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from zerolearn import comm, data
 from zerolearn import dist as zdist
 from zerolearn.chapters.ch04.gather_hooks import gather_hooks
-from zerolearn.exercises.core import Bug, Exercise, Wrong, agree, defined_at, register
+from zerolearn.exercises.core import Bug, Exercise, Wrong, agree, defined_at, edited, register
 from zerolearn.exercises.helpers import (
     CPU,
     LAYERS,
@@ -44,51 +43,22 @@ from zerolearn.tables import kib
 BATCH, STEPS = 12, 3
 
 
-def _hooks(unit, flat, shard, world_size, free_after_forward=True, gather_for_backward=True,
-           free_after_backward=True, grad_hooks_in_forward=False):
-    params, arrived = list(unit.parameters()), []
+_frees_before_backward = edited(gather_hooks, {
+    "        if output.requires_grad:\n"
+    "            output.register_hook(gather)  # runs just before this unit's backward\n": ""},
+    name="_frees_before_backward")
 
-    def gather(*_):
-        flat.untyped_storage().resize_(flat.numel() * flat.element_size())
-        dist.all_gather_into_tensor(flat, shard)
+_never_frees = edited(gather_hooks, {"flat.untyped_storage().resize_(0)": "pass"}, name="_never_frees")
 
-    def after_forward(module, inputs, output):
-        if free_after_forward:
-            flat.untyped_storage().resize_(0)
-        if gather_for_backward and output.requires_grad:
-            output.register_hook(gather)
-        if grad_hooks_in_forward:  # one more hook per parameter in every forward
-            for p in params:
-                p.register_post_accumulate_grad_hook(after_grad)
+_keeps_after_backward = edited(gather_hooks, {"            arrived.clear()\n            free()\n":
+                                              "            arrived.clear()\n"}, name="_keeps_after_backward")
 
-    def after_grad(p):
-        arrived.append(p)
-        if len(arrived) == len(params):
-            arrived.clear()
-            if free_after_backward:
-                flat.untyped_storage().resize_(0)
-
-    unit.register_forward_pre_hook(gather)
-    unit.register_forward_hook(after_forward)
-    if not grad_hooks_in_forward:
-        for p in params:
-            p.register_post_accumulate_grad_hook(after_grad)
-
-
-def _frees_before_backward(unit, flat, shard, world_size):
-    _hooks(unit, flat, shard, world_size, gather_for_backward=False)
-
-
-def _never_frees(unit, flat, shard, world_size):
-    _hooks(unit, flat, shard, world_size, free_after_forward=False, free_after_backward=False)
-
-
-def _keeps_after_backward(unit, flat, shard, world_size):
-    _hooks(unit, flat, shard, world_size, free_after_backward=False)
-
-
-def _grad_hooks_every_forward(unit, flat, shard, world_size):
-    _hooks(unit, flat, shard, world_size, grad_hooks_in_forward=True)
+_grad_hooks_every_forward = edited(gather_hooks, {
+    "    for p in params:\n        p.register_post_accumulate_grad_hook(after_grad)\n": "",
+    "            output.register_hook(gather)  # runs just before this unit's backward\n":
+    "            output.register_hook(gather)  # runs just before this unit's backward\n"
+    "        for p in params:  # one more hook per parameter in every forward\n"
+    "            p.register_post_accumulate_grad_hook(after_grad)\n"}, name="_grad_hooks_every_forward")
 
 
 @contextlib.contextmanager
@@ -141,7 +111,7 @@ def _no_pile_up(hooks: dict[str, list], first: dict[str, int], step: int) -> Non
 
 def _check_units(model, layouts, shards, ref_grads: dict, step: int, ws: int) -> None:
     """Each unit's gradient, reduce-scattered, against the reference; SGD on the shards."""
-    for k, (unit, layout, shard) in enumerate(zip(model.layers, layouts, shards)):
+    for k, (unit, layout, shard) in enumerate(zip(model.layers, layouts, shards, strict=True)):
         agree(step, point=f"unit {k}")  # every rank passed the units before: all join this reduce-scatter
         grad = torch.zeros(layout.shard_numel)
         comm.reduce_scatter(grad, layout.flatten([p.grad for p in unit.parameters()], torch.float32, CPU))
@@ -158,7 +128,7 @@ def _gather_trial(fn) -> str:
     ws, rank = ctx.world_size, ctx.rank
     model, layouts, flats, shards = sharded_units(ws, rank)
     ref = mlp()
-    for unit, flat, shard in zip(model.layers, flats, shards):
+    for unit, flat, shard in zip(model.layers, flats, shards, strict=True):
         fn(unit, flat, shard, ws)
     psi, padded = sum(lay.numel for lay in layouts), sum(lay.padded_numel for lay in layouts)
     shard_bytes, unit_bytes = 4 * sum(s.numel() for s in shards), 4 * max(lay.padded_numel for lay in layouts)

@@ -198,7 +198,7 @@ def train(stage: int, rank: int, world_size: int) -> dict:
         losses.append(total.item() / world_size)
     want_losses, want_params = one_process()
     params = engine.full_parameters()
-    rel_loss = max(abs(a - b) / abs(b) for a, b in zip(losses, want_losses))
+    rel_loss = max(abs(a - b) / abs(b) for a, b in zip(losses, want_losses, strict=True))
     rel_params = ((params - want_params).abs().max() / want_params.abs().max()).item()
     return {"stage": stage, "world_size": world_size, "rank": rank, "losses": losses,
             "rel_loss": rel_loss, "rel_params": rel_params, "bytes": held,

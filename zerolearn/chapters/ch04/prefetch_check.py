@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from zerolearn import comm, data
 from zerolearn import dist as zdist
 from zerolearn.chapters.ch04.prefetch import prefetch
-from zerolearn.exercises.core import Bug, Exercise, Wrong, agree, first_difference, register
+from zerolearn.exercises.core import Bug, Exercise, Wrong, agree, edited, first_difference, register
 from zerolearn.exercises.helpers import LAYERS, WIDTH, gathered_units, mlp, sharded_units
 
 BATCH, STEPS = 12, 3
@@ -41,58 +41,24 @@ FREED_READ = ("setStorage", "data is not allocated yet", "storage of size 0")
 """Words of torch's errors for a tensor whose storage holds fewer bytes than its view needs."""
 
 
-def _prefetching(units, flats, shards, world_size, wait_at_once=False, step=1, backward=True, back_step=-1):
-    """The reference prefetch with one mistake switched on (see the bugs below)."""
-    handles, arrived = {}, [0] * len(units)
+_waits_at_once = edited(prefetch, {
+    "        handles[j] = dist.all_gather_into_tensor(flats[j], shards[j], async_op=True)\n":
+    "        handles[j] = dist.all_gather_into_tensor(flats[j], shards[j], async_op=True)\n"
+    "        handles[j].wait()\n"}, name="_waits_at_once")
 
-    def start(j):
-        flats[j].untyped_storage().resize_(flats[j].numel() * flats[j].element_size())
-        handles[j] = dist.all_gather_into_tensor(flats[j], shards[j], async_op=True)
-        if wait_at_once:
-            handles[j].wait()
+_prefetches_previous = edited(prefetch, {
+    "ready(i, i + 1)": "ready(i, i - 1)",
+    "if 0 <= following < len(units):": "if -len(units) <= following < len(units):  # -1: Python's last unit"},
+    name="_prefetches_previous")
 
-    def ready(i, following):
-        if i not in handles:
-            start(i)
-        handles.pop(i).wait()
-        if following < len(units) and following != i and following not in handles and \
-                -len(units) <= following:  # -1: Python's last unit, as a slip would read it
-            start(following)
+_forward_only = edited(prefetch, {
+    "        if output.requires_grad:  # backward will need units[i] again; it runs the units in reverse\n"
+    "            output.register_hook(lambda grad: ready(i, i - 1))\n": ""}, name="_forward_only",
+    doc="The forward prefetch alone: units freed after forward, never gathered for backward.")
 
-    def after_forward(i, output):
-        flats[i].untyped_storage().resize_(0)
-        if backward and output.requires_grad:
-            output.register_hook(lambda grad: ready(i, i + back_step))
-
-    def after_grad(i):
-        arrived[i] += 1
-        if arrived[i] == len(list(units[i].parameters())):
-            arrived[i] = 0
-            flats[i].untyped_storage().resize_(0)
-
-    for i, unit in enumerate(units):
-        unit.register_forward_pre_hook(lambda module, args, i=i: ready(i, i + step))
-        unit.register_forward_hook(lambda module, args, output, i=i: after_forward(i, output))
-        for p in unit.parameters():
-            p.register_post_accumulate_grad_hook(lambda p, i=i: after_grad(i))
-
-
-def _waits_at_once(units, flats, shards, world_size):
-    _prefetching(units, flats, shards, world_size, wait_at_once=True)
-
-
-def _prefetches_previous(units, flats, shards, world_size):
-    _prefetching(units, flats, shards, world_size, step=-1)
-
-
-def _forward_only(units, flats, shards, world_size):
-    """The forward prefetch alone: units freed after forward, never gathered for backward."""
-    _prefetching(units, flats, shards, world_size, backward=False)
-
-
-def _backward_prefetches_next(units, flats, shards, world_size):
-    """Backward prefetching units[i + 1], forward's direction, which backward has already done."""
-    _prefetching(units, flats, shards, world_size, back_step=1)
+_backward_prefetches_next = edited(
+    prefetch, {"ready(i, i - 1)": "ready(i, i + 1)"}, name="_backward_prefetches_next",
+    doc="Backward prefetching units[i + 1], forward's direction, which backward has already done.")
 
 
 class _Logged:
@@ -261,7 +227,7 @@ def _prefetch_trial(fn) -> str:
             _verify_order(log, LAYERS, step)
             ref.zero_grad()
             F.mse_loss(ref(x), y).backward()
-            for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+            for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
                 first_difference(f"the gradient of {name!r}", p.grad, q.grad, step=step)
                 p.grad = None
             if gathered := gathered_units(flats):

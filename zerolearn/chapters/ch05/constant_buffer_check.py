@@ -23,7 +23,7 @@ import torch.distributed as dist
 from zerolearn import comm
 from zerolearn import dist as zdist
 from zerolearn.chapters.ch05.constant_buffer import constant_buffer
-from zerolearn.exercises.core import Bug, Exercise, Wrong, first_difference, register
+from zerolearn.exercises.core import Bug, Exercise, Wrong, edited, first_difference, register
 from zerolearn.memory.ledger import MemoryLedger
 from zerolearn.tables import kib
 
@@ -38,22 +38,10 @@ def _grows_with_model(tensors, buffer, world_size):
         offset += t.numel()
 
 
-def _drops_tail(tensors, buffer, world_size):
-    flats = [t.view(-1) for t in tensors]
-    n, size = sum(f.numel() for f in flats), buffer.numel()
-    for lo in range(0, n - size + 1, size):  # only full fills: the last, shorter one is never reduced
-        pieces, offset = [], 0
-        for f in flats:
-            a, b = max(lo, offset), min(lo + size, offset + f.numel())
-            if a < b:
-                pieces.append((f[a - offset:b - offset], buffer[a - lo:b - lo]))
-            offset += f.numel()
-        for part, fused in pieces:
-            fused.copy_(part)
-        dist.all_reduce(buffer)
-        buffer.div_(world_size)
-        for part, fused in pieces:
-            part.copy_(fused)
+_drops_tail = edited(constant_buffer, {
+    "for lo in range(0, n, size):  # one fill: elements lo ... hi - 1 of the tensors laid end to end":
+    "for lo in range(0, n - size + 1, size):  # only full fills: the last, shorter one is never reduced"},
+    name="_drops_tail")
 
 
 BUFFER = 1024  # elements: 4 KiB of fp32
@@ -66,7 +54,7 @@ MODELS = {"small": (17, 33, 64, 5), "large": (17, 97, 150, 5)}  # MLP widths: n 
 def _gradients(widths, seed: int) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     out = []
-    for fan_in, fan_out in zip(widths, widths[1:]):
+    for fan_in, fan_out in zip(widths, widths[1:], strict=False):  # one layer per pair of neighbours
         out += [torch.randn(fan_out, fan_in, generator=g), torch.randn(fan_out, generator=g)]
     return out
 
@@ -92,7 +80,7 @@ def _compare_values(model: str, grads, want, before, start: torch.Tensor) -> Non
                         "as their average plus what the buffer held before that fill: your code adds the values "
                         "into the buffer (+= or add_) instead of overwriting it; copy each run in with copy_")
     offset = 0
-    for k, (g, w) in enumerate(zip(grads, want)):
+    for k, (g, w) in enumerate(zip(grads, want, strict=True)):
         first_difference(f"the {model} model's tensor {k} (shape {tuple(g.shape)}, elements {offset:,} on)", g, w,
                          reference="the average over ranks")
         offset += g.numel()
@@ -106,7 +94,7 @@ def _buffer_trial(fn) -> str:
     peaks, sizes = {}, {}
     for model, widths in MODELS.items():
         grads, before = _gradients(widths, rank), _gradients(widths, rank)
-        want = [sum(ts) / ws for ts in zip(*(_gradients(widths, r) for r in range(ws)))]
+        want = [sum(ts) / ws for ts in zip(*(_gradients(widths, r) for r in range(ws)), strict=True)]
         n = sizes[model] = sum(t.numel() for t in grads)
         start = buffer.clone()
         comm.LEDGER.reset()
@@ -141,47 +129,21 @@ def _buffer_trial(fn) -> str:
             f"{kib(4 * BUFFER, unit=True)} buffer, nothing else allocated")
 
 
-def _fills(tensors, buffer, whole: bool = False, keep: list | None = None, scratch: int = 0, add: bool = False):
-    """The reference fill loop; ``whole`` reduces the whole buffer at every fill (its stale tail
-    included), ``keep`` collects a copy of every fill, ``scratch`` allocates that many elements,
-    ``add`` adds each run into the buffer instead of copying it."""
-    flats = [t.view(-1) for t in tensors]
-    n, size = sum(f.numel() for f in flats), buffer.numel()
-    extra = torch.empty(scratch) if scratch else None  # noqa: F841 - held for the whole call
-    world_size = zdist.context().world_size
-    for lo in range(0, n, size):
-        hi = min(lo + size, n)
-        pieces, offset = [], 0
-        for f in flats:
-            a, b = max(lo, offset), min(hi, offset + f.numel())
-            if a < b:
-                pieces.append((f[a - offset:b - offset], buffer[a - lo:b - lo]))
-            offset += f.numel()
-        for part, fused in pieces:
-            fused.add_(part) if add else fused.copy_(part)
-        filled = buffer if whole else buffer[:hi - lo]
-        dist.all_reduce(filled)
-        filled.div_(world_size)
-        if keep is not None:
-            keep.append(buffer.clone())
-        for part, fused in pieces:
-            part.copy_(fused)
+_adds_into_buffer = edited(constant_buffer, {"fused.copy_(part)": "fused.add_(part)"}, name="_adds_into_buffer")
 
+_whole_last_fill = edited(constant_buffer, {"        dist.all_reduce(buffer[:hi - lo])\n        buffer[:hi - lo].div_(":
+                                            "        dist.all_reduce(buffer)\n        buffer.div_("},
+                          name="_whole_last_fill")
 
-def _adds_into_buffer(tensors, buffer, world_size):
-    _fills(tensors, buffer, add=True)
+_keeps_every_fill = edited(constant_buffer, {
+    "    flats = [t.view(-1) for t in tensors]\n": "    keep = []\n    flats = [t.view(-1) for t in tensors]\n",
+    "        buffer[:hi - lo].div_(world_size)\n": "        buffer[:hi - lo].div_(world_size)\n"
+                                                 "        keep.append(buffer.clone())\n"}, name="_keeps_every_fill")
 
-
-def _whole_last_fill(tensors, buffer, world_size):
-    _fills(tensors, buffer, whole=True)
-
-
-def _keeps_every_fill(tensors, buffer, world_size):
-    _fills(tensors, buffer, keep=[])
-
-
-def _big_staging(tensors, buffer, world_size):
-    _fills(tensors, buffer, scratch=16 * BUFFER)
+_big_staging = edited(constant_buffer, {
+    "    flats = [t.view(-1) for t in tensors]\n": "    extra = torch.empty(16 * BUFFER)  # held for the whole call\n"
+                                                 "    flats = [t.view(-1) for t in tensors]\n"},
+    name="_big_staging", names={"torch": torch, "BUFFER": BUFFER})
 
 
 register(Exercise(

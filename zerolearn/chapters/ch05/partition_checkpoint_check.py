@@ -31,7 +31,17 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from zerolearn import comm
 from zerolearn import dist as zdist
 from zerolearn.chapters.ch05.partition_checkpoint import partition_checkpoint
-from zerolearn.exercises.core import Bug, Exercise, Wrong, agree, first_difference, machinery, readers_line, register
+from zerolearn.exercises.core import (
+    Bug,
+    Exercise,
+    Wrong,
+    agree,
+    edited,
+    first_difference,
+    machinery,
+    readers_line,
+    register,
+)
 from zerolearn.exercises.helpers import allocated, freed_where, watching_frees
 from zerolearn.memory.ledger import MemoryLedger, category
 from zerolearn.tables import kib
@@ -39,113 +49,49 @@ from zerolearn.tables import kib
 TOKENS, HIDDEN, BLOCKS, STEPS, LR = 31, 61, 3, 2, 0.1
 
 
-def _keeps_a_view(x, group):
-    nm, rank = dist.get_world_size(group), dist.get_rank(group)
-    shape, numel, c = x.shape, x.numel(), math.ceil(x.numel() / nm)
-    piece = F.pad(x.detach().reshape(-1), (0, c * nm - numel))[rank * c:(rank + 1) * c]  # pins the whole
+_keeps_a_view = edited(partition_checkpoint, {
+    "piece = padded[rank * c:(rank + 1) * c].clone()  # a copy: a view would keep all of `padded`":
+    "piece = padded[rank * c:(rank + 1) * c]  # pins the whole"}, name="_keeps_a_view")
 
-    def restore():
-        full = torch.empty(c * nm)
-        dist.all_gather_into_tensor(full, piece, group=group)
-        return full[:numel].view(shape)
+_closure_keeps_x = edited(partition_checkpoint, {
+    "        return full[:numel].view(shape)\n":
+    "        return full[:x.numel()].view(x.shape)  # reads x.numel() and x.shape: the closure holds x itself\n"},
+    name="_closure_keeps_x")
 
-    return restore
+_tensor_split = edited(partition_checkpoint, {
+    "    padded = F.pad(x.detach().reshape(-1), (0, c * nm - numel))\n"
+    "    piece = padded[rank * c:(rank + 1) * c].clone()  # a copy: a view would keep all of `padded`\n"
+    "    del padded\n":
+    "    mine = torch.tensor_split(x.detach().reshape(-1), nm)[rank]"
+    "  # uneven: the first numel % nm pieces are longer\n"
+    "    piece = F.pad(mine, (0, c - mine.numel())).clone()\n"}, name="_tensor_split")
 
+_all_reduce = edited(partition_checkpoint, {
+    "        full = torch.empty(c * nm, dtype=piece.dtype)\n"
+    "        dist.all_gather_into_tensor(full, piece, group=group)\n":
+    "        full = torch.zeros(c * nm, dtype=piece.dtype)\n        full[rank * c:(rank + 1) * c] = piece\n"
+    "        dist.all_reduce(full, group=group)  # the others' zeros add nothing: right values, twice the traffic\n"},
+    name="_all_reduce")
 
-def _closure_keeps_x(x, group):
-    nm, rank = dist.get_world_size(group), dist.get_rank(group)
-    c = math.ceil(x.numel() / nm)
-    piece = F.pad(x.detach().reshape(-1), (0, c * nm - x.numel()))[rank * c:(rank + 1) * c].clone()
+_global_rank = edited(partition_checkpoint, {
+    "nm, rank = dist.get_world_size(group), dist.get_rank(group)":
+    "nm, rank = dist.get_world_size(group), dist.get_rank()  # the global rank, not the rank in the group"},
+    name="_global_rank")
 
-    def restore():  # reads x.numel() and x.shape: the closure holds x itself
-        full = torch.empty(c * nm)
-        dist.all_gather_into_tensor(full, piece, group=group)
-        return full[:x.numel()].view(x.shape)
+_world_gather = edited(partition_checkpoint, {
+    "dist.all_gather_into_tensor(full, piece, group=group)":
+    "dist.all_gather_into_tensor(full, piece)  # no group=: every rank of the world"}, name="_world_gather")
 
-    return restore
+_frees_x = edited(partition_checkpoint, {
+    "    del padded\n": "    del padded\n"
+    "    x.untyped_storage().resize_(0)  # frees the caller's tensor, which the block's forward still reads\n"},
+    name="_frees_x")
 
-
-def _tensor_split(x, group):
-    nm, rank = dist.get_world_size(group), dist.get_rank(group)
-    shape, numel, c = x.shape, x.numel(), math.ceil(x.numel() / nm)
-    mine = torch.tensor_split(x.detach().reshape(-1), nm)[rank]  # uneven: the first numel % nm pieces are longer
-    piece = F.pad(mine, (0, c - mine.numel())).clone()
-
-    def restore():
-        full = torch.empty(c * nm)
-        dist.all_gather_into_tensor(full, piece, group=group)
-        return full[:numel].view(shape)
-
-    return restore
-
-
-def _all_reduce(x, group):
-    nm, rank = dist.get_world_size(group), dist.get_rank(group)
-    shape, numel, c = x.shape, x.numel(), math.ceil(x.numel() / nm)
-    piece = F.pad(x.detach().reshape(-1), (0, c * nm - numel))[rank * c:(rank + 1) * c].clone()
-
-    def restore():
-        full = torch.zeros(c * nm)
-        full[rank * c:(rank + 1) * c] = piece
-        dist.all_reduce(full, group=group)  # the others' zeros add nothing: right values, twice the traffic
-        return full[:numel].view(shape)
-
-    return restore
-
-
-def _global_rank(x, group):
-    nm, rank = dist.get_world_size(group), dist.get_rank()  # the global rank, not the rank in the group
-    shape, numel, c = x.shape, x.numel(), math.ceil(x.numel() / nm)
-    piece = F.pad(x.detach().reshape(-1), (0, c * nm - numel))[rank * c:(rank + 1) * c].clone()
-
-    def restore():
-        full = torch.empty(c * nm)
-        dist.all_gather_into_tensor(full, piece, group=group)
-        return full[:numel].view(shape)
-
-    return restore
-
-
-def _world_gather(x, group):
-    nm, rank = dist.get_world_size(group), dist.get_rank(group)
-    shape, numel, c = x.shape, x.numel(), math.ceil(x.numel() / nm)
-    piece = F.pad(x.detach().reshape(-1), (0, c * nm - numel))[rank * c:(rank + 1) * c].clone()
-
-    def restore():
-        full = torch.empty(c * nm)
-        dist.all_gather_into_tensor(full, piece)  # no group=: every rank of the world
-        return full[:numel].view(shape)
-
-    return restore
-
-
-def _frees_x(x, group):
-    nm, rank = dist.get_world_size(group), dist.get_rank(group)
-    shape, numel, c = x.shape, x.numel(), math.ceil(x.numel() / nm)
-    piece = F.pad(x.detach().reshape(-1), (0, c * nm - numel))[rank * c:(rank + 1) * c].clone()
-    x.untyped_storage().resize_(0)  # frees the caller's tensor, which the block's forward still reads
-
-    def restore():
-        full = torch.empty(c * nm)
-        dist.all_gather_into_tensor(full, piece, group=group)
-        return full[:numel].view(shape)
-
-    return restore
-
-
-def _frees_under_the_piece(x, group):
-    nm, rank = dist.get_world_size(group), dist.get_rank(group)
-    shape, numel, c = x.shape, x.numel(), math.ceil(x.numel() / nm)
-    padded = F.pad(x.detach().reshape(-1), (0, c * nm - numel))
-    piece = padded[rank * c:(rank + 1) * c]  # a view: it shares padded's storage
-    padded.untyped_storage().resize_(0)  # frees the piece with it
-
-    def restore():
-        full = torch.empty(c * nm)
-        dist.all_gather_into_tensor(full, piece, group=group)
-        return full[:numel].view(shape)
-
-    return restore
+_frees_under_the_piece = edited(partition_checkpoint, {
+    "    piece = padded[rank * c:(rank + 1) * c].clone()  # a copy: a view would keep all of `padded`\n"
+    "    del padded\n":
+    "    piece = padded[rank * c:(rank + 1) * c]  # a view: it shares padded's storage\n"
+    "    padded.untyped_storage().resize_(0)  # frees the piece with it\n"}, name="_frees_under_the_piece")
 
 
 @dataclass(frozen=True)
@@ -335,7 +281,7 @@ def _partition_steps(fn, group, nm: int, now: dict, freed: dict) -> str:
         ref_loss = (nn.Sequential(ref_stem, *ref_blocks)(x) * target).sum()
         ref_loss.backward()
         for (name, p), ref_p in zip([*stem.named_parameters("stem"), *blocks.named_parameters("blocks")],
-                                    [*ref_stem.parameters(), *ref_blocks.parameters()]):
+                                    [*ref_stem.parameters(), *ref_blocks.parameters()], strict=True):
             first_difference(f"the gradient of {name}", p.grad, ref_p.grad, step=step,
                              reference="plain training without checkpoints")
         if moved != BLOCKS * c * nm:
@@ -345,7 +291,7 @@ def _partition_steps(fn, group, nm: int, now: dict, freed: dict) -> str:
                         "(Sec 8)", step)
         with torch.no_grad():
             for p, ref_p in zip([*stem.parameters(), *blocks.parameters()],
-                                [*ref_stem.parameters(), *ref_blocks.parameters()]):
+                                [*ref_stem.parameters(), *ref_blocks.parameters()], strict=True):
                 p -= LR * p.grad
                 ref_p -= LR * ref_p.grad
                 p.grad = ref_p.grad = None

@@ -17,14 +17,13 @@ This module holds the trial, the known bugs and the registration; the reader's f
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
 from zerolearn import comm
 from zerolearn import dist as zdist
 from zerolearn.chapters.ch05.tensor_parallel import tensor_parallel
-from zerolearn.exercises.core import Bug, Exercise, Wrong, agree, first_difference, register
+from zerolearn.exercises.core import Bug, Exercise, Wrong, agree, edited, first_difference, register
 from zerolearn.residual.tensor_parallel import make_parallel_groups
 
 NM, D, H, BATCH, STEPS = 2, 16, 32, 6, 3
@@ -109,64 +108,32 @@ def _tp_trial(fn) -> str:
             f"whole block; one all-reduce of {BATCH} x {D} in forward and one in backward")
 
 
-def _tp(fc, proj, group, nm, rank, both_ways=False, bias_before=False, whole_bias=False, wrong_dim=False):
-    """The reference split with one mistake switched on (see the bugs below)."""
-    def reduce(t):
-        t = t.contiguous().clone()
-        dist.all_reduce(t, group=group)
-        return t
+_both_ways = edited(tensor_parallel, {
+    "def forward(ctx, x):\n            return x\n":
+    "def forward(ctx, x):\n            x = x.clone()\n            dist.all_reduce(x, group=group)\n"
+    "            return x\n",
+    "def backward(ctx, grad):\n            return grad\n":
+    "def backward(ctx, grad):\n            grad = grad.contiguous()\n            dist.all_reduce(grad, group=group)\n"
+    "            return grad\n"},
+    name="_both_ways",
+    doc="""Both autograd functions all-reduce in forward and in backward: the column's input is summed
+    Nm times over, and so is the row's output gradient.""")
 
-    class Copy(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return reduce(x) if both_ways else x
+_bias_on_every_rank = edited(
+    tensor_parallel, {"ReduceFromParallel.apply(F.linear(x, self.weight)) + self.bias":
+                      "ReduceFromParallel.apply(F.linear(x, self.weight, self.bias))"},
+    name="_bias_on_every_rank",
+    doc="The row-parallel layer's bias inside F.linear, before the all-reduce: every rank adds it.")
 
-        @staticmethod
-        def backward(ctx, grad):
-            return reduce(grad)
+_bias_not_split = edited(
+    tensor_parallel, {"nn.Parameter(fc.bias.detach()[mine].clone())": "nn.Parameter(fc.bias.detach().clone())"},
+    name="_bias_not_split", doc="The column-parallel layer's weight split by rows, its bias kept whole.")
 
-    class Reduce(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx, x):
-            return reduce(x)
-
-        @staticmethod
-        def backward(ctx, grad):
-            return reduce(grad) if both_ways else grad
-
-    width = fc.out_features // nm
-    mine = slice(rank * width, (rank + 1) * width)
-    column, row = nn.Module(), nn.Module()
-    cols = slice(rank * fc.in_features // nm, (rank + 1) * fc.in_features // nm)
-    column.weight = nn.Parameter((fc.weight.detach()[:, cols] if wrong_dim else fc.weight.detach()[mine]).clone())
-    column.bias = nn.Parameter((fc.bias.detach() if whole_bias else fc.bias.detach()[mine]).clone())
-    row.weight = nn.Parameter(proj.weight.detach()[:, mine].clone())
-    row.bias = nn.Parameter(proj.bias.detach().clone())
-    column.forward = lambda x: F.linear(Copy.apply(x), column.weight, column.bias)
-    row.forward = (lambda x: Reduce.apply(F.linear(x, row.weight, row.bias))) if bias_before else \
-        (lambda x: Reduce.apply(F.linear(x, row.weight)) + row.bias)
-    return column, row
-
-
-def _both_ways(fc, proj, group, nm, rank):
-    """Both autograd functions all-reduce in forward and in backward: the column's input is summed
-    Nm times over, and so is the row's output gradient."""
-    return _tp(fc, proj, group, nm, rank, both_ways=True)
-
-
-def _bias_on_every_rank(fc, proj, group, nm, rank):
-    """The row-parallel layer's bias inside F.linear, before the all-reduce: every rank adds it."""
-    return _tp(fc, proj, group, nm, rank, bias_before=True)
-
-
-def _bias_not_split(fc, proj, group, nm, rank):
-    """The column-parallel layer's weight split by rows, its bias kept whole."""
-    return _tp(fc, proj, group, nm, rank, whole_bias=True)
-
-
-def _wrong_dimension(fc, proj, group, nm, rank):
-    """The column-parallel weight split by columns (input features), as the row-parallel one is."""
-    return _tp(fc, proj, group, nm, rank, wrong_dim=True)
+_wrong_dimension = edited(
+    tensor_parallel, {"fc.weight.detach()[mine].clone())  # output features: rows":
+                      "fc.weight.detach()[:, rank * fc.in_features // nm:(rank + 1) * fc.in_features // nm].clone())"},
+    name="_wrong_dimension",
+    doc="The column-parallel weight split by columns (input features), as the row-parallel one is.")
 
 
 register(Exercise(

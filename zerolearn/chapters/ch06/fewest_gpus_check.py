@@ -11,7 +11,7 @@ This module holds the trial, the known bugs and the registration; the reader's f
 from __future__ import annotations
 
 from zerolearn.chapters.ch06.fewest_gpus import fewest_gpus
-from zerolearn.exercises.core import Bug, Exercise, Wrong, register
+from zerolearn.exercises.core import Bug, Exercise, Wrong, edited, register
 from zerolearn.exercises.helpers import e9
 from zerolearn.memory import fit
 from zerolearn.memory import model as analytic
@@ -68,22 +68,14 @@ def _lowest_stage_first(psi, device_bytes, max_nd=1024):
     return None
 
 
-def _always_stage_3(psi, device_bytes, max_nd=1024):
-    """ZeRO-3 whenever it fits, since it holds the least: it moves 1.5x the data of the
-    lower stages (Sec 7.2.2) for memory the job did not need."""
-    for nd in range(1, max_nd + 1):
-        if 16 * psi / nd <= device_bytes:
-            return 3, nd
-    return None
+_always_stage_3 = edited(
+    fewest_gpus, {"enumerate((16, 4 + 12 / nd, 2 + 14 / nd, 16 / nd))": "((3, 16 / nd),)"}, name="_always_stage_3",
+    doc="""ZeRO-3 whenever it fits, since it holds the least: it moves 1.5x the data of the
+    lower stages (Sec 7.2.2) for memory the job did not need.""")
 
-
-def _strictly_less(psi, device_bytes, max_nd=1024):
-    """``<`` where ``<=`` was meant: a model that fills a device exactly is refused."""
-    for nd in range(1, max_nd + 1):
-        for stage in range(4):
-            if analytic.model_state_bytes(psi, nd, stage)["total"] < device_bytes:
-                return stage, nd
-    return None
+_strictly_less = edited(
+    fewest_gpus, {"per_param * psi <= device_bytes": "per_param * psi < device_bytes"}, name="_strictly_less",
+    doc="``<`` where ``<=`` was meant: a model that fills a device exactly is refused.")
 
 
 register(Exercise(

@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 
 from zerolearn.chapters.ch06.max_psi import max_psi
-from zerolearn.exercises.core import Bug, Exercise, Wrong, register
+from zerolearn.exercises.core import Bug, Exercise, Wrong, edited, register
 from zerolearn.exercises.helpers import e9
 from zerolearn.memory import model as analytic
 
@@ -51,17 +51,14 @@ def _every_stage_divided(device_bytes, nd, stage, nm=1, k=12):
     return device_bytes * nm * nd / (4 + k)
 
 
-def _one_stage_ahead(device_bytes, nd, stage, nm=1, k=12):
-    """Each stage partitions one state too many (P_os taken to shard the gradients as well),
-    mixing up the paper's names and DeepSpeed's stage numbers."""
-    per = {0: 2 + 2 + k, 1: 2 + (2 + k) / nd, 2: (2 + 2 + k) / nd, 3: (2 + 2 + k) / nd}[stage]
-    return device_bytes * nm / per
+_one_stage_ahead = edited(
+    max_psi, {"if stage >= 2:": "if stage >= 1:", "if stage >= 3:": "if stage >= 2:"}, name="_one_stage_ahead",
+    doc="""Each stage partitions one state too many (P_os taken to shard the gradients as well),
+    mixing up the paper's names and DeepSpeed's stage numbers.""")
 
-
-def _no_model_parallelism(device_bytes, nd, stage, nm=1, k=12):
-    """Nm ignored: Table 2's MP column left out, so every row equals the MP = 1 row."""
-    per = analytic.model_state_bytes(1, nd, stage, k=k)["total"]
-    return device_bytes / per
+_no_model_parallelism = edited(
+    max_psi, {"device_bytes * nm / (": "device_bytes / ("}, name="_no_model_parallelism",
+    doc="Nm ignored: Table 2's MP column left out, so every row equals the MP = 1 row.")
 
 
 register(Exercise(

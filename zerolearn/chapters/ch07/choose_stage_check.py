@@ -13,7 +13,7 @@ This module holds the trial, the known bugs and the registration; the reader's f
 from __future__ import annotations
 
 from zerolearn.chapters.ch07.choose_stage import choose_stage
-from zerolearn.exercises.core import Bug, Exercise, Wrong, register
+from zerolearn.exercises.core import Bug, Exercise, Wrong, edited, register
 from zerolearn.memory import fit
 from zerolearn.memory import model as analytic
 
@@ -67,31 +67,21 @@ def _choose_trial(fn) -> str:
     return f"all {len(_choose_cases())} cases right"
 
 
-def _ignores_residual(psi, device_bytes, nd, residual_bytes=0):
-    """Model states alone, the residual states left out: the pitfall of Sec 3.2 (and of
-    chapter 7), an estimate that fits where the training step does not."""
-    for stage, per_param in enumerate((16, 4 + 12 / nd, 2 + 14 / nd, 16 / nd)):
-        if per_param * psi <= device_bytes:
-            return stage
-    return None
+_ignores_residual = edited(
+    choose_stage, {"per_param * psi + residual_bytes <=": "per_param * psi <="}, name="_ignores_residual",
+    doc="""Model states alone, the residual states left out: the pitfall of Sec 3.2 (and of
+    chapter 7), an estimate that fits where the training step does not.""")
 
+_highest_that_fits = edited(
+    choose_stage, {"enumerate((16, 4 + 12 / nd, 2 + 14 / nd, 16 / nd))":
+                   "((3, 16 / nd), (2, 2 + 14 / nd), (1, 4 + 12 / nd), (0, 16))"}, name="_highest_that_fits",
+    doc="""ZeRO-3 first, since it holds the least, and lower stages only when it does not fit:
+    1.5x the traffic (Sec 7.2.2) for memory the job did not need.""")
 
-def _highest_that_fits(psi, device_bytes, nd, residual_bytes=0):
-    """ZeRO-3 first, since it holds the least, and lower stages only when it does not fit:
-    1.5x the traffic (Sec 7.2.2) for memory the job did not need."""
-    for stage, per_param in ((3, 16 / nd), (2, 2 + 14 / nd), (1, 4 + 12 / nd), (0, 16)):
-        if per_param * psi + residual_bytes <= device_bytes:
-            return stage
-    return None
-
-
-def _residual_divided(psi, device_bytes, nd, residual_bytes=0):
-    """Residual states divided by Nd like partitioned model states; ZeRO-DP does not
-    divide activations (P_a, Sec 6.1, divides them by the model-parallel degree)."""
-    for stage, per_param in enumerate((16, 4 + 12 / nd, 2 + 14 / nd, 16 / nd)):
-        if per_param * psi + residual_bytes / nd <= device_bytes:
-            return stage
-    return None
+_residual_divided = edited(
+    choose_stage, {"+ residual_bytes <=": "+ residual_bytes / nd <="}, name="_residual_divided",
+    doc="""Residual states divided by Nd like partitioned model states; ZeRO-DP does not
+    divide activations (P_a, Sec 6.1, divides them by the model-parallel degree).""")
 
 
 register(Exercise(

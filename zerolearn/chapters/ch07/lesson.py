@@ -213,7 +213,7 @@ def states_figure(results: dict[str, dict], ranks: int = 2) -> Figure:
     for category in CATEGORIES:
         values = [results[n]["bytes"][category] / 1024 for n in names]
         ax.bar(range(len(names)), values, bottom=bottom, label=category)
-        bottom = [b + v for b, v in zip(bottom, values)]
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
     ax.set_xticks(range(len(names)), names, rotation=30, ha="right")
     ax.set_ylabel("model states per rank (KiB)")
     ax.set_title(f"The same job, {ranks} ranks: what each implementation keeps")
@@ -229,7 +229,7 @@ def deepspeed_table(results: dict[str, dict], stored: dict[str, dict]) -> str:
     rows = []
     for stage in range(4):
         ours, ds = results[f"ours, stage {stage}"], stored[f"deepspeed, stage {stage}"]
-        gap = max(abs(a - b) for a, b in zip(ours["losses"], ds["losses"]))
+        gap = max(abs(a - b) for a, b in zip(ours["losses"], ds["losses"], strict=True))
         for name, r, copy, shown in ((f"ours, stage {stage}", ours, 0, ""),
                                      (f"DeepSpeed, stage {stage}", ds, ds["bytes"]["master"],
                                       "< 1e-6" if gap < 1e-6 else f"{gap:.1e}")):

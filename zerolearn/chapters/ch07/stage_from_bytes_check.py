@@ -13,7 +13,7 @@ This module holds the trial, the known bugs and the registration; the reader's f
 from __future__ import annotations
 
 from zerolearn.chapters.ch07.stage_from_bytes import stage_from_bytes
-from zerolearn.exercises.core import Bug, Exercise, Wrong, register
+from zerolearn.exercises.core import Bug, Exercise, Wrong, edited, register
 from zerolearn.memory import model as analytic
 
 CATEGORIES = ("params", "grads", "optimizer_states")
@@ -68,15 +68,11 @@ def _stage_trial(fn) -> str:
     return f"all {len(cases)} cases right, uneven shards and impossible combinations included"
 
 
-def _half_or_less(held, full):
-    """A state counted as partitioned only when the rank holds at most half of it (as if
+_half_or_less = edited(
+    stage_from_bytes, {"held[c] < full[c] for": "held[c] <= full[c] / 2 for"}, name="_half_or_less",
+    doc="""A state counted as partitioned only when the rank holds at most half of it (as if
     every shard were 1/Nd): whole-tensor shards, which leave one rank most of a state,
-    then read as unpartitioned."""
-    parted = tuple(held[c] <= full[c] / 2 for c in ("optimizer_states", "grads", "params"))
-    stages = {(False, False, False): 0, (True, False, False): 1, (True, True, False): 2, (True, True, True): 3}
-    if parted not in stages:
-        raise ValueError("no stage")
-    return stages[parted]
+    then read as unpartitioned.""")
 
 
 def _count_partitioned(held, full):

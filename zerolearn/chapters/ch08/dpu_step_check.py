@@ -34,7 +34,7 @@ from concurrent.futures import Future
 import torch
 
 from zerolearn.chapters.ch08.dpu_step import dpu_step
-from zerolearn.exercises.core import Bug, Exercise, Wrong, first_difference, register
+from zerolearn.exercises.core import Bug, Exercise, Wrong, edited, first_difference, register
 
 N, STEPS, LR = 1000, 7, 0.05
 HALF = N // 2
@@ -232,17 +232,14 @@ def _dpu_trial(fn) -> str:
             "before it, each host update running while the next step computed")
 
 
-def _publish_before_wait(step, params, master, grad, host_step, pending, worker):
-    """The publication and the wait swapped: master is copied while the previous update may
-    still be writing it (a race: a torn copy, some elements updated, some not)."""
-    if step == 0:
-        host_step(grad)
-        params.copy_(master)
-        return None
-    params.copy_(master)
-    if pending is not None:
-        pending.result()
-    return worker.submit(host_step, grad)
+_publish_before_wait = edited(dpu_step, {
+    "    if pending is not None:\n"
+    "        pending.result()  # the previous step's update must be whole before anyone reads master\n"
+    "    params.copy_(master)  # the device now holds the update of step - 1's gradient\n":
+    "    params.copy_(master)\n    if pending is not None:\n        pending.result()\n"},
+    name="_publish_before_wait",
+    doc="""The publication and the wait swapped: master is copied while the previous update may
+    still be writing it (a race: a torn copy, some elements updated, some not).""")
 
 
 def _no_delay(step, params, master, grad, host_step, pending, worker):
@@ -255,55 +252,35 @@ def _no_delay(step, params, master, grad, host_step, pending, worker):
 _STAGED: dict[str, torch.Tensor] = {}
 
 
-def _two_steps_late(step, params, master, grad, host_step, pending, worker):
-    """A staging buffer published one call late: the device reads the master copied at the
-    previous step, two updates behind instead of one."""
-    if step == 0:
-        host_step(grad)
-        params.copy_(master)
-        _STAGED["copy"] = master.clone()
-        return None
-    if pending is not None:
-        pending.result()
-    params.copy_(_STAGED["copy"])
-    _STAGED["copy"] = master.clone()
-    return worker.submit(host_step, grad)
+_two_steps_late = edited(dpu_step, {
+    "        params.copy_(master)\n        return None\n":
+    "        params.copy_(master)\n        _STAGED[\"copy\"] = master.clone()\n        return None\n",
+    "    params.copy_(master)  # the device now holds the update of step - 1's gradient\n":
+    "    params.copy_(_STAGED[\"copy\"])\n    _STAGED[\"copy\"] = master.clone()\n"},
+    name="_two_steps_late", names={"_STAGED": _STAGED},
+    doc="""A staging buffer published one call late: the device reads the master copied at the
+    previous step, two updates behind instead of one.""")
 
+_first_step_async = edited(dpu_step, {
+    "    if step == 0:  # warm-up: the first update is applied before the next forward\n"
+    "        host_step(grad)\n        params.copy_(master)\n        return None\n": ""},
+    name="_first_step_async",
+    doc="""DPU from the very first step: the warm-up forgotten, so step 1 computes on the initial
+    parameters.""")
 
-def _first_step_async(step, params, master, grad, host_step, pending, worker):
-    """DPU from the very first step: the warm-up forgotten, so step 1 computes on the initial
-    parameters."""
-    if pending is not None:
-        pending.result()
-    params.copy_(master)
-    return worker.submit(host_step, grad)
+_future_not_returned = edited(dpu_step, {
+    "    return worker.submit(host_step, grad)  # this step's update runs while the device computes the next\n":
+    "    worker.submit(host_step, grad)\n    return None\n"},
+    name="_future_not_returned",
+    doc="""The update started on the worker but its future dropped: the next call gets None as
+    pending, has nothing to wait for, and copies master while the update still writes it.""")
 
-
-def _future_not_returned(step, params, master, grad, host_step, pending, worker):
-    """The update started on the worker but its future dropped: the next call gets None as
-    pending, has nothing to wait for, and copies master while the update still writes it."""
-    if step == 0:
-        host_step(grad)
-        params.copy_(master)
-        return None
-    if pending is not None:
-        pending.result()
-    params.copy_(master)
-    worker.submit(host_step, grad)
-    return None
-
-
-def _aliases_master(step, params, master, grad, host_step, pending, worker):
-    """params made a view of master's memory instead of a copy of it: the update running on the
-    worker writes into what the device reads."""
-    if step == 0:
-        host_step(grad)
-        params.set_(master)
-        return None
-    if pending is not None:
-        pending.result()
-    params.set_(master)
-    return worker.submit(host_step, grad)
+_aliases_master = edited(dpu_step, {
+    "        params.copy_(master)\n        return None\n": "        params.set_(master)\n        return None\n",
+    "    params.copy_(master)  # the device now holds": "    params.set_(master)  # the device now holds"},
+    name="_aliases_master",
+    doc="""params made a view of master's memory instead of a copy of it: the update running on the
+    worker writes into what the device reads.""")
 
 
 register(Exercise(

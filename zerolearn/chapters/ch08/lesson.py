@@ -118,7 +118,7 @@ def quantization_errors(block: int = 256) -> list[dict]:
     tensors = {"parameters": parameters_to_vector(model.parameters()).detach(),
                "gradients": parameters_to_vector(p.grad for p in model.parameters())}
     rows = []
-    for (what, t), bits in zip(tensors.items(), (8, 4)):
+    for (what, t), bits in zip(tensors.items(), (8, 4), strict=True):
         for size, label in ((block, f"per block of {block}"), (t.numel(), "one per tensor")):
             q, scales = zeropp.quantize(t, bits=bits, block=size)
             back = zeropp.dequantize(q, scales, t.numel(), bits=bits, block=size)

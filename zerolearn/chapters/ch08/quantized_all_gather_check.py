@@ -26,13 +26,12 @@ This module holds the trial, the known bugs and the registration; the reader's f
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from zerolearn import comm
 from zerolearn import dist as zdist
 from zerolearn.chapters.ch08.quantized_all_gather import quantized_all_gather
-from zerolearn.exercises.core import Bug, Exercise, Wrong, agree, machinery, readers_line, register
+from zerolearn.exercises.core import Bug, Exercise, Wrong, agree, edited, machinery, readers_line, register
 
 N = 150
 BLOCKS = (64, 50)
@@ -172,81 +171,39 @@ def _qwz_trial(fn) -> str:
             "int8 values and fp32 scales all-gathered")
 
 
-def _one_scale(out, shard, block, world_size):
-    """Per-tensor quantization: one absmax scale for the whole shard (the scheme ZeRO++ replaces
-    with blocks; a single large value crushes every small one)."""
-    n = shard.numel()
-    scale = shard.abs().max().reshape(1) / 127
-    q = torch.round(shard / scale).clamp(-127, 127).to(torch.int8)
-    all_q, all_s = torch.empty(world_size * n, dtype=torch.int8), torch.empty(world_size)
-    dist.all_gather_into_tensor(all_q, q)
-    dist.all_gather_into_tensor(all_s, scale)
-    out.copy_((all_q.view(world_size, n).float() * all_s.view(world_size, 1)).reshape(-1))
+_one_scale = edited(
+    quantized_all_gather, {"scales = x.abs().amax(dim=1) / 127": "scales = x.abs().amax().expand(nb) / 127"},
+    name="_one_scale",
+    doc="""Per-tensor quantization: one absmax scale for the whole shard (the scheme ZeRO++ replaces
+    with blocks; a single large value crushes every small one).""")
 
+_no_padding = edited(quantized_all_gather, {
+    "nb = -(-n // block)  # ceil: the last block is padded with zeros": "nb = n // block  # the whole blocks only",
+    "x[:n] = shard": "x[:] = shard[:nb * block]",
+    "    out.copy_(values.view(world_size, nb * block)[:, :n].reshape(-1))\n":
+    "    out.zero_().view(world_size, n)[:, :nb * block] = values.view(world_size, nb * block)\n"},
+    name="_no_padding",
+    doc="Only the whole blocks quantized (``n // block``): the tail of a partial block is never sent.")
 
-def _no_padding(out, shard, block, world_size):
-    """Only the whole blocks quantized (``n // block``): the tail of a partial block is never sent."""
-    n = shard.numel()
-    nb = n // block
-    x = shard[:nb * block].view(nb, block)
-    scales = x.abs().amax(dim=1) / 127
-    q = torch.round(x / scales[:, None]).clamp(-127, 127).to(torch.int8)
-    all_q, all_s = torch.empty(world_size * nb * block, dtype=torch.int8), torch.empty(world_size * nb)
-    dist.all_gather_into_tensor(all_q, q.view(-1))
-    dist.all_gather_into_tensor(all_s, scales)
-    values = all_q.view(world_size, nb * block).float() * all_s.view(world_size, nb).repeat_interleave(block, dim=1)
-    full = torch.zeros(world_size, n)
-    full[:, :nb * block] = values
-    out.copy_(full.view(-1))
+_truncated = edited(
+    quantized_all_gather, {"torch.round(x / scales[:, None]).clamp_(-127, 127).to(torch.int8)":
+                           "(x / scales[:, None]).to(torch.int8)"},
+    name="_truncated",
+    doc="""``(x / scale).to(torch.int8)``: the cast truncates toward zero instead of rounding,
+    an error of up to a whole step, biased toward zero.""")
 
+_no_zero_guard = edited(
+    quantized_all_gather, {"    scales[scales == 0] = 1.0  # a block of zeros: any scale gives q = 0\n": ""},
+    name="_no_zero_guard",
+    doc="""``scale = max |x| / 127`` without the guard for a block of zeros: its scale is 0 and
+    ``x / scale`` is 0 / 0, NaN, cast to int8 (undefined).""")
 
-def _truncated(out, shard, block, world_size):
-    """``(x / scale).to(torch.int8)``: the cast truncates toward zero instead of rounding,
-    an error of up to a whole step, biased toward zero."""
-    n = shard.numel()
-    nb = -(-n // block)
-    x = torch.zeros(nb * block)
-    x[:n] = shard
-    x = x.view(nb, block)
-    scales = x.abs().amax(dim=1) / 127
-    q = (x / scales[:, None]).to(torch.int8)
-    all_q, all_s = torch.empty(world_size * nb * block, dtype=torch.int8), torch.empty(world_size * nb)
-    dist.all_gather_into_tensor(all_q, q.view(-1))
-    dist.all_gather_into_tensor(all_s, scales)
-    values = all_q.view(world_size, nb, block).float() * all_s.view(world_size, nb, 1)
-    out.copy_(values.view(world_size, nb * block)[:, :n].reshape(-1))
-
-
-def _unguarded_int8(shard, block):
-    """``(n, blocks, scales, q)``: the shard padded to whole blocks and rounded to int8 with
-    ``scale = max |x| / 127``, without the guard for a block of zeros."""
-    n = shard.numel()
-    nb = -(-n // block)
-    x = torch.zeros(nb * block)
-    x[:n] = shard
-    x = x.view(nb, block)
-    scales = x.abs().amax(dim=1) / 127
-    return n, nb, scales, torch.round(x / scales[:, None]).clamp(-127, 127).to(torch.int8)
-
-
-def _no_zero_guard(out, shard, block, world_size):
-    """``scale = max |x| / 127`` without the guard for a block of zeros: its scale is 0 and
-    ``x / scale`` is 0 / 0, NaN, cast to int8 (undefined)."""
-    n, nb, scales, q = _unguarded_int8(shard, block)
-    all_q, all_s = torch.empty(world_size * nb * block, dtype=torch.int8), torch.empty(world_size * nb)
-    dist.all_gather_into_tensor(all_q, q.view(-1))
-    dist.all_gather_into_tensor(all_s, scales)
-    values = all_q.view(world_size, nb, block).float() * all_s.view(world_size, nb, 1)
-    out.copy_(values.view(world_size, nb * block)[:, :n].reshape(-1))
-
-
-def _own_scales(out, shard, block, world_size):
-    """Every rank's int8 values dequantized with this rank's own scales (the scales never gathered)."""
-    n, nb, scales, q = _unguarded_int8(shard, block)
-    all_q = torch.empty(world_size * nb * block, dtype=torch.int8)
-    dist.all_gather_into_tensor(all_q, q.view(-1))
-    values = all_q.view(world_size, nb, block).float() * scales.view(1, nb, 1)
-    out.copy_(values.view(world_size, nb * block)[:, :n].reshape(-1))
+_own_scales = edited(quantized_all_gather, {
+    "    all_scales = torch.empty(world_size * nb)\n": "",
+    "    dist.all_gather_into_tensor(all_scales, scales)\n": "",
+    "all_scales.view(world_size, nb, 1)  # rank r with r's scales": "scales.view(1, nb, 1)  # this rank's scales"},
+    name="_own_scales",
+    doc="Every rank's int8 values dequantized with this rank's own scales (the scales never gathered).")
 
 
 register(Exercise(

@@ -86,7 +86,7 @@ def bucket_schedule(stored: dict | None = None, stage: int = 2, rank: int = 0) -
     if len(comms) != len(layouts):
         raise ConfigError(f"stage {stage}: {len(comms)} recorded reductions for {len(layouts)} buckets; allowed: "
                           "a file recorded with this package's bucket policy")
-    for lay, i in zip(layouts, comms):
+    for lay, i in zip(layouts, comms, strict=True):
         if f"{lay.names[0]}..{lay.names[-1]}" not in i.get("unit", ""):
             raise ConfigError(f"recorded reduction {i.get('unit')!r} is not bucket {lay.label}")
     backward = next(i for i in run["intervals"] if i["rank"] == rank and i["lane"] == "compute"
@@ -121,7 +121,7 @@ def bucket_schedule_figure(stored: dict | None = None, stage: int = 2, rank: int
     fig = Figure(figsize=(8, 3.6), layout="constrained")
     ideal_ax, measured_ax = fig.subplots(2, 1, sharex=True)
     ms = 1e3
-    for b, ((c0, c1, m0, m1), (r0, r1)) in enumerate(zip(s.ideal, s.measured)):
+    for b, ((c0, c1, m0, m1), (r0, r1)) in enumerate(zip(s.ideal, s.measured, strict=True)):
         color = rank_color(b)
         ideal_ax.broken_barh([(c0 * ms, (c1 - c0) * ms)], (1.1, 0.8), color=color, alpha=0.45)
         ideal_ax.broken_barh([(m0 * ms, (m1 - m0) * ms)], (0.1, 0.8), color=color)

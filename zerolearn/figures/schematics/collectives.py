@@ -104,7 +104,7 @@ def collectives_figure(nd: int = 3) -> Figure:
     _check_nd(nd)
     fig = Figure(figsize=(7, 1.2 * nd / 3 * len(COLLECTIVES) + 0.6), layout="constrained")
     axes = fig.subplots(len(COLLECTIVES), 1)
-    for ax, op in zip(axes, COLLECTIVES):
+    for ax, op in zip(axes, COLLECTIVES, strict=True):
         state = collective(op, nd=nd)
         summed = {"reduce": [[r == state.root] * nd for r in range(nd)], "all_reduce": [[True] * nd] * nd,
                   "reduce_scatter": [[True] * nd] * nd}.get(op, [[False] * nd] * nd)

@@ -139,7 +139,7 @@ def model_states_figure(nd: int = 3, shapes: dict[str, tuple[int, ...]] | None =
     fig = Figure(figsize=(8, 1.0 + 0.55 * nd * len(stages)), layout="constrained")
     axes = fig.subplots(len(stages), 1, squeeze=False)[:, 0]
     n = data.padded_numel
-    for ax, stage in zip(axes, stages):
+    for ax, stage in zip(axes, stages, strict=True):
         y = 0.0
         ticks, labels = [], []
         for rank in reversed(range(nd)):
@@ -200,13 +200,13 @@ def offload_figure(psi: float = 7.5e9, nd: int = 64, stage: int = 2, *, dtype: s
     options = [None, "cpu", "disk"] if stage else [None]
     fig = Figure(figsize=(3 * len(options) + 1, 3.2), layout="constrained")
     axes = fig.subplots(1, len(options), sharey=True, squeeze=False)[0]
-    for ax, option in zip(axes, options):
+    for ax, option in zip(axes, options, strict=True):
         placed = offload_placement(psi, nd, stage, option, dtype=dtype, k=k)
         bottom = [0.0] * len(LOCATIONS)
         for c in MODEL_CATEGORIES:
             heights = [placed[loc][c] / 1e9 for loc in LOCATIONS]
             ax.bar(LOCATIONS, heights, bottom=bottom, color=COLORS[c], label=readable(c))
-            bottom = [b + h for b, h in zip(bottom, heights)]
+            bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
         for x, top in enumerate(bottom):
             ax.text(x, top, f"{top:,.1f} GB", ha="center", va="bottom", fontsize=7)
         ax.set_title(f"offload = {option!r}", fontsize=9)

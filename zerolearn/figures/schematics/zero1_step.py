@@ -91,7 +91,7 @@ def zero1_frames(params: list[float] | None = None, grads: list[list[float]] | N
     summed = sum(g / nd for g in local)  # the engine divides by Nd before its reduce_scatter
     mine = [[a <= e < b for e in range(n)] for a, b in (lay.shard_range for lay in layouts)]
     # Each rank's buffer keeps its length: shard r takes the mean, the rest stays its own gradient.
-    shards = [[m if inside else g for m, g, inside in zip(summed.tolist(), g_r.tolist(), mine[r])]
+    shards = [[m if inside else g for m, g, inside in zip(summed.tolist(), g_r.tolist(), mine[r], strict=True)]
               for r, g_r in enumerate(local)]
     frames.append(Zero1Frame("reduce-scatter", [full.tolist()] * nd, shards, frames[0].master, mine))
     updated = []
@@ -101,7 +101,7 @@ def zero1_frames(params: list[float] | None = None, grads: list[list[float]] | N
         torch.optim.SGD([master], lr=lr).step()
         updated.append(master.detach())
     masters = [[None] * n for _ in range(nd)]
-    for r, (lay, m) in enumerate(zip(layouts, updated)):
+    for r, (lay, m) in enumerate(zip(layouts, updated, strict=True)):
         a, b = lay.shard_range
         masters[r][a:b] = m.tolist()
     params_after = [[v if a <= i < b else full[i].item() for i, v in enumerate(masters[r])]

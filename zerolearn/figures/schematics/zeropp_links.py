@@ -91,7 +91,7 @@ def zeropp_figure(psi: int = 4096, world_size: int = 4, node_ranks: int = 2) -> 
     what = {"qwZ": "forward all_gather, int8", "hpZ": "backward all_gather, node only",
             "qgZ": "gradients: all-to-all, int4, 2 hops"}
     pos = {r: ((r // k) * (k + 1.5) + (r % k), 0.0) for r in range(w)}
-    for ax, option in zip(axes, OPTIONS):
+    for ax, option in zip(axes, OPTIONS, strict=True):
         for node in range(w // k):
             x0 = node * (k + 1.5) - 0.3
             ax.add_patch(Rectangle((x0, -0.7), k + 0.55, 1.4, fill=False, edgecolor="0.5", linestyle="--"))
