@@ -205,3 +205,259 @@ def habits(runs: list[dict]) -> list[dict | str]:
         except Exception as e:  # noqa: BLE001  (the test reads the message)
             out.append(f"{type(e).__name__}: {e}")
     return out
+
+
+# ----- users' loops: the optimizer as torch's, resumes, refusals ---------------------------
+class KwNet(Net):
+    """:class:`Net` called with a keyword-only input, returning a dict (Hugging Face's manner)."""
+
+    def forward(self, *, x, scale=None):
+        return {"out": super().forward(x) * (1.0 if scale is None else scale)}
+
+
+OPTIMIZER_HABITS = {  # habit -> (engine options, the plain torch optimizer it matches)
+    "nesterov": (dict(optimizer="sgd", lr=LR, momentum=0.9, optimizer_kwargs={"nesterov": True}),
+                 lambda ps: torch.optim.SGD(ps, lr=LR, momentum=0.9, nesterov=True)),
+    "maximize": (dict(optimizer="adam", lr=LR / 10, optimizer_kwargs={"maximize": True, "eps": 1e-6}),
+                 lambda ps: torch.optim.Adam(ps, lr=LR / 10, maximize=True, eps=1e-6)),
+    "lr0": (dict(optimizer="sgd", lr=0.0, momentum=0.9), lambda ps: torch.optim.SGD(ps, lr=0.0, momentum=0.9)),
+    "inputs_backward": (dict(optimizer="sgd", lr=LR, momentum=0.9),
+                        lambda ps: torch.optim.SGD(ps, lr=LR, momentum=0.9)),
+    "clip_value": (dict(optimizer="sgd", lr=LR, momentum=0.9), lambda ps: torch.optim.SGD(ps, lr=LR, momentum=0.9)),
+    "resume": (dict(optimizer="adam", lr=LR / 10, optimizer_kwargs={"amsgrad": True}),
+               lambda ps: torch.optim.Adam(ps, lr=LR / 10, amsgrad=True)),
+    "plain_resume": (dict(optimizer="adam", lr=LR / 10), lambda ps: torch.optim.Adam(ps, lr=LR / 10)),
+}
+
+
+def _optimizer_step(habit: str, model, x, y, opt=None) -> torch.Tensor:
+    """One step's forward and backward as the habit has it (``opt``: plain torch's, stepped here)."""
+    loss = F.mse_loss(model(x), y)
+    if habit == "inputs_backward":  # an input's gradient first (a saliency map), the graph kept
+        torch.autograd.backward(loss, inputs=[x], retain_graph=True)
+    loss.backward()
+    if habit == "clip_value":
+        torch.nn.utils.clip_grad_value_(model.parameters(), 0.01)
+    if opt is not None:
+        opt.step()
+        opt.zero_grad()
+    return loss
+
+
+def optimizer_reference(habit: str) -> dict:
+    """Plain torch, one process, the whole batch, with the habit's torch optimizer."""
+    model = Net()
+    opt = OPTIMIZER_HABITS[habit][1](model.parameters())
+    losses, state = [], None
+    for step in range(STEPS):
+        model.use_side = step > 0
+        x, y = batch(step)
+        losses.append(_optimizer_step(habit, model, x.requires_grad_(), y, opt).item())
+        if step == 0:
+            state = {i: {k: v.clone() for k, v in s.items()} for i, s in opt.state_dict()["state"].items()}
+    return {"losses": losses, "params": {n: p.detach().clone() for n, p in model.named_parameters()},
+            "state": [state.get(i, {}).get("exp_avg") for i in range(len(list(model.parameters())))]}
+
+
+def optimizer_habit(habit: str, stage: int) -> dict:
+    """``habit`` at ``stage`` on this rank's slice; "resume": the DDP habit (every rank takes
+    the optimizer's state_dict, rank 0 saves it, every rank loads it into a new engine at
+    another bucket size) after step 1; "plain_resume": plain torch's first step loaded into
+    an engine that takes the others."""
+    import os
+    import tempfile
+
+    import torch.distributed as dist
+
+    ctx = zdist.context()
+    options = OPTIMIZER_HABITS[habit][0]
+    model = Net()
+    if habit == "plain_resume":  # step 0 in plain torch on the whole batch, then the engine
+        opt = OPTIMIZER_HABITS[habit][1](model.parameters())
+        model.use_side = False
+        _optimizer_step(habit, model, batch(0)[0], batch(0)[1], opt)
+        plain = opt.state_dict()
+    engine = make_engine(stage, model, bucket_mb=0.0005, **options)
+    if habit == "plain_resume":
+        engine.optimizer.load_state_dict(plain)
+    out: dict = {"losses": [], "state": None, "steps": []}
+    for step in range(1 if habit == "plain_resume" else 0, STEPS):
+        x, y = (data.rank_slice(t, ctx.rank, ctx.world_size) for t in batch(step))
+        comm.LEDGER.reset()
+        model.use_side = step > 0
+        loss = F.mse_loss(engine(x.requires_grad_()), y)
+        if habit == "inputs_backward":
+            before = _ops()
+            torch.autograd.backward(loss, inputs=[x], retain_graph=True)
+            out["aside"] = {op: n - before.get(op, 0) for op, n in _ops().items() if n != before.get(op, 0)}
+        loss.backward()
+        if habit == "clip_value":
+            torch.nn.utils.clip_grad_value_(model.parameters(), 0.01)
+        out["steps"].append(_ops())
+        engine.step()
+        engine.zero_grad()
+        out["losses"].append(comm.monitor_mean(loss.item()))
+        if step == 0 and options["optimizer"] == "adam":  # this rank's part of each parameter's state
+            out["state"] = [_held(engine, p) for p in model.parameters()]
+        if step == 0 and habit == "resume":
+            whole = engine.optimizer.state_dict()  # a collective: every rank
+            path = os.path.join(tempfile.gettempdir(), f"zerolearn-resume-{os.getppid()}-{stage}.pt")
+            if ctx.rank == 0:
+                torch.save({"model": engine.full_state_dict(), "optimizer": whole}, path)
+            else:
+                engine.full_state_dict()
+            dist.barrier()
+            saved = torch.load(path)
+            out["buckets_before"] = len(engine.buckets)
+            engine.close()
+            model = Net()
+            model.load_state_dict(saved["model"])
+            engine = make_engine(stage, model, bucket_mb=0.002, **options)  # other buckets
+            engine.optimizer.load_state_dict(saved["optimizer"])
+            out["buckets"] = len(engine.buckets)
+    out["params"] = engine.full_state_dict()
+    engine.close()
+    return out
+
+
+def _held(engine, p) -> torch.Tensor | None:
+    try:
+        return engine.optimizer.state[p]["exp_avg"].clone()
+    except KeyError:
+        return None
+
+
+def optimizer_refusal(habit: str, stage: int) -> str:
+    """What the engine says to a habit it refuses: the error's text (or "trained" if none)."""
+    import torch.distributed as dist
+
+    ctx = zdist.context()
+    model = Net()
+    if habit == "embedding_max_norm":
+        model.emb = nn.Embedding(10, 8, max_norm=1.0)
+    if habit == "lazy":
+        model.inp = nn.LazyLinear(16)
+    try:
+        options = dict(optimizer="sgd", lr=LR, momentum=0.9)
+        if habit == "dampening_kwarg":
+            options["optimizer_kwargs"] = {"dampening": 0.5}
+        engine = make_engine(stage, model, bucket_mb=0.0005, **options)
+        if habit == "dampening_group":
+            engine.optimizer.param_groups[0]["dampening"] = 0.5
+        if habit == "other_ranks_shards":
+            theirs = [engine.optimizer.shard_state_dict()]
+            dist.broadcast_object_list(theirs, src=0)  # rank 0's shards, on every rank
+        user = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9) if habit == "users_optimizer" else None
+        x, y = (data.rank_slice(t, ctx.rank, ctx.world_size) for t in batch(0))
+        loss = F.mse_loss(engine(x), y)
+        loss.backward()
+        if habit == "clip_value":
+            torch.nn.utils.clip_grad_value_(model.parameters(), 0.01)
+        (user or engine).step()
+        if habit == "other_ranks_shards":
+            engine.optimizer.load_state_dict(theirs[0])
+        engine.close()
+        return "trained"
+    except Exception as e:  # noqa: BLE001  (the test reads the message)
+        return f"{type(e).__name__}: {e}"
+
+
+def optimizer_habits(runs: list[dict]) -> list:
+    """Several habit runs (``kind``: "exact" or "refused") in one process group."""
+    out = []
+    for kw in runs:
+        fn = optimizer_habit if kw.pop("kind") == "exact" else optimizer_refusal
+        try:
+            out.append(fn(**kw))
+        except Exception as e:  # noqa: BLE001  (the test reads the message)
+            out.append(f"{type(e).__name__}: {e}")
+    return out
+
+
+def nan_skip(stage: int, timeout_s: float) -> str:
+    """Rank 1 skips backward and step for a NaN loss (the user's guard, on one rank), then
+    goes on; the engine's process group times out after ``timeout_s``."""
+    import datetime
+
+    import torch.distributed as dist
+
+    ctx = zdist.context()
+    group = dist.new_group(timeout=datetime.timedelta(seconds=timeout_s))
+    engine = make_engine(stage, Net(), optimizer="sgd", lr=LR, momentum=0.9, bucket_mb=0.0005, group=group)
+    for step in range(3):
+        x, y = (data.rank_slice(t, ctx.rank, ctx.world_size) for t in batch(step))
+        loss = F.mse_loss(engine(x), y)
+        if step == 1 and ctx.rank == 1:
+            loss = loss * float("nan")
+        if not torch.isfinite(loss):
+            continue
+        loss.backward()
+        engine.step()
+        engine.zero_grad()
+    return "trained"
+
+
+def hf_batch_model(kind: str):
+    """A tiny Hugging Face model built in code and one batch of keyword inputs for it:
+    ``"resnet"`` (BatchNorm, pixel_values) or ``"wav2vec2"`` (CTC over raw audio)."""
+    import transformers as T
+
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    if kind == "resnet":
+        cfg = T.ResNetConfig(num_channels=3, embedding_size=8, hidden_sizes=[8, 16], depths=[1, 1], num_labels=3)
+        return T.ResNetForImageClassification(cfg), {"pixel_values": torch.randn(4, 3, 16, 16, generator=g),
+                                                     "labels": torch.randint(0, 3, (4,), generator=g)}
+    cfg = T.Wav2Vec2Config(vocab_size=12, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                           intermediate_size=32, conv_dim=(8, 8), conv_stride=(5, 2), conv_kernel=(10, 3),
+                           num_conv_pos_embeddings=8, num_conv_pos_embedding_groups=2, feat_extract_norm="group",
+                           mask_time_prob=0.0, ctc_loss_reduction="mean")
+    return T.Wav2Vec2ForCTC(cfg), {"input_values": torch.randn(4, 400, generator=g),
+                                   "labels": torch.randint(1, 12, (4, 5), generator=g)}
+
+
+def bf16_batches(kind: str, stage: int | None) -> list[float]:
+    """Two SGD steps of ``kind`` ("kw": :class:`KwNet` called with keywords, "positional":
+    :class:`Net`; or :func:`hf_batch_model`'s) in bf16 at ``stage``, losses; None: fp32,
+    plain torch, one process."""
+    if kind in ("kw", "positional"):
+        model, batches = (KwNet() if kind == "kw" else Net()), [batch(s) for s in range(2)]
+    else:
+        model, one = hf_batch_model(kind)
+        batches = [one, one]
+    if stage is None:
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        losses = []
+        for b in batches:
+            loss = model(**b).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        return losses
+    ctx = zdist.context()
+    engine = make_engine(stage, model, optimizer="sgd", lr=0.05, momentum=0.9, dtype="bf16", bucket_mb=0.01)
+    losses = []
+    for b in batches:
+        if kind in ("kw", "positional"):
+            x, y = (data.rank_slice(t, ctx.rank, ctx.world_size) for t in b)
+            out = engine(x=x, scale=torch.ones(()))["out"] if kind == "kw" else engine(x)
+            loss = F.mse_loss(out.float(), y)
+        else:
+            loss = engine(**{k: data.rank_slice(v, ctx.rank, ctx.world_size) for k, v in b.items()}).loss
+        loss.backward()
+        engine.step()
+        engine.zero_grad()
+        losses.append(comm.monitor_mean(loss.item()))
+    engine.close()
+    return losses
+
+
+def many_bf16(runs: list[dict]) -> list:
+    out = []
+    for kw in runs:
+        try:
+            out.append(bf16_batches(**kw))
+        except Exception as e:  # noqa: BLE001  (the test reads the message)
+            out.append(f"{type(e).__name__}: {e}")
+    return out

@@ -18,6 +18,8 @@ import torch
 from jobs import global_batch, gpt_loss, on_ranks, small_gpt
 from zerolearn.engines import optim
 
+pytestmark = pytest.mark.quick
+
 KINDS = (None, "foreach", "fused")
 TOLERANCE = {"foreach": dict(rtol=1e-6, atol=1e-6), "fused": dict(rtol=1e-3, atol=1e-4)}
 CONFIGS = [("adam", {}), ("adamw", {"weight_decay": 0.1}), ("sgd", {"momentum": 0.9}),
@@ -63,7 +65,7 @@ def run_kinds(stages=(0, 1, 2, 3), steps: int = 4) -> dict:
                     stepped.append(bool(engine.step()))
                     engine.zero_grad()
                 out[(stage, name, str(options), kind)] = (engine.full_state_dict(), stepped,
-                                                          engine.optimizer.state_dict()["state"])
+                                                          engine.optimizer.shard_state_dict()["state"])
                 engine.close()
     return out
 
@@ -71,6 +73,7 @@ def run_kinds(stages=(0, 1, 2, 3), steps: int = 4) -> dict:
 @pytest.mark.parametrize("world_size", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_multi_tensor_step_forced_on_the_cpu_matches_the_per_master_step(world_size):
     out = on_ranks(run_kinds, world_size)[0]
+    assert len(out) == 4 * len(CONFIGS) * len(KINDS)  # stages 0-3
     for (stage, name, options, kind), (params, stepped, state) in out.items():
         if kind is None:
             continue

@@ -21,7 +21,7 @@ def module_state(engine, copy: bool = True) -> tuple[dict[str, str], dict[str, t
 
     ``copy``: the frozen tensors as CPU copies (to save), or the model's own (to compare).
     """
-    trainable = {id(p): n for g in engine.buckets for n, p in zip(g.layout.names, g.params)}
+    trainable = {id(p): n for g in engine.buckets for n, p in zip(g.layout.names, g.params, strict=True)}
     aliases, module = {}, {}
     for key, t in engine.model.state_dict(keep_vars=True).items():
         if id(t) in trainable:
@@ -50,7 +50,7 @@ def check_model(engine, man, path: str) -> None:
     Raises:
         CheckpointError: naming what differs (first five names of each kind).
     """
-    mine = {n: list(s) for g in engine.buckets for n, s in zip(g.layout.names, g.layout.shapes)}
+    mine = {n: list(s) for g in engine.buckets for n, s in zip(g.layout.names, g.layout.shapes, strict=True)}
     theirs = {n: list(s) for n, s in man.params}
     problems = [f"{n}: checkpoint {theirs[n]}, this model {s}" for n, s in mine.items()
                 if n in theirs and theirs[n] != s]
@@ -79,7 +79,7 @@ def _read_group(reader: Reader, g, state_keys: tuple[str, ...], path: str) -> tu
     master = torch.zeros(b - a)
     per = {k: torch.zeros(b - a) for k in state_keys}
     old = set()
-    for n, o in zip(g.layout.names, g.layout.offsets):
+    for n, o in zip(g.layout.names, g.layout.offsets, strict=True):
         group, offset, numel = reader.where[n]
         old.add(group)
         lo, hi = max(a, o), min(b, o + numel)
@@ -118,7 +118,7 @@ def plan(engine, path: str) -> dict:
         masters.append(master)
         if group_state:
             state[j] = group_state
-    optimizer = engine.optimizer.state_dict()
+    optimizer = engine.optimizer.shard_state_dict()
     optimizer["state"] = state
     out = {"step": man.step, "masters": masters, "optimizer": optimizer, "manifest": man, "rng": None}
     if man.module_keys:

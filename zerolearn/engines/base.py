@@ -25,12 +25,13 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_map_only
 
 from zerolearn import comm
 from zerolearn.engines import offload as offloading
 from zerolearn.engines import optim
 from zerolearn.engines.backward import Backward, TrainingState, _root_forward_done
-from zerolearn.engines.bindings import Bindings, refuse_unsupported
+from zerolearn.engines.bindings import Bindings, disown, own, refuse_unsupported
 from zerolearn.engines.module_view import ModuleView
 from zerolearn.engines.reduce import MAX_IN_FLIGHT, GradientReduction, _grad_arrived, _grad_coming
 from zerolearn.engines.state import EngineStateMixin
@@ -143,6 +144,14 @@ class Bucket:
         return self.views_of_grad()[i]
 
 
+def _cast_inputs(dtype: torch.dtype, module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Forward pre-hook: every floating-point tensor in ``args`` and ``kwargs`` (nested in
+    dicts, lists and tuples) in the working ``dtype``; integer and bool tensors unchanged."""
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t
+    return tree_map_only(torch.Tensor, cast, (args, kwargs))
+
+
 class Engine(Backward, GradientReduction, Stepping, ModuleView, EngineStateMixin, abc.ABC):
     """Forward, backward, step and zero_grad over buckets; a stage implements four methods.
 
@@ -169,6 +178,9 @@ class Engine(Backward, GradientReduction, Stepping, ModuleView, EngineStateMixin
         model: an ``nn.Module`` on one device, in fp32 (it is cast to ``dtype``).
         optimizer: ``"adam"``, ``"adamw"`` or ``"sgd"``; ``lr``, ``weight_decay``,
             ``momentum`` (SGD) and ``betas`` (Adam) as in torch.optim.
+        optimizer_kwargs: more of torch's options for that optimizer (SGD: ``nesterov``,
+            ``maximize``; Adam and AdamW: ``eps``, ``amsgrad``, ``maximize``), each exact;
+            SGD's ``dampening`` other than 0 is refused (:data:`zerolearn.engines.optim.OPTIONS`).
         dtype: working precision ``"fp32" | "bf16" | "fp16"`` (fp32 master for the
             2-byte ones, dynamic loss scale for fp16).
         bucket_mb: largest bucket, MiB of the working dtype (CB of Sec 6.2); None: 25
@@ -186,7 +198,7 @@ class Engine(Backward, GradientReduction, Stepping, ModuleView, EngineStateMixin
         dpu: ZeRO-Offload's one-step delayed parameter update. Needs offload.
 
     Raises:
-        ConfigError: bad optimizer, dtype, lr, bucket size or offload option; parameters
+        ConfigError: bad optimizer, optimizer_kwargs, dtype, lr, bucket size or offload option; parameters
             on several devices or of a floating dtype other than fp32 and ``dtype``; no
             trainable parameter. All before anything is allocated or communicated.
         TypeError: the class does not implement the four methods of the contract.
@@ -211,10 +223,11 @@ class Engine(Backward, GradientReduction, Stepping, ModuleView, EngineStateMixin
                  bucket_mb: float | None = None, max_grad_norm: float | None = None,
                  group=None, units: list[nn.Module] | None = None, mp_group=None,
                  broadcast_buffers: bool = True, offload: str | None = None, offload_dir: str | None = None,
-                 dpu: bool = False):
+                 dpu: bool = False, optimizer_kwargs: dict | None = None):
         _refuse_wrapped(model)
         self.dtype = parse_dtype(dtype)
         optim.check_options(optimizer, lr, bucket_mb, max_grad_norm)
+        optim.check_optimizer_kwargs(optimizer, optimizer_kwargs or {})
         offloading.check_options(self.stage, offload, offload_dir, dpu)
         self._offload: offloading.Offload | None = None
         self.device = optim.model_device(model)
@@ -238,7 +251,7 @@ class Engine(Backward, GradientReduction, Stepping, ModuleView, EngineStateMixin
         self._offload_dir = offload_dir
         self._make_states(trainable, units)
         self._optimizer = optim.make_grouped(optimizer, [b.master for b in self.buckets], lr, weight_decay,
-                                            momentum, betas)
+                                            momentum, betas, optimizer_kwargs)
         # Ranks hold different parts of the gradient exactly when masters are shards.
         self.shards_grads_for_norm = any(b.master.numel() != b.layout.padded_numel for b in self.buckets)
         self._norm_weights = (optim.replica_weights(self.buckets, torch.distributed.get_world_size(
@@ -246,6 +259,7 @@ class Engine(Backward, GradientReduction, Stepping, ModuleView, EngineStateMixin
         self._init_training_state()
         self._optimizer.bind(self)  # engine.optimizer.step() is engine.step()
         _WRAPPED[model] = self._me
+        own(self._me, [p for b in self.buckets for p in b.params])
 
     def _make_states(self, trainable: list[tuple[str, nn.Parameter]], units) -> None:
         """Buckets, the stage's share of each (``_init_bucket``), the model in the working
@@ -275,6 +289,9 @@ class Engine(Backward, GradientReduction, Stepping, ModuleView, EngineStateMixin
                        for j, b in enumerate(self.buckets) for i, p in enumerate(b.params)]
         self._hooks += [p.register_hook(functools.partial(_grad_coming, me)) for b in self.buckets for p in b.params]
         self._hooks.append(self.model.register_forward_hook(functools.partial(_root_forward_done, me)))
+        if self.dtype != torch.float32:
+            self._hooks.append(self.model.register_forward_pre_hook(
+                functools.partial(_cast_inputs, self.dtype), with_kwargs=True))
         self._closed = False
         self.state = TrainingState.IDLE
         self._accumulating = False  # a parameter gradient arrived in this backward
@@ -354,8 +371,10 @@ class Engine(Backward, GradientReduction, Stepping, ModuleView, EngineStateMixin
     def forward(self, *args, **kwargs):
         """Run the model on this rank's slice of the batch.
 
-        Floating-point tensor arguments are cast to the working dtype; integer ones (token
-        ids) pass unchanged. Buffers are first broadcast from data-parallel rank 0
+        Floating-point tensors anywhere in the arguments (positional, keyword, inside dicts,
+        lists and tuples) are cast to the working dtype, as FSDP2's ``cast_forward_inputs``
+        does, by a pre-hook on the model, so ``model(x)`` casts too; integer ones (token ids,
+        masks) pass unchanged. Buffers are first broadcast from data-parallel rank 0
         (``broadcast_buffers``), except in recomputations inside backward.
         """
         self._check_open()
@@ -369,9 +388,8 @@ class Engine(Backward, GradientReduction, Stepping, ModuleView, EngineStateMixin
             with comm.unit("<model>", "forward: broadcast buffers"):
                 for buf in self.model.buffers():
                     self._broadcast_buffer(buf)
-        cast = [a.to(self.dtype) if torch.is_tensor(a) and a.is_floating_point() else a for a in args]
         try:
-            return self.model(*cast, **kwargs)
+            return self.model(*args, **kwargs)  # the inputs are cast by _cast_inputs, the model's pre-hook
         finally:
             if not recompute:
                 self.state = TrainingState.IDLE
@@ -404,6 +422,7 @@ class Engine(Backward, GradientReduction, Stepping, ModuleView, EngineStateMixin
         if getattr(self, "_closed", True):
             return
         self._closed = True
+        disown([p for b in self.buckets for p in b.params])
         self._placement.close()
         for handle in self._hooks:
             handle.remove()

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+from torch.utils.weak import WeakIdKeyDictionary
 
 from zerolearn.errors import ConfigError
 
@@ -34,8 +36,25 @@ def refuse_unsupported(model: nn.Module, trainable: list[tuple[str, nn.Parameter
             real parameter of shape ``(..., 2)`` and view it as complex in forward);
             a module that makes sparse gradients (``nn.Embedding`` or ``nn.EmbeddingBag``
             with ``sparse=True``), named with the fix ``sparse=False`` (torch DDP reduces
-            sparse gradients; the engines reduce flat dense buckets).
+            sparse gradients; the engines reduce flat dense buckets); an embedding with
+            ``max_norm`` (its forward renormalises the rows it looks up, in place, so ranks
+            that look up different rows hold different parameters: torch's DDP and FSDP2 let
+            that pass in silence); a lazy module not yet initialised (``nn.LazyLinear``: its
+            parameters have no shape until a first forward).
     """
+    lazy = [name or "<model>" for name, p in model.named_parameters()
+            if isinstance(p, nn.parameter.UninitializedParameter)]
+    if lazy:
+        raise ConfigError(f"{', '.join(lazy[:4])}: an uninitialised lazy parameter (nn.LazyLinear, nn.LazyConv2d, "
+                          "...) has no shape yet, so no bucket can hold it; run one forward on a batch (or "
+                          "call the module's initialize_parameters) before wrapping the model")
+    renormed = [name or "<model>" for name, m in model.named_modules()
+                if isinstance(m, (nn.Embedding, nn.EmbeddingBag)) and m.max_norm is not None and m.weight.requires_grad]
+    if renormed:
+        raise ConfigError(
+            f"{', '.join(renormed[:4])}: an embedding with max_norm= rescales the rows it looks up in place during "
+            "forward, outside autograd and the optimizer, so ranks that see different tokens end the step with "
+            "different weights (DDP and FSDP2 let them drift apart in silence); build it with max_norm=None")
     complex_ = [name for name, p in trainable if p.is_complex()]
     if complex_:
         raise ConfigError(
@@ -50,6 +69,49 @@ def refuse_unsupported(model: nn.Module, trainable: list[tuple[str, nn.Parameter
             f"{', '.join(sparse[:4])}: an embedding with sparse=True makes sparse gradients, and the engines "
             "reduce dense flat buckets; build it with sparse=False (the gradient is then dense, as DDP's "
             "buckets hold it too)")
+
+
+# Every trainable parameter of a model an open engine wraps -> that engine (a weak reference).
+_OWNED = WeakIdKeyDictionary()
+
+
+def own(engine_ref, params) -> None:
+    """Record ``params`` as the engine's (``engine_ref``, a weak reference) for :func:`_refuse_foreign_step`."""
+    for p in params:
+        _OWNED[p] = engine_ref
+
+
+def disown(params) -> None:
+    """The engine is closed: its parameters may be stepped by any optimizer again."""
+    for p in params:
+        _OWNED.pop(p, None)
+
+
+def _refuse_foreign_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    """torch's global optimizer step pre-hook: a torch optimizer other than the engine's
+    stepping a wrapped model's parameters (DDP's habit, ``SGD(model.parameters())``) would
+    step what ``p.grad`` shows, not the engine's reduced gradient and fp32 masters.
+
+    Raises:
+        ConfigError: naming the optimizer, a parameter, and ``engine.optimizer``.
+    """
+    if not _OWNED:
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            ref = _OWNED.get(p)
+            engine = ref() if ref is not None else None
+            if engine is not None and not engine._closed:
+                names = {id(q): n for n, q in engine.model.named_parameters()}
+                raise ConfigError(
+                    f"{type(optimizer).__name__}.step() over the wrapped model's parameters ({names.get(id(p), '?')} "
+                    "...): the engine keeps the reduced gradient in its buckets and steps its own fp32 masters, so "
+                    "another optimizer would step what p.grad shows (a bucket view or nothing) and the masters "
+                    "would overwrite it; use the engine's optimizer, engine.optimizer (engine.step()), with "
+                    "make_engine(..., optimizer=, lr=, weight_decay=, momentum=, betas=, optimizer_kwargs=)")
+
+
+register_optimizer_step_pre_hook(_refuse_foreign_step)
 
 
 def refuse_sparse_grad(name: str) -> None:
@@ -200,6 +262,12 @@ class HeldGradient(torch.Tensor):
             why = "each rank holds only its 1/Nd shard of the reduced gradient"
         else:
             why = "this gradient is still multiplied by fp16's loss scale, or is one tensor-parallel slice"
+        if name and name.endswith("_") and not name.startswith("__"):  # clamp_: clip_grad_value_; mul_, ...
+            raise ConfigError(
+                f"p.grad was written in place ({name}) between backward and step, where {why}: the write would "
+                "reach no gradient the step uses. torch.nn.utils.clip_grad_value_ writes so; the engine clips by "
+                "norm only (max_grad_norm= or engine.clip_grad_norm_(max_norm)); at stage 0 in fp32 or bf16, "
+                "p.grad is the reduced gradient itself and clip_grad_value_ works there as in DDP")
         raise ConfigError(
             f"p.grad was read ({name}) between backward and step, where {why}: "
             "torch.nn.utils.clip_grad_norm_(model.parameters(), ...) or a norm of p.grad would see no true "

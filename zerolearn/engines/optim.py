@@ -31,11 +31,55 @@ def check_options(optimizer: str, lr: float, bucket_mb: float | None, max_grad_n
         ConfigError: naming the option (as the CLI spells it) and what is allowed.
     """
     require_choice("--optimizer", optimizer, OPTIMIZERS)
-    require_real("--lr", lr)
+    require_real("--lr", lr, strict=False)  # lr=0 is torch's too (a warm-up's first step)
     if bucket_mb is not None:
         require_real("--bucket-mb", bucket_mb)
     if max_grad_norm is not None:
         require_real("--max-grad-norm", max_grad_norm)
+
+
+# torch's options the engine passes on, per optimizer; each is element-wise, so a master
+# stepped in chunks or per parameter range is stepped exactly as torch steps the parameter.
+OPTIONS = {"sgd": ("nesterov", "maximize"), "adam": ("eps", "amsgrad", "maximize"),
+           "adamw": ("eps", "amsgrad", "maximize")}
+# What the engine decides itself (how the step runs), or cannot make exact.
+_REFUSED = {
+    "dampening": "SGD's dampening: torch starts the momentum buffer as a clone of the first gradient, undamped, and "
+                 "the engine creates that buffer itself where it steps a master in chunks or a parameter that sat "
+                 "out a step, where a dampened first update would differ; dampening=0 only",
+    "differentiable": "differentiable=True: the engine's step runs under no_grad on flat masters",
+    "foreach": "foreach=: the engine chooses how its masters are stepped (fused on CUDA)",
+    "fused": "fused=: the engine chooses how its masters are stepped (fused on CUDA)",
+    "capturable": "capturable=: the engine chooses how its masters are stepped (fused on CUDA)",
+}
+
+
+def check_optimizer_kwargs(name: str, kwargs: dict) -> None:
+    """Refuse, by name, an option of torch's optimizer the engine cannot make exact.
+
+    Raises:
+        ConfigError: an option not in :data:`OPTIONS` for ``name`` (listing those allowed),
+            or one of the refused ones (``dampening`` other than 0, ``differentiable``,
+            ``foreach``, ``fused``, ``capturable``) with the reason.
+    """
+    for key, value in kwargs.items():
+        if key == "dampening" and value == 0:
+            continue
+        if key in _REFUSED:
+            raise ConfigError(f"optimizer_kwargs {key}={value!r}: {_REFUSED[key]}")
+        if key not in OPTIONS[name]:
+            raise ConfigError(f"optimizer_kwargs {key}={value!r}: allowed for {name} are "
+                              f"{', '.join(OPTIONS[name])} (lr, weight_decay, momentum, betas are the engine's own "
+                              "options)")
+
+
+def _check_changed(changed: dict) -> None:
+    """A hyperparameter set in ``engine.optimizer.param_groups[0]`` that cannot be exact."""
+    for key, value in changed.items():
+        if key == "dampening" and value not in (0, 0.0):
+            raise ConfigError(f"param_groups[0]['dampening'] = {value!r}: {_REFUSED['dampening']}")
+        if key == "differentiable" and value:
+            raise ConfigError(f"param_groups[0]['differentiable'] = True: {_REFUSED['differentiable']}")
 
 
 def multi_tensor_kind(device: torch.device) -> str | None:
@@ -57,7 +101,7 @@ def multi_tensor_kind(device: torch.device) -> str | None:
 
 def make_optimizer(name: str, params: list[nn.Parameter], lr: float, weight_decay: float = 0.0,
                    momentum: float = 0.0, betas: tuple[float, float] = (0.9, 0.999),
-                   kind: str | None = None) -> torch.optim.Optimizer:
+                   kind: str | None = None, options: dict | None = None) -> torch.optim.Optimizer:
     """torch's own Adam / AdamW / SGD over the flat master tensors (``params``).
 
     One ``step()`` updates every master that has a ``.grad``. On the CPU torch's
@@ -68,11 +112,12 @@ def make_optimizer(name: str, params: list[nn.Parameter], lr: float, weight_deca
     Args:
         kind: None (torch's default for the device), ``"fused"`` or ``"foreach"``
             (:func:`multi_tensor_kind`).
+        options: more of torch's options (:data:`OPTIONS`, checked by :func:`check_optimizer_kwargs`).
 
     Raises:
         ConfigError: ``name`` is not one of :data:`OPTIMIZERS`.
     """
-    extra = {kind: True} if kind is not None else {}
+    extra = {**(options or {}), **({kind: True} if kind is not None else {})}
     if name == "adam":
         return torch.optim.Adam(params, lr=lr, betas=betas, weight_decay=weight_decay, **extra)
     if name == "adamw":
@@ -83,16 +128,21 @@ def make_optimizer(name: str, params: list[nn.Parameter], lr: float, weight_deca
 
 
 class _StateView(Mapping):
-    """``GroupedOptimizer.state``: master -> its optimizer's state, read through."""
+    """``GroupedOptimizer.state``: master -> its optimizer's state, read through; a model
+    parameter of the bound engine -> this rank's part of its state
+    (:meth:`~zerolearn.engines.state.EngineStateMixin.param_optimizer_state`)."""
 
     def __init__(self, owner: GroupedOptimizer):
         self._owner = owner
 
-    def __getitem__(self, master: torch.Tensor) -> dict:
-        i = self._owner.index.get(id(master))
-        if i is None or master not in self._owner.optimizers[i].state:
-            raise KeyError(master)
-        return self._owner.optimizers[i].state[master]
+    def __getitem__(self, key: torch.Tensor) -> dict:
+        i = self._owner.index.get(id(key))
+        if i is not None and key is self._owner.masters[i] and key in self._owner.optimizers[i].state:
+            return self._owner.optimizers[i].state[key]
+        engine = self._owner._engine() if self._owner._engine is not None else None
+        if i is None and engine is not None:
+            return engine.param_optimizer_state(key)
+        raise KeyError("no optimizer state for this tensor")
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         return (m for o in self._owner.optimizers for m in o.state)
@@ -186,6 +236,7 @@ class GroupedOptimizer(torch.optim.Optimizer):
         changed = {k: v for k, v in group.items()
                    if k != "params" and (k not in self._pushed or self._pushed[k] is not v)}
         if changed:
+            _check_changed(changed)
             for o in self.optimizers:
                 o.param_groups[0].update(changed)
             if self._multi is not None:
@@ -213,7 +264,7 @@ class GroupedOptimizer(torch.optim.Optimizer):
             hyper = {k: v for k, v in first.param_groups[0].items()
                      if k not in ("params", "foreach", "fused", "capturable")}
             self._multi = type(first)([{**hyper, "params": list(self.masters)}], **{self.multi: True})
-            for o, m in zip(self.optimizers, self.masters):
+            for o, m in zip(self.optimizers, self.masters, strict=True):
                 self._multi.state[m] = o.state[m]  # the same dict: state made by either is both's
         multi, masters = self._multi, [m for m in self.masters if m.grad is not None]
         if self.multi == "fused" or found_inf is None:
@@ -225,14 +276,14 @@ class GroupedOptimizer(torch.optim.Optimizer):
                 multi.__dict__.pop("found_inf", None)
             return
         states = [multi.state[m] for m in masters]
-        for m, state, o in zip(masters, states, [self.optimizers[self.index[id(m)]] for m in masters]):
+        for m, state, o in zip(masters, states, [self.optimizers[self.index[id(m)]] for m in masters], strict=True):
             if not state:
                 state.update(_fresh_state(o, m))
-        kept = [t for m, state in zip(masters, states)
+        kept = [t for m, state in zip(masters, states, strict=True)
                 for t in [m.detach(), *state.values()] if torch.is_tensor(t) and t.dim() > 0]
         before = [t.clone() for t in kept]
         multi.step()
-        for t, old in zip(kept, before):
+        for t, old in zip(kept, before, strict=True):
             t.copy_(torch.where(found_inf, old, t))
         for state in states:
             if torch.is_tensor(state.get("step")):
@@ -276,7 +327,7 @@ class GroupedOptimizer(torch.optim.Optimizer):
         kept = [t for t in [master.detach(), *state.values()] if torch.is_tensor(t) and t.dim() > 0]
         before = [t.clone() for t in kept]
         self._step_master(i, parts)
-        for t, old in zip(kept, before):
+        for t, old in zip(kept, before, strict=True):
             t.copy_(torch.where(found_inf, old, t))
         if torch.is_tensor(state.get("step")):
             state["step"].sub_(found_inf.to(state["step"].device, state["step"].dtype))
@@ -304,7 +355,7 @@ class GroupedOptimizer(torch.optim.Optimizer):
             view.grad = master.grad[a:b]
             views.append(view)
         partial = type(opt)([{**hyper, "params": views}])
-        for view, (a, b, steps) in zip(views, parts):
+        for view, (a, b, steps) in zip(views, parts, strict=True):
             partial.state[view] = {k: (v[a:b] if torch.is_tensor(v) and v.dim() > 0 else
                                        v.clone() if torch.is_tensor(v) and steps is None else
                                        torch.tensor(float(steps), dtype=v.dtype, device=v.device)
@@ -361,21 +412,49 @@ class GroupedOptimizer(torch.optim.Optimizer):
             o.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> dict:
+        """Bound to an engine: the whole state as one torch optimizer over
+        ``model.parameters()`` holds it (a collective: call on every rank;
+        :meth:`~zerolearn.engines.state.EngineStateMixin.full_optimizer_state_dict`), which
+        loads at any stage, world size or bucket size and into plain torch. Unbound:
+        :meth:`shard_state_dict`."""
+        engine = self._engine() if self._engine is not None else None
+        if engine is None:
+            return self.shard_state_dict()
+        self.push_hyperparameters()
+        return engine.full_optimizer_state_dict()
+
+    def shard_state_dict(self, rank: int | None = None) -> dict:
         """``{"state": {i: state of master i}, "param_groups": [{hyperparameters,
-        "params": [0, ..., G-1]}]}``: what one torch optimizer over the masters returns."""
+        "params": [0, ..., G-1]}], "shards_of_rank": rank}``: one torch optimizer over this
+        rank's masters, what checkpoints are built from; ``rank`` (the engine's when bound)
+        is checked when it is loaded."""
         self.push_hyperparameters()
         parts = [o.state_dict() for o in self.optimizers]
         state = {i: part["state"][0] for i, part in enumerate(parts) if 0 in part["state"]}
         group = {**parts[0]["param_groups"][0], "params": list(range(len(parts)))}
-        return {"state": state, "param_groups": [group]}
+        engine = self._engine() if self._engine is not None else None
+        rank = rank if rank is not None else engine.rank if engine is not None else None
+        return {"state": state, "param_groups": [group], "shards_of_rank": rank}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Load :meth:`state_dict`'s layout (param groups may split the indices differently;
-        ``param_groups[0]`` then shows master 0's hyperparameters).
+        """Load :meth:`state_dict`'s layout (a plain torch optimizer's over the model's
+        parameters too) or :meth:`shard_state_dict`'s (param groups may split the indices
+        differently; ``param_groups[0]`` then shows master 0's hyperparameters).
 
         Raises:
-            ValueError: the state dict does not name exactly the masters 0..G-1.
+            ConfigError: a shard state dict of another rank (its masters are another part
+                of the state); any error of ``load_full_optimizer_state_dict``.
+            ValueError: a shard state dict that does not name exactly the masters 0..G-1.
         """
+        engine = self._engine() if self._engine is not None else None
+        if "shards_of_rank" not in state_dict and engine is not None:
+            engine.load_full_optimizer_state_dict(state_dict)
+            return
+        owner = state_dict.get("shards_of_rank")
+        if engine is not None and owner is not None and owner != engine.rank:
+            raise ConfigError(f"this optimizer state holds rank {owner}'s shards of the masters and this is rank "
+                              f"{engine.rank}: load each rank's own (engine.optimizer.shard_state_dict()), or the "
+                              "whole state, engine.optimizer.state_dict(), which every rank can load")
         groups = {i: g for g in state_dict["param_groups"] for i in g["params"]}
         if sorted(groups) != list(range(len(self.optimizers))):
             raise ValueError(f"optimizer state dict for params {sorted(groups)}: this engine has "
@@ -439,7 +518,8 @@ def _fresh_state(opt: torch.optim.Optimizer, master: torch.Tensor) -> dict:
 
 
 def make_grouped(name: str, masters: list[nn.Parameter], lr: float, weight_decay: float = 0.0,
-                 momentum: float = 0.0, betas: tuple[float, float] = (0.9, 0.999)) -> GroupedOptimizer:
+                 momentum: float = 0.0, betas: tuple[float, float] = (0.9, 0.999),
+                 options: dict | None = None) -> GroupedOptimizer:
     """:class:`GroupedOptimizer` of :func:`make_optimizer`'s ``name``, one per master
     (fused on CUDA, :func:`multi_tensor_kind`: the overflow flag then skips inside the kernel).
 
@@ -447,8 +527,8 @@ def make_grouped(name: str, masters: list[nn.Parameter], lr: float, weight_decay
         ConfigError: ``name`` is not one of :data:`OPTIMIZERS`.
     """
     kind = multi_tensor_kind(masters[0].device) if masters else None  # CUDA: fused per master too
-    return GroupedOptimizer([make_optimizer(name, [m], lr, weight_decay, momentum, betas, kind) for m in masters],
-                            list(masters))
+    return GroupedOptimizer([make_optimizer(name, [m], lr, weight_decay, momentum, betas, kind, options)
+                             for m in masters], list(masters))
 
 
 def optimizer_state(optimizer: torch.optim.Optimizer | GroupedOptimizer, master: torch.Tensor) -> list[torch.Tensor]:
@@ -484,7 +564,8 @@ def parts_to_step(optimizer: GroupedOptimizer, i: int, b, used: list[bool]) -> l
     in ``b.skipped``.
     """
     lo, hi = (0, b.layout.padded_numel) if b.master.numel() == b.layout.padded_numel else b.layout.shard_range
-    mine = [j for j, (p, off) in enumerate(zip(b.params, b.layout.offsets)) if off < hi and off + p.numel() > lo]
+    mine = [j for j, (p, off) in enumerate(zip(b.params, b.layout.offsets, strict=True))
+            if off < hi and off + p.numel() > lo]
     counts_steps = not isinstance(optimizer.optimizers[i], torch.optim.SGD)
     for j, flag in enumerate(used):
         b.skipped[j] += not flag
@@ -508,7 +589,7 @@ def replica_weights(buckets, nm: int) -> list[list[tuple[int, int, float]]]:
     for b in buckets:
         lo, hi = b.layout.shard_range
         ranges = []
-        for p, off in zip(b.params, b.layout.offsets):
+        for p, off in zip(b.params, b.layout.offsets, strict=True):
             a, b = max(off, lo), min(off + p.numel(), hi)
             if a < b:
                 ranges.append((a - lo, b - lo, 1.0 if getattr(p, "tensor_parallel", False) else 1.0 / nm))
@@ -526,5 +607,5 @@ def sum_of_squares(grads: list[torch.Tensor], weights: list[list[tuple[int, int,
     """
     if weights is None:
         return torch.stack([gr.float().pow(2).sum() for gr in grads]).sum()
-    return torch.stack([gr[a:b].float().pow(2).sum() * w for gr, ranges in zip(grads, weights)
+    return torch.stack([gr[a:b].float().pow(2).sum() * w for gr, ranges in zip(grads, weights, strict=True)
                         for a, b, w in ranges] or [torch.zeros((), device=device)]).sum()

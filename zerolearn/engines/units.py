@@ -442,7 +442,14 @@ class Schedule:
         runs = [(v & (1 << 20) - 1) - 1 if v != ON_SCHEDULE and v >> 20 == first else self.trace[first]
                 for v in said]
         doing = "; ".join(f"rank {r} " + ("ends its forward" if i == END else f"runs {self.by_index[i].describe()}")
-                          for r, i in zip(guard.group_ranks(self.pg), runs))
+                          for r, i in zip(guard.group_ranks(self.pg), runs, strict=True))
+        if len(set(runs)) == 1:  # the same unit on every rank, yet not on the same schedule
+            raise ConfigError(
+                f"ZeRO-3: ranks are at different points of their steps ({doing}, each at another point of the "
+                "schedule of units): a rank skipped a forward, a "
+                "backward or a step that the others ran (a `continue` for a NaN loss on some ranks only). Every "
+                "rank must run every forward and backward; skip a bad batch on all ranks at once (reduce a flag "
+                "with dist.all_reduce first)")
         raise ConfigError(
             f"ZeRO-3: ranks are about to run different units ({doing}; unit number {first} of this forward): "
             "the model took a different branch on these ranks (an if around a unit that depends on the rank or "
