@@ -461,3 +461,29 @@ def many_bf16(runs: list[dict]) -> list:
         except Exception as e:  # noqa: BLE001  (the test reads the message)
             out.append(f"{type(e).__name__}: {e}")
     return out
+
+
+# torch's names (CommDebugMode) of the collectives the ledger books by the package's names
+C10D_NAMES = {"allreduce_": "all_reduce", "_reduce_scatter_base_": "reduce_scatter", "reduce_scatter_tensor_coalesced_":
+              "reduce_scatter", "_allgather_base_": "all_gather", "allgather_into_tensor_coalesced_": "all_gather",
+              "broadcast_": "broadcast"}
+
+
+def counted_by_torch(stage: int) -> dict:
+    """One training step at ``stage``: the collectives torch's ``CommDebugMode`` counts (by
+    the package's names) beside the ones the ledger books."""
+    from torch.distributed.tensor.debug import CommDebugMode
+
+    ctx = zdist.context()
+    engine = make_engine(stage, Net(), optimizer="sgd", lr=LR, momentum=0.9, bucket_mb=0.0005)
+    x, y = (data.rank_slice(t, ctx.rank, ctx.world_size) for t in batch(0))
+    comm.LEDGER.reset()
+    with CommDebugMode() as mode:
+        F.mse_loss(engine(x), y).backward()
+        engine.step()
+    seen: dict[str, int] = {}
+    for op, n in mode.get_comm_counts().items():
+        name = C10D_NAMES.get(str(op).rsplit(".", 1)[-1], str(op))
+        seen[name] = seen.get(name, 0) + n
+    engine.close()
+    return {"torch": seen, "ledger": _ops()}
