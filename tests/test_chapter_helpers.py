@@ -12,7 +12,7 @@ from zerolearn.engines.base import Engine
 from zerolearn.errors import ConfigError
 from zerolearn.nano import NanoZero
 
-pytestmark = pytest.mark.quick
+pytestmark = pytest.mark.slow  # the chapters' engines trained on ranks
 
 
 def test_excerpt_is_the_code_without_its_docstring():

@@ -16,7 +16,7 @@ from zerolearn.exercises import check, core
 from zerolearn.exercises.__main__ import main
 from zerolearn.exercises.timing import OnOneRank
 
-pytestmark = pytest.mark.quick
+pytestmark = pytest.mark.slow  # the checker's verdicts on spawned ranks
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -6,7 +6,6 @@ import os
 import re
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
@@ -108,21 +107,40 @@ BAD_INPUT = [
 ]
 
 
+def bad_runs(cases: list[tuple[list[str], dict]], tmp_path) -> list[tuple[int, str]]:
+    """``(exit code, stderr)`` of each command line of ``python -m zerolearn.train`` in
+    ``cases``, all run by tests/cli_driver.py in one process (torch imported once)."""
+    path = tmp_path / "cases.json"
+    path.write_text(json.dumps(cases))
+    done = subprocess.run([sys.executable, os.path.join(os.path.dirname(__file__), "cli_driver.py"), str(path)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    out = [tuple(r) for r in json.loads(done.stdout.splitlines()[-1])]
+    assert len(out) == len(cases)
+    return out
+
+
 @pytest.fixture(scope="module")
-def bad_input_runs() -> dict:
-    """The process of every BAD_INPUT case, two at a time: each keeps one core busy
-    importing torch. Keyed by (args, env); each test reads its own."""
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        return {(tuple(args), tuple(env.items())): pool.submit(cli, *args, env=env) for args, env, _ in BAD_INPUT}
+def bad_input_runs(tmp_path_factory) -> dict:
+    """Every BAD_INPUT case, keyed by (args, env); each test reads its own."""
+    cases = [(args, env) for args, env, _ in BAD_INPUT]
+    out = bad_runs(cases, tmp_path_factory.mktemp("cli"))
+    return {(tuple(args), tuple(env.items())): r for (args, env), r in zip(cases, out, strict=True)}
 
 
 @pytest.mark.parametrize("args, env, message", BAD_INPUT)
 def test_bad_input_exits_2_with_a_message_naming_it(args, env, message, bad_input_runs):
     if torch.cuda.is_available() and "CUDA" in message:
         pytest.skip("CUDA is available here")
-    done = bad_input_runs[(tuple(args), tuple(env.items()))].result()
-    assert done.returncode == 2
-    assert message in done.stderr
+    code, stderr = bad_input_runs[(tuple(args), tuple(env.items()))]
+    assert code == 2, stderr
+    assert message in stderr and "Traceback" not in stderr
+
+
+def test_bad_input_from_a_shell_exits_2_with_one_line():
+    done = cli("--stage", "4")
+    assert done.returncode == 2 and "argument --stage: invalid choice: 4" in done.stderr
+    assert "Traceback" not in done.stderr
 
 
 def test_global_batch_that_world_size_does_not_divide_is_refused_before_training():
@@ -140,7 +158,7 @@ def test_model_on_several_devices_is_refused():
     (dict(stage=7), "--stage 7: allowed are 0, 1, 2, 3"),
     (dict(stage=1, optimizer="lion"), "--optimizer 'lion': allowed are adam, adamw, sgd"),
     (dict(stage=1, dtype="int8"), "--dtype 'int8': allowed are fp32, bf16, fp16"),
-    (dict(stage=2, lr=-1.0), "--lr -1.0: must be a finite number > 0"),
+    (dict(stage=2, lr=-1.0), "--lr -1.0: must be a finite number >= 0"),
 ])
 def test_engine_refuses_bad_arguments_before_any_work(kwargs, message):
     with pytest.raises(ConfigError, match=message.replace("(", r"\(")):

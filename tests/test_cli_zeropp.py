@@ -3,10 +3,10 @@ input refused with exit 2 before any work, and a run's intra- / inter-node bytes
 report equal to the engine's, run directly with the same options, and to chapter 8's table
 for the same model (Wang et al., arXiv 2306.10209 Sec 3; the link model of zerolearn.comm)."""
 
+import functools
 import json
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch.nn.functional as F
@@ -18,7 +18,7 @@ from zerolearn.dist import ConfigError, free_port
 from zerolearn.engines import Zero3Engine
 from zerolearn.models import GPTConfig, build_model
 
-pytestmark = pytest.mark.quick
+pytestmark = pytest.mark.slow  # ZeRO++ from the command line on 4 ranks
 
 TINY = TrainConfig(steps=2, global_batch_size=8, seq_len=16, n_layer=2, d_model=32, n_head=2, quiet=True)
 # Chapter 8's ZeRO++ table trains this model (zerolearn.experiments.zeropp: small_gpt(64), bf16, Adam at lr 1e-2,
@@ -46,11 +46,6 @@ BAD_INPUT = [  # (arguments of python -m zerolearn.train, what the message must 
 ]
 
 
-def cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "zerolearn.train", *TINY.to_argv(), *args], capture_output=True,
-                          text=True, timeout=120)
-
-
 def launch_cli(*args: str, timeout: float = 300, config: TrainConfig = TINY) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "zerolearn.launch", "--nproc-per-node", str(WORLD),
                            "--master-port", str(free_port()), "--", *config.to_argv(), *args],
@@ -58,18 +53,20 @@ def launch_cli(*args: str, timeout: float = 300, config: TrainConfig = TINY) -> 
 
 
 @pytest.fixture(scope="module")
-def bad_input_runs() -> dict:
-    """Every BAD_INPUT process, two at a time (each keeps a core busy importing torch)."""
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        return {tuple(args): pool.submit(cli, *args) for args, _ in BAD_INPUT}
+def bad_input_runs(tmp_path_factory) -> dict:
+    """Every BAD_INPUT command line, run in one process by tests/cli_driver.py."""
+    from test_cli import bad_runs
+
+    cases = [([*TINY.to_argv(), *args], {}) for args, _ in BAD_INPUT]
+    out = bad_runs(cases, tmp_path_factory.mktemp("zeropp_cli"))
+    return {tuple(args): r for (args, _), r in zip(BAD_INPUT, out, strict=True)}
 
 
 @pytest.mark.parametrize("args, message", BAD_INPUT)
 def test_bad_zeropp_input_exits_2_naming_it(args, message, bad_input_runs):
-    done = bad_input_runs[tuple(args)].result()
-    assert done.returncode == 2, done.stderr
-    assert message in done.stderr
-    assert "Traceback" not in done.stderr and "stage 3: loss" not in done.stdout
+    code, stderr = bad_input_runs[tuple(args)]
+    assert code == 2, stderr
+    assert message in stderr and "Traceback" not in stderr
 
 
 def test_the_same_checks_in_python():
@@ -129,12 +126,24 @@ RUNS = {  # the CLI's options -> the engine's keywords for the same run, and cha
 }
 
 
+# Launched from the command line: plain ZeRO-3 and every option at once (each flag's
+# translation into the engine's keywords); each option alone runs on the engine directly.
+ON_THE_COMMAND_LINE = ("node size only", "all three")
+
+
+@functools.cache
+def rank0_by_work(name: str) -> dict:
+    """Rank 0's bytes per link and kind of work over the run of RUNS[name], run directly."""
+    return on_ranks(engine_bytes_by_link, WORLD, CHAPTER, RUNS[name][1], NODE)[0]["by_work"]
+
+
 @pytest.fixture(scope="module")
 def cli_reports(tmp_path_factory) -> dict:
-    """The report of each RUNS run: python -m zerolearn.launch, 4 ranks, --stage 3 --node-size 2,
-    chapter 8's model."""
+    """The report of each ON_THE_COMMAND_LINE run: python -m zerolearn.launch, 4 ranks,
+    --stage 3 --node-size 2, chapter 8's model."""
     out = {}
-    for name, (args, _, _) in RUNS.items():
+    for name in ON_THE_COMMAND_LINE:
+        args = RUNS[name][0]
         path = tmp_path_factory.mktemp("zeropp") / "run.json"
         done = launch_cli("--stage", "3", "--node-size", str(NODE), *args, "--report", str(path), config=CHAPTER)
         assert done.returncode == 0, done.stderr
@@ -143,7 +152,7 @@ def cli_reports(tmp_path_factory) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", RUNS)
+@pytest.mark.parametrize("name", ON_THE_COMMAND_LINE)
 def test_report_bytes_per_link_equal_the_engine_run_directly(name, cli_reports):
     report, stdout = cli_reports[name]
     assert report["node_size"] == NODE and report["world_size"] == WORLD
@@ -168,13 +177,13 @@ def test_the_link_split_follows_the_paper(cli_reports):
         assert link["intra"] * (WORLD - NODE) == link["inter"] * (NODE - 1)
         assert (link["intra"] + link["inter"]) * WORLD == (WORLD - 1) * (
             moved["all_gather"]["bytes"] + moved["reduce_scatter"]["bytes"])
-    hpz = cli_reports["hpZ"][0]["ranks"][0]["comm_by_link"]["by_work"]
+    hpz = rank0_by_work("hpZ")
     assert hpz["backward: gather"]["inter"] == 0 < hpz["backward: gather"]["intra"]  # Sec 3.2: inside the node
     plain_work = plain["ranks"][0]["comm_by_link"]["by_work"]
-    qwz = cli_reports["qwZ"][0]["ranks"][0]["comm_by_link"]["by_work"]
+    qwz = rank0_by_work("qwZ")
     # Sec 3.1: int8 of bf16, with one fp32 scale per 256 values: half the bytes, and 1.6% more
     assert qwz["forward: gather"]["inter"] < 0.52 * plain_work["forward: gather"]["inter"]
-    qgz = cli_reports["qgZ"][0]["ranks"][0]["comm_by_link"]["by_work"]
+    qgz = rank0_by_work("qgZ")
     assert qgz["backward: reduce"]["inter"] < plain_work["backward: reduce"]["inter"] / 4  # Sec 3.3: int4, 2 hops
 
 
@@ -191,9 +200,12 @@ def chapter_table() -> dict:
 def test_report_bytes_per_link_equal_chapter_8s_table(name, cli_reports, chapter_table):
     from zerolearn.experiments.zeropp import WORK
 
-    report, _ = cli_reports[name]
-    row, steps = chapter_table[RUNS[name][2]], len(report["losses"])
-    by_work = report["ranks"][0]["comm_by_link"]["by_work"]
+    if name in cli_reports:
+        report = cli_reports[name][0]
+        steps, by_work = len(report["losses"]), report["ranks"][0]["comm_by_link"]["by_work"]
+    else:
+        steps, by_work = CHAPTER.steps, rank0_by_work(name)
+    row = chapter_table[RUNS[name][2]]
     for work, doing in WORK.items():
         for link in ("intra", "inter"):
             assert by_work[doing][link] == steps * row[f"{work} {link} B"], (work, link)

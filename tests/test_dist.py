@@ -7,7 +7,7 @@ import jobs
 from zerolearn import dist as zdist
 from zerolearn.dist import ConfigError, RankError, launch
 
-pytestmark = pytest.mark.quick
+pytestmark = pytest.mark.slow  # launch and teardown of process groups
 
 
 @pytest.mark.slow  # 3 ranks

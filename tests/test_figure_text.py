@@ -21,7 +21,7 @@ from zerolearn.figures import animate
 from zerolearn.figures import schematics as S
 from zerolearn.figures import timeline as tl
 
-pytestmark = pytest.mark.quick
+pytestmark = pytest.mark.slow  # every chapter figure drawn
 
 DATA = Path(__file__).resolve().parent.parent / "notebooks" / "data"
 TOLERANCE = 1.0  # pixels: anti-aliasing at a box's edge is not an overlap

@@ -15,7 +15,7 @@ import user_model_jobs
 
 from jobs import on_ranks
 
-pytestmark = pytest.mark.quick
+pytestmark = pytest.mark.slow  # Hugging Face models at every stage on 2 and 3 ranks
 
 STAGES = (0, 1, 2, 3)
 SGD = dict(optimizer="sgd", momentum=0.9, lr=0.05)

@@ -16,7 +16,7 @@ import torch
 from zerolearn import dist as zdist
 from zerolearn.dist import RankError, free_port, launch
 
-pytestmark = pytest.mark.quick
+pytestmark = pytest.mark.slow  # torchrun and launch processes
 
 TINY = ["--steps", "1", "--global-batch-size", "4", "--seq-len", "16", "--n-layer", "1", "--d-model", "32",
         "--n-head", "2", "--quiet"]

@@ -12,7 +12,7 @@ import torch
 from zerolearn import live
 from zerolearn.errors import ConfigError
 
-pytestmark = pytest.mark.quick
+pytestmark = pytest.mark.slow  # persistent ranks started and stopped
 
 TIMEOUT_S = 5.0  # every call here takes well under a second; a hang is cut off after this
 

@@ -24,7 +24,7 @@ from zerolearn.engines import make_engine
 from zerolearn.errors import ConfigError
 from zerolearn.memory import model as analytic
 
-pytestmark = pytest.mark.quick
+pytestmark = pytest.mark.slow  # offload and DPU runs on ranks
 
 STAGES = (1, 2, 3)
 OFFLOADS = (None, "cpu", "disk")

@@ -23,7 +23,7 @@ from zerolearn.errors import ConfigError
 from zerolearn.models import build_model
 from zerolearn.train import train
 
-pytestmark = pytest.mark.quick
+pytestmark = pytest.mark.slow  # engines trained and released on ranks
 
 MIB = 2**20
 

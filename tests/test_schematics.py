@@ -17,7 +17,7 @@ from zerolearn.figures.schematics import zero3_units as z3
 from zerolearn.flat import FlatLayout
 from zerolearn.memory.model import model_state_bytes, offload_state_bytes
 
-pytestmark = pytest.mark.quick
+pytestmark = pytest.mark.slow  # every schematic animated
 
 
 def test_at_nd3_stage2_rank1_holds_its_flatlayout_shard_of_grads_and_optimizer_states():

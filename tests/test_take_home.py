@@ -16,7 +16,7 @@ from zerolearn.chapters.ch04 import take_home
 from zerolearn.chapters.ch04.gather_hooks import gather_hooks
 from zerolearn.errors import ConfigError
 
-pytestmark = pytest.mark.quick
+pytestmark = pytest.mark.slow  # the take-home script under torchrun
 
 LAYER = 64 * 64 + 64  # one Linear(64, 64) of the script's MLP
 LAYERS = 4

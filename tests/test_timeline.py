@@ -20,7 +20,7 @@ from zerolearn.timeline import Spec, intersect, intervals_from_events, length, o
 from zerolearn.timeline.__main__ import main
 from zerolearn.timeline.intervals import PHASE, STEP
 
-pytestmark = pytest.mark.quick
+pytestmark = pytest.mark.slow  # profiled steps at every stage
 
 STORED = os.path.join(os.path.dirname(__file__), "..", "notebooks", "data", "timeline")
 EXPECTED_OPS = {0: {"all_reduce"}, 1: {"reduce_scatter", "all_gather"}, 2: {"reduce_scatter", "all_gather"},

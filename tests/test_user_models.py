@@ -16,7 +16,7 @@ import user_model_jobs
 import jobs
 from jobs import on_ranks
 
-pytestmark = pytest.mark.quick
+pytestmark = pytest.mark.slow  # users' models at every stage on ranks
 
 STAGES = (0, 1, 2, 3)
 needs_hf = pytest.mark.skipif(importlib.util.find_spec("transformers") is None,

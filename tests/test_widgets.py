@@ -23,7 +23,7 @@ from zerolearn.memory.model import FIGURE1_GB, GB, V100_BYTES, comm_volume_eleme
 from zerolearn.residual import defrag
 from zerolearn.widgets.stage import CB_MB
 
-pytestmark = pytest.mark.quick
+pytestmark = pytest.mark.slow  # the explorers, some over recorded allocation traces
 
 PSIS = [1e8, 1.5e9, 7.5e9, 1.28e11, 1e12]
 MIB = 2**20
