@@ -66,6 +66,7 @@ def _train_both(steps: int) -> dict:
     return out
 
 
+@pytest.mark.slow  # three stages trained twice
 def test_naive_zero1_written_in_chapter_2_trains_as_the_lessons_copy():
     results = on_ranks(_train_both, 2, 3)
     assert len(results) == 2

@@ -77,5 +77,6 @@ def average_in_one_collective(model, world_size):
         offset += g.numel()
 
 
+@pytest.mark.slow  # the exercise on fresh ranks
 def test_naive_dp_in_one_flat_all_reduce_passes():
     assert check("01.average_gradients", average_in_one_collective, quiet=True).passed

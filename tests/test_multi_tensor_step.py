@@ -70,7 +70,8 @@ def run_kinds(stages=(0, 1, 2, 3), steps: int = 4) -> dict:
     return out
 
 
-@pytest.mark.parametrize("world_size", [1, pytest.param(2, marks=pytest.mark.slow)])
+@pytest.mark.slow  # every stage, optimizer and option, twice
+@pytest.mark.parametrize("world_size", [1, 2])
 def test_multi_tensor_step_forced_on_the_cpu_matches_the_per_master_step(world_size):
     out = on_ranks(run_kinds, world_size)[0]
     assert len(out) == 4 * len(CONFIGS) * len(KINDS)  # stages 0-3
