@@ -44,6 +44,10 @@ def sources() -> list[Path]:
     return sorted(SRC.glob("[0-9]*.py"))
 
 
+# A markdown link to a file outside notebooks/ (../book/...): the readers' copies need one more ../.
+RELATIVE_LINK = re.compile(r"\]\((\.\./)")
+
+
 def read_source(src: Path, reader: bool = False) -> nbformat.NotebookNode:
     """The notebook a source describes, unexecuted, with numbered cell ids: with each
     exercise's solution (the book) or, ``reader=True``, its skeleton (the reader's copy).
@@ -55,6 +59,8 @@ def read_source(src: Path, reader: bool = False) -> nbformat.NotebookNode:
     for i, cell in enumerate(nb.cells):
         cell.id = f"c{i:02d}"
         cell.metadata.pop("lines_to_next_cell", None)
+        if reader and cell.cell_type == "markdown":  # the copy sits one folder deeper
+            cell.source = RELATIVE_LINK.sub(r"](../\1", cell.source)
         tags = cell.metadata.get("tags", [])
         if "exercise" not in tags:
             continue

@@ -8,9 +8,11 @@ notebook saved out of order.
 """
 
 import json
+import re
 import sys
 from pathlib import Path
 
+import nbformat
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -90,3 +92,20 @@ def test_stored_solutions_are_folded_and_no_nbval_marker_is_visible(path):
         assert "NBVAL" not in source, f"cell {i} of {path.name}: use the nbval-ignore-output tag, not a comment"
         if "exercise" in cell["metadata"].get("tags", []):
             assert cell["metadata"].get("jupyter", {}).get("source_hidden") is True, f"cell {i} of {path.name}"
+
+
+@pytest.mark.parametrize("folder", ["notebooks", "notebooks/exercises"])
+def test_every_relative_link_in_the_chapters_and_the_readers_copies_resolves(folder):
+    link = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+    found, broken = 0, []
+    for path in sorted((ROOT / folder).glob("*.ipynb")):
+        for cell in nbformat.read(path, as_version=4).cells:
+            if cell.cell_type != "markdown":
+                continue
+            for target in link.findall(cell.source):
+                if "://" in target or target.startswith("mailto:"):
+                    continue
+                found += 1
+                if not (path.parent / target).exists():
+                    broken.append(f"{path.name}: {target}")
+    assert found > 0 and not broken, broken
