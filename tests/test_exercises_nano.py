@@ -59,3 +59,21 @@ def test_nano_engine_runs_the_readers_parts_own_checks():
     result = check("04.nano_engine", _cell("04.nano_engine", A_READERS_ENGINE), quiet=True)
     assert result.passed, str(result)
     assert "your parts pass their own checks (02.shard_range)" in str(result)
+
+
+PREFETCH_WITHOUT_THE_FLAG = '''
+from zerolearn.chapters.ch04.prefetch import prefetch as book_prefetch
+from zerolearn.nano import NanoZero
+
+def prefetch(units, flats, shards, world_size):  # the reader's own, written in a cell
+    return book_prefetch(units, flats, shards, world_size)
+
+def nano_engine(model, stage, lr):
+    return NanoZero(model, stage, lr, parts={"prefetch": prefetch})
+'''
+
+
+def test_a_part_the_engine_never_runs_is_refused():
+    result = check("04.nano_engine", _cell("04.nano_engine", PREFETCH_WITHOUT_THE_FLAG), quiet=True)
+    assert not result.passed
+    assert "your prefetch never runs; pass prefetch=True" in str(result), str(result)

@@ -71,10 +71,32 @@ def _uses(engine: NanoZero) -> list[str]:
     return [*dp, "shard_range", "zero1_step", *rs, *gather]
 
 
+def _refuse_unused(engine: NanoZero, references: dict) -> None:
+    """A part the reader passed that no stage of this engine runs: its check would answer for
+    the book's part instead (``prefetch`` without ``prefetch=True``; ``average_gradients``
+    beside ``bucket_hook``)."""
+    at_any_stage = {"average_gradients" if engine.naive else "bucket_hook", "shard_range", "zero1_step",
+                    "reduce_scatter_hook", "prefetch" if engine.prefetch else "gather_hooks"}
+    unused = [part for part, fn in engine.fn.items() if fn is not references[part] and part not in at_any_stage]
+    if "prefetch" in unused:
+        raise Wrong("you passed parts={'prefetch': ...} but built NanoZero without prefetch=True: stage 3 then "
+                    "gathers with gather_hooks and your prefetch never runs; pass prefetch=True")
+    if unused:
+        raise Wrong(f"you passed parts={{'{unused[0]}': ...}}, which this engine never runs "
+                    f"({'bucket_hook' if unused[0] == 'average_gradients' else unused[0]} is used instead); "
+                    "pass only the parts the engine uses")
+
+
 def _check_parts(engine: NanoZero, checked: set[str]) -> None:
     """Run the own trial of every part ``engine`` uses that is not the book's solution and was
-    not checked yet (``checked``: exercise names, updated)."""
+    not checked yet (``checked``: exercise names, updated).
+
+    Raises:
+        Wrong: a part was passed that the engine never runs (:func:`_refuse_unused`), or a
+            part's own trial fails.
+    """
     references = reference_parts()
+    _refuse_unused(engine, references)
     for part in _uses(engine):
         name = EXERCISE_OF[part]
         if engine.fn[part] is references[part] or name in checked:
