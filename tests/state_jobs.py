@@ -341,6 +341,8 @@ def optimizer_refusal(habit: str, stage: int) -> str:
         options = dict(optimizer="sgd", lr=LR, momentum=0.9)
         if habit == "dampening_kwarg":
             options["optimizer_kwargs"] = {"dampening": 0.5}
+        if habit == "clip_groups_offload":  # Lightning's clipping over the host masters
+            options["offload"] = "cpu"
         engine = make_engine(stage, model, bucket_mb=0.0005, **options)
         if habit == "dampening_group":
             engine.optimizer.param_groups[0]["dampening"] = 0.5
@@ -353,6 +355,8 @@ def optimizer_refusal(habit: str, stage: int) -> str:
         loss.backward()
         if habit == "clip_value":
             torch.nn.utils.clip_grad_value_(model.parameters(), 0.01)
+        if habit == "clip_groups_offload":
+            torch.nn.utils.clip_grad_norm_([p for g in engine.optimizer.param_groups for p in g["params"]], CLIP)
         (user or engine).step()
         if habit == "other_ranks_shards":
             engine.optimizer.load_state_dict(theirs[0])

@@ -35,6 +35,7 @@ WORLD_SIZES = [2, pytest.param(3, marks=pytest.mark.slow)]
 def runs(world_size: int) -> dict:
     todo = [dict(kind="exact", habit=h, stage=s) for h in EXACT for s in STAGES]
     todo += [dict(kind="refused", habit=h, stage=s) for h in REFUSED for s in STAGES]
+    todo += [dict(kind="refused", habit="clip_groups_offload", stage=s) for s in (1, 2, 3)]
     keys = [(kw["habit"], kw["stage"], kw["kind"]) for kw in todo]
     out = on_ranks(state_jobs.optimizer_habits, world_size, todo)
     assert len(out) == world_size and all(len(r) == len(todo) for r in out)
@@ -143,3 +144,11 @@ def test_hugging_face_models_with_keyword_batches_train_in_bf16(kind):
     for stage, losses in zip(STAGES, out, strict=True):
         assert not isinstance(losses, str), f"stage {stage}: {losses}"
         assert losses == pytest.approx(ref, rel=2e-2), f"stage {stage}: bf16 {losses}, fp32 {ref}"
+
+
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_clipping_the_optimizers_host_masters_under_offload_is_refused(stage):
+    said = runs(2)[("clip_groups_offload", stage, "refused")]
+    assert len(said) == 2
+    for text in said:  # the host masters hold no gradient before the step (it was a norm of 0.0)
+        assert text.startswith("ConfigError: p.grad was read") and "max_grad_norm=" in text, text

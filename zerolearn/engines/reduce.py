@@ -172,8 +172,7 @@ class GradientReduction:
                     p.grad = held
                     exposed.append((p, held))
         self._exposed = exposed
-        for b in self.buckets if self._offload is None else ():  # (offload's host step sets its own)
-            # the optimizer's params (clip over engine.optimizer.param_groups)
+        for b in self._masters_exposed():  # the optimizer's params (clip over engine.optimizer.param_groups)
             whole = (views and b.grad_full is not None
                      and b.grad_full.dtype == b.master.dtype and b.grad_full.numel() == b.master.numel())
             b.master.grad = b.grad_full if whole else HeldGradient.make(b.master, -1)
@@ -183,9 +182,15 @@ class GradientReduction:
         for p, _ in self._exposed:
             p.grad = None
         self._exposed = []
-        for b in self.buckets if self._offload is None else ():  # under DPU a thread steps the host masters
+        for b in self._masters_exposed():
             if b.master is not None:
                 b.master.grad = None
+
+    def _masters_exposed(self) -> list:
+        """The buckets whose master gets a ``.grad`` between backward and step: all, except
+        under DPU, where a thread steps the host masters (and sets their ``.grad``) while the
+        next backward runs."""
+        return self.buckets if not self.dpu else []
 
     def _check_exposed(self) -> None:
         """Before a step: every ``p.grad`` set after backward is still the one set.
