@@ -491,3 +491,34 @@ def counted_by_torch(stage: int) -> dict:
         seen[name] = seen.get(name, 0) + n
     engine.close()
     return {"torch": seen, "ledger": _ops()}
+
+
+def gradient_penalty(stage: int | None) -> dict:
+    """Two SGD steps of a loss with a gradient penalty on the input (WGAN-GP's manner:
+    ``torch.autograd.grad(out.sum(), x, create_graph=True)``, then one backward through
+    both), at ``stage`` on this rank's rows (None: plain torch, one process, all rows)."""
+    model = Net()
+    if stage is None:
+        opt, forward, rows = torch.optim.SGD(model.parameters(), lr=LR), model, (lambda t: t)
+    else:
+        ctx = zdist.context()
+        engine = make_engine(stage, model, optimizer="sgd", lr=LR, bucket_mb=0.0005)
+        opt, forward, rows = engine, engine, (lambda t: data.rank_slice(t, ctx.rank, ctx.world_size))
+    try:
+        for step in range(2):
+            x, y = (rows(t) for t in batch(step))
+            x.requires_grad_()
+            out = forward(x)
+            g, = torch.autograd.grad(out.sum(), x, create_graph=True)
+            loss = F.mse_loss(out, y) + 0.1 * ((g.norm(dim=1) - 1) ** 2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+    except Exception as e:  # noqa: BLE001  (the test reads the message)
+        return {"error": f"{type(e).__name__}: {e}"}
+    return {"params": engine.full_state_dict() if stage is not None else
+            {n: p.detach().clone() for n, p in model.named_parameters()}}
+
+
+def many_penalties(stages: list[int]) -> list[dict]:
+    return [gradient_penalty(s) for s in stages]

@@ -152,3 +152,15 @@ def test_clipping_the_optimizers_host_masters_under_offload_is_refused(stage):
     assert len(said) == 2
     for text in said:  # the host masters hold no gradient before the step (it was a norm of 0.0)
         assert text.startswith("ConfigError: p.grad was read") and "max_grad_norm=" in text, text
+
+
+def test_a_gradient_penalty_is_exact_at_stages_0_to_2_and_refused_by_name_at_zero3():
+    ranks = on_ranks(state_jobs.many_penalties, 2, list(STAGES))
+    ref = state_jobs.gradient_penalty(None)["params"]
+    assert len(ranks) == 2 and all(len(r) == len(STAGES) for r in ranks)
+    for stage, run in zip(STAGES, ranks[0], strict=True):
+        if stage == 3:
+            assert run["error"].startswith("ConfigError") and "gradient penalty" in run["error"], run
+            continue
+        assert "error" not in run, f"stage {stage}: {run}"
+        torch.testing.assert_close(run["params"], ref, rtol=1e-5, atol=1e-6)

@@ -138,11 +138,14 @@ class Backward:
         end (:meth:`_end_backward`) queued on autograd's graph task.
 
         Raises:
-            ConfigError: ``create_graph=True``; fp16 through ``loss.backward()``.
+            ConfigError: ``create_graph=True``; fp16 through ``loss.backward()``; at ZeRO-3, a
+                gradient of an input with ``create_graph=True``.
         """
         if self.state is TrainingState.PRE_BACKWARD or self._passive:
             return
         if not _reaches_a_parameter(self):  # an input's gradient: the engine has nothing to do
+            if torch.is_grad_enabled() and self.stage == 3:
+                raise ConfigError(_INPUT_GRAPH_AT_ZERO3)
             self._passive = True
             torch.autograd.Variable._execution_engine.queue_callback(
                 functools.partial(_passive_backward_over, self._me))
@@ -219,3 +222,8 @@ _CREATE_GRAPH = ("backward with create_graph=True: the engine copies gradients i
                  "higher-order gradients with torch.autograd.grad(..., create_graph=True) on the model's "
                  "inputs (the engine leaves a backward that reaches no parameter alone), and the training "
                  "loss's backward without create_graph")
+
+_INPUT_GRAPH_AT_ZERO3 = (
+    "torch.autograd.grad(..., create_graph=True) of an input at ZeRO-3 (a gradient penalty): the gradient's graph "
+    "keeps the units' gathered parameters, which ZeRO-3 frees when this backward ends, so the penalty's own "
+    "backward would read freed memory; train such a loss at stage 0, 1 or 2, where it is exact as in torch")
