@@ -73,6 +73,7 @@ def nano_engine(model, stage, lr):
 '''
 
 
+@pytest.mark.slow  # a check on fresh ranks
 def test_a_part_the_engine_never_runs_is_refused():
     result = check("04.nano_engine", _cell("04.nano_engine", PREFETCH_WITHOUT_THE_FLAG), quiet=True)
     assert not result.passed
