@@ -139,8 +139,8 @@ def test_quantized_all_gather_accepts_another_way_to_divide():
         q = torch.round(x * (127 / absmax)).to(torch.int8)
         all_q = torch.empty(world_size * nb * block, dtype=torch.int8)
         all_scales = torch.empty(world_size * nb)
-        dist.all_gather_into_tensor(all_q, q.flatten())
-        dist.all_gather_into_tensor(all_scales, (absmax / 127).flatten())
+        dist.all_gather_single(all_q, q.flatten())
+        dist.all_gather_single(all_scales, (absmax / 127).flatten())
         values = all_q.view(world_size, nb, block).float() * all_scales.view(world_size, nb, 1)
         out.copy_(values.view(world_size, -1)[:, :n].flatten())
 
@@ -184,7 +184,7 @@ def test_dpu_step_accepts_a_future_asked_done_as_concurrent_futures_promises(wai
     assert result.passed, str(result)
 
 
-@pytest.mark.parametrize("call", ["dist.all_gather_into_tensor", "comm.all_gather"])
+@pytest.mark.parametrize("call", ["dist.all_gather_single", "comm.all_gather"])
 def test_an_error_inside_a_collective_is_named_at_the_readers_line(call):
     import inspect
     import math
@@ -201,7 +201,7 @@ def test_an_error_inside_a_collective_is_named_at_the_readers_line(call):
             if call == "comm.all_gather":
                 comm.all_gather(full, piece, group=group)
             else:
-                dist.all_gather_into_tensor(full, piece, group=group)
+                dist.all_gather_single(full, piece, group=group)
             return full[:numel].view(shape)
 
         return restore

@@ -2,8 +2,10 @@
 its message, and the checker's own verdicts (not written yet, a raising function, bad
 names) read as the book says."""
 
+import linecache
 import subprocess
 import sys
+import uuid
 
 import pytest
 
@@ -27,9 +29,13 @@ def persistent_ranks():
 
 
 def _defined_in_a_cell(name: str, source: str):
-    """The function ``source`` defines, compiled as a notebook cell is (not importable by name)."""
+    """The function ``source`` defines, compiled as a notebook cell is (not importable by name; its
+    source kept in linecache under the cell's own file name, as IPython keeps it)."""
     namespace = {"__name__": "__main__"}
-    exec(compile(exercises.PRELUDE + "\n" + source, "<cell>", "exec"), namespace)
+    text = exercises.PRELUDE + "\n" + source
+    filename = f"<cell {uuid.uuid4().hex}>"
+    linecache.cache[filename] = (len(text), None, text.splitlines(keepends=True), filename)
+    exec(compile(text, filename, "exec"), namespace)
     return namespace[EXERCISES[name].solution.__name__]
 
 
@@ -52,13 +58,27 @@ def test_known_bug_is_caught_with_its_message(name, bug):
 
 
 @pytest.mark.parametrize("name", NAMES)
-def test_skeleton_keeps_the_signature_and_docstring_and_raises(name):
+def test_skeleton_keeps_the_signature_and_docstring_and_raises(name, monkeypatch):
+    def no_ranks(*args, **kwargs):
+        raise AssertionError("a skeleton started ranks")
+
+    monkeypatch.setattr(exercises.core, "_on_ranks", no_ranks)  # said at once: nothing to run
+    monkeypatch.setattr(exercises.core, "run_trial", no_ranks)
     skeleton = exercises.skeleton(name)
     solution = exercises.solution_source(name)
     assert skeleton.splitlines()[0] == solution.splitlines()[0]  # the def line
     assert "raise NotImplementedError" in skeleton and "raise NotImplementedError" not in solution
     assert EXERCISES[name].solution.__doc__, f"{name}: the reader needs the docstring"
     result = check(name, _defined_in_a_cell(name, skeleton), quiet=True)
+    assert not result.written and "not written yet" in str(result)
+
+
+def test_a_function_that_raises_not_implemented_after_some_work_is_not_written_yet_on_the_ranks():
+    skeleton = exercises.skeleton("02.zero1_step").replace(
+        "raise NotImplementedError", "n = flat_params.numel() // world_size\n    raise NotImplementedError")
+    assert "n = flat_params.numel()" in skeleton
+    assert not exercises.core._only_raises_not_implemented(_defined_in_a_cell("02.zero1_step", skeleton))
+    result = check("02.zero1_step", _defined_in_a_cell("02.zero1_step", skeleton), quiet=True)
     assert not result.written and "not written yet" in str(result)
 
 

@@ -25,7 +25,7 @@ READS_FREED = '''
 def prefetch(units, flats, shards, world_size):
     def before(i):
         flats[i].untyped_storage().resize_(flats[i].numel() * flats[i].element_size())
-        dist.all_gather_into_tensor(flats[i], shards[i])
+        dist.all_gather_single(flats[i], shards[i])
         flats[(i + 1) % len(units)].view(-1)[0].item()  # reads the next unit, still freed
     for i, unit in enumerate(units):
         unit.register_forward_pre_hook(lambda m, a, i=i: before(i))

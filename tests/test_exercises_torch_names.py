@@ -17,11 +17,11 @@ pytestmark = pytest.mark.slow  # exercises under torch's names on ranks
 ROOT = Path(__file__).resolve().parents[1]
 CHAPTERS = ("01", "02", "03", "04", "05", "08")
 NAMES = sorted(n for n in EXERCISES if n[:2] in CHAPTERS)
-COLLECTIVE = re.compile(r"\b(?:dist|torch\.distributed)\.(all_reduce|reduce_scatter_tensor|all_gather_into_tensor|"
+COLLECTIVE = re.compile(r"\b(?:dist|torch\.distributed)\.(all_reduce|reduce_scatter_single|all_gather_single|"
                         r"broadcast)\(")
 WRAPPER = re.compile(r"\bcomm\.(all_reduce|reduce_scatter|all_gather|broadcast)\(")
-TO_COMM = {"dist.all_reduce(": "comm.all_reduce(", "dist.reduce_scatter_tensor(": "comm.reduce_scatter(",
-           "dist.all_gather_into_tensor(": "comm.all_gather(", "dist.broadcast(": "comm.broadcast("}
+TO_COMM = {"dist.all_reduce(": "comm.all_reduce(", "dist.reduce_scatter_single(": "comm.reduce_scatter(",
+           "dist.all_gather_single(": "comm.all_gather(", "dist.broadcast(": "comm.broadcast("}
 MOVING = [n for n in NAMES if COLLECTIVE.search(exercises.solution_source(n))]
 
 

@@ -303,7 +303,7 @@ def no_process_group(monkeypatch):
     def reached(*args, **kwargs):
         raise AssertionError("the engine reached the process group before refusing its options")
 
-    for name in ("get_rank", "get_world_size", "all_reduce", "all_gather_into_tensor", "broadcast"):
+    for name in ("get_rank", "get_world_size", "all_reduce", "all_gather_single", "broadcast"):
         monkeypatch.setattr(torch.distributed, name, reached)
 
 

@@ -42,10 +42,11 @@ def test_the_script_imports_torch_alone(tmp_path):
             modules |= {a.name.split(".")[0] for a in node.names}
         elif isinstance(node, ast.ImportFrom):
             modules.add(node.module.split(".")[0])
-    assert modules <= {"argparse", "json", "warnings", "torch"}, modules
+    assert modules <= {"argparse", "json", "sys", "torch"}, modules
     for name in take_home.PARTS:
         assert f"def {name}(" in text, name
     assert "# PART" not in text and "BEGIN SOLUTION" not in text
+    assert f"BOOK_PARTS = {list(take_home.PARTS)!r}" in text
 
 
 def test_the_readers_functions_are_written_and_skeletons_left_to_the_book(tmp_path):
@@ -74,4 +75,38 @@ def test_my_zero_under_torchrun_equals_one_process_with_the_formulas_bytes(world
         assert r["world_size"] == world_size
         assert r["rel_loss"] <= 1e-6 and r["rel_params"] <= 1e-6, r
         assert r["bytes"] == expected_bytes(r["stage"], world_size), r
-        assert r["ok"], r
+        assert r["ok"] and r["wrong"] == [], r
+        padding = {0: 0, 1: -LAYERS * LAYER % world_size, 2: -LAYERS * LAYER % world_size,
+                   3: LAYERS * (-LAYER % world_size)}[r["stage"]]
+        assert r["padding"] == padding, r
+
+
+WRONG_PART = """import torch.distributed as dist
+
+
+def average_gradients(model, world_size):
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad)  # the sum, never divided
+"""
+
+
+def test_a_wrong_part_fails_the_run_naming_every_rank_and_what_differs(tmp_path):
+    (tmp_path / "wrong.py").write_text(WRONG_PART)
+    spec = importlib.util.spec_from_file_location("wrong", tmp_path / "wrong.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    said = take_home.write(tmp_path / "my_zero.py", {"average_gradients": module.average_gradients})
+    assert "yours average_gradients;" in said
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                          "my_zero.py", "--stage", "0", "1"], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 1, (run.stdout, run.stderr[-3000:])
+    lines = run.stdout.splitlines()
+    assert lines[0] == ("parts: yours average_gradients; the book's flatten_params, zero1_step, "
+                        "reduce_scatter_hook, gather_hooks"), lines
+    assert lines[1].startswith("DP     on 2 ranks") and "WRONG" in lines[1], lines
+    for rank in (0, 1):
+        assert any(line.strip().startswith(f"rank {rank}: final parameters differ from one process by rel ")
+                   and "(tolerance 1e-06)" in line for line in lines[2:4]), lines
+    assert lines[4].startswith("ZeRO-1 on 2 ranks") and "every rank equals one process" in lines[4], lines

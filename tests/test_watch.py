@@ -21,9 +21,9 @@ def torch_named(n: int) -> dict:
         dist.all_reduce(t)
         dist.all_reduce(t, async_op=True).wait()
         out = torch.empty(n)
-        dist.reduce_scatter_tensor(out, t)
+        dist.reduce_scatter_single(out, t)
         full = torch.empty(n * ws, dtype=torch.bfloat16)
-        dist.all_gather_into_tensor(full, out.bfloat16())
+        dist.all_gather_single(full, out.bfloat16())
         dist.broadcast(t, src=0)
         comm.all_reduce(t)  # booked by comm, not twice
         dist.all_gather_object([None] * ws, {"rank": dist.get_rank()})  # bookkeeping: not booked

@@ -11,7 +11,7 @@ convention the paper's per-rank volume (Sec 7.1) is
 since a ring all-reduce is a reduce-scatter followed by an all-gather.
 
 The same ledger books the collectives a reader calls by torch's own names
-(``dist.all_reduce``, ``dist.reduce_scatter_tensor``, ...) inside
+(``dist.all_reduce``, ``dist.reduce_scatter_single``, ...) inside
 :func:`zerolearn.watch.watching`; calls made here are booked here only (:func:`booking`).
 
 Under ``torch.profiler`` every call is also labelled (:func:`profiler_label`), so a
@@ -387,7 +387,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor, group=None, async_
     if overwrite_input and input.is_contiguous() and dist.get_backend(group) == "gloo":
         call = functools.partial(_ChunkOfAllReduce.launch, output, input, group, async_op)
     else:
-        call = functools.partial(compat.reduce_scatter_tensor, output, input, group=group, async_op=async_op)
+        call = functools.partial(dist.reduce_scatter_single, output, input, group=group, async_op=async_op)
     return _run("reduce_scatter", input, call, async_op, group, (input, output))
 
 
@@ -422,7 +422,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor, group=None, async_op: 
                tag: str = "dp") -> Handle:
     """``output`` (n * world_size elements) = every rank's ``input`` (n), in rank order."""
     return _run("all_gather", output,
-                lambda: compat.all_gather_into_tensor(output, input, group=group, async_op=async_op),
+                lambda: dist.all_gather_single(output, input, group=group, async_op=async_op),
                 async_op, group, (input, output), tag=tag)
 
 

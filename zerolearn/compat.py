@@ -8,32 +8,24 @@ package reads as if there were a single torch.
 from __future__ import annotations
 
 import sys
-import warnings
 
 import torch
 import torch.distributed as dist
 
 TORCH_VERSION: str = torch.__version__.split("+")[0]
 
-# torch 2.13 renamed the tensor-in/tensor-out collectives to *_single and deprecated
-# the old names; 2.11 only has the old ones. Same semantics, same arguments.
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-# The book and its readers write the names both versions know (``dist.reduce_scatter_tensor``,
-# ``dist.all_gather_into_tensor``); 2.13 warns that they are deprecated on every first call
-# from a new place, which would make stored outputs differ between machines. Same op underneath.
-warnings.filterwarnings("ignore", message=r"`torch\.distributed\.(reduce_scatter_tensor|all_gather_into_tensor)` "
-                        r"is deprecated", category=FutureWarning)
-
-
-def reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
-    """``output`` (n/world_size elements) = rank's chunk of the sum of ``input`` (n)."""
-    return _reduce_scatter(output, input, op=op, group=group, async_op=async_op)
-
-
-def all_gather_into_tensor(output, input, group=None, async_op=False):
-    """``output`` (n * world_size elements) = every rank's ``input`` (n), in rank order."""
-    return _all_gather(output, input, group=group, async_op=async_op)
+# torch 2.13 names the tensor-in/tensor-out collectives ``dist.reduce_scatter_single`` and
+# ``dist.all_gather_single`` and deprecates ``reduce_scatter_tensor`` and
+# ``all_gather_into_tensor`` (a FutureWarning on first use). torch 2.11 has only the old
+# names. The book, its readers and the engines write 2.13's names; on a torch that lacks them,
+# importing zerolearn adds them to ``torch.distributed`` as the old functions themselves (same
+# arguments, same op underneath), so one text runs on both. A plain script run without
+# zerolearn on torch < 2.13 writes the old names.
+SINGLE_NAMES: dict[str, str] = {"reduce_scatter_single": "reduce_scatter_tensor",
+                                "all_gather_single": "all_gather_into_tensor"}
+for _new, _old in SINGLE_NAMES.items():
+    if not hasattr(dist, _new):  # pragma: no cover - torch < 2.13 (the CUDA machines' 2.11)
+        setattr(dist, _new, getattr(dist, _old))
 
 
 def fully_shard():

@@ -43,7 +43,7 @@ from contextvars import ContextVar
 import torch
 import torch.distributed as dist
 
-from zerolearn import compat
+from zerolearn import compat  # noqa: F401 - torch 2.13's collective names on torch 2.11
 
 
 class CollectiveMismatch(RuntimeError):
@@ -172,7 +172,7 @@ def propose(value: int, group=None, device: torch.device | str = "cpu") -> Propo
     everyone = torch.empty(n, dtype=torch.int64, device=device)
     count()
     with loud("propose", group), monitoring("propose"):
-        work = compat.all_gather_into_tensor(everyone, mine, group=group, async_op=True)
+        work = dist.all_gather_single(everyone, mine, group=group, async_op=True)
     return Proposal(None, work, everyone, group)
 
 

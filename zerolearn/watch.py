@@ -1,7 +1,7 @@
 """The ledger watches torch.distributed itself: collectives called by torch's names, booked.
 
-A reader writes ``dist.all_reduce(t)``, ``dist.reduce_scatter_tensor(out, inp)``,
-``dist.all_gather_into_tensor(out, inp)``, ``dist.broadcast(t, src)``, with or without
+A reader writes ``dist.all_reduce(t)``, ``dist.reduce_scatter_single(out, inp)``,
+``dist.all_gather_single(out, inp)``, ``dist.broadcast(t, src)``, with or without
 ``async_op=True``: what they will type at work. Inside :func:`watching`, every such call
 is booked in :data:`zerolearn.comm.LEDGER` by calls, elements and bytes, as if it had gone
 through :mod:`zerolearn.comm`, wherever it is made (the reader's function, a hook that
@@ -9,8 +9,8 @@ autograd runs during backward, a library the reader calls).
 
 How: a :class:`~torch.utils._python_dispatch.TorchDispatchMode` sees every operator torch
 dispatches, and each torch.distributed collective is one operator of the ``c10d``
-namespace, whatever the Python name that called it (torch 2.13 calls
-``reduce_scatter_tensor`` ``reduce_scatter_single`` and routes both to the same op):
+namespace, whatever the Python name that called it (``dist.reduce_scatter_single`` and the
+name torch 2.11 gives it, ``reduce_scatter_tensor``, reach the same op):
 
 ============================== ====================== ===================================
 c10d operator                   booked as              elements (comm's convention, Sec 7.1)
@@ -118,7 +118,7 @@ class Watch(TorchDispatchMode):
 @contextlib.contextmanager
 def watching():
     """Inside this block, torch.distributed collectives called by torch's names (``dist.all_reduce``,
-    ``dist.reduce_scatter_tensor``, ``dist.all_gather_into_tensor``, ``dist.broadcast``, sync or
+    ``dist.reduce_scatter_single``, ``dist.all_gather_single``, ``dist.broadcast``, sync or
     ``async_op=True``) are booked in :data:`zerolearn.comm.LEDGER`. Yields the ledger. The block
     watches this thread (autograd's hooks on CPU tensors run in it too)."""
     with Watch():

@@ -109,7 +109,8 @@ schematics.collectives_figure(nd=4)
 # `torch` and `dist`; every line a rank prints is labelled with its rank. Inside
 # `with watching():` (from `zerolearn.watch`) the ledger counts the calls and elements of every
 # collective. Each rank makes its own 8-element "gradient"; edit the cells and run them again.
-# (torch 2.13 also names the last two `reduce_scatter_single` and `all_gather_single`.)
+# (`reduce_scatter_single` and `all_gather_single` are torch 2.13's names; torch 2.11 calls them
+# `reduce_scatter_tensor` and `all_gather_into_tensor`, and zerolearn's ranks give it the new names too.)
 
 # %% tags=["live"]
 # %load_ext zerolearn.live
@@ -139,7 +140,7 @@ print(summed.int().tolist())
 # %%ranks
 chunk = torch.empty(8 // world_size)
 with watching():
-    dist.reduce_scatter_tensor(chunk, grad.clone())  # (output, input): 8 elements in, 2 out
+    dist.reduce_scatter_single(chunk, grad.clone())  # (output, input): 8 elements in, 2 out
 print(chunk.int().tolist())
 
 # %% [markdown]
@@ -149,7 +150,7 @@ print(chunk.int().tolist())
 # %%ranks
 gathered = torch.empty(8)
 with watching():
-    dist.all_gather_into_tensor(gathered, chunk)  # (output, input): 2 elements in, 8 out
+    dist.all_gather_single(gathered, chunk)  # (output, input): 2 elements in, 8 out
 counts = ledger.as_dict()  # this rank's count of the three calls
 print(gathered.int().tolist(), "equals the all-reduce:", torch.equal(gathered, summed))
 

@@ -309,7 +309,7 @@ print(grad.tolist())
 # %% tags=["live"]
 # %%ranks
 mine = torch.empty(shard)
-dist.reduce_scatter_tensor(mine, grad)  # (output, input)
+dist.reduce_scatter_single(mine, grad)  # (output, input)
 print(mine.tolist())
 
 # %% [markdown]
@@ -320,7 +320,7 @@ print(mine.tolist())
 # %%ranks
 mine -= 0.5
 full = torch.empty(shard * world_size)
-dist.all_gather_into_tensor(full, mine)  # (output, input)
+dist.all_gather_single(full, mine)  # (output, input)
 print(full[:psi].tolist())
 
 # %% tags=["live"]
@@ -347,7 +347,7 @@ print(full[:psi].tolist())
 # Reduce-scatter `flat_grad` into this rank's shard and average it in fp32, step Adam on
 # the master, cast the master to the working dtype and all-gather it into `flat_params`,
 # and return the fp32 averaged gradient shard you stepped with. Use
-# `dist.reduce_scatter_tensor(output, input)` and `dist.all_gather_into_tensor(output, input)`. Two keywords,
+# `dist.reduce_scatter_single(output, input)` and `dist.all_gather_single(output, input)`. Two keywords,
 # `reduced` and `gather`, let chapters 3 and 4 call the same step on a gradient already
 # reduced and on a parameter shard alone; the stub's docstring says what they do.
 #

@@ -130,7 +130,7 @@ print([b.tolist() for b in pending])
 # %%ranks
 full = pending.pop(0)
 shard = torch.empty(full.numel() // world_size)
-dist.reduce_scatter_tensor(shard, full)  # (output, input)
+dist.reduce_scatter_single(shard, full)  # (output, input)
 shards.append(shard / world_size)  # the mean over ranks
 del full  # the full bucket is gone: only the shard stays
 print(f"kept {[s.tolist() for s in shards]}; full buckets still waiting: {len(pending)}")
@@ -142,7 +142,7 @@ print(f"kept {[s.tolist() for s in shards]}; full buckets still waiting: {len(pe
 # %%ranks
 full = pending.pop(0)
 shard = torch.empty(full.numel() // world_size)
-dist.reduce_scatter_tensor(shard, full)
+dist.reduce_scatter_single(shard, full)
 shards.append(shard / world_size)
 del full
 print(f"kept {[s.tolist() for s in shards]}; full buckets still waiting: {len(pending)}")
@@ -186,7 +186,7 @@ from zerolearn import comm, exercises  # noqa: F401
 # `register_post_accumulate_grad_hook` on every parameter (autograd calls `hook(p)` once
 # `p.grad` is complete). When the last parameter of the bucket has its gradient, write
 # the mean over ranks of this rank's slice into `shard` with one
-# `dist.reduce_scatter_tensor(output, input)`, and free the full gradients. The checker trains
+# `dist.reduce_scatter_single(output, input)`, and free the full gradients. The checker trains
 # a small MLP (4 Linear layers of width 64, 16,640 parameters: one process retrains it in
 # no time) for 3 SGD steps in 3 buckets and compares every shard with one process; it measures, with the memory
 # ledger, the gradient bytes alive after backward (only the shards may be), and counts
@@ -316,7 +316,7 @@ class BlogZero2(ch02.NaiveZero1):  # chapter 2's naive ZeRO-1: whole tensors, th
         for p, owner in zip(self.params, self.owners, strict=True):
             stacked = torch.cat([p.grad.reshape(-1)] * self.world_size)  # 2. Nd copies of the full gradient
             out = p.grad.new_empty(p.numel())  # and a full-size output
-            dist.reduce_scatter_tensor(out, stacked)  # every rank receives the whole sum
+            dist.reduce_scatter_single(out, stacked)  # every rank receives the whole sum
             p.grad = (out / self.world_size).view_as(p) if owner == self.rank else None  # 3. dropped only now
         self.optimizer.step()
         for p, owner in zip(self.params, self.owners, strict=True):
@@ -535,7 +535,7 @@ print(f"full fp32 gradient: {kib(4 * acc['no_sync']['psi'], unit=True)}")
 # micro_batch, micro_batches, world_size)`. It is called for each bucket after each
 # micro-batch's backward, with `bucket_grad` the bucket's flat, zero-padded gradient
 # (fp32, `world_size * shard.numel()` elements) of this rank's mean loss on that
-# micro-batch. Reduce it at once with one `dist.reduce_scatter_tensor` and accumulate into
+# micro-batch. Reduce it at once with one `dist.reduce_scatter_single` and accumulate into
 # `shard`, so that after micro-batch `micro_batches - 1` the shard holds this rank's
 # slice of the step's gradient: the mean over ranks and micro-batches. At micro-batch
 # 0 the shard still holds the previous step's gradient. The checker runs 3 SGD steps of

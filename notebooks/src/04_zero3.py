@@ -239,7 +239,7 @@ print(f"shard {shard.tolist()}, buffer {full.untyped_storage().nbytes()} bytes")
 # %% tags=["live"]
 # %%ranks
 full.untyped_storage().resize_(full.numel() * 4)  # gather: 48 bytes again...
-dist.all_gather_into_tensor(full, shard)  # ...filled with both shards, in rank order
+dist.all_gather_single(full, shard)  # ...filled with both shards, in rank order
 y = layer(torch.ones(1, 4))  # forward: each output sums a row of the weight
 full.untyped_storage().resize_(0)  # free right after use
 print(f"y = {y.tolist()}, buffer {full.untyped_storage().nbytes()} bytes")
@@ -271,7 +271,7 @@ from zerolearn import comm, exercises  # noqa: F401
 # of `flat` (fp32, 1-D, `world_size * shard.numel()` elements, zero-padded), whose
 # storage holds 0 bytes between uses; `shard` (fp32, 1-D) is the rank's slice of it, the
 # only copy of the parameters it keeps. To gather, grow the storage back,
-# `flat.untyped_storage().resize_(flat.numel() * 4)`, and `dist.all_gather_into_tensor(flat, shard)`
+# `flat.untyped_storage().resize_(flat.numel() * 4)`, and `dist.all_gather_single(flat, shard)`
 # into it; to free, resize it to 0 bytes, as Section 3.1 did. Register hooks on the unit
 # so that it is gathered for its forward and again for its backward, and freed after
 # each. The checker cuts the seed MLP (4 Linear layers of width 64) into one unit per
@@ -293,7 +293,7 @@ exercises.check("04.gather_hooks", gather_hooks)
 # Write `prefetch(units, flats, shards, world_size)`: `units` in forward order, `flats[i]`
 # and `shards[i]` as in Exercise 1 for `units[i]`. In each unit's forward pre-hook, make
 # sure the unit is gathered, then launch the next unit's all-gather without waiting for
-# it, `dist.all_gather_into_tensor(..., async_op=True)`, which returns a handle whose `.wait()`
+# it, `dist.all_gather_single(..., async_op=True)`, which returns a handle whose `.wait()`
 # blocks until the data has arrived; free each unit in its forward hook. Backward runs
 # the units in reverse: in the output's hook, make sure the unit is gathered and launch
 # the *previous* unit's all-gather; free a unit once all its gradients have arrived, as in
@@ -576,8 +576,10 @@ import sys
 
 # %% [markdown]
 # Every stage ends at the loss of one process, and the bytes fall as Fig 1 says: the
-# optimizer states halve at ZeRO-1, the gradients at ZeRO-2, the parameters at ZeRO-3. The
-# file is yours: run it with `--nproc-per-node 3` too, where the padding of uneven shards shows.
+# optimizer states halve at ZeRO-1, the gradients at ZeRO-2, the parameters at ZeRO-3. A
+# stage that differs on any rank prints that rank and what differs, and the run exits with
+# status 1. The file is yours: run it with `--nproc-per-node 3` too, where Ψ = 16,640 does not
+# split into 3 equal shards and the padding elements show in the bytes.
 
 # %% [markdown]
 # ## Questions

@@ -145,7 +145,7 @@ print("all equal to the single process within 1e-5:", same)
 # elements $r c$ to $(r + 1) c - 1$ of `x` flattened and zero-padded at the end, with
 # $c = \lceil n / N_m \rceil$ for $n$ = `x.numel()`, and no reference to `x` or to a
 # view of it. Return `restore()`, a function that all-gathers the pieces with one
-# `dist.all_gather_into_tensor(output, piece, group=group)` and returns a tensor equal to `x`;
+# `dist.all_gather_single(output, piece, group=group)` and returns a tensor equal to `x`;
 # backward calls it just before recomputing the block. The checker trains three
 # checkpointed blocks whose input, 31 x 61 = 1,891 values, splits unevenly over 2 and 3
 # ranks (here all ranks form one model-parallel group, so $N_m$ is the world size); it

@@ -519,7 +519,7 @@ for r in ZPP:
 # Write `quantized_all_gather(out, shard, block, world_size)`: pad this rank's fp32
 # `shard` with zeros to whole blocks of `block` values, give each block the scale
 # max |x| / 127, round x / scale to int8, all-gather the int8 values and the scales with
-# `dist.all_gather_into_tensor`, and write every rank's dequantized values, in rank order, into
+# `dist.all_gather_single`, and write every rank's dequantized values, in rank order, into
 # `out`. The checker runs it on 2 and then 3 ranks, in blocks of 64 (a partial last
 # block) and of 50, on shards whose first 50 values are a thousand times smaller than
 # the rest, and names one scale for the whole tensor, a missing pad, truncation instead

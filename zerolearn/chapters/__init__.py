@@ -22,10 +22,16 @@ functions, assembled into :class:`zerolearn.nano.NanoZero`, train beside one pro
 
 The results some chapters draw instead of measuring them again (DeepSpeed's stages,
 the benchmarks) are recorded under ``notebooks/data/`` and read with :func:`stored`.
+
+The reader writes torch 2.13's collective names (``dist.reduce_scatter_single``,
+``dist.all_gather_single``); importing any chapter imports :mod:`zerolearn.compat`, which
+gives torch 2.11 those names too.
 """
 
 import json
 from pathlib import Path
+
+from zerolearn import compat  # noqa: F401 - torch 2.13's collective names on torch 2.11
 
 DATA = Path(__file__).resolve().parent.parent.parent / "notebooks" / "data"
 """Results the chapters draw from, recorded by ``make`` targets (``make deepspeed``, ``make bench``)."""

@@ -44,7 +44,7 @@ def zero1_step(flat_params, flat_grad, state, world_size, rank, lr, *, reduced=F
         (n // world_size,) fp32: the averaged gradient of this rank's shard, the one
         Adam stepped with.
 
-    Move data with ``dist.reduce_scatter_tensor(output, input)`` and ``dist.all_gather_into_tensor(output,
+    Move data with ``dist.reduce_scatter_single(output, input)`` and ``dist.all_gather_single(output,
     input)`` only (output and input of one dtype): ZeRO-1 moves 2 Psi per step, as DP
     does (Sec 1, Sec 7).
     """
@@ -59,14 +59,14 @@ def zero1_step(flat_params, flat_grad, state, world_size, rank, lr, *, reduced=F
         grad = flat_grad.float()
     else:
         grad = torch.empty(n, dtype=flat_grad.dtype)
-        dist.reduce_scatter_tensor(grad, flat_grad)  # the sum over ranks of this rank's shard only
+        dist.reduce_scatter_single(grad, flat_grad)  # the sum over ranks of this rank's shard only
         grad = grad.float() / world_size  # averaged in fp32, where Adam works
     master.grad = grad
     adam.step()
     master.grad = None
     working = master.detach().to(flat_params.dtype)  # bf16 (or fp32) again, for the forward
     if gather:
-        dist.all_gather_into_tensor(flat_params, working)  # every rank's updated shard, on every rank
+        dist.all_gather_single(flat_params, working)  # every rank's updated shard, on every rank
     else:
         flat_params.copy_(working)
     return grad

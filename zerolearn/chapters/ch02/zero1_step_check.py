@@ -203,8 +203,8 @@ def _zero1_trial(fn) -> str:
         _check_optimizers(state, step)
         moved = comm.LEDGER.volume_elements()
         if moved == 0 and not reduced:
-            raise Wrong("no collective ran: reduce-scatter the gradient with dist.reduce_scatter_tensor and "
-                        "all-gather the updated shards with dist.all_gather_into_tensor", step)
+            raise Wrong("no collective ran: reduce-scatter the gradient with dist.reduce_scatter_single and "
+                        "all-gather the updated shards with dist.all_gather_single", step)
         if not reduced and moved != 2 * layout.padded_numel:
             raise Wrong(f"you moved {psi_per_step(moved, psi)} per step; ZeRO-1 moves 2.0 Psi (a reduce-scatter "
                         "of the gradients and an all-gather of the updated parameters: DP's volume, Sec 1, Sec 7)",
@@ -312,9 +312,9 @@ def _bf16_trial(fn, ws: int, rank: int, first: int) -> int:
 
 _allreduce_then_broadcast = edited(
     zero1_step, {"grad = torch.empty(n, dtype=flat_grad.dtype)\n"
-                 "        dist.reduce_scatter_tensor(grad, flat_grad)  # the sum over ranks of this rank's shard only":
+                 "        dist.reduce_scatter_single(grad, flat_grad)  # the sum over ranks of this rank's shard only":
                  "dist.all_reduce(flat_grad)\n        grad = flat_grad[rank * n:(rank + 1) * n]",
-                 "dist.all_gather_into_tensor(flat_params, working)  # every rank's updated shard, on every rank":
+                 "dist.all_gather_single(flat_params, working)  # every rank's updated shard, on every rank":
                  "flat_params[rank * n:(rank + 1) * n].copy_(working)\n        for owner in range(world_size):\n"
                  "            dist.broadcast(flat_params[owner * n:(owner + 1) * n], src=owner)"},
     name="_allreduce_then_broadcast",
@@ -325,24 +325,24 @@ _allreduce_then_broadcast = edited(
 _whole_model_state = edited(
     zero1_step, {"mine = flat_params[rank * n:(rank + 1) * n] if gather else flat_params": "mine = flat_params",
                  "    master.grad = grad\n": "    master.grad = torch.empty(flat_grad.numel())\n"
-                                             "    dist.all_gather_into_tensor(master.grad, grad)\n",
-                 "dist.all_gather_into_tensor(flat_params, working)  # every rank's updated shard, on every rank":
+                                             "    dist.all_gather_single(master.grad, grad)\n",
+                 "dist.all_gather_single(flat_params, working)  # every rank's updated shard, on every rank":
                  "flat_params.copy_(working)"},
     name="_whole_model_state",
     doc="""Every rank keeps an fp32 master and Adam's moments for the whole model and steps all
     of it: DP's optimizer, the redundancy ZeRO-1 exists to remove (Sec 4, Sec 5.1).""")
 
 _average_twice = edited(
-    zero1_step, {"dist.reduce_scatter_tensor(grad, flat_grad)  # the sum over ranks of this rank's shard only":
-                 "dist.reduce_scatter_tensor(grad, flat_grad / world_size)"},
+    zero1_step, {"dist.reduce_scatter_single(grad, flat_grad)  # the sum over ranks of this rank's shard only":
+                 "dist.reduce_scatter_single(grad, flat_grad / world_size)"},
     name="_average_twice",
     doc="""Nd divided out before the sum (as engines do, to keep fp16 sums finite) and again
     after it. Adam's update barely changes with the gradient's scale, so only the
     gradient itself shows the mistake.""")
 
 _divide_before_reduce = edited(
-    zero1_step, {"dist.reduce_scatter_tensor(grad, flat_grad)  # the sum over ranks of this rank's shard only":
-                 "dist.reduce_scatter_tensor(grad, flat_grad / world_size)",
+    zero1_step, {"dist.reduce_scatter_single(grad, flat_grad)  # the sum over ranks of this rank's shard only":
+                 "dist.reduce_scatter_single(grad, flat_grad / world_size)",
                  "grad = grad.float() / world_size  # averaged in fp32, where Adam works": "grad = grad.float()"},
     name="_divide_before_reduce",
     doc="""Nd divided out of each rank's gradient before the reduce-scatter, in the working dtype (as
@@ -364,7 +364,7 @@ def _extra_gather_on_one_rank(flat_params, flat_grad, state, world_size, rank, l
     in under ``if rank == ...``): its peers never call it, so that rank waits in it for ever."""
     grad = zero1_step(flat_params, flat_grad, state, world_size, rank, lr)
     if rank == world_size - 1:
-        dist.all_gather_into_tensor(flat_params, state["master"].detach())
+        dist.all_gather_single(flat_params, state["master"].detach())
     return grad
 
 

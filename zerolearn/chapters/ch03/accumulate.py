@@ -24,12 +24,12 @@ def accumulate(shard, bucket_grad, micro_batch, micro_batches, world_size):
     After the step's last micro-batch, ``shard`` must hold this rank's slice of the
     step's gradient: the mean of ``bucket_grad`` over the world_size ranks and the
     micro_batches micro-batches. Reduce every micro-batch at once with one
-    ``dist.reduce_scatter_tensor(output, input)`` (ZeRO-2 keeps only the shard between
+    ``dist.reduce_scatter_single(output, input)`` (ZeRO-2 keeps only the shard between
     micro-batches). Returns None.
     """
     # BEGIN SOLUTION
     part = torch.empty_like(shard)
-    dist.reduce_scatter_tensor(part, bucket_grad)
+    dist.reduce_scatter_single(part, bucket_grad)
     part /= world_size * micro_batches
     if micro_batch == 0:
         shard.copy_(part)  # a new step: the previous step's gradient goes

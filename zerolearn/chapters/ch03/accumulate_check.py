@@ -27,7 +27,7 @@ BATCH, STEPS, MICRO = 12, 3, 4  # BATCH * MICRO samples per global batch
 
 
 def _last_only(shard, bucket_grad, micro_batch, micro_batches, world_size):
-    dist.reduce_scatter_tensor(shard, bucket_grad)  # writes the shard every time: earlier micro-batches are lost
+    dist.reduce_scatter_single(shard, bucket_grad)  # writes the shard every time: earlier micro-batches are lost
     shard /= world_size
 
 

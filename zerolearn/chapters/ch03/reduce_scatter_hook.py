@@ -23,7 +23,7 @@ def reduce_scatter_hook(bucket, shard, world_size):
     Register a hook on every parameter, ``p.register_post_accumulate_grad_hook(hook)``:
     autograd calls ``hook(p)`` once ``p.grad`` holds p's gradient. When the last
     parameter of the bucket has its gradient (in every backward), write the mean over
-    ranks of this rank's slice into ``shard`` with one ``dist.reduce_scatter_tensor(output,
+    ranks of this rank's slice into ``shard`` with one ``dist.reduce_scatter_single(output,
     input)`` and free the bucket's full gradients (``p.grad = None``): ZeRO-2 keeps
     only the shard. Returns None.
     """
@@ -39,7 +39,7 @@ def reduce_scatter_hook(bucket, shard, world_size):
         torch.cat([q.grad.flatten() for q in bucket], out=flat[:sum(q.numel() for q in bucket)])
         for q in bucket:
             q.grad = None  # the full gradient goes; only the shard stays
-        dist.reduce_scatter_tensor(shard, flat)
+        dist.reduce_scatter_single(shard, flat)
         shard.div_(world_size)
 
     for p in bucket:

@@ -48,7 +48,7 @@ _reduces_parameters = edited(reduce_scatter_hook, {"q.grad.flatten()": "q.detach
                              name="_reduces_parameters")
 
 _all_reduce_then_slice = edited(reduce_scatter_hook, {
-    "        dist.reduce_scatter_tensor(shard, flat)\n        shard.div_(world_size)\n":
+    "        dist.reduce_scatter_single(shard, flat)\n        shard.div_(world_size)\n":
     "        dist.all_reduce(flat)\n        rank = dist.get_rank()\n"
     "        shard.copy_(flat[rank * shard.numel():(rank + 1) * shard.numel()] / world_size)\n"},
     name="_all_reduce_then_slice")

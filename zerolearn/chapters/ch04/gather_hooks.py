@@ -21,7 +21,7 @@ def gather_hooks(unit, flat, shard, world_size):
         world_size: the number of data-parallel ranks, Nd.
 
     To gather, grow flat's storage back, ``flat.untyped_storage().resize_(flat.numel() * 4)``
-    (bytes), and ``dist.all_gather_into_tensor(flat, shard)`` into it; to free, resize it to 0 bytes.
+    (bytes), and ``dist.all_gather_single(flat, shard)`` into it; to free, resize it to 0 bytes.
     Register on ``unit``: a forward pre-hook that gathers; a forward hook that frees and
     registers a hook on the output (``output.register_hook(fn)``: autograd calls
     ``fn(grad)`` just before the unit's backward) that gathers again; and a
@@ -34,7 +34,7 @@ def gather_hooks(unit, flat, shard, world_size):
 
     def gather(*_):
         flat.untyped_storage().resize_(flat.numel() * flat.element_size())
-        dist.all_gather_into_tensor(flat, shard)
+        dist.all_gather_single(flat, shard)
 
     def free():
         flat.untyped_storage().resize_(0)

@@ -23,7 +23,7 @@ def prefetch(units, flats, shards, world_size):
 
     To launch unit j's all-gather, grow flats[j]'s storage back to
     ``flats[j].numel() * flats[j].element_size()`` bytes (``untyped_storage().resize_(nbytes)``)
-    and call ``dist.all_gather_into_tensor(flats[j], shards[j], async_op=True)``: it returns a handle
+    and call ``dist.all_gather_single(flats[j], shards[j], async_op=True)``: it returns a handle
     whose ``.wait()`` blocks until the data is there. To free unit j, resize its storage
     to 0 bytes. Register on each units[i]:
 
@@ -47,7 +47,7 @@ def prefetch(units, flats, shards, world_size):
 
     def start(j):
         flats[j].untyped_storage().resize_(flats[j].numel() * flats[j].element_size())
-        handles[j] = dist.all_gather_into_tensor(flats[j], shards[j], async_op=True)
+        handles[j] = dist.all_gather_single(flats[j], shards[j], async_op=True)
 
     def ready(i, following):
         if i not in handles:

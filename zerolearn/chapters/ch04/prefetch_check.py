@@ -5,7 +5,7 @@ after it, in backward the unit before it. The trial cuts the book's MLP into one
 per Linear layer as ``04.gather_hooks`` does and, for three steps with the shards
 changed between them, runs an evaluation forward (under torch.no_grad) and a training
 forward and backward. It logs the order of launches, waits and computes (by wrapping
-``dist.all_gather_into_tensor``, and with hooks of its own that run after the reader's), and checks
+``dist.all_gather_single``, and with hooks of its own that run after the reader's), and checks
 the output and every gradient against one process, that each unit's all-gather
 finished before it computed while the next one's was in flight, that at most two units
 were gathered at once, that nothing stays gathered after a pass and that a training
@@ -42,8 +42,8 @@ FREED_READ = ("setStorage", "data is not allocated yet", "storage of size 0")
 
 
 _waits_at_once = edited(prefetch, {
-    "        handles[j] = dist.all_gather_into_tensor(flats[j], shards[j], async_op=True)\n":
-    "        handles[j] = dist.all_gather_into_tensor(flats[j], shards[j], async_op=True)\n"
+    "        handles[j] = dist.all_gather_single(flats[j], shards[j], async_op=True)\n":
+    "        handles[j] = dist.all_gather_single(flats[j], shards[j], async_op=True)\n"
     "        handles[j].wait()\n"}, name="_waits_at_once")
 
 _prefetches_previous = edited(prefetch, {
@@ -167,7 +167,8 @@ def _freed_read(when: str, flats, log: list, fn, step: int):
 
 def _patched_all_gathers() -> list[tuple]:
     """(module, name, function) of every all-gather into one tensor a reader may call: torch's
-    names (2.13 adds ``all_gather_single``) and :func:`zerolearn.comm.all_gather`."""
+    names (``all_gather_single``, and ``all_gather_into_tensor`` as torch 2.11 calls it) and
+    :func:`zerolearn.comm.all_gather`."""
     names = [(dist, n) for n in ("all_gather_into_tensor", "all_gather_single") if hasattr(dist, n)]
     return [(m, n, getattr(m, n)) for m, n in names + [(comm, "all_gather")]]
 

@@ -7,7 +7,7 @@ its place: the reader's, where given, else the book's solution. What remains imp
 alone, so the file runs anywhere torch does::
 
     write("my_zero.py", {"gather_hooks": gather_hooks})   # yours, the book's for the rest
-    # then: torchrun --standalone --nproc-per-node 2 my_zero.py --stage 0 1 2 3
+    # then: python -m torch.distributed.run --standalone --nproc-per-node 2 my_zero.py --stage 0 1 2 3
 """
 
 from __future__ import annotations
@@ -59,11 +59,14 @@ def written(parts: dict[str, Callable] | None) -> dict[str, Callable]:
 def script(parts: dict[str, Callable] | None = None) -> str:
     """The text of ``my_zero.py``: the template with every ``# PART`` line replaced, the first by
     all the parts' sources (the reader's :func:`written` ones, the book's solutions for the
-    rest), the others removed."""
+    rest), the others removed; ``BOOK_PARTS`` lists the book's, which the script prints when it runs."""
     parts = written(parts)
     out, written_yet = [], False
     for line in TEMPLATE.read_text().splitlines():
-        if not line.endswith("# PART"):
+        if line.startswith("BOOK_PARTS = "):
+            books = [n for n in PARTS if n not in parts]
+            out.append(f"BOOK_PARTS = {books!r}  # the parts that are the book's solutions, not yours")
+        elif not line.endswith("# PART"):
             out.append(line)
         elif not written_yet:
             out.append("\n\n\n".join(part_source(n, parts.get(n)).rstrip() for n in PARTS))

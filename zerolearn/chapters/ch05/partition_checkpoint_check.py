@@ -68,7 +68,7 @@ _tensor_split = edited(partition_checkpoint, {
 
 _all_reduce = edited(partition_checkpoint, {
     "        full = torch.empty(c * nm, dtype=piece.dtype)\n"
-    "        dist.all_gather_into_tensor(full, piece, group=group)\n":
+    "        dist.all_gather_single(full, piece, group=group)\n":
     "        full = torch.zeros(c * nm, dtype=piece.dtype)\n        full[rank * c:(rank + 1) * c] = piece\n"
     "        dist.all_reduce(full, group=group)  # the others' zeros add nothing: right values, twice the traffic\n"},
     name="_all_reduce")
@@ -79,8 +79,8 @@ _global_rank = edited(partition_checkpoint, {
     name="_global_rank")
 
 _world_gather = edited(partition_checkpoint, {
-    "dist.all_gather_into_tensor(full, piece, group=group)":
-    "dist.all_gather_into_tensor(full, piece)  # no group=: every rank of the world"}, name="_world_gather")
+    "dist.all_gather_single(full, piece, group=group)":
+    "dist.all_gather_single(full, piece)  # no group=: every rank of the world"}, name="_world_gather")
 
 _frees_x = edited(partition_checkpoint, {
     "    del padded\n": "    del padded\n"
@@ -178,7 +178,7 @@ def _mp_group(world_size: int):
 
 class _CheckedAllGathers(TorchDispatchMode):
     """While on, every all-gather into one tensor is checked before it runs, whatever name called
-    it (``dist.all_gather_into_tensor``, ``dist.all_gather_single``, :func:`zerolearn.comm.all_gather`:
+    it (``dist.all_gather_single``, ``dist.all_gather_single``, :func:`zerolearn.comm.all_gather`:
     torch dispatches each as the operator ``c10d::_allgather_base_``): buffers that hold their
     bytes, over ``group``, and with this rank's piece of the checkpoint being restored (its place
     in the group, not its global rank). Then the ranks agree that every call was right, so that
@@ -314,7 +314,7 @@ register(Exercise(
                        "values, twice the traffic", "moved"),
      "global_rank": Bug(_global_rank, "dist.get_rank() for the piece: right while the model-parallel group is "
                         "the world in rank order, wrong in a 2 x 2 layout", "use dist.get_rank(group)"),
-     "world_gather": Bug(_world_gather, "dist.all_gather_into_tensor without group=: the default group, every rank",
+     "world_gather": Bug(_world_gather, "dist.all_gather_single without group=: the default group, every rank",
                          "pass group=group"),
      "frees_x": Bug(_frees_x, "x's storage resized to 0 bytes to free the checkpoint: x is the caller's, and "
                     "the block's forward still reads it", "partition_checkpoint freed x"),

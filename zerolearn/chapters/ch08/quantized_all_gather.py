@@ -26,7 +26,7 @@ def quantized_all_gather(out, shard, block, world_size):
     Pad the shard with zeros to ``nb = ceil(n / block)`` whole blocks. For each block,
     ``scale = max |x| / 127`` (a block of zeros takes scale 1) and ``q = round(x / scale)``,
     an int8 in [-127, 127]. All-gather the int8 values (``world_size * nb * block``) and
-    the fp32 scales (``world_size * nb``) with ``dist.all_gather_into_tensor(output, input)``, then
+    the fp32 scales (``world_size * nb``) with ``dist.all_gather_single(output, input)``, then
     write each rank's ``q * scale``, its first n elements, into ``out``. Returns None.
     """
     # BEGIN SOLUTION
@@ -40,8 +40,8 @@ def quantized_all_gather(out, shard, block, world_size):
     q = torch.round(x / scales[:, None]).clamp_(-127, 127).to(torch.int8)
     all_q = torch.empty(world_size * nb * block, dtype=torch.int8)
     all_scales = torch.empty(world_size * nb)
-    dist.all_gather_into_tensor(all_q, q.view(-1))
-    dist.all_gather_into_tensor(all_scales, scales)
+    dist.all_gather_single(all_q, q.view(-1))
+    dist.all_gather_single(all_scales, scales)
     values = all_q.view(world_size, nb, block).float() * all_scales.view(world_size, nb, 1)  # rank r with r's scales
     out.copy_(values.view(world_size, nb * block)[:, :n].reshape(-1))
     # END SOLUTION

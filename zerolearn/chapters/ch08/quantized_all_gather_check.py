@@ -152,7 +152,7 @@ def _qwz_trial(fn) -> str:
         nb = -(-N // block)
         if gathered["calls"] == 0:
             raise Wrong("your function made no all-gather: gather the int8 values and the scales with "
-                        "dist.all_gather_into_tensor(output, input)", step)
+                        "dist.all_gather_single(output, input)", step)
         budget = world_size * (nb * block + 4 * nb)
         if gathered["bytes"] > budget:
             raise Wrong(f"blocks of {block}: your all-gathers moved {gathered['bytes']:,} bytes; int8 values and "
@@ -200,7 +200,7 @@ _no_zero_guard = edited(
 
 _own_scales = edited(quantized_all_gather, {
     "    all_scales = torch.empty(world_size * nb)\n": "",
-    "    dist.all_gather_into_tensor(all_scales, scales)\n": "",
+    "    dist.all_gather_single(all_scales, scales)\n": "",
     "all_scales.view(world_size, nb, 1)  # rank r with r's scales": "scales.view(1, nb, 1)  # this rank's scales"},
     name="_own_scales",
     doc="Every rank's int8 values dequantized with this rank's own scales (the scales never gathered).")
