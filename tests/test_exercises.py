@@ -93,9 +93,31 @@ def test_the_books_solution_cell_passes_with_only_the_prelude(name):
                                                         for n in RANK_EXERCISES[-1:]])
 def test_a_solution_written_in_a_cell_passes_on_fresh_ranks(name, monkeypatch):
     # What a reader's notebook does: the function travels by value to newly spawned ranks.
-    monkeypatch.setattr(exercises.core, "_POOLS", None)
-    result = check(name, _defined_in_a_cell(name, exercises.solution_source(name)), quiet=True)
-    assert result.passed, str(result)
+    monkeypatch.setattr(exercises.core, "_POOLS", {})
+    try:
+        result = check(name, _defined_in_a_cell(name, exercises.solution_source(name)), quiet=True)
+        assert result.passed, str(result)
+    finally:
+        exercises.close_ranks()
+
+
+def test_checks_outside_a_block_keep_their_ranks_for_the_next_check(monkeypatch):
+    """A notebook's second check runs on the ranks its first one started (no new process), and
+    close_ranks ends them."""
+    kept = {}
+    monkeypatch.setattr(exercises.core, "_POOLS", kept)
+    name = RANK_EXERCISES[0]
+    try:
+        assert check(name, solution=True, quiet=True).passed
+        pools = dict(kept)
+        pids = {size: [p.pid for p in pool._procs] for size, pool in pools.items()}
+        assert sorted(pools) == sorted(EXERCISES[name].world_sizes), pools
+        assert check(name, solution=True, quiet=True).passed
+        assert all(kept[size] is pools[size] for size in pools) and len(kept) == len(pools)
+        assert {size: [p.pid for p in pool._procs] for size, pool in kept.items()} == pids
+    finally:
+        exercises.close_ranks()
+    assert kept == {} and not any(pool.running for pool in pools.values())
 
 
 def test_a_function_that_raises_is_named_with_its_line():

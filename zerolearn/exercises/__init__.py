@@ -29,6 +29,7 @@ from zerolearn.exercises.core import (
     Result,
     Wrong,
     check,
+    close_ranks,
     first_difference,
     get,
     reusing_ranks,
@@ -36,8 +37,8 @@ from zerolearn.exercises.core import (
     solution_source,
 )
 
-__all__ = ["EXERCISES", "PRELUDE", "Bug", "Exercise", "Mistake", "Result", "Wrong", "check", "first_difference",
-           "get", "reusing_ranks", "show", "skeleton", "solution_source"]
+__all__ = ["EXERCISES", "PRELUDE", "Bug", "Exercise", "Mistake", "Result", "Wrong", "check", "close_ranks",
+           "first_difference", "get", "reusing_ranks", "show", "skeleton", "solution_source"]
 
 
 def show(name: str) -> None:

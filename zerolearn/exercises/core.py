@@ -60,8 +60,8 @@ from zerolearn.errors import ConfigError
 from zerolearn.watch import watching
 
 __all__ = ["EXERCISES", "PRELUDE", "Bug", "Exercise", "Mistake", "Result", "Wrong", "agree", "check",
-           "defined_at", "edited", "first_difference", "machinery", "readers_line", "register", "reusing_ranks",
-           "skeleton", "solution_source"]
+           "close_ranks", "defined_at", "edited", "first_difference", "machinery", "readers_line", "register",
+           "reusing_ranks", "skeleton", "solution_source"]
 
 PRELUDE = "import torch\nimport torch.distributed as dist\nimport torch.nn.functional as F\nfrom torch import nn"
 """The imports every exercise function may rely on (a chapter runs them before its exercises)."""
@@ -180,13 +180,16 @@ EXERCISES: dict[str, Exercise] = {}
 
 
 def register(exercise: Exercise) -> Exercise:
-    """Add ``exercise`` to :data:`EXERCISES`; raises ValueError on a repeated or malformed name, or
-    on a bug built by :func:`edited` that its module does not bind under its name (it could not
+    """Add ``exercise`` to :data:`EXERCISES`; raises ValueError on a repeated or malformed name, a
+    ``timeout_s`` outside (0, 300] seconds, or on a bug built by :func:`edited` that its module does not bind under its name (it could not
     be sent to the ranks by reference)."""
     if not re.fullmatch(r"\d\d\.[a-z0-9_]+", exercise.name):
         raise ValueError(f"exercise name {exercise.name!r}: must be 'NN.function_name'")
     if exercise.name in EXERCISES:
         raise ValueError(f"exercise {exercise.name!r} is registered twice")
+    if not 0 < exercise.timeout_s <= _LONGEST_S:
+        raise ValueError(f"exercise {exercise.name!r}: timeout_s {exercise.timeout_s} must be in (0, {_LONGEST_S:g}] "
+                         "seconds, the kept ranks' own limit")
     for bug_name, bug in exercise.bugs.items():
         fn = bug.fn
         if hasattr(fn, "edited_from") and getattr(sys.modules.get(fn.__module__), fn.__qualname__, None) is not fn:
@@ -557,31 +560,42 @@ def _post_failure() -> None:
         _AGREEMENT.fail()
 
 
-_POOLS: dict[int, Any] | None = None  # world size -> zerolearn.live.Ranks, inside reusing_ranks()
+_POOLS: dict[int, Any] = {}
+"""World size -> the ranks (:class:`zerolearn.live.Ranks`) that the checks of this process
+run on: started by the first check that needs that many, kept for the next ones (a check
+then answers in about a second instead of waiting for new processes to import torch), and
+ended when the process exits, at the end of :func:`reusing_ranks` or by :func:`close_ranks`."""
+_REUSING = 0  # depth of reusing_ranks() blocks
+
+
+def close_ranks() -> None:
+    """End the ranks the checks kept (their processes exit); the next check starts new ones."""
+    while _POOLS:
+        _POOLS.popitem()[1].close()
 
 
 @contextlib.contextmanager
 def reusing_ranks():
-    """Inside this block, checks run on persistent ranks (:class:`zerolearn.live.Ranks`),
-    one pool per world size, started at first use and closed at the end, instead of
-    spawning fresh ranks for every check: what ``check --all`` and the tests use.
+    """A block whose checks share ranks and end them when it ends (``check --all`` and the
+    tests use it, so that no rank outlives them); checks outside any block keep theirs until
+    the process exits. A block inside another shares the outer one's ranks.
 
     A rank that hangs is killed and its pool restarted by :mod:`zerolearn.live`, so a
     wrong function cannot leave a pool stuck.
     """
-    global _POOLS
-    if _POOLS is not None:  # already inside one: share it
-        yield
-        return
-    _POOLS = {}
+    global _REUSING
+    _REUSING += 1
     try:
         yield
     finally:
-        pools, _POOLS = _POOLS, None
-        for pool in pools.values():
-            pool.close()
+        _REUSING -= 1
+        if not _REUSING:
+            close_ranks()
 
 
+_LONGEST_S = 300.0
+"""The kept ranks' own limit (their process group waits a minute more): above every exercise's
+``timeout_s``, which each check passes as its call's limit."""
 GRACE_S = 2.0
 """Seconds the other ranks get, once one rank has its verdict, to reach theirs (a failure at
 the same step, or a stop at :func:`agree`); ranks still running then wait in a collective for
@@ -599,23 +613,23 @@ def _on_ranks(exercise: Exercise, fn: Callable, world_size: int) -> tuple[dict[i
     """Run the trial on ``world_size`` ranks until a verdict: (each finished rank's
     :func:`run_trial` outcome, each rank that died with its exit, the ranks killed unfinished).
 
-    Inside :func:`reusing_ranks` the persistent pool of that size runs it; otherwise fresh
-    ranks start for this check and stop after it. Once one rank has a verdict the others
-    get :data:`GRACE_S` seconds; a rank still running then is killed (it waits in a
-    collective for the rank that stopped), and its pool restarts at the next call.
+    The kept ranks of that size (:data:`_POOLS`) run it, within the exercise's
+    ``timeout_s``. Once one rank has a verdict the others get :data:`GRACE_S` seconds; a
+    rank still running then is killed (it waits in a collective for the rank that
+    stopped), and its pool restarts at the next call.
     """
     from zerolearn.live import CellError, Ranks
 
     token = uuid.uuid4().hex[:12]
-    if _POOLS is None:
-        with Ranks(world_size, timeout_s=exercise.timeout_s) as pool:
-            return pool.call_until(_decides, run_trial, exercise, fn, token, grace_s=GRACE_S)
     if world_size not in _POOLS:
-        _POOLS[world_size] = Ranks(world_size, timeout_s=exercise.timeout_s)
+        _POOLS[world_size] = Ranks(world_size, timeout_s=_LONGEST_S)
+    pool = _POOLS[world_size]
     try:
-        return _POOLS[world_size].call_until(_decides, run_trial, exercise, fn, token, grace_s=GRACE_S)
+        return pool.call_until(_decides, run_trial, exercise, fn, token, grace_s=GRACE_S,
+                               timeout_s=exercise.timeout_s)
     except CellError:  # a rank of the pool died since its last call: the pool restarted, nothing ran
-        return _POOLS[world_size].call_until(_decides, run_trial, exercise, fn, token, grace_s=GRACE_S)
+        return pool.call_until(_decides, run_trial, exercise, fn, token, grace_s=GRACE_S,
+                               timeout_s=exercise.timeout_s)
 
 
 def _peer_caused(kind: str, value) -> bool:
@@ -689,7 +703,8 @@ def check(name: str, fn: Callable | None = None, *, solution: bool = False, bug:
 
     ``solution=True`` checks the reference solution, ``bug=NAME`` one of the known bugs
     instead of ``fn``. Rank exercises run on each of the exercise's world sizes in turn
-    (spawned gloo ranks, :class:`zerolearn.live.Ranks`) and stop at the first one
+    (gloo ranks, :class:`zerolearn.live.Ranks`, started by the first check that needs them
+    and kept for the next: :data:`_POOLS`) and stop at the first one
     with a mistake; the verdict is the first real one of any rank (:func:`_verdict`),
     within seconds of it, whichever rank it is on. A function still raising NotImplementedError is "not written yet",
     not an error, so a reader's copy runs top to bottom.

@@ -124,13 +124,15 @@ class Ranks:
         """
         return self._ask(_call, (fn, args, kwargs))[1]
 
-    def call_until(self, decides, fn, *args, grace_s: float = GRACE_S, **kwargs) -> tuple[dict, dict, list[int]]:
+    def call_until(self, decides, fn, *args, grace_s: float = GRACE_S, timeout_s: float | None = None,
+                   **kwargs) -> tuple[dict, dict, list[int]]:
         """``fn(*args, **kwargs)`` on every rank, ending as soon as one rank's result decides.
 
         Like :meth:`call`, but once some rank returns a result ``r`` with ``decides(r)``
         true (a verdict, say), the ranks still running get ``grace_s`` more seconds and
         are then killed: they may wait in a collective for the rank that returned, which
-        nothing can wake. Fresh ranks start at the next call (variables lost).
+        nothing can wake. Fresh ranks start at the next call (variables lost). ``timeout_s``
+        (default: the pool's) is this call's limit, in seconds.
 
         Returns:
             ``(results, failed, cut)``: each finished rank's result by rank, each rank that
@@ -141,7 +143,7 @@ class Ranks:
             TypeError: cloudpickle cannot send ``fn`` or its arguments (nothing has run).
             CellError: a rank died between calls (the pool was restarted).
         """
-        outputs, values, failed, unfinished = self._send_and_collect(_call, (fn, args, kwargs), None,
+        outputs, values, failed, unfinished = self._send_and_collect(_call, (fn, args, kwargs), timeout_s,
                                                                      decides, grace_s)
         if unfinished or not self.running:
             self._kill()  # fresh ranks start at the next call
