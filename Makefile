@@ -49,7 +49,9 @@ notebooks: $(VENV)/.installed
 	$(PY) notebooks/build.py $(NB)
 
 book: $(VENV)/.installed
+	rm -f book/_build/html/.built-with-W
 	$(VENV)/bin/jupyter-book build . --config book/_config.yml --toc book/_toc.yml --path-output book -W --keep-going
+	touch book/_build/html/.built-with-W   # the browser tests use this build while it is newer than its sources
 
 lint: $(VENV)/.installed
 	$(VENV)/bin/ruff check zerolearn tests notebooks

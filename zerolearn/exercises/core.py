@@ -181,8 +181,8 @@ EXERCISES: dict[str, Exercise] = {}
 
 def register(exercise: Exercise) -> Exercise:
     """Add ``exercise`` to :data:`EXERCISES`; raises ValueError on a repeated or malformed name, a
-    ``timeout_s`` outside (0, 300] seconds, or on a bug built by :func:`edited` that its module does not bind under its name (it could not
-    be sent to the ranks by reference)."""
+    ``timeout_s`` outside (0, 300] seconds, or on a bug built by :func:`edited` that its module
+    does not bind under its name (it could not be sent to the ranks by reference)."""
     if not re.fullmatch(r"\d\d\.[a-z0-9_]+", exercise.name):
         raise ValueError(f"exercise name {exercise.name!r}: must be 'NN.function_name'")
     if exercise.name in EXERCISES:
