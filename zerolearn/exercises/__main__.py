@@ -6,6 +6,7 @@
     python -m zerolearn.exercises check --all --solution     # exit 0: every solution passes
     python -m zerolearn.exercises check --all --bugs         # exit 0: every known bug is caught
     python -m zerolearn.exercises times [NAME ...]           # seconds to a verdict, mistakes on one rank
+    python -m zerolearn.exercises latency [NAME ...]         # seconds to an answer: skeleton, first, kept ranks
 
 Exit status 0 when every check came out as expected (a solution passes; a bug is caught
 with the words its entry says), 1 otherwise, 2 for bad arguments.
@@ -34,6 +35,8 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("list", help="every exercise, chapter first, one per line")
     t = sub.add_parser("times", help="seconds to a verdict for a mistake on one rank, per rank exercise")
     t.add_argument("names", nargs="*", metavar="NAME", help="rank exercises (default: all)")
+    lat = sub.add_parser("latency", help="seconds to an answer per rank exercise: skeleton, first check, kept ranks")
+    lat.add_argument("names", nargs="*", metavar="NAME", help="rank exercises (default: all)")
     c = sub.add_parser("check", help="run the checker on reference solutions or known bugs")
     c.add_argument("name", nargs="?", help="an exercise, e.g. 02.zero1_step")
     c.add_argument("--all", action="store_true", help="every exercise")
@@ -67,6 +70,15 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name:28} {EXERCISES[name].title}")
         return 0
     try:
+        if args.command == "latency":
+            from zerolearn.exercises import timing
+
+            ranked = sorted(n for n in EXERCISES if EXERCISES[n].world_sizes)
+            for name in args.names:
+                if name not in ranked:
+                    raise ConfigError(f"latency {name!r}: allowed are the rank exercises {', '.join(ranked)}")
+            rows = timing.latency(args.names or None)
+            return 0 if all(ok for *_, ok in rows) else 1
         if args.command == "times":
             from zerolearn.exercises import timing
 

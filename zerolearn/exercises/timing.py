@@ -1,4 +1,5 @@
-"""How long the checker takes to a verdict when a mistake lives on one rank only.
+"""How long the checker takes: to a verdict when a mistake lives on one rank only
+(:func:`time_to_verdict`), and to any answer as a reader meets it (:func:`latency`).
 
 For every rank exercise, three functions that are right on all ranks but one:
 
@@ -20,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from zerolearn import dist as zdist
-from zerolearn.exercises.core import EXERCISES, check, reusing_ranks
+from zerolearn.exercises.core import EXERCISES, check, close_ranks, reusing_ranks, skeleton
 
 
 class RaisedOnOneRank(RuntimeError):
@@ -72,4 +73,46 @@ def time_to_verdict(names: list[str] | None = None, out=print) -> list[tuple[str
     for name, case, seconds, verdict in rows:
         said = verdict.split(": ", 1)[-1] if verdict.startswith(name) else verdict
         out(f"{name:25} {case:20} {seconds:7.1f}  {said}")
+    return rows
+
+
+def _skeleton_function(name: str) -> Callable:
+    """The reader's copy's function for ``name``, defined as a notebook cell defines it (its
+    source readable, so the checker sees it is a skeleton)."""
+    import linecache
+    import uuid
+
+    from zerolearn.exercises.core import PRELUDE
+
+    text = PRELUDE + "\n" + skeleton(name)
+    filename = f"<cell {uuid.uuid4().hex}>"
+    linecache.cache[filename] = (len(text), None, text.splitlines(keepends=True), filename)
+    namespace = {"__name__": "__main__"}
+    exec(compile(text, filename, "exec"), namespace)  # noqa: S102 - the package's own skeleton
+    return namespace[EXERCISES[name].solution.__name__]
+
+
+LATENCY_CASES = ("not written yet", "correct, first check", "correct, ranks kept")
+
+
+def latency(names: list[str] | None = None, out=print) -> list[tuple[str, str, float, bool]]:
+    """Seconds from :func:`zerolearn.exercises.check` to its answer for every rank exercise in
+    ``names`` (default: all), as a reader meets them: the reader's copy's skeleton, the
+    reference solution on ranks started for it (none kept from before: the first check of a
+    notebook), and the same on the ranks the first one kept. ``out`` gets a table; returns
+    (exercise, case, seconds, answered as expected) rows."""
+    names = [n for n in (names or sorted(EXERCISES)) if EXERCISES[n].world_sizes]
+    rows = []
+    for name in names:
+        close_ranks()
+        for case in LATENCY_CASES:
+            fn = _skeleton_function(name) if case == LATENCY_CASES[0] else EXERCISES[name].solution
+            t0 = time.perf_counter()
+            result = check(name, fn, quiet=True)
+            seconds = time.perf_counter() - t0
+            rows.append((name, case, seconds, result.passed if result.written else case == LATENCY_CASES[0]))
+    close_ranks()
+    out(f"{'exercise':25} {'case':22} {'seconds':>7}  as expected")
+    for name, case, seconds, ok in rows:
+        out(f"{name:25} {case:22} {seconds:7.2f}  {'yes' if ok else 'NO'}")
     return rows
