@@ -261,3 +261,45 @@ def test_a_line_a_rank_could_not_read_is_filled_in_from_the_readers_source():
     message = f"your function raised ZeroDivisionError: division by zero (line {inner_line} of inner)"
     assert core._sourced(message, reader).endswith(f"(line {inner_line}: return 1 / 0)")
     assert core._sourced(" (line 3 of elsewhere)", reader) == " (line 3 of elsewhere)"  # not the reader's: kept
+
+
+def _cell(name: str, edits: dict[str, str]):
+    """The reference solution of ``name`` with each ``old: new`` edit made once, defined as a cell."""
+    source = exercises.solution_source(name)
+    for old, new in edits.items():
+        assert source.count(old) == 1, old
+        source = source.replace(old, new)
+    namespace = {"__name__": "__main__"}
+    exec(compile(exercises.PRELUDE + "\n" + source, "<cell>", "exec"), namespace)  # noqa: S102
+    return namespace[exercises.EXERCISES[name].solution.__name__]
+
+
+GATHER = "04.gather_hooks"
+
+
+@pytest.mark.parametrize("edits, words", [
+    ({"resize_(flat.numel() * flat.element_size())": "resize_(flat.numel())"},
+     ["a tensor needs 8,320 bytes of its storage and the storage holds 4,160",
+      "untyped_storage().resize_(n) takes n in bytes, numel() * element_size()", "(numel() alone counts elements)"]),
+    ({"        dist.all_gather_single(flat, shard)\n": "        dist.all_gather_single(flat, shard.bfloat16())\n"},
+     ["the all-gather's output and input must have one dtype: the input is bfloat16, the output float32"]),
+    ({"        dist.all_gather_single(flat, shard)\n": "        dist.all_gather_single(flat, shard[:-1])\n"},
+     ["the all-gather's output must hold world_size x the input's elements", "every rank's shard has the same size"]),
+], ids=["elements_for_bytes", "dtype", "size"])
+def test_gloo_and_torch_raw_errors_are_answered_with_their_cause(edits, words):
+    result = check(GATHER, _cell(GATHER, edits), quiet=True)
+    assert not result.passed and result.written, str(result)
+    for said in words:
+        assert said in str(result), str(result)
+    for raw in ("ProcessGroupGloo", "TensorOptions", "setStorage"):
+        assert raw not in str(result), str(result)
+
+
+def test_a_reduce_scatter_that_does_not_fit_is_answered_with_its_cause():
+    said = core._translated("[rank0]:[F1206 ProcessGroupGloo.cpp:1537] Check failed: outputShape[0] * worldSize "
+                            "== inputShape[0] (3 vs. 4).")
+    assert said.startswith("the reduce-scatter's input must hold world_size x the output's elements"), said
+    said = core._translated("Check failed: outputTensors[i].dtype() == inputTensors[i].dtype() "
+                            "(c10::BFloat16 vs. float).")
+    assert "the output is bfloat16, the input float32" in said, said
+    assert core._translated("some other words") is None

@@ -404,9 +404,55 @@ def readers_line() -> str:
 _FREED = ("data is not allocated yet", "for storage of size 0")
 
 
+# gloo's and torch's words for a collective or a storage that does not fit, and what the reader did
+_GLOO_TYPE = re.compile(r"ProcessGroupGloo::(\w+): invalid tensor type at index \d+ \(expected "
+                        r"TensorOptions\(dtype=([\w:]+),.*got TensorOptions\(dtype=([\w:]+),", re.S)
+_GLOO_SIZE = re.compile(r"ProcessGroupGloo::(\w+): invalid tensor size at index \d+ \(expected \((\d+)\), "
+                        r"got \((\d+)\)\)")
+_GLOO_RS_TYPE = re.compile(r"Check failed: outputTensors\[i\]\.dtype\(\) == inputTensors\[i\]\.dtype\(\) "
+                           r"\(([\w:]+) vs\. ([\w:]+)\)")
+_GLOO_RS_SIZE = re.compile(r"Check failed: outputShape\[0\] \* worldSize == inputShape\[0\] \((\d+) vs\. (\d+)\)")
+_SET_STORAGE = re.compile(r"setStorage: .*itemsize (\d+) requiring a storage size of (\d+) are out of bounds for "
+                          r"storage of size (\d+)")
+
+
+def _dtype(name: str) -> str:
+    """torch's C++ name of a dtype (``float``, ``c10::BFloat16``) as Python writes it."""
+    name = name.replace("c10::", "")
+    return {"float": "float32", "double": "float64", "BFloat16": "bfloat16", "Half": "float16"}.get(name, name)
+
+
+def _translated(words: str) -> str | None:
+    """What gloo's or torch's raw words for a collective or storage that does not fit mean, and
+    the fix; None for other words."""
+    if m := _GLOO_TYPE.search(words):
+        return (f"the {m.group(1).replace('allgather', 'all-gather')}'s output and input must have one dtype: the "
+                f"input is {_dtype(m.group(2))}, the output {_dtype(m.group(3))}; gather into a buffer of the "
+                "input's dtype, or cast the input first (.to(output.dtype))")
+    if m := _GLOO_SIZE.search(words):
+        op = m.group(1).replace("allgather", "all-gather")
+        return (f"the {op}'s output must hold world_size x the input's elements, {m.group(2)}, and it holds "
+                f"{m.group(3)}: every rank's shard has the same size (padded), and the output is the whole padded "
+                "buffer")
+    if m := _GLOO_RS_TYPE.search(words):
+        return (f"the reduce-scatter's output and input must have one dtype: the output is {_dtype(m.group(1))}, "
+                f"the input {_dtype(m.group(2))}; reduce into a shard of the input's dtype")
+    if m := _GLOO_RS_SIZE.search(words):
+        return (f"the reduce-scatter's input must hold world_size x the output's elements: world_size x the "
+                f"output's is {m.group(1)}, the input holds {m.group(2)}; the output is one padded shard, the input "
+                "the whole padded buffer")
+    if m := _SET_STORAGE.search(words):
+        need, have = int(m.group(2)), int(m.group(3))
+        return (f"a tensor needs {need:,} bytes of its storage and the storage holds {have:,}: "
+                "untyped_storage().resize_(n) takes n in bytes, numel() * element_size() for the whole tensor "
+                "(numel() alone counts elements)")
+    return None
+
+
 def _raised(e: Exception) -> str:
     """The verdict for an exception the reader's function raised: its type, its words and the
-    reader's line; torch's words for a tensor whose storage was freed are said in the book's."""
+    reader's line; torch's words for a tensor whose storage was freed, and gloo's and torch's
+    raw words for a collective or a storage that does not fit, are said in the book's."""
     where = _reader_frames(traceback.extract_tb(e.__traceback__))
     words = str(e)
     if isinstance(e, RuntimeError) and any(freed in words for freed in _FREED):
@@ -414,6 +460,8 @@ def _raised(e: Exception) -> str:
         return (f"your function raised {type(e).__name__}{where}: a tensor was read while its storage held 0 "
                 "bytes, freed (untyped_storage().resize_(0)) or never allocated; grow the storage back (or keep "
                 f"a tensor that owns its memory) before reading it (torch: {torch_says})")
+    if isinstance(e, RuntimeError) and (meaning := _translated(words)):
+        return f"your function raised {type(e).__name__}{where}: {meaning}"
     return f"your function raised {type(e).__name__}: {words}{where}"
 
 
