@@ -26,13 +26,14 @@ tour: $(VENV)/.installed
 # CPU compute as an older one does: .ci/run); beside it, the reader's copies
 # (notebooks/exercises/, no stored outputs) must run top to bottom without an error, every
 # exercise saying "not written yet". The two notebook passes run side by side (the strict
-# one runs its kernels on one thread under CI's NBVAL_ENV); the readers' log follows.
+# one runs its kernels on one thread under CI's NBVAL_ENV); the readers' log follows. In both,
+# a FutureWarning (a deprecated torch call, say) is an error, in the kernels and their ranks.
 NBVAL_ENV ?=
 test: $(VENV)/.installed
 	$(PY) -m pytest tests
 	@log=$$(mktemp); \
-	$(PY) -m pytest --nbval-lax notebooks/exercises -p no:cacheprovider > $$log 2>&1 & readers=$$!; \
-	$(NBVAL_ENV) $(PY) -m pytest --nbval notebooks -p no:cacheprovider --ignore=notebooks/exercises; strict=$$?; \
+	PYTHONWARNINGS=error::FutureWarning $(PY) -m pytest --nbval-lax notebooks/exercises -p no:cacheprovider > $$log 2>&1 & readers=$$!; \
+	PYTHONWARNINGS=error::FutureWarning $(NBVAL_ENV) $(PY) -m pytest --nbval notebooks -p no:cacheprovider --ignore=notebooks/exercises; strict=$$?; \
 	wait $$readers; lax=$$?; \
 	echo "--- the reader's copies (notebooks/exercises/, nbval-lax) ---"; cat $$log; rm -f $$log; \
 	[ $$strict -eq 0 ] && [ $$lax -eq 0 ]

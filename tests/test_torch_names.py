@@ -86,3 +86,12 @@ def test_no_warning_of_torch_is_silenced_by_configuration():
     silenced = [f"{f.relative_to(ROOT)}" for f in package
                 if re.search(r"filterwarnings\(\s*\"ignore\"", f.read_text())]
     assert silenced == []
+
+
+def test_make_test_runs_every_chapter_with_future_warnings_as_errors():
+    """The chapters' passes (stored chapters, strict; readers' copies, lax) run their kernels, and the
+    ranks those start, with every FutureWarning an error: no deprecated torch call is left in them."""
+    recipe = (ROOT / "Makefile").read_text().split("\ntest:", 1)[1].split("\n\n", 1)[0]
+    passes = [line for line in recipe.splitlines() if "--nbval" in line]
+    assert len(passes) == 2, passes
+    assert all("PYTHONWARNINGS=error::FutureWarning" in line for line in passes), passes
