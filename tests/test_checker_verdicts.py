@@ -303,3 +303,13 @@ def test_a_reduce_scatter_that_does_not_fit_is_answered_with_its_cause():
                             "(c10::BFloat16 vs. float).")
     assert "the output is bfloat16, the input float32" in said, said
     assert core._translated("some other words") is None
+
+
+def test_a_name_rebound_inside_a_hook_is_answered_with_the_cause():
+    """``shard = out / world_size`` inside a hook makes shard a local name of the hook: Python's
+    UnboundLocalError, answered with why and the in-place fix."""
+    fn = _cell("03.reduce_scatter_hook", {"        shard.div_(world_size)\n": "        shard = shard / world_size\n"})
+    result = check("03.reduce_scatter_hook", fn, quiet=True)
+    assert not result.passed and result.written, str(result)
+    assert "UnboundLocalError" in str(result)
+    assert "makes shard a new local name there" in str(result) and "shard.copy_(...)" in str(result), str(result)

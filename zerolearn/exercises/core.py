@@ -61,7 +61,7 @@ from zerolearn.watch import watching
 
 __all__ = ["EXERCISES", "PRELUDE", "Bug", "Exercise", "Mistake", "Result", "Wrong", "agree", "check",
            "close_ranks", "defined_at", "edited", "first_difference", "machinery", "readers_line", "register",
-           "reusing_ranks", "skeleton", "solution_source"]
+           "reusing_ranks", "skeleton", "solution_source", "unchanged"]
 
 PRELUDE = "import torch\nimport torch.distributed as dist\nimport torch.nn.functional as F\nfrom torch import nn"
 """The imports every exercise function may rely on (a chapter runs them before its exercises)."""
@@ -256,6 +256,17 @@ def first_difference(what: str, got: torch.Tensor, want: torch.Tensor, *, step: 
         i = int(bad.nonzero()[0])
         raise Wrong(f"{what}, element {i}: you have {g[i].item():.6g}, {reference} gives "
                     f"{w[i].item():.6g} ({int(bad.sum())} of {g.numel()} elements differ)", step)
+
+
+def unchanged(what: str, got: torch.Tensor, before: torch.Tensor, name: str, *, step: int | None = None) -> None:
+    """Raise :class:`Wrong` when ``got`` equals ``before`` bit for bit, where the reader's function
+    had to write into the caller's tensor ``name`` (the check knows the write changes it): a new
+    tensor bound to the parameter's name is the usual cause, and the message says so."""
+    if got.shape == before.shape and torch.equal(got, before):
+        raise Wrong(f"{what} is exactly as it was before your function ran: nothing was written into it. "
+                    f"`{name} = ...` inside your function binds the name to a new tensor and leaves the caller's "
+                    f"tensor as it was; write into it in place ({name}.copy_(...), out={name}, or {name} as a "
+                    "collective's output)", step)
 
 
 # ----- running a check -----------------------------------------------------------------
@@ -462,6 +473,11 @@ def _raised(e: Exception) -> str:
                 f"a tensor that owns its memory) before reading it (torch: {torch_says})")
     if isinstance(e, RuntimeError) and (meaning := _translated(words)):
         return f"your function raised {type(e).__name__}{where}: {meaning}"
+    if isinstance(e, UnboundLocalError) and (m := re.search(r"local variable '(\w+)'", words)):
+        name = m.group(1)
+        return (f"your function raised UnboundLocalError: {words}{where}: an assignment `{name} = ...` anywhere in "
+                f"a function makes {name} a new local name there, hiding the {name} it was given; to update that "
+                f"tensor write into it in place ({name}.copy_(...), {name}.div_(...), out={name})")
     return f"your function raised {type(e).__name__}: {words}{where}"
 
 

@@ -24,7 +24,7 @@ from torch import nn
 from zerolearn import comm
 from zerolearn import dist as zdist
 from zerolearn.chapters.ch02.zero1_step import zero1_step
-from zerolearn.exercises.core import Bug, Exercise, Wrong, agree, edited, first_difference, register
+from zerolearn.exercises.core import Bug, Exercise, Wrong, agree, edited, first_difference, register, unchanged
 from zerolearn.exercises.helpers import (
     PARAM_ATOL,
     PARAM_RTOL,
@@ -194,6 +194,7 @@ def _zero1_trial(fn) -> str:
             comm.reduce_scatter(shard, flat_grad)
             flat_grad = shard / ws
         target = flat_params if gather else layout.shard_of(flat_params).clone()
+        target_before = target.clone()
         comm.LEDGER.reset()
         how = "" if not reduced else " with reduced=True" if gather else " with reduced=True, gather=False"
         got = fn(flat_params, flat_grad, state, ws, rank, LR) if not reduced else \
@@ -216,6 +217,7 @@ def _zero1_trial(fn) -> str:
                         f"the gradient is already reduced, so the step moves {expected}", step)
         ref_opt.step()
         ref_opt.zero_grad(set_to_none=True)
+        unchanged(f"flat_params after your step{how}", target, target_before, "flat_params", step=step)
         if gather:
             compare_params(model, ref, step)
         else:
@@ -359,6 +361,15 @@ _adamw = edited(
     more than single-process Adam does, too little to see in one step's parameters.""")
 
 
+_rebinds_params = edited(
+    zero1_step, {"dist.all_gather_single(flat_params, working)  # every rank's updated shard, on every rank":
+                 "full = torch.empty_like(flat_params)\n        dist.all_gather_single(full, working)\n"
+                 "        flat_params = full  # meant to update the parameters"},
+    name="_rebinds_params",
+    doc="""The updated parameters gathered into a new tensor and bound to the name ``flat_params``: the
+    caller's buffer, which the model's parameters view, is never written.""")
+
+
 def _extra_gather_on_one_rank(flat_params, flat_grad, state, world_size, rank, lr, **_):
     """The reference step, then on the last rank only one more all-gather (a debugging gather left
     in under ``if rank == ...``): its peers never call it, so that rank waits in it for ever."""
@@ -402,6 +413,8 @@ register(Exercise(
      "adamw": Bug(_adamw, "torch.optim.AdamW for Adam: the names differ by one letter", "your optimizer is AdamW"),
      "extra_gather_on_one_rank": Bug(_extra_gather_on_one_rank, "a collective under `if rank == ...`: one rank "
                                      "waits in it, its peers never call it", "never call"),
+     "rebinds_params": Bug(_rebinds_params, "a new tensor bound to the name flat_params instead of written into "
+                           "it", "binds the name to a new tensor"),
      "bf16_master": Bug(_bf16_master, "Adam stepping the bf16 parameters' shard: no fp32 master (K = 6 instead "
                         "of 12)", "your optimizer steps torch.bfloat16 tensors"),
      "master_from_params": Bug(_master_from_params, "an fp32 master copied back from the bf16 parameters every "

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from zerolearn import comm, data
 from zerolearn import dist as zdist
 from zerolearn.chapters.ch03.accumulate import accumulate
-from zerolearn.exercises.core import Bug, Exercise, Wrong, agree, edited, register
+from zerolearn.exercises.core import Bug, Exercise, Wrong, agree, edited, register, unchanged
 from zerolearn.exercises.helpers import WIDTH, close_to, compare_shard, mlp, mlp_buckets, mlp_grads, sgd_on_shards
 
 BATCH, STEPS, MICRO = 12, 3, 4  # BATCH * MICRO samples per global batch
@@ -30,6 +30,12 @@ def _last_only(shard, bucket_grad, micro_batch, micro_batches, world_size):
     dist.reduce_scatter_single(shard, bucket_grad)  # writes the shard every time: earlier micro-batches are lost
     shard /= world_size
 
+
+_rebinds_shard = edited(accumulate, {
+    "        shard.copy_(part)  # a new step: the previous step's gradient goes\n":
+    "        shard = part  # a new step: the previous step's gradient goes\n",
+    "        shard.add_(part)": "        shard = shard + part"}, name="_rebinds_shard",
+    doc="The shard's new value bound to the name ``shard``: the caller's shard is never written.")
 
 _no_divide = edited(accumulate, {"part /= world_size * micro_batches": "part /= world_size"}, name="_no_divide")
 
@@ -56,6 +62,7 @@ def _accumulate_trial(fn) -> str:
         x, y = data.mlp_batch(step, batch, WIDTH)
         mine = [t.chunk(MICRO) for t in (data.rank_slice(x, rank, ws), data.rank_slice(y, rank, ws))]
         comm.LEDGER.reset()
+        starts = [shard.clone() for shard in shards]
         for i, (xm, ym) in enumerate(zip(*mine, strict=True)):
             model.zero_grad()
             F.mse_loss(model(xm), ym).backward()
@@ -73,6 +80,7 @@ def _accumulate_trial(fn) -> str:
 
             wants.append(shard_of(want))
             what = f"after {MICRO} micro-batches your shard of bucket {k}"
+            unchanged(what, shard, starts[k], "shard", step=step)
             last = shard_of(micro_grads[-1])
             if any(close_to(shard, c * last) for c in (1, 1 / MICRO, 1 / ws, 1 / (ws * MICRO))):
                 lost = ", ".join(str(i) for i in range(MICRO - 1))
@@ -105,5 +113,7 @@ register(Exercise(
                       "in engine.backward; a hand-written loop must do it somewhere)", "4 times the single-process"),
      "divide_twice": Bug(_divide_twice, "dividing the loss by the accumulation steps and the accumulated "
                          "gradient again (DeepSpeed's engine.backward already scales the loss)", "twice"),
+     "rebinds_shard": Bug(_rebinds_shard, "shard = part: a new tensor bound to the name instead of written into "
+                          "the shard", "binds the name to a new tensor"),
      "never_resets": Bug(_never_resets, "accumulating across steps: the shard is never reset at the first "
                          "micro-batch (zero_grad forgotten)", "still holds step 0's gradient")}))
