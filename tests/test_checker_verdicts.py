@@ -313,3 +313,43 @@ def test_a_name_rebound_inside_a_hook_is_answered_with_the_cause():
     assert not result.passed and result.written, str(result)
     assert "UnboundLocalError" in str(result)
     assert "makes shard a new local name there" in str(result) and "shard.copy_(...)" in str(result), str(result)
+
+
+def test_an_async_output_used_before_its_wait_is_named_with_both_lines():
+    fn = _cell("01.bucket_hook", {"            handle.wait()\n            buffer.div_(world_size)\n":
+                                  "            buffer.div_(world_size)\n            handle.wait()\n"})
+    result = check("01.bucket_hook", fn, quiet=True)
+    assert not result.passed and result.written, str(result)
+    text = str(result)
+    assert "the output of dist.all_reduce(..., async_op=True)" in text and "before its handle's .wait()" in text
+    assert "was used by torch's div_" in text and "The use" in text, text
+
+
+def test_an_async_gather_left_in_flight_when_the_step_returns_is_named():
+    fn = _cell("02.zero1_step", {"dist.all_gather_single(flat_params, working)  # every rank's updated shard":
+                                 "handle = dist.all_gather_single(flat_params, working, async_op=True)  #"})
+    result = check("02.zero1_step", fn, quiet=True)
+    assert not result.passed and result.written, str(result)
+    assert "the output of dist.all_gather_single(..., async_op=True)" in str(result)
+    assert "Your function returned with it still in flight" in str(result), str(result)
+
+
+def test_a_name_rebound_instead_of_written_is_named():
+    fn = _cell("02.zero1_step", {"dist.all_gather_single(flat_params, working)  # every rank's updated shard":
+                                 "full = torch.empty_like(flat_params)\n        dist.all_gather_single(full, working)\n"
+                                 "        flat_params = full  #"})
+    result = check("02.zero1_step", fn, quiet=True)
+    assert not result.passed and result.written, str(result)
+    assert "flat_params after your step is exactly as it was before your function ran" in str(result)
+    assert "`flat_params = ...` inside your function binds the name to a new tensor" in str(result), str(result)
+
+
+def test_the_async_watch_leaves_torch_as_it_was():
+    from zerolearn.exercises.pending import COLLECTIVES, pending_reads
+
+    before = {name: getattr(dist, name) for name in COLLECTIVES}
+    wait = torch._C._distributed_c10d.Work.wait
+    with pending_reads():
+        assert all(getattr(dist, name) is not before[name] for name in COLLECTIVES)
+    assert {name: getattr(dist, name) for name in COLLECTIVES} == before
+    assert torch._C._distributed_c10d.Work.wait is wait

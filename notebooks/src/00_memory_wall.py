@@ -106,9 +106,8 @@ print(text_table(["fp32 Adam", "KiB", "bytes per parameter"], rows, align=["left
 # $$(2 + 2 + K)\,\Psi = 16\,\Psi \text{ bytes}.$$
 #
 # Mixed precision does not shrink model states at all; it saves activation memory and makes the
-# arithmetic faster. K depends on the optimizer. In fp32 training, SGD with momentum keeps one
-# fp32 buffer (K = 4) and plain SGD none (K = 0); in mixed precision both keep the fp32 master
-# besides, K = 8 and K = 4.
+# arithmetic faster. K depends on the optimizer and the dtype: Exercise 1 asks you for it for SGD,
+# with and without momentum, as well as for Adam.
 
 # %% [markdown]
 # Let us measure this with the book's engine instead of by hand. `train_all` runs the training

@@ -57,6 +57,7 @@ from typing import Any
 import torch
 
 from zerolearn.errors import ConfigError
+from zerolearn.exercises.pending import ReadBeforeWait, pending_reads
 from zerolearn.watch import watching
 
 __all__ = ["EXERCISES", "PRELUDE", "Bug", "Exercise", "Mistake", "Result", "Wrong", "agree", "check",
@@ -159,7 +160,9 @@ class Exercise:
     :class:`Wrong` at the first mistake and otherwise returns a one-line summary of
     what it verified (the same on every rank); ``bugs`` maps a bug's name to :class:`Bug`;
     ``stepped`` says that the trial trains in steps and calls :func:`agree` after each, so
-    that an exception is reported with the step it was raised in.
+    that an exception is reported with the step it was raised in; ``async_reads`` runs the
+    trial under :func:`zerolearn.exercises.pending.pending_reads`, which names an async
+    collective's output used before its handle's ``wait()``.
     """
 
     name: str
@@ -170,6 +173,7 @@ class Exercise:
     world_sizes: tuple[int, ...] = (2, 3)
     timeout_s: float = 120.0
     stepped: bool = True  # the trial trains in steps and calls agree(step) after each
+    async_reads: bool = False  # the trial names an async collective's output used before its wait()
 
     @property
     def chapter(self) -> str:
@@ -317,7 +321,8 @@ class Result:
 
 _PACKAGE = Path(__file__).resolve().parent.parent  # zerolearn/
 _SOLUTIONS = (Path(__file__).resolve().parent, _PACKAGE / "chapters")  # the checker; solutions, trials, bugs
-_MACHINERY = ("core.py", "__main__.py", "__init__.py", "helpers.py", "lesson.py")  # in _SOLUTIONS, at any depth
+_MACHINERY = ("core.py", "__main__.py", "__init__.py", "helpers.py", "lesson.py", "pending.py",
+              "timing.py")  # in _SOLUTIONS, at any depth
 
 
 _STDLIB = Path(sysconfig.get_paths()["stdlib"]).resolve()
@@ -361,6 +366,16 @@ def _reader_frames(tb: traceback.StackSummary) -> str:
 
     frame = ([f for f in tb if theirs(f)] or list(tb))[-1]
     return f" (line {frame.lineno}: {frame.line})" if frame.line else f" (line {frame.lineno} of {frame.name})"
+
+
+def _in_a_trial(tb: traceback.StackSummary) -> bool:
+    """Whether the innermost frame of a solution's or check's module in ``tb`` is a check's
+    (``*_check.py``): the trial itself, not the reader's function, was running."""
+    mine = [f for f in tb if not f.filename.startswith("<") and any(
+        Path(f.filename).resolve().is_relative_to(folder) for folder in _SOLUTIONS)
+        and Path(f.filename).name not in _MACHINERY]
+    return bool(mine) and mine[-1].filename.endswith("_check.py") and not any(
+        f.filename == _BY_VALUE or f.filename.startswith("<cell") for f in tb)
 
 
 _BY_VALUE = "<dynamic-code>"  # cloudpickle's file name for the code of a function it sends by value
@@ -471,6 +486,11 @@ def _raised(e: Exception) -> str:
         return (f"your function raised {type(e).__name__}{where}: a tensor was read while its storage held 0 "
                 "bytes, freed (untyped_storage().resize_(0)) or never allocated; grow the storage back (or keep "
                 f"a tensor that owns its memory) before reading it (torch: {torch_says})")
+    if isinstance(e, ReadBeforeWait):
+        if _in_a_trial(traceback.extract_tb(e.__traceback__)):
+            return (f"{words}. Your function returned with it still in flight, and the check's next use of the "
+                    "tensor came before any wait: wait for the handle before your function returns")
+        return f"{words}. The use{where}"
     if isinstance(e, RuntimeError) and (meaning := _translated(words)):
         return f"your function raised {type(e).__name__}{where}: {meaning}"
     if isinstance(e, UnboundLocalError) and (m := re.search(r"local variable '(\w+)'", words)):
@@ -597,8 +617,8 @@ def _run_trial(exercise: Exercise, fn: Callable, token: str | None) -> tuple[str
         debug = comm.debug_enabled()
         comm.set_debug(True)
     try:
-        with watching():  # torch's collectives, called by their own names, booked in comm.LEDGER
-            return "ok", exercise.trial(fn)
+        with watching(), pending_reads() if exercise.async_reads else contextlib.nullcontext():
+            return "ok", exercise.trial(fn)  # torch's collectives, by their own names, booked in comm.LEDGER
     except _PeerFailed as e:
         return "stopped", e.rank
     except Wrong as e:

@@ -12,13 +12,26 @@ This module holds the trial, the known bugs and the registration; the reader's f
 
 from __future__ import annotations
 
+import functools
+
 from zerolearn.chapters.ch00.model_state_bytes import model_state_bytes
 from zerolearn.exercises.core import Bug, Exercise, Wrong, edited, register
 from zerolearn.memory import model as analytic
 
 OPTIMIZERS = {"adam": ("adam", True), "sgd_momentum": ("sgd", True), "sgd": ("sgd", False)}
 DTYPES = ("bf16", "fp16", "fp32")
-PSIS = (134_912, 1_500_000_000, 7_500_000_000)
+SIZES = (1_500_000_000, 7_500_000_000)  # the paper's 1.5B (Sec 3.1) and 7.5B (Fig 1) models
+
+
+@functools.cache
+def psis() -> tuple[int, ...]:
+    """The sizes the trial asks about: Psi of the chapter's GPT (the exercises' ``GPT``, counted
+    from its tensors), then :data:`SIZES`."""
+    from zerolearn.exercises.helpers import GPT
+    from zerolearn.models import build_model
+
+    model = build_model("gpt", seed=0, gpt=GPT)
+    return (sum(p.numel() for p in model.parameters() if p.requires_grad), *SIZES)
 CATEGORIES = ("params", "grads", "optimizer_states")
 
 
@@ -52,7 +65,7 @@ def _model_state_trial(fn) -> str:
             width = analytic.dtype_bytes(dtype)
             want = analytic.model_state_bytes(psi=1, nd=1, stage=0, k=analytic.optimizer_k(name, dtype, momentum),
                                               param_bytes=width, grad_bytes=width)
-            for psi in PSIS:
+            for psi in psis():
                 call = f"model_state_bytes({psi:_}, {optimizer!r}, {dtype!r})"
                 got = fn(psi, optimizer, dtype)
                 if not isinstance(got, dict) or set(got) != set(CATEGORIES):

@@ -172,6 +172,13 @@ _never_cleared = edited(
     earlier step's buckets too (the last copy wins, so the gradients are right) and keeps their buffers.""")
 
 
+_divides_before_wait = edited(bucket_hook, {
+    "            handle.wait()\n            buffer.div_(world_size)\n":
+    "            buffer.div_(world_size)  # meant to overlap with the reduction\n            handle.wait()\n"},
+    name="_divides_before_wait",
+    doc="The bucket divided by world_size before its all-reduce's handle is waited for: the backend's thread "
+        "may still be summing into it.")
+
 register(Exercise(
     "01.bucket_hook", "Bucketed gradient averaging from autograd hooks, overlapped with backward",
     bucket_hook, _bucket_trial,
@@ -185,4 +192,7 @@ register(Exercise(
      "counter_never_reset": Bug(_counter_never_reset, "a per-bucket count of arrived gradients never set back to "
                                 "0: right in the first step only", "stopped launching"),
      "never_cleared": Bug(_never_cleared, "the list of launched all-reduces never cleared: stale handles "
-                          "re-waited, stale buffers kept, every step", "grows step after step")}))
+                          "re-waited, stale buffers kept, every step", "grows step after step"),
+     "divides_before_wait": Bug(_divides_before_wait, "an async all-reduce's output divided before its wait(): "
+                                "right on an idle machine, a partial sum under load", "before its handle's .wait()")},
+    async_reads=True))

@@ -370,6 +370,14 @@ _rebinds_params = edited(
     caller's buffer, which the model's parameters view, is never written.""")
 
 
+_gather_not_waited = edited(
+    zero1_step, {"dist.all_gather_single(flat_params, working)  # every rank's updated shard, on every rank":
+                 "state['gather'] = dist.all_gather_single(flat_params, working, async_op=True)  # waited later"},
+    name="_gather_not_waited",
+    doc="""The all-gather of the updated parameters launched with async_op=True and its handle kept for
+    later: the step returns while the backend still writes flat_params, which the forward reads.""")
+
+
 def _extra_gather_on_one_rank(flat_params, flat_grad, state, world_size, rank, lr, **_):
     """The reference step, then on the last rank only one more all-gather (a debugging gather left
     in under ``if rank == ...``): its peers never call it, so that rank waits in it for ever."""
@@ -418,4 +426,7 @@ register(Exercise(
      "bf16_master": Bug(_bf16_master, "Adam stepping the bf16 parameters' shard: no fp32 master (K = 6 instead "
                         "of 12)", "your optimizer steps torch.bfloat16 tensors"),
      "master_from_params": Bug(_master_from_params, "an fp32 master copied back from the bf16 parameters every "
-                               "step: counted in K, but its precision is lost", "your fp32 master differs")}))
+                               "step: counted in K, but its precision is lost", "your fp32 master differs"),
+     "gather_not_waited": Bug(_gather_not_waited, "the parameters' all-gather launched async and never waited "
+                              "for in the step", "before its handle's .wait()")},
+    async_reads=True))
