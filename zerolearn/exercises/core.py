@@ -617,7 +617,7 @@ def _run_trial(exercise: Exercise, fn: Callable, token: str | None) -> tuple[str
         debug = comm.debug_enabled()
         comm.set_debug(True)
     try:
-        with watching(), pending_reads() if exercise.async_reads else contextlib.nullcontext():
+        with watching(), pending_reads(readers_line) if exercise.async_reads else contextlib.nullcontext():
             return "ok", exercise.trial(fn)  # torch's collectives, by their own names, booked in comm.LEDGER
     except _PeerFailed as e:
         return "stopped", e.rank

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -60,17 +61,11 @@ class _Pending(TorchDispatchMode):
         return func(*args, **kwargs)
 
 
-def _readers_line() -> str:
-    """' (line N: code)' of the nearest frame outside torch and this package's checker."""
-    from zerolearn.exercises.core import readers_line
-
-    return readers_line()
-
-
 @contextlib.contextmanager
-def pending_reads():
+def pending_reads(where: Callable[[], str] = lambda: ""):
     """Inside this block, an async collective's output used before its handle's ``wait()``
-    raises :class:`ReadBeforeWait` (see the module's docstring)."""
+    raises :class:`ReadBeforeWait` (see the module's docstring). ``where()`` says, as
+    ``' (line N: code)'``, where the current call is (the checker passes the reader's line)."""
     mode = _Pending()
     originals = {name: getattr(dist, name) for name in COLLECTIVES}
     work_type = torch._C._distributed_c10d.Work
@@ -95,7 +90,7 @@ def pending_reads():
             output = bound.get(first)
             if work is not None and bound.get("async_op") and isinstance(output, torch.Tensor):
                 ptr = output.untyped_storage().data_ptr()
-                mode.storages[ptr] = f"dist.{name}(..., async_op=True){_readers_line()}"
+                mode.storages[ptr] = f"dist.{name}(..., async_op=True){where()}"
                 mode.works[id(work)] = ptr
             return work
 
