@@ -53,6 +53,11 @@ def test_your_engine_trains_as_one_process_with_fig1_bytes():
         assert sum(row["bytes"].values()) == formula["total"]
         assert row["moved"] == 2 * (trained.psi + row["padding"])
     assert "your engine" in str(trained) and trained.missing is None
+    # the footnote's bytes per parameter are this stage's (ZeRO-2 on 2 ranks), and each is Fig 1's total over Psi
+    assert "yours 4 + 4 / 2 + 12 / 2 = 12, the package's 4 + 4 / 2 + 8 / 2 = 10" in str(trained), str(trained)
+    for name, k in (("your engine", 12), ("package engine", 8)):
+        per = float(trained.per_parameter(k).rsplit("= ", 1)[1])
+        assert per == pytest.approx(trained.formula(name)["total"] / (trained.psi + trained.rows[name]["padding"]))
 
 
 def test_your_engine_names_a_part_not_written_yet():

@@ -63,7 +63,7 @@ def test_the_readers_functions_are_written_and_skeletons_left_to_the_book(tmp_pa
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_my_zero_under_torchrun_equals_one_process_with_the_formulas_bytes(world_size, tmp_path):
-    take_home.write(tmp_path / "my_zero.py")
+    take_home.write(tmp_path / "my_zero.py", book_parts=list(take_home.PARTS))
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
                           str(world_size), "my_zero.py", "--stage", "0", "1", "2", "3", "--json"],
                          cwd=tmp_path, capture_output=True, text=True, timeout=600,
@@ -96,7 +96,8 @@ def test_a_wrong_part_fails_the_run_naming_every_rank_and_what_differs(tmp_path)
     spec = importlib.util.spec_from_file_location("wrong", tmp_path / "wrong.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    said = take_home.write(tmp_path / "my_zero.py", {"average_gradients": module.average_gradients})
+    said = take_home.write(tmp_path / "my_zero.py", {"average_gradients": module.average_gradients},
+                           book_parts=[n for n in take_home.PARTS if n != "average_gradients"])
     assert "yours average_gradients;" in said
     run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                           "my_zero.py", "--stage", "0", "1"], cwd=tmp_path, capture_output=True, text=True,
@@ -110,3 +111,12 @@ def test_a_wrong_part_fails_the_run_naming_every_rank_and_what_differs(tmp_path)
         assert any(line.strip().startswith(f"rank {rank}: final parameters differ from one process by rel ")
                    and "(tolerance 1e-06)" in line for line in lines[2:4]), lines
     assert lines[4].startswith("ZeRO-1 on 2 ranks") and "every rank equals one process" in lines[4], lines
+
+
+def test_a_part_neither_written_nor_named_is_said_and_nothing_is_written(tmp_path):
+    said = take_home.write(tmp_path / "my_zero.py", {"gather_hooks": gather_hooks}, book_parts=["zero1_step"])
+    assert said.startswith("not written yet: average_gradients (exercise 01.average_gradients), flatten_params "
+                           "(exercise 02.flatten_params), reduce_scatter_hook (exercise 03.reduce_scatter_hook);"), said
+    assert not (tmp_path / "my_zero.py").exists()
+    with pytest.raises(ConfigError, match="book_parts: 'zero2_step' unknown; allowed are"):
+        take_home.write(tmp_path / "my_zero.py", book_parts=["zero2_step"])

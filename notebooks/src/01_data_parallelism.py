@@ -198,8 +198,15 @@ print(f"volume of reduce_scatter + all_gather: {volume['reduce_scatter']} + {vol
       f"{volume['reduce_scatter'] + volume['all_gather']} elements")
 
 # %% [markdown]
-# Live ranks suit short experiments typed cell by cell (these four wait, idle, until `%ranks stop`
-# or the end of the kernel). A whole training run is the script again, from a function:
+# Live ranks suit short experiments typed cell by cell; they wait, idle, until `%ranks stop`,
+# `live.stop()` or the end of the kernel. These four are done:
+
+# %%
+live.stop()  # the four processes exit and give their memory back
+print(live.current())
+
+# %% [markdown]
+# A whole training run is the script again, from a function:
 # `zerolearn.dist.launch(fn, world_size, *args)` spawns `world_size` fresh processes, runs
 # `init_process_group` in each, calls `fn(*args)`, tears the group down and returns the
 # results in rank order. The function travels to the ranks by value (cloudpickle), closures and

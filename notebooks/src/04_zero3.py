@@ -557,14 +557,17 @@ exercises.check("04.nano_engine", nano_engine)
 # and final parameters against one process on the whole batch (rel. 1e-6), and the bytes
 # the rank holds against Fig 1's formula for fp32 with an fp32 master,
 # (4 + 4 + 12) Ψ with a term divided by N<sub>d</sub> for each state the stage partitions.
-# A part this notebook does not define, or still raises `NotImplementedError`, is the
-# book's solution; paste your functions of chapters 1-3 above to take all of yours.
+# A part this notebook does not define, or that still raises `NotImplementedError`, is not
+# filled in for you: `write` names it and writes nothing, unless you ask for the book's
+# solution by name in `book_parts`. Paste your functions of chapters 1-3 above to take all of
+# yours; the cell below takes the book's for those.
 
 # %%
 from zerolearn.chapters.ch04 import take_home
 
 mine = {name: globals()[name] for name in take_home.PARTS if name in globals()}  # your functions here
-print(take_home.write("my_zero.py", mine))
+book_parts = ["average_gradients", "flatten_params", "zero1_step", "reduce_scatter_hook"]  # chapters 1-3's
+print(take_home.write("my_zero.py", mine, book_parts=[n for n in book_parts if n not in mine]))
 
 # %% [markdown]
 # Run it on two ranks, as chapter 1 ran its first script:

@@ -116,6 +116,14 @@ class Trained:
         return analytic.model_state_bytes(self.psi + self.rows[name]["padding"], self.nd, self.stage, k=k,
                                           param_bytes=4, grad_bytes=4)
 
+    def per_parameter(self, k: int) -> str:
+        """Fig 1's bytes per parameter at this stage and Nd, as a sum: 4 (parameters), 4
+        (gradients) and ``k`` (optimizer states), each divided by Nd where the stage
+        partitions it (Sec 5.1-5.3)."""
+        terms = [(4, self.stage >= 3), (4, self.stage >= 2), (k, self.stage >= 1)]
+        text = " + ".join(f"{b} / {self.nd}" if split else f"{b}" for b, split in terms)
+        return f"{text} = {sum(b / self.nd if split else b for b, split in terms):g}"
+
     def table(self) -> str:
         """The rows as text: losses, difference from one process, KiB per rank measured | Fig 1,
         the same bytes per parameter (Psi), Psi moved per step measured | Sec 7.1 (DP) or 7.2 (ZeRO)."""
@@ -140,9 +148,10 @@ class Trained:
                  f"(Psi = {self.psi:,}), fp32 Adam, global batch {GPT_BATCH}")
         note = "" if self.missing is None else (
             f"\n\n{self.missing} still raises NotImplementedError: write it above, run its check, then this cell.")
-        fig1 = ("Fig 1 here: fp32 parameters and gradients (4 + 4 bytes) and Adam's K; K = 12 for yours "
-                "(zero1_step writes an fp32 master even in fp32: 4 + 4 + 12 = 20 bytes per parameter at DP), "
-                "8 for the package's (in fp32 its master is the parameter: 4 + 4 + 8 = 16).")
+        fig1 = ("Fig 1 here: fp32 parameters and gradients (4 + 4 bytes) and Adam's K, 12 for yours "
+                "(zero1_step writes an fp32 master even in fp32) and 8 for the package's (in fp32 its master "
+                f"is the parameter); at this stage, bytes per parameter: yours {self.per_parameter(12)}, "
+                f"the package's {self.per_parameter(8)} (per element of the padded Psi).")
         return f"{title}\n\n{self.table()}\n\n{fig1}{note}"
 
     def _repr_pretty_(self, p, cycle) -> None:

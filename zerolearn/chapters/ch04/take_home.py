@@ -3,10 +3,13 @@ standalone script, ``my_zero.py``, that runs DP and ZeRO-1/2/3 under torchrun (S
 
 The script is :mod:`zerolearn.chapters.ch04.my_zero` with each line marked ``# PART`` (an
 import of one of the book's solutions) replaced by the source of the function that takes
-its place: the reader's, where given, else the book's solution. What remains imports torch
-alone, so the file runs anywhere torch does::
+its place: the reader's, or the book's solution where the reader names the part in
+``book_parts`` (a part neither written nor named is not written for the reader: :func:`write`
+says which and writes nothing). What remains imports torch alone, so the file runs
+anywhere torch does::
 
-    write("my_zero.py", {"gather_hooks": gather_hooks})   # yours, the book's for the rest
+    write("my_zero.py", {"gather_hooks": gather_hooks},   # yours, and the book's by name
+          book_parts=["average_gradients", "flatten_params", "zero1_step", "reduce_scatter_hook"])
     # then: python -m torch.distributed.run --standalone --nproc-per-node 2 my_zero.py --stage 0 1 2 3
 """
 
@@ -56,6 +59,16 @@ def written(parts: dict[str, Callable] | None) -> dict[str, Callable]:
     return {n: fn for n, fn in parts.items() if "raise NotImplementedError" not in part_source(n, fn)}
 
 
+def unwritten(parts: dict[str, Callable] | None, book_parts=()) -> list[str]:
+    """The parts neither written by the reader (:func:`written`) nor named in ``book_parts``, as
+    'name (exercise NN.name)'. Raises ConfigError naming a part not in :data:`PARTS`."""
+    unknown = sorted(set(book_parts) - set(PARTS))
+    if unknown:
+        raise ConfigError(f"book_parts: {', '.join(map(repr, unknown))} unknown; allowed are {', '.join(PARTS)}")
+    yours = written(parts)
+    return [f"{n} (exercise {PARTS[n]})" for n in PARTS if n not in yours and n not in book_parts]
+
+
 def script(parts: dict[str, Callable] | None = None) -> str:
     """The text of ``my_zero.py``: the template with every ``# PART`` line replaced, the first by
     all the parts' sources (the reader's :func:`written` ones, the book's solutions for the
@@ -74,9 +87,15 @@ def script(parts: dict[str, Callable] | None = None) -> str:
     return "\n".join(out) + "\n"
 
 
-def write(path: str | Path, parts: dict[str, Callable] | None = None) -> str:
-    """Write :func:`script` to ``path``. Returns one line saying which parts are the reader's
-    and which the book's solutions."""
+def write(path: str | Path, parts: dict[str, Callable] | None = None, book_parts=()) -> str:
+    """Write :func:`script` to ``path`` when every part is the reader's (``parts``, written) or
+    named in ``book_parts`` (the book's solution, asked for by name). Returns one line saying
+    which parts are the reader's and which the book's, or, writing nothing, which parts are
+    not written yet and their exercises. Raises ConfigError naming an unknown part."""
+    missing = unwritten(parts, book_parts)
+    if missing:
+        return (f"not written yet: {', '.join(missing)}; write them above, or name them in book_parts= to take "
+                f"the book's solutions ({path} not written)")
     Path(path).write_text(script(parts))
     yours = written(parts)
     books = [n for n in PARTS if n not in yours]
