@@ -54,17 +54,31 @@ def block_saved_tensors(block: nn.Module, x: torch.Tensor) -> list[dict]:
 
 def step_timeline_figure(timeline: list, title: str):
     """A stack plot of one step's memory by category, from ``[index, phase, total, by_category]``
-    events (the ledger's timeline), with a dashed line where each phase starts. Bytes in KiB."""
+    events (the ledger's timeline), with a dashed line where each phase starts. Bytes in KiB.
+
+    Event i's bytes are drawn from i to i + 1, the last event's too, so what the step leaves
+    (after ``zero_grad()``) shows at the right edge; an arrow marks the event that frees the
+    gradients, the last at which they fall to 0 bytes."""
     import matplotlib.pyplot as plt
 
     order = ("params", "optimizer_states", "grads", "activations", "temporary")
+    xs = [e[0] for e in timeline] + [timeline[-1][0] + 1]
     fig, ax = plt.subplots(figsize=(10, 4))
-    ax.stackplot([e[0] for e in timeline], [[e[3][c] / 1024 for e in timeline] for c in order],
+    ax.stackplot(xs, [[e[3][c] / 1024 for e in timeline] + [timeline[-1][3][c] / 1024] for c in order],
                  labels=order, step="post")
+    ax.set_xlim(xs[0], xs[-1])
     for phase in ("forward", "backward", "step"):
         start = next(e[0] for e in timeline if e[1] == phase)
         ax.axvline(start, color="k", lw=0.8, ls="--")
         ax.text(start + 1, ax.get_ylim()[1] * 0.95, phase, va="top")
+    freed = [(a, b) for a, b in zip(timeline, timeline[1:], strict=False)
+             if a[3]["grads"] > 0 and b[3]["grads"] == 0]
+    if freed:  # the last event at which the gradients go: zero_grad()
+        before, at = freed[-1]
+        y = (before[3]["params"] + before[3]["optimizer_states"] + before[3]["grads"] / 2) / 1024
+        ax.annotate("gradients freed\nat zero_grad()", xy=(at[0] + 0.5, y), xytext=(-90, 45),
+                    textcoords="offset points", ha="center", va="center", fontsize=8,
+                    arrowprops={"arrowstyle": "->", "color": "k", "lw": 0.8})
     ax.set_xlabel("allocation or free event within one training step (index)")
     ax.set_ylabel("bytes held by rank 0 (KiB)")
     ax.set_title(title)

@@ -17,15 +17,19 @@ import math
 from dataclasses import dataclass
 
 from matplotlib.figure import Figure
+from matplotlib.legend_handler import HandlerTuple
+from matplotlib.patches import Patch
 
 from zerolearn.errors import ConfigError, require_choice, require_count
 from zerolearn.figures.schematics.palette import arrow, box, rank_color
 
-__all__ = ["COLLECTIVES", "CollectiveState", "RingStep", "collective", "collectives_figure", "draw_ring_step",
-           "ring_all_reduce", "ring_animation", "ring_figure", "start_values"]
+__all__ = ["COLLECTIVES", "SUM_GREY", "CollectiveState", "RingStep", "collective", "collectives_figure",
+           "draw_ring_step", "ring_all_reduce", "ring_animation", "ring_chunk_color", "ring_figure", "ring_legend",
+           "start_values"]
 
 COLLECTIVES = ("broadcast", "reduce", "all_reduce", "reduce_scatter", "all_gather")
 Chunks = list[list[float | None]]  # [rank][chunk], None: the rank holds nothing there
+SUM_GREY = "0.45"  # a chunk that sums every rank's values; one rank's own value has the rank's colour
 
 
 def start_values(nd: int) -> list[list[float]]:
@@ -111,7 +115,7 @@ def collectives_figure(nd: int = 3) -> Figure:
         src = [[state.root if op == "broadcast" else (c if op == "all_gather" else r) for c in range(nd)]
                for r in range(nd)]
         before = [[rank_color(src[r][c] if op != "all_gather" else r) for c in range(nd)] for r in range(nd)]
-        after = [["0.45" if summed[r][c] else rank_color(src[r][c]) for c in range(nd)] for r in range(nd)]
+        after = [[SUM_GREY if summed[r][c] else rank_color(src[r][c]) for c in range(nd)] for r in range(nd)]
         _draw_chunks(ax, state.before, before, 0)
         _draw_chunks(ax, state.after, after, nd + 2)
         arrow(ax, (nd + 0.2, nd / 2), (nd + 1.8, nd / 2), "0.3", width=2)
@@ -131,13 +135,15 @@ def collectives_figure(nd: int = 3) -> Figure:
 @dataclass(frozen=True)
 class RingStep:
     """One step of the ring: ``sends[r] = (chunk, value)`` rank r sends to rank (r + 1) % Nd,
-    and ``after[r][c]``, every rank's chunks once the step is done. ``phase`` is
-    ``"reduce-scatter"`` (the receiver adds) or ``"all-gather"`` (the receiver overwrites)."""
+    and ``after[r][c]``, every rank's chunks once the step is done; ``summed[r][c]``, the ranks
+    whose starting values ``after[r][c]`` adds up (sorted). ``phase`` is ``"reduce-scatter"``
+    (the receiver adds) or ``"all-gather"`` (the receiver overwrites)."""
 
     index: int
     phase: str
     sends: list[tuple[int, float]]
     after: list[list[float]]
+    summed: list[list[tuple[int, ...]]]
 
 
 def ring_all_reduce(values: list[list[float]] | None = None, nd: int = 3) -> tuple[list[list[float]], list[RingStep]]:
@@ -157,16 +163,22 @@ def ring_all_reduce(values: list[list[float]] | None = None, nd: int = 3) -> tup
     values = start_values(nd) if values is None else values
     nd = _check_values(values)
     state = [list(map(float, row)) for row in values]
+    summed = [[(r,)] * nd for r in range(nd)]  # whose values each chunk holds: at first, its rank's own
     start = [list(row) for row in state]
     steps = []
     for phase in ("reduce-scatter", "all-gather"):
         for s in range(nd - 1):
             shift = s if phase == "reduce-scatter" else s - 1
             sends = [((r - shift) % nd, state[r][(r - shift) % nd]) for r in range(nd)]
+            sent = [summed[r][c] for r, (c, _) in enumerate(sends)]
             for r, (c, v) in enumerate(sends):  # every message of a step travels at once
                 dst = (r + 1) % nd
-                state[dst][c] = state[dst][c] + v if phase == "reduce-scatter" else v
-            steps.append(RingStep(len(steps), phase, sends, [list(row) for row in state]))
+                if phase == "reduce-scatter":
+                    state[dst][c], summed[dst][c] = state[dst][c] + v, tuple(sorted({*summed[dst][c], *sent[r]}))
+                else:
+                    state[dst][c], summed[dst][c] = v, sent[r]
+            steps.append(RingStep(len(steps), phase, sends, [list(row) for row in state],
+                                  [list(row) for row in summed]))
     return start, steps
 
 
@@ -175,39 +187,73 @@ def _ring_positions(nd: int) -> list[tuple[float, float]]:
             for r in range(nd)]
 
 
-def draw_ring_step(ax, start: list[list[float]], steps: list[RingStep], i: int) -> None:
+def ring_chunk_color(ranks: tuple[int, ...], nd: int) -> str:
+    """The colour of a chunk that adds up the starting values of ``ranks``: one rank's own value
+    in that rank's colour; a partial sum in a grey, lighter the fewer ranks it adds; the sum of
+    all ``nd`` ranks in :data:`SUM_GREY`, the grey of :func:`collectives_figure`."""
+    if len(ranks) == 1:
+        return rank_color(ranks[0])
+    if len(ranks) == nd:
+        return SUM_GREY
+    return f"{float(SUM_GREY) + 0.4 * (nd - len(ranks)) / (nd - 1):.3f}"
+
+
+def _ring_text_color(color: str) -> str:  # white on the rank colours and dark greys, black on light greys
+    return "black" if color.startswith("0.") and float(color) > 0.6 else "white"
+
+
+def ring_legend(nd: int) -> tuple[list, list[str]]:
+    """Handles and labels of the ring's colours (:func:`ring_chunk_color`) for ``Figure.legend``
+    or ``Axes.legend``, with ``handler_map={tuple: HandlerTuple(ndivide=None)}``."""
+    handles: list = [tuple(Patch(color=rank_color(r)) for r in range(nd))]
+    labels = ["a rank's own value"]
+    for k in range(2, nd + 1):
+        handles.append(Patch(color=ring_chunk_color(tuple(range(k)), nd)))
+        labels.append(f"sum of all {nd} ranks" if k == nd else f"sum of {k} ranks")
+    return handles, labels
+
+
+def draw_ring_step(ax, start: list[list[float]], steps: list[RingStep], i: int, *, legend: bool = False) -> None:
     """Draw the ring after ``i`` steps (0: before any) on ``ax``: each rank's chunks, the
-    messages of step ``i`` as arrows labelled with the chunk and value sent."""
+    messages of step ``i`` as arrows labelled with the chunk and value sent. A chunk (and the
+    message carrying it) is coloured by the ranks it adds up (:func:`ring_chunk_color`);
+    ``legend``: the colours' legend right of the ring."""
     nd = len(start)
     state = start if i == 0 else steps[i - 1].after
-    total = [sum(start[r][c] for r in range(nd)) for c in range(nd)]
+    summed = [[(r,)] * nd for r in range(nd)] if i == 0 else steps[i - 1].summed
     pos = _ring_positions(nd)
     for r, (x, y) in enumerate(pos):
         ax.text(x, y + 0.75, f"rank {r}", ha="center", fontsize=8, color=rank_color(r), weight="bold")
         for c in range(nd):
-            color = "0.45" if state[r][c] == total[c] else rank_color((c - 1) % nd)
-            box(ax, x - nd * 0.5 + c, y - 0.4, 0.95, 0.8, color, f"{state[r][c]:g}", text_color="white")
+            color = ring_chunk_color(summed[r][c], nd)
+            box(ax, x - nd * 0.5 + c, y - 0.4, 0.95, 0.8, color, f"{state[r][c]:g}", text_color=_ring_text_color(color))
     if i < len(steps):
         step = steps[i]
         for r, (c, v) in enumerate(step.sends):
             (x0, y0), (x1, y1) = pos[r], pos[(r + 1) % nd]
-            arrow(ax, (x0 * 0.7, y0 * 0.7), (x1 * 0.7, y1 * 0.7), rank_color((c - 1) % nd), rad=-0.25, width=1.6)
+            color = ring_chunk_color(summed[r][c], nd)
+            arrow(ax, (x0 * 0.7, y0 * 0.7), (x1 * 0.7, y1 * 0.7), color, rad=-0.25, width=1.6)
             # The label sits on the arc's middle (arc3's Bezier at t = 1/2: the chord's middle moved by
             # rad / 2 across it) and reads away from the ring's centre, so labels never cross.
             dx, dy = (x1 - x0) * 0.7, (y1 - y0) * 0.7
             lx, ly = (x0 + x1) * 0.35 - 0.125 * dy, (y0 + y1) * 0.35 + 0.125 * dx
             ha = "left" if lx > 0.1 else "right" if lx < -0.1 else "center"
-            ax.text(lx, ly, f"chunk {c}: {v:g}", fontsize=7, ha=ha, va="center", color=rank_color((c - 1) % nd),
+            ax.text(lx, ly, f"chunk {c}: {v:g}", fontsize=7, ha=ha, va="center",
+                    color=color if len(summed[r][c]) == 1 else "0.2",
                     bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.5, "alpha": 0.85})
         what = (f"step {i + 1}/{len(steps)}, {step.phase}:\nthe receiver "
                 + ("adds the chunk" if step.phase == "reduce-scatter" else "copies the chunk"))
     else:
-        what = f"done after 2 (Nd - 1) = {len(steps)} steps:\nevery rank holds the sums (grey)"
+        what = f"done after 2 (Nd - 1) = {len(steps)} steps:\nevery rank holds the sums (dark grey)"
     ax.set_title(what, fontsize=8)
     ax.set_xlim(-3.2 - nd * 0.6, 3.2 + nd * 0.6)
     ax.set_ylim(-3.2, 3.4)
     ax.set_aspect("equal")
     ax.axis("off")
+    if legend:
+        ax.legend(*ring_legend(nd), handler_map={tuple: HandlerTuple(ndivide=None, pad=0)}, fontsize=7,
+                  loc="center left", bbox_to_anchor=(1.0, 0.5), title="a chunk's colour", title_fontsize=7,
+                  frameon=False)
 
 
 def ring_figure(nd: int = 3, values: list[list[float]] | None = None) -> Figure:
@@ -223,8 +269,10 @@ def ring_figure(nd: int = 3, values: list[list[float]] | None = None) -> Figure:
             draw_ring_step(ax, start, steps, i)
         else:
             ax.axis("off")
-    fig.suptitle(f"Ring all-reduce on Nd = {len(start)} ranks; a chunk's colour: the rank that owns it at the end "
-                 "of the reduce-scatter phase", fontsize=9)
+    fig.suptitle(f"Ring all-reduce on Nd = {len(start)} ranks; a chunk's colour: whose values it adds up",
+                 fontsize=9)
+    fig.legend(*ring_legend(len(start)), handler_map={tuple: HandlerTuple(ndivide=None, pad=0)}, fontsize=7,
+               loc="outside lower center", ncols=len(start), frameon=False)
     return fig
 
 
@@ -235,7 +283,7 @@ def ring_animation(nd: int = 3, values: list[list[float]] | None = None):
     start, steps = ring_all_reduce(values, nd)
 
     def draw(fig: Figure, i: int) -> None:
-        draw_ring_step(fig.add_subplot(), start, steps, i)
+        draw_ring_step(fig.add_subplot(), start, steps, i, legend=True)
 
     captions = [f"step {i + 1}: {s.phase}" for i, s in enumerate(steps)] + ["done: every rank holds the sum"]
-    return step_through(draw, len(steps) + 1, figsize=(6.0, 4.2), captions=captions)
+    return step_through(draw, len(steps) + 1, figsize=(7.6, 4.2), captions=captions)

@@ -25,8 +25,8 @@ from zerolearn import comm, guard
 from zerolearn.errors import ConfigError, require_count
 from zerolearn.figures.schematics.palette import rank_color
 
-__all__ = ["KINDS", "UnitEvent", "Zero3Schedule", "draw_zero3_frame", "one_rank_world", "zero3_animation",
-           "zero3_figure", "zero3_schedule"]
+__all__ = ["KINDS", "UnitEvent", "Zero3Schedule", "alive_steps", "draw_zero3_frame", "one_rank_world",
+           "zero3_animation", "zero3_figure", "zero3_schedule"]
 
 KINDS = ("gather", "prefetch", "compute", "free")
 KIND_COLORS = {"gather": "#4e79a7", "prefetch": "#76b7b2", "compute": "#f28e2b", "free": "#bab0ac"}
@@ -208,10 +208,18 @@ class _Recorder:
             self._add("backward", "free", unit.name)
 
 
+def alive_steps(events: list[UnitEvent]) -> tuple[list[int], list[int]]:
+    """The lower panel's step curve: ``(xs, alive)`` for ``step="post"``, where the column of
+    event x (from x to x + 1, under its mark) shows the gathered bytes just after that event; the
+    last value is repeated to close the last column."""
+    alive = [e.alive_bytes for e in events]
+    return list(range(len(events) + 1)), (alive + alive[-1:] if alive else [0])
+
+
 def draw_zero3_frame(fig: Figure, sched: Zero3Schedule, upto: int | None = None) -> None:
     """Draw the first ``upto`` events of ``sched`` (None: all) on ``fig``: above, one lane per
-    unit with a mark per event (x: event order); below, the full parameters alive (bytes),
-    the sawtooth, over the shards kept."""
+    unit with a mark per event (x: event order); below, under each mark, the full parameters
+    alive just after that event (bytes, :func:`alive_steps`), the sawtooth, over the shards kept."""
     events = sched.events if upto is None else sched.events[:upto]
     top, bottom = fig.subplots(2, 1, sharex=True, height_ratios=[2, 1])
     lane = {name: len(sched.units) - 1 - i for i, name in enumerate(sched.units)}
@@ -227,8 +235,7 @@ def draw_zero3_frame(fig: Figure, sched: Zero3Schedule, upto: int | None = None)
     top.set_yticks(list(lane.values()), list(lane), fontsize=7)
     top.set_ylim(-0.6, len(sched.units) + 0.1)
     top.set_ylabel("unit")
-    xs = [0] + [x + 1 for x in range(len(events))]
-    alive = [0] + [e.alive_bytes for e in events]
+    xs, alive = alive_steps(events)
     bottom.fill_between(xs, [sched.shard_bytes] * len(xs), color=rank_color(0), alpha=0.35, step="post",
                         label=f"shards kept ({sched.shard_bytes} B)")
     bottom.fill_between(xs, [sched.shard_bytes + a for a in alive], [sched.shard_bytes] * len(xs), step="post",
