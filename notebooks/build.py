@@ -16,7 +16,10 @@ An exercise is a code cell tagged ``exercise`` whose source is one line,
 there (from :mod:`zerolearn.exercises`), folded: by the ``hide-input`` tag in the HTML book
 and by ``metadata.jupyter.source_hidden`` in JupyterLab. The
 reader's copy in ``notebooks/exercises/`` gets the skeleton: the same signature and
-docstring with ``raise NotImplementedError`` for a body. A cell whose printed figures change with the machine
+docstring with ``raise NotImplementedError`` for a body (for a program exercise, the
+``%%writefile`` cell of a script whose ``main()`` is left to write). A cell tagged
+``reader-types`` holds a shell line (``!... torch.distributed.run ...``) that the reader's
+copy replaces by a line saying to type it. A cell whose printed figures change with the machine
 carries the ``nbval-ignore-output`` tag (``# %% tags=["nbval-ignore-output"]`` in the
 source), so nbval runs it without comparing its output. Reader's copies are written
 unexecuted; their ``check`` cells say "not written yet" until the reader fills them in.
@@ -37,6 +40,11 @@ EXERCISE = re.compile(r"# exercise: (\d\d\.\w+)")
 KERNELSPEC = {"name": "python3", "display_name": "Python 3", "language": "python"}
 # IPython's lexer: the book highlights a cell's shell escape (!torchrun ...) without a warning.
 LANGUAGE_INFO = {"name": "python", "pygments_lexer": "ipython3"}
+
+
+# A cell tagged reader-types holds a shell line (# !torchrun ...) that the reader's copy leaves to the reader.
+READER_TYPES = re.compile(r"^!.*$", re.M)  # jupytext reads "# !" as "!"
+TYPE_HERE = "# type the line here (the text above says how), starting with !"
 
 
 def sources() -> list[Path]:
@@ -62,6 +70,9 @@ def read_source(src: Path, reader: bool = False) -> nbformat.NotebookNode:
         if reader and cell.cell_type == "markdown":  # the copy sits one folder deeper
             cell.source = RELATIVE_LINK.sub(r"](../\1", cell.source)
         tags = cell.metadata.get("tags", [])
+        if reader and "reader-types" in tags:  # a shell line the reader types: the copy keeps only the code
+            cell.source = READER_TYPES.sub(TYPE_HERE, cell.source)
+            continue
         if "exercise" not in tags:
             continue
         found = EXERCISE.fullmatch(cell.source.strip())

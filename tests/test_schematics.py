@@ -126,7 +126,9 @@ def test_zero3_schedule_order_is_the_recorded_gathers_of_a_real_run():
     drawn = [(e.phase, e.unit) for e in sched.events if e.kind in ("gather", "prefetch")]
     assert drawn == sched.gathers == _recorded_gathers(twin, x)
     assert len(drawn) == sched.ledger_gathers == 2 * len(sched.units)  # forward and backward, one unit a time
-    assert [u for p, u in drawn if p == "forward"] != sched.units  # the prefetch runs ahead of the unit
+    assert [u for p, u in drawn if p == "forward"] == sched.units  # each unit's gather, then the next one's prefetch
+    first = [(e.kind, e.unit) for e in sched.events[:2]]
+    assert first == [("gather", sched.units[0]), ("prefetch", sched.units[1])]  # never a prefetch before a gather
     computes = [(e.phase, e.unit) for e in sched.events if e.kind == "compute"]
     assert computes == [("forward", u) for u in sched.units] + [("backward", u) for u in reversed(sched.units)]
     # the sawtooth: never more than the unit computing and one prefetch alive, nothing after the step

@@ -42,7 +42,7 @@ def test_the_script_imports_torch_alone(tmp_path):
             modules |= {a.name.split(".")[0] for a in node.names}
         elif isinstance(node, ast.ImportFrom):
             modules.add(node.module.split(".")[0])
-    assert modules <= {"argparse", "json", "sys", "torch"}, modules
+    assert modules <= {"argparse", "json", "os", "sys", "torch"}, modules
     for name in take_home.PARTS:
         assert f"def {name}(" in text, name
     assert "# PART" not in text and "BEGIN SOLUTION" not in text
@@ -105,7 +105,7 @@ def test_a_wrong_part_fails_the_run_naming_every_rank_and_what_differs(tmp_path)
     assert run.returncode == 1, (run.stdout, run.stderr[-3000:])
     lines = run.stdout.splitlines()
     assert lines[0] == ("parts: yours average_gradients; the book's flatten_params, zero1_step, "
-                        "reduce_scatter_hook, gather_hooks"), lines
+                        "reduce_scatter_hook, gather_hooks, main"), lines
     assert lines[1].startswith("DP     on 2 ranks") and "WRONG" in lines[1], lines
     for rank in (0, 1):
         assert any(line.strip().startswith(f"rank {rank}: final parameters differ from one process by rel ")
@@ -116,7 +116,25 @@ def test_a_wrong_part_fails_the_run_naming_every_rank_and_what_differs(tmp_path)
 def test_a_part_neither_written_nor_named_is_said_and_nothing_is_written(tmp_path):
     said = take_home.write(tmp_path / "my_zero.py", {"gather_hooks": gather_hooks}, book_parts=["zero1_step"])
     assert said.startswith("not written yet: average_gradients (exercise 01.average_gradients), flatten_params "
-                           "(exercise 02.flatten_params), reduce_scatter_hook (exercise 03.reduce_scatter_hook);"), said
+                           "(exercise 02.flatten_params), reduce_scatter_hook (exercise 03.reduce_scatter_hook), "
+                           "main (exercise 04.main);"), said
     assert not (tmp_path / "my_zero.py").exists()
     with pytest.raises(ConfigError, match="book_parts: 'zero2_step' unknown; allowed are"):
         take_home.write(tmp_path / "my_zero.py", book_parts=["zero2_step"])
+
+
+def test_the_readers_main_takes_the_templates_place_and_a_skeleton_main_is_not_written(tmp_path):
+    from zerolearn import exercises
+
+    def defined(name: str, source: str):
+        (tmp_path / f"{name}.py").write_text(source)
+        spec = importlib.util.spec_from_file_location(name, tmp_path / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module.main
+
+    assert take_home.written({"main": defined("skeleton", exercises.skeleton("04.main"))}) == {}
+    mine = exercises.solution_source("04.main").replace("failed = False", "failed = False  # mine", 1)
+    text = take_home.script({"main": defined("mine", mine)})
+    assert text.count("def main(") == 1 and "failed = False  # mine" in text
+    assert text.index("def main(") > text.index("def report(")  # in the template's place, after what it calls

@@ -107,7 +107,8 @@ class Watch(TorchDispatchMode):
         if not counted or _for_objects():
             return func(*args, **kwargs)
         group = _group(args[group_at])
-        guard.before(op, tuple(tuple(t.shape) for t in _tensors(args[:group_at])), counted[0].dtype, group)
+        agreed = f"{op}(src={args[2]})" if op == "broadcast" else op  # every rank names the same source
+        guard.before(agreed, tuple(tuple(t.shape) for t in _tensors(args[:group_at])), counted[0].dtype, group)
         t0 = time.perf_counter()
         out = func(*args, **kwargs)
         seconds = time.perf_counter() - t0

@@ -39,6 +39,7 @@ from IPython.display import HTML
 
 from zerolearn import comm
 from zerolearn.chapters.ch01 import lesson as ch01
+from zerolearn import exercises
 from zerolearn.chapters.source import excerpt
 from zerolearn.dist import launch
 from zerolearn.engines.base import Engine
@@ -51,40 +52,47 @@ from zerolearn.tables import text_table
 # ## 1. A distributed program
 #
 # A DP job is N<sub>d</sub> copies of one Python script, started together. `torchrun` starts them
-# and gives each its place in environment variables: `RANK`, `WORLD_SIZE`, and where rank 0
-# listens (`MASTER_ADDR`, `MASTER_PORT`). `dist.init_process_group("gloo")` reads them and
-# connects the processes into a *process group*; gloo is torch's CPU backend, NCCL the GPU one.
-# Here is a whole program, a dozen lines: each rank holds rank + 1, one `dist.all_reduce` sums
-# over the ranks, and the group is torn down. The next cell writes it to `allreduce.py`:
+# and gives each its place in environment variables: `RANK` (0 to N<sub>d</sub> − 1), `WORLD_SIZE`
+# (N<sub>d</sub>), and where rank 0 listens (`MASTER_ADDR`, `MASTER_PORT`).
+# `dist.init_process_group("gloo", rank=rank, world_size=world_size)` connects the processes
+# through that address into a *process group*; gloo is torch's CPU backend, NCCL the GPU one.
+# The ranks then call the same collectives in the same order, and
+# `dist.destroy_process_group()` leaves the group before the process ends.
+#
+# ### Exercise 1: a whole program
+#
+# Write `main()` of `allreduce.py`, six lines: read this rank's `RANK` and `WORLD_SIZE` from
+# `os.environ` (environment variables are strings), join the gloo process group, put rank + 1
+# in a one-element tensor, sum it over the ranks with `dist.all_reduce(t)` (in place: afterwards
+# every rank's `t` holds the sum), print `rank R of N: the sum is S`, and leave the group. The
+# cell writes your script to `allreduce.py`:
 
-# %% tags=["nbval-ignore-output"]
-# %%writefile allreduce.py
-import torch
-import torch.distributed as dist
-
-dist.init_process_group("gloo")  # torchrun's environment says who, how many and where
-rank, world_size = dist.get_rank(), dist.get_world_size()
-t = torch.tensor([float(rank + 1)])  # rank r holds r + 1
-dist.all_reduce(t)  # in place: the sum over the ranks, on every rank
-for r in range(world_size):  # one rank prints at a time, in rank order
-    if r == rank:
-        print(f"rank {rank} of {world_size}: the sum is {t.item():g}", flush=True)
-    dist.barrier()
-dist.destroy_process_group()
+# %% tags=["exercise", "nbval-ignore-output"]
+# exercise: 01.allreduce
 
 # %% [markdown]
-# Run it on two ranks. `torchrun` is `python -m torch.distributed.run`; we call it with this
-# kernel's own Python, `sys.executable`, so that it finds the same torch. `--standalone` picks a
-# free port on this machine, and `OMP_NUM_THREADS=1` gives each rank one thread (and silences
-# torchrun's note that it would choose that):
+# Now run it on two ranks: type the line in the next cell. `torchrun` is
+# `python -m torch.distributed.run`. In a notebook `!` runs a shell line, and
+# `{sys.executable}` puts this kernel's own Python in it, so that torchrun finds the same torch.
+# `--standalone` picks a free port on this machine, `--nproc-per-node 2` starts two ranks, the
+# script's name comes last, and `OMP_NUM_THREADS=1` in front gives each rank one thread (and
+# silences torchrun's note that it would choose that).
 
-# %%
+# %% tags=["reader-types", "nbval-ignore-output"]
 import sys
 
 # !OMP_NUM_THREADS=1 {sys.executable} -m torch.distributed.run --standalone --nproc-per-node 2 allreduce.py
 
 # %% [markdown]
-# Both ranks print 1 + 2 = 3. On GPUs the script is the same with `"nccl"` and a
+# Both ranks print 1 + 2 = 3, in either order. The checker runs your file the same way, under
+# torchrun on 2 and then 3 ranks, and reads what each rank raised, which collectives it called,
+# what it printed and whether it left the group:
+
+# %%
+exercises.check("01.allreduce", "allreduce.py")
+
+# %% [markdown]
+# On GPUs the script is the same with `"nccl"` and a
 # `torch.cuda.set_device(rank)`; on several machines, `--nnodes` says how many there are and
 # `--rdzv-endpoint` (or `--master-addr` and `--master-port`) where rank 0's machine is.
 #
@@ -230,11 +238,39 @@ print(launch(lambda: dist.get_world_size() * scale, 2))
 #
 # The simplest DP: run forward and backward on this rank's slice of the batch, then all-reduce
 # each parameter's gradient and divide by N<sub>d</sub>, so every rank holds the gradient of the
-# *global* batch; then step. All ranks build the model from the same seed, so the replicas start
-# identical without a broadcast (PyTorch's DDP broadcasts rank 0's weights instead).
+# *global* batch; then step. The replicas must start identical. Our ranks build the model from
+# the same seed, which gives that; PyTorch's DDP does not rely on it. When it wraps a model it
+# broadcasts rank 0's parameters and buffers to every rank, so replicas built from other seeds,
+# or loaded from other files, start as one.
+#
+# Your functions may use `torch`, `nn`, `F` and `dist` besides their arguments; the next cell
+# imports them.
+
+# %%
+import torch.nn.functional as F  # noqa: F401 - for the exercises' functions
+from torch import nn  # noqa: F401
 
 # %% [markdown]
-# ### Exercise 1: average the gradients
+# ### Exercise 2: rank 0's model on every rank
+#
+# Write `broadcast_model(model)`, DDP's start-up: on return every rank's parameters and buffers
+# hold rank 0's values, in the same tensors (an optimizer built before still steps them). A
+# module's state is its parameters and its *buffers* (`model.buffers()`: BatchNorm's running
+# statistics, which no optimizer steps). `dist.broadcast(tensor, src=0)` sends rank 0's `tensor`
+# and writes it, in place, into every other rank's `tensor`.
+#
+# The checker builds a small BatchNorm network from another seed on each of 2 and then 3 ranks,
+# with an optimizer over it, calls your function, and compares every parameter and buffer with
+# rank 0's; then it reads the ledger: every element moved once.
+
+# %% tags=["exercise"]
+# exercise: 01.broadcast_model
+
+# %%
+exercises.check("01.broadcast_model", broadcast_model)
+
+# %% [markdown]
+# ### Exercise 3: average the gradients
 #
 # Write `average_gradients(model, world_size)`, the heart of naive DP: called on every rank after
 # `loss.backward()`, it replaces each parameter's `p.grad` by the mean of that gradient over the
@@ -245,14 +281,7 @@ print(launch(lambda: dist.get_world_size() * scale, 2))
 # sequences and calls your function after backward; the checker compares every gradient, and
 # after the optimizer step every parameter, with the same GPT trained in one process on the whole
 # batch, then reads the ledger: averaging the gradients moves 2 Ψ per step. A wrong result is
-# named by rank, step and tensor. Your functions may use `torch`, `nn`, `F` and `dist` besides
-# their arguments; the next cell imports them and the checker.
-
-# %%
-import torch.nn.functional as F  # noqa: F401 - for the exercises' functions
-from torch import nn  # noqa: F401
-
-from zerolearn import exercises  # noqa: F401
+# named by rank, step and tensor.
 
 # %% tags=["exercise"]
 # exercise: 01.average_gradients
@@ -309,7 +338,7 @@ schematics.bucket_schedule_figure(stage=0)
 # backward goes on with earlier layers.
 
 # %% [markdown]
-# ### Exercise 2: buckets from hooks
+# ### Exercise 4: buckets from hooks
 #
 # Write `bucket_hook(buckets, world_size)`. `buckets` is a list of buckets, each a list of the
 # model's parameters (every parameter in exactly one). Register a hook on every parameter with
@@ -320,7 +349,7 @@ schematics.bucket_schedule_figure(stage=0)
 # function `finish()` that the caller runs after `loss.backward()`: it waits for every handle,
 # divides by `world_size` and copies each averaged gradient back into `p.grad`.
 #
-# The checker trains the GPT of Exercise 1 on 2 and 3 ranks with five buckets of at most 48 KiB,
+# The checker trains the GPT of Exercise 3 on 2 and 3 ranks with five buckets of at most 48 KiB,
 # in reverse parameter order (the order backward produces gradients). Besides every gradient and
 # parameter against one process, it counts the all-reduces: one per bucket per step, each
 # launched during backward, 2 Ψ in all.

@@ -318,7 +318,7 @@ exercises.check("04.prefetch", prefetch)
 
 # %%
 excerpt(Zero3Engine, ("def _pre_forward", "def _pre_forward"),
-        ("self._start_gather(ahead)", "self._gather(unit)"),
+        ("self._gather(unit)  # this unit first", "self._start_gather(ahead)"),
         ("def _pre_backward", "def _pre_backward"),
         ('comm.unit(unit.name, "backward: gather")', "self._start_gather(self._previous(unit))"),
         ("def _on_bucket_ready", "def _on_bucket_ready"), ("if all(other.complete", "self._free_unit(unit)"))
@@ -548,19 +548,41 @@ exercises.check("04.nano_engine", nano_engine)
 # ### A ZeRO file to take home
 #
 # Your functions of chapters 1-4 make a whole ZeRO-DP. `take_home.write` writes them into
-# one file, `my_zero.py`, around a training loop: `flatten_params` lays out the buffers,
-# `average_gradients` is DP's all-reduce, `zero1_step` every stage's step,
-# `reduce_scatter_hook` and `gather_hooks` the hooks of stages 2 and 3. It needs torch
-# alone, and starts like chapter 1's first script: `init_process_group` from torchrun's
-# environment. `--stage` picks DP or ZeRO-1, 2 or 3. Each stage trains a small MLP
-# (4 Linear(64, 64) layers, fp32 Adam, 3 steps) and checks itself on every rank: its losses
-# and final parameters against one process on the whole batch (rel. 1e-6), and the bytes
-# the rank holds against Fig 1's formula for fp32 with an fp32 master,
-# (4 + 4 + 12) Ψ with a term divided by N<sub>d</sub> for each state the stage partitions.
-# A part this notebook does not define, or that still raises `NotImplementedError`, is not
-# filled in for you: `write` names it and writes nothing, unless you ask for the book's
-# solution by name in `book_parts`. Paste your functions of chapters 1-3 above to take all of
-# yours; the cell below takes the book's for those.
+# one file, `my_zero.py`: `flatten_params` lays out the buffers, `average_gradients` is DP's
+# all-reduce, `zero1_step` every stage's step, `reduce_scatter_hook` and `gather_hooks` the
+# hooks of stages 2 and 3. The file needs torch alone. What it lacks is the program around
+# them, `main()`: chapter 1's first exercise at full size.
+#
+# ### Exercise 4 · the program
+#
+# Write `main()`, which torchrun runs on every rank. Read the stages from
+# `parse_args().stage` (a list: `--stage 0 1 2 3`), join the gloo process group and take the
+# rank and world size from it. For each stage, build the model (`build_model()`: a small MLP,
+# 4 Linear(64, 64) layers), wrap it in `Engine(model, stage, rank, world_size)` and train
+# `STEPS` steps: this rank's slice of each global batch (`my_slice(t, rank, world_size)` of
+# each tensor of `batch(step)`), `F.mse_loss` of `engine.model(x)` against `y`,
+# `engine.backward(loss)`, `engine.step()`, keeping each `loss.item()`. Then
+# `report(engine, losses)` checks every rank against one process on the whole batch (rel.
+# 1e-6) and the bytes against Fig 1's formula for fp32 with an fp32 master, prints on rank 0,
+# and returns True when a stage was wrong. Leave the group, and exit with status 1
+# (`sys.exit(1)`) when any stage was wrong, so that torchrun and any script around it see it.
+#
+# The checker writes `my_zero.py` with your `main()` and the book's other parts and runs it
+# under torchrun at stages 0-3 on 2 and 3 ranks; then once more with a wrong part (an
+# `average_gradients` that never divides by the world size), where every rank must exit
+# with status 1.
+
+# %% tags=["exercise"]
+# exercise: 04.main
+
+# %%
+exercises.check("04.main", main)
+
+# %% [markdown]
+# Now the file with your parts. A part this notebook does not define, or that still raises
+# `NotImplementedError`, is not filled in for you: `write` names it and writes nothing,
+# unless you ask for the book's solution by name in `book_parts`. Paste your functions of
+# chapters 1-3 above to take all of yours; the cell below takes the book's for those.
 
 # %%
 from zerolearn.chapters.ch04 import take_home
@@ -570,9 +592,10 @@ book_parts = ["average_gradients", "flatten_params", "zero1_step", "reduce_scatt
 print(take_home.write("my_zero.py", mine, book_parts=[n for n in book_parts if n not in mine]))
 
 # %% [markdown]
-# Run it on two ranks, as chapter 1 ran its first script:
+# Run it on two ranks, as you ran chapter 1's first script: type the line in the next cell,
+# with `my_zero.py --stage 0 1 2 3` at its end.
 
-# %%
+# %% tags=["reader-types"]
 import sys
 
 # !OMP_NUM_THREADS=1 {sys.executable} -m torch.distributed.run --standalone --nproc-per-node 2 my_zero.py --stage 0 1 2 3
@@ -584,7 +607,6 @@ import sys
 # status 1. The file is yours: run it with `--nproc-per-node 3` too, where Ψ = 16,640 does not
 # split into 3 equal shards and the padding elements show in the bytes.
 
-# %% [markdown]
 # ## Questions
 #
 # Write down a number for each question, then run the cell under it.

@@ -176,16 +176,16 @@ class Zero3Engine(Engine):
             ahead = self._previous(unit) if recompute else self.schedule.enter(unit)
             if isinstance(ahead, U.Departure):
                 ahead = self._depart(ahead, unit)
+            self._gather(unit)  # this unit first: a prefetch launched before it would queue ahead of it
             self._start_gather(ahead)
-            self._gather(unit)
 
     def _depart(self, d: U.Departure, unit: U.Unit | None) -> list[U.Unit]:
         # Debug mode, off the schedule: issue the others' gathers to its end (no compute), compare.
         for outer in d.outer:
             self._free_unit(outer)  # on the schedule, no unit is inside another: they were closed
         for window, scheduled in self.schedule.replay(d.position):
-            self._start_gather(window)
             self._gather(scheduled)
+            self._start_gather(window)
             if scheduled.module is not self.model:
                 self._free_unit(scheduled)
         ahead = self.schedule.departed(d, unit)  # raises unless every rank left here alike

@@ -12,10 +12,15 @@ it when imported here.
 """
 
 from zerolearn.chapters.ch00 import max_batch_check, model_state_bytes_check  # noqa: F401 - they register
-from zerolearn.chapters.ch01 import average_gradients_check, bucket_hook_check  # noqa: F401
+from zerolearn.chapters.ch01 import (  # noqa: F401
+    allreduce_check,
+    average_gradients_check,
+    broadcast_model_check,
+    bucket_hook_check,
+)
 from zerolearn.chapters.ch02 import flatten_params_check, shard_range_check, zero1_step_check  # noqa: F401
 from zerolearn.chapters.ch03 import accumulate_check, reduce_scatter_hook_check  # noqa: F401
-from zerolearn.chapters.ch04 import gather_hooks_check, nano_engine_check, prefetch_check  # noqa: F401
+from zerolearn.chapters.ch04 import gather_hooks_check, main_check, nano_engine_check, prefetch_check  # noqa: F401
 from zerolearn.chapters.ch05 import constant_buffer_check, partition_checkpoint_check, tensor_parallel_check  # noqa: F401
 from zerolearn.chapters.ch06 import fewest_gpus_check, max_psi_check  # noqa: F401
 from zerolearn.chapters.ch07 import choose_stage_check, stage_from_bytes_check  # noqa: F401
@@ -36,8 +41,9 @@ from zerolearn.exercises.core import (
     skeleton,
     solution_source,
 )
+from zerolearn.exercises.program import PROGRAMS
 
-__all__ = ["EXERCISES", "PRELUDE", "Bug", "Exercise", "Mistake", "Result", "Wrong", "check", "close_ranks",
+__all__ = ["EXERCISES", "PRELUDE", "PROGRAMS", "Bug", "Exercise", "Mistake", "Result", "Wrong", "check", "close_ranks",
            "first_difference", "get", "reusing_ranks", "show", "skeleton", "solution_source"]
 
 

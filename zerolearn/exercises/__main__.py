@@ -18,7 +18,7 @@ import argparse
 import sys
 
 from zerolearn.errors import ConfigError
-from zerolearn.exercises import EXERCISES, check, get, reusing_ranks
+from zerolearn.exercises import EXERCISES, PROGRAMS, check, get, reusing_ranks
 
 
 class _Parser(argparse.ArgumentParser):
@@ -51,7 +51,7 @@ def _runs(args) -> list[tuple[str, str | None]]:
     """(exercise, bug or None) pairs to check; raises ConfigError on bad names."""
     if args.all == bool(args.name):
         raise ConfigError("check: give an exercise NAME or --all, not both or neither")
-    names = sorted(EXERCISES) if args.all else [get(args.name).name]
+    names = sorted([*EXERCISES, *PROGRAMS]) if args.all else [get(args.name).name]
     if args.bug is not None:
         if args.all:
             raise ConfigError("check --all --bug BUG: a bug belongs to one exercise; use --bugs")
@@ -59,15 +59,15 @@ def _runs(args) -> list[tuple[str, str | None]]:
             raise ConfigError(f"--bug {args.bug!r} of {args.name}: allowed are {', '.join(get(args.name).bugs)}")
         return [(args.name, args.bug)]
     if args.bugs:
-        return [(n, b) for n in names for b in EXERCISES[n].bugs]
+        return [(n, b) for n in names for b in get(n).bugs]
     return [(n, None) for n in names]
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.command == "list":
-        for name in sorted(EXERCISES):
-            print(f"{name:28} {EXERCISES[name].title}")
+        for name in sorted([*EXERCISES, *PROGRAMS]):
+            print(f"{name:28} {get(name).title}")
         return 0
     try:
         if args.command == "latency":
@@ -106,7 +106,7 @@ def _one(name: str, bug: str | None, failed: list[str]) -> None:
     if bug is None:
         ok = bool(check(name, solution=True))
     else:
-        says = EXERCISES[name].bugs[bug].says
+        says = get(name).bugs[bug].says
         result = check(name, bug=bug, quiet=True)
         ok = not result.passed and result.written and says in str(result)
         print(f"{name} --bug {bug}: {'caught' if ok else 'NOT CAUGHT as expected'}: {result}")

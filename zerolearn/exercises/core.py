@@ -58,6 +58,7 @@ import torch
 
 from zerolearn.errors import ConfigError
 from zerolearn.exercises.pending import ReadBeforeWait, pending_reads
+from zerolearn.exercises.program import PROGRAMS, check_program, program_skeleton_cell, program_solution_cell
 from zerolearn.watch import watching
 
 __all__ = ["EXERCISES", "PRELUDE", "Bug", "Exercise", "Mistake", "Result", "Wrong", "agree", "check",
@@ -203,24 +204,34 @@ def register(exercise: Exercise) -> Exercise:
     return exercise
 
 
-def get(name: str) -> Exercise:
-    """The exercise called ``name``; raises ConfigError listing the names when there is none."""
+def get(name: str):
+    """The exercise called ``name``: an :class:`Exercise`, or a program exercise
+    (:class:`zerolearn.exercises.program.Program`); raises ConfigError listing the names when
+    there is none."""
+    if name in PROGRAMS:
+        return PROGRAMS[name]
     if name not in EXERCISES:
-        raise ConfigError(f"exercise {name!r}: allowed are {', '.join(sorted(EXERCISES))}")
+        raise ConfigError(f"exercise {name!r}: allowed are {', '.join(sorted([*EXERCISES, *PROGRAMS]))}")
     return EXERCISES[name]
 
 
 # ----- the reader's copy ---------------------------------------------------------------
 
 def solution_source(name: str) -> str:
-    """The reference solution's source, markers removed (what the book shows folded)."""
+    """The reference solution's source, markers removed (what the book shows folded); for a
+    program exercise, the ``%%writefile`` cell of its whole script."""
+    if name in PROGRAMS:
+        return program_solution_cell(PROGRAMS[name])
     src = textwrap.dedent(inspect.getsource(get(name).solution))
     return "\n".join(line for line in src.splitlines() if line.strip() not in ("# BEGIN SOLUTION", "# END SOLUTION"))
 
 
 def skeleton(name: str) -> str:
     """The solution with the lines between its markers replaced by ``raise NotImplementedError``:
-    the signature and docstring the reader fills in."""
+    the signature and docstring the reader fills in; for a program exercise, the
+    ``%%writefile`` cell of its script with ``main()``'s body left to write."""
+    if name in PROGRAMS:
+        return program_skeleton_cell(PROGRAMS[name])
     src = textwrap.dedent(inspect.getsource(get(name).solution))
     out, inside = [], False
     for line in src.splitlines():
@@ -793,10 +804,15 @@ def check(name: str, fn: Callable | None = None, *, solution: bool = False, bug:
     within seconds of it, whichever rank it is on. A function still raising NotImplementedError is "not written yet",
     not an error, so a reader's copy runs top to bottom.
 
+    A program exercise (:mod:`zerolearn.exercises.program`) takes the script's file name
+    for ``fn`` (``check("01.allreduce", "allreduce.py")``) and runs it under torchrun.
+
     Raises:
         ConfigError: unknown ``name`` or ``bug``, or not exactly one of ``fn``,
             ``solution``, ``bug`` given.
     """
+    if name in PROGRAMS:
+        return check_program(name, fn, solution=solution, bug=bug, quiet=quiet)
     exercise = get(name)
     if sum([fn is not None, solution, bug is not None]) != 1:
         raise ConfigError("check: give exactly one of fn, solution=True, bug=NAME")

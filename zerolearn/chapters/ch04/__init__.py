@@ -16,7 +16,10 @@
   step; a wrong part is named with its own exercise's words;
 * the file to take home: :mod:`.take_home` writes the reader's functions into
   :mod:`.my_zero`, one standalone torch script (DP and ZeRO-1/2/3 by ``--stage``) that the
-  chapter runs under torchrun and that checks itself against one process and Fig 1's bytes.
+  chapter runs under torchrun and that checks itself against one process and Fig 1's bytes;
+* exercise ``04.main`` (``my_zero.main``, checked by :mod:`.main_check`): that script's
+  program, the process group, the model and the training loop, run under torchrun on 2
+  and 3 ranks and once with a wrong part, where it must exit with status 1.
 
 The trials cut the book's MLP (4 Linear layers of width 64, 4,160 parameters each, fp32)
 into one unit per layer, laid out as the engine lays them

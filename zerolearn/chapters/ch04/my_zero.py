@@ -22,7 +22,8 @@ Only torch is needed. The parts are your exercises: ``flatten_params`` (02) lays
 parameters and gradients, ``average_gradients`` (01) is DP's all-reduce, ``zero1_step`` (02)
 is every stage's optimizer step, ``reduce_scatter_hook`` (03) reduces gradients into this
 rank's shard during backward, ``gather_hooks`` (04) gathers a layer's parameters around its
-forward and backward. ``--json`` prints one line per stage for a program to read.
+forward and backward, and ``main`` (04) is the program: the process group, the model and the
+training loop. ``--json`` prints one line per stage for a program to read.
 
 Every rank checks itself, and rank 0 reports every rank: a stage that differs from one process
 or from the formula prints which rank, what and by how much, and the script exits with status 1.
@@ -33,6 +34,7 @@ or from the formula prints which rank, what and by how much, and the script exit
 
 import argparse
 import json
+import os
 import sys
 
 import torch
@@ -50,8 +52,10 @@ from zerolearn.chapters.ch04.gather_hooks import gather_hooks  # PART
 WIDTH, LAYERS, BATCH, STEPS, LR = 64, 4, 12, 3, 1e-3  # 12 rows: 6 per rank on 2, 4 on 3
 K = 12  # optimizer bytes per parameter: the fp32 master and Adam's two fp32 moments
 TOLERANCE = 1e-6  # largest relative difference from one process, in fp32
-PARTS = ["average_gradients", "flatten_params", "zero1_step", "reduce_scatter_hook", "gather_hooks"]
+PARTS = ["average_gradients", "flatten_params", "zero1_step", "reduce_scatter_hook", "gather_hooks", "main"]
 BOOK_PARTS = PARTS  # BOOK: the parts that are the book's solutions (the script's maker lists them)
+STAGE_NAMES = ["DP", "ZeRO-1", "ZeRO-2", "ZeRO-3"]
+ARGS = argparse.Namespace(stage=[0, 1, 2, 3], json=False)  # the command line, once parse_args() has read it
 
 
 def build_model() -> nn.Module:
@@ -106,6 +110,7 @@ class Engine:
         loss.backward()
         if self.stage == 0:
             average_gradients(self.model, self.nd)
+        self.held = self.held_bytes()  # gradients as backward leaves them, for the check
 
     def step(self) -> None:
         for i, flat in enumerate(self.flats):
@@ -203,27 +208,23 @@ def problems(r: dict) -> list[str]:
     if not r["rel_params"] <= TOLERANCE:  # NaN too
         out.append(f"final parameters differ from one process by rel {r['rel_params']:.1e}, most in "
                    f"{r['worst_param']!r} (tolerance {TOLERANCE:.0e})")
+    if not r["bytes"]:
+        out.append("engine.backward(loss) never ran: the bytes held after backward were not measured")
     for kind, held in r["bytes"].items():
         if held != r["formula"][kind]:
             out.append(f"{kind} hold {held:,} bytes, the formula says {r['formula'][kind]:,}")
     return out
 
 
-def train(stage: int, rank: int, world_size: int) -> dict:
-    """``STEPS`` steps at ``stage`` on this rank; the global losses, the bytes held after
-    backward, and the comparison with one process (relative differences: the largest over
-    the steps' losses, and the largest parameter difference over the largest parameter)."""
-    engine = Engine(build_model(), stage, rank, world_size)
-    losses, held = [], {}
-    for step in range(STEPS):
-        x, y = (my_slice(t, rank, world_size) for t in batch(step))
-        loss = F.mse_loss(engine.model(x), y)
-        engine.backward(loss)
-        held = engine.held_bytes()  # gradients as backward leaves them
-        engine.step()
-        total = loss.detach().clone()
-        dist.all_reduce(total)  # the global mean loss: the ranks' slices are equal
-        losses.append(total.item() / world_size)
+def result(engine: Engine, losses: list[float]) -> dict:
+    """This rank's check after ``STEPS`` steps: the global losses (the mean of the ranks' losses,
+    one all_reduce), the bytes held after the last backward, and the comparison with one process
+    (relative differences: the largest over the steps' losses, and the largest parameter
+    difference over the largest parameter)."""
+    rank, world_size, stage = engine.rank, engine.nd, engine.stage
+    total = torch.tensor(losses, dtype=torch.float64)
+    dist.all_reduce(total)  # the global mean loss: the ranks' slices are equal
+    losses = (total / world_size).tolist()
     want_losses, want_params = one_process()
     params = engine.full_parameters()
     rel = [abs(a - b) / abs(b) for a, b in zip(losses, want_losses, strict=True)]
@@ -234,43 +235,78 @@ def train(stage: int, rank: int, world_size: int) -> dict:
             "rel_loss": max(rel), "worst_step": rel.index(max(rel)),
             "rel_params": (diff.max() / want_params.abs().max()).item(),
             "worst_param": names[int(torch.searchsorted(ends, diff.argmax(), right=True))],
-            "bytes": held, "formula": formula(stage, engine.model, world_size),
+            "bytes": getattr(engine, "held", {}), "formula": formula(stage, engine.model, world_size),
             "padding": padding(stage, engine.model, world_size)}
 
 
-def main() -> None:
+def report(engine: Engine, losses: list[float]) -> bool:
+    """Check this rank (:func:`result`), gather every rank's check on rank 0 and print it there
+    (one line a stage, and a line for each thing that differs; with ``--json``, one JSON line).
+    Called on every rank after a stage's steps, with this rank's losses (floats, one a step).
+    Returns True when any rank differs from one process or from the formula."""
+    r = result(engine, losses)
+    everyone = [None] * engine.nd
+    dist.all_gather_object(everyone, r)  # rank 0 reports every rank's check
+    wrong = [f"rank {e['rank']}: {p}" for e in everyone for p in problems(e)]
+    if engine.rank != 0:
+        return bool(wrong)
+    if ARGS.json:
+        print(json.dumps({**r, "ok": not wrong, "wrong": wrong}), flush=True)
+        return bool(wrong)
+    b, pad = r["bytes"], r["padding"]
+    print(f"{STAGE_NAMES[engine.stage]:<6} on {engine.nd} ranks: final loss {r['losses'][-1]:.4f}; "
+          f"{'every rank equals one process' if not wrong else 'WRONG'}; bytes held per rank: "
+          f"params {b['params']:,}, grads {b['grads']:,}, optimizer {b['optimizer_states']:,} "
+          f"({pad} padding element{'' if pad == 1 else 's'}){'' if wrong else ', as the formula says'}", flush=True)
+    for line in wrong:
+        print(f"    {line}", flush=True)
+    return bool(wrong)
+
+
+def parse_args() -> argparse.Namespace:
+    """The command line (``--stage``, ``--json``), kept in ``ARGS`` for :func:`report`; rank 0
+    (torchrun's ``RANK``) says which parts are yours."""
+    global ARGS
     parser = argparse.ArgumentParser(description="ZeRO-DP made of your functions, checked against one process")
     parser.add_argument("--stage", type=int, nargs="+", default=[0, 1, 2, 3], choices=[0, 1, 2, 3])
     parser.add_argument("--json", action="store_true", help="one JSON line per stage (rank 0)")
-    args = parser.parse_args()
+    ARGS = parser.parse_args()
+    yours = [n for n in PARTS if n not in BOOK_PARTS]
+    if os.environ.get("RANK", "0") == "0" and not ARGS.json:
+        print(f"parts: yours {', '.join(yours) or 'none'}; the book's {', '.join(BOOK_PARTS) or 'none'}", flush=True)
+    return ARGS
+
+
+def main():
+    """The program torchrun runs on every rank: join the process group, then, for each stage
+    of ``--stage``, train the MLP for ``STEPS`` steps with an :class:`Engine` on this rank's
+    slice of each batch and :func:`report` it; leave the group; exit with status 1 when any
+    stage was wrong on any rank.
+
+    Names of this script to use: ``parse_args()`` (its ``.stage``: a list of stages),
+    ``build_model()``, ``Engine(model, stage, rank, world_size)`` (``.model``,
+    ``.backward(loss)``, ``.step()``), ``batch(step)`` (the global batch x, y),
+    ``my_slice(t, rank, world_size)``, ``STEPS``, ``report(engine, losses)`` (True when wrong).
+    """
+    # BEGIN SOLUTION
+    stages = parse_args().stage
     dist.init_process_group("gloo")  # torchrun's environment says who, how many and where
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    names = ["DP", "ZeRO-1", "ZeRO-2", "ZeRO-3"]
-    yours = [n for n in PARTS if n not in BOOK_PARTS]
-    if rank == 0 and not args.json:
-        print(f"parts: yours {', '.join(yours) or 'none'}; the book's {', '.join(BOOK_PARTS) or 'none'}")
     failed = False
-    for stage in args.stage:
-        r = train(stage, rank, world_size)
-        everyone = [None] * world_size
-        dist.all_gather_object(everyone, r)  # rank 0 reports every rank's check
-        wrong = [f"rank {e['rank']}: {p}" for e in everyone for p in problems(e)]
-        failed = failed or bool(wrong)
-        if rank != 0:
-            continue
-        if args.json:
-            print(json.dumps({**r, "ok": not wrong, "wrong": wrong}), flush=True)
-            continue
-        b, pad = r["bytes"], r["padding"]
-        print(f"{names[stage]:<6} on {world_size} ranks: final loss {r['losses'][-1]:.4f}; "
-              f"{'every rank equals one process' if not wrong else 'WRONG'}; bytes held per rank: "
-              f"params {b['params']:,}, grads {b['grads']:,}, optimizer {b['optimizer_states']:,} "
-              f"({pad} padding element{'' if pad == 1 else 's'}){'' if wrong else ', as the formula says'}", flush=True)
-        for line in wrong:
-            print(f"    {line}", flush=True)
+    for stage in stages:
+        engine = Engine(build_model(), stage, rank, world_size)
+        losses = []
+        for step in range(STEPS):
+            x, y = (my_slice(t, rank, world_size) for t in batch(step))
+            loss = F.mse_loss(engine.model(x), y)
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+        failed = report(engine, losses) or failed
     dist.destroy_process_group()
     if failed:
-        sys.exit(1)  # every rank: torchrun reports the failure
+        sys.exit(1)  # on every rank: torchrun reports the failure
+    # END SOLUTION
 
 
 if __name__ == "__main__":

@@ -1,20 +1,23 @@
-"""A ZeRO file to take home: the reader's functions of chapters 1-4 written out as one
-standalone script, ``my_zero.py``, that runs DP and ZeRO-1/2/3 under torchrun (Sec 5.1-5.3).
+"""A ZeRO file to take home: the reader's functions of chapters 1-4 and the reader's
+``main()`` written out as one standalone script, ``my_zero.py``, that runs DP and
+ZeRO-1/2/3 under torchrun (Sec 5.1-5.3).
 
 The script is :mod:`zerolearn.chapters.ch04.my_zero` with each line marked ``# PART`` (an
 import of one of the book's solutions) replaced by the source of the function that takes
-its place: the reader's, or the book's solution where the reader names the part in
+its place, and its ``main()`` (the program: process group, model, loop) likewise: the
+reader's, or the book's solution where the reader names the part in
 ``book_parts`` (a part neither written nor named is not written for the reader: :func:`write`
 says which and writes nothing). What remains imports torch alone, so the file runs
 anywhere torch does::
 
-    write("my_zero.py", {"gather_hooks": gather_hooks},   # yours, and the book's by name
+    write("my_zero.py", {"gather_hooks": gather_hooks, "main": main},   # yours, and the book's by name
           book_parts=["average_gradients", "flatten_params", "zero1_step", "reduce_scatter_hook"])
     # then: python -m torch.distributed.run --standalone --nproc-per-node 2 my_zero.py --stage 0 1 2 3
 """
 
 from __future__ import annotations
 
+import ast
 import inspect
 import textwrap
 from collections.abc import Callable
@@ -24,14 +27,15 @@ from zerolearn.errors import ConfigError
 
 PARTS = {"average_gradients": "01.average_gradients", "flatten_params": "02.flatten_params",
          "zero1_step": "02.zero1_step", "reduce_scatter_hook": "03.reduce_scatter_hook",
-         "gather_hooks": "04.gather_hooks"}
+         "gather_hooks": "04.gather_hooks", "main": "04.main"}
 """The functions the script is made of, by name, and the exercise each one is."""
 TEMPLATE = Path(__file__).with_name("my_zero.py")
 
 
 def part_source(name: str, fn: Callable | None = None) -> str:
-    """The source of part ``name``: ``fn``'s (a function defined in a notebook cell or a file),
-    or, when ``fn`` is None, the book's solution with its markers removed. Raises ConfigError
+    """The source of part ``name``: ``fn``'s (a function defined in a notebook cell or a file;
+    a known bug built by :func:`zerolearn.exercises.core.edited` is renamed ``name``), or, when
+    ``fn`` is None, the book's solution with its markers removed. Raises ConfigError
     for a name not in :data:`PARTS`, or a function whose name differs or whose source is lost."""
     from zerolearn import exercises
 
@@ -39,13 +43,15 @@ def part_source(name: str, fn: Callable | None = None) -> str:
         raise ConfigError(f"part {name!r}: allowed are {', '.join(PARTS)}")
     if fn is None:
         return exercises.solution_source(PARTS[name])
-    if getattr(fn, "__name__", None) != name:
+    own = getattr(fn, "__name__", None)
+    if own != name and getattr(getattr(fn, "edited_from", None), "__name__", None) != name:
         raise ConfigError(f"part {name!r} is a function named {getattr(fn, '__name__', fn)!r}; "
                           f"the script calls {name}(...)")
     try:
-        return textwrap.dedent(inspect.getsource(fn))
+        source = textwrap.dedent(inspect.getsource(fn))
     except (OSError, TypeError) as e:
         raise ConfigError(f"the source of {name} cannot be read ({e}): define it with def in a cell") from e
+    return source if own == name else source.replace(f"def {own}(", f"def {name}(", 1)  # a known bug, renamed
 
 
 def written(parts: dict[str, Callable] | None) -> dict[str, Callable]:
@@ -69,20 +75,31 @@ def unwritten(parts: dict[str, Callable] | None, book_parts=()) -> list[str]:
     return [f"{n} (exercise {PARTS[n]})" for n in PARTS if n not in yours and n not in book_parts]
 
 
+def _main_lines(text: str) -> tuple[int, int]:
+    """The 0-based first line and the end (exclusive) of the template's ``def main``."""
+    found = [n for n in ast.parse(text).body if isinstance(n, ast.FunctionDef) and n.name == "main"]
+    return found[0].lineno - 1, found[0].end_lineno
+
+
 def script(parts: dict[str, Callable] | None = None) -> str:
     """The text of ``my_zero.py``: the template with every ``# PART`` line replaced, the first by
-    all the parts' sources (the reader's :func:`written` ones, the book's solutions for the
-    rest), the others removed; ``BOOK_PARTS`` lists the book's, which the script prints when it runs."""
+    the sources of the functions it imports (the reader's :func:`written` ones, the book's
+    solutions for the rest), the others removed, and its ``main()`` by the reader's or the
+    book's (markers removed); ``BOOK_PARTS`` lists the book's, which the script prints when it runs."""
     parts = written(parts)
+    text = TEMPLATE.read_text()
+    first, end = _main_lines(text)
+    lines = text.splitlines()
+    lines[first:end] = part_source("main", parts.get("main")).rstrip().splitlines()
     out, written_yet = [], False
-    for line in TEMPLATE.read_text().splitlines():
+    for line in lines:
         if line.startswith("BOOK_PARTS = "):
             books = [n for n in PARTS if n not in parts]
             out.append(f"BOOK_PARTS = {books!r}  # the parts that are the book's solutions, not yours")
         elif not line.endswith("# PART"):
             out.append(line)
         elif not written_yet:
-            out.append("\n\n\n".join(part_source(n, parts.get(n)).rstrip() for n in PARTS))
+            out.append("\n\n\n".join(part_source(n, parts.get(n)).rstrip() for n in PARTS if n != "main"))
             written_yet = True
     return "\n".join(out) + "\n"
 
