@@ -552,7 +552,8 @@ exercises.check("04.nano_engine", nano_engine)
 # all-reduce, `zero1_step` every stage's step, `reduce_scatter_hook` and `gather_hooks` the
 # hooks of stages 2 and 3. The file needs torch alone. What it lacks is the program around
 # them, `main()`: chapter 1's first exercise at full size.
-#
+
+# %% [markdown]
 # ### Exercise 4 · the program
 #
 # Write `main()`, which torchrun runs on every rank. Read the stages from
@@ -566,7 +567,8 @@ exercises.check("04.nano_engine", nano_engine)
 # 1e-6) and the bytes against Fig 1's formula for fp32 with an fp32 master, prints on rank 0,
 # and returns True when a stage was wrong. Leave the group, and exit with status 1
 # (`sys.exit(1)`) when any stage was wrong, so that torchrun and any script around it see it.
-#
+
+# %% [markdown]
 # The checker writes `my_zero.py` with your `main()` and the book's other parts and runs it
 # under torchrun at stages 0-3 on 2 and 3 ranks; then once more with a wrong part (an
 # `average_gradients` that never divides by the world size), where every rank must exit
@@ -607,6 +609,7 @@ import sys
 # status 1. The file is yours: run it with `--nproc-per-node 3` too, where Ψ = 16,640 does not
 # split into 3 equal shards and the padding elements show in the bytes.
 
+# %% [markdown]
 # ## Questions
 #
 # Write down a number for each question, then run the cell under it.

@@ -58,7 +58,14 @@ import torch
 
 from zerolearn.errors import ConfigError
 from zerolearn.exercises.pending import ReadBeforeWait, pending_reads
-from zerolearn.exercises.program import PROGRAMS, check_program, program_skeleton_cell, program_solution_cell
+from zerolearn.exercises.program import (
+    PROGRAMS,
+    first_mistake,
+    program_skeleton_cell,
+    program_solution_cell,
+    script_text,
+    unwritten,
+)
 from zerolearn.watch import watching
 
 __all__ = ["EXERCISES", "PRELUDE", "Bug", "Exercise", "Mistake", "Result", "Wrong", "agree", "check",
@@ -812,7 +819,7 @@ def check(name: str, fn: Callable | None = None, *, solution: bool = False, bug:
             ``solution``, ``bug`` given.
     """
     if name in PROGRAMS:
-        return check_program(name, fn, solution=solution, bug=bug, quiet=quiet)
+        return _check_program(PROGRAMS[name], fn, solution, bug, quiet)
     exercise = get(name)
     if sum([fn is not None, solution, bug is not None]) != 1:
         raise ConfigError("check: give exactly one of fn, solution=True, bug=NAME")
@@ -838,5 +845,24 @@ def check(name: str, fn: Callable | None = None, *, solution: bool = False, bug:
         object.__setattr__(result, "mistake", Mistake(mistake.rank, mistake.step, _sourced(mistake.message, fn)))
     if not quiet:
         print(result)
+        object.__setattr__(result, "shown", True)
+    return result
+
+
+def _check_program(program, path, solution: bool, bug: str | None, quiet: bool) -> Result:
+    """:func:`check` for a program exercise: the script (:func:`~zerolearn.exercises.program.script_text`)
+    said "not written yet" at once while its ``main()`` raises NotImplementedError, else run
+    under torchrun (:func:`~zerolearn.exercises.program.first_mistake`)."""
+    text = script_text(program, path, solution, bug)
+    if unwritten(text):
+        result = Result(program.name, False, written=False)
+    elif (found := first_mistake(program, text)) is None:
+        result = Result(program.name, True, summary=program.summary)
+    else:
+        world_size, rank, words = found
+        result = Result(program.name, False, mistake=Mistake(rank, None, words), world_size=world_size)
+    if not quiet:
+        print(result if result.written else
+              f"{program.name}: not written yet ({program.script}'s main() still raises NotImplementedError).")
         object.__setattr__(result, "shown", True)
     return result

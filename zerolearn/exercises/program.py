@@ -9,8 +9,8 @@ between ``# BEGIN SOLUTION`` and ``# END SOLUTION``, so importing it runs nothin
 chapter's cell is ``%%writefile <script>`` followed by that text (the reader's copy:
 ``main()``'s body replaced by ``raise NotImplementedError``).
 
-:func:`check_program` runs the reader's file with ``python -m torch.distributed.run
---standalone --nproc-per-node N`` for each N of the exercise's world sizes, each rank
+:func:`zerolearn.exercises.core.check` runs the reader's file (:func:`first_mistake`) with
+``python -m torch.distributed.run --standalone --nproc-per-node N`` for each N of the exercise's world sizes, each rank
 through :mod:`zerolearn.exercises.program_rank` (which counts the collectives, keeps
 what the rank prints and what it raised, and gives the process group a timeout), and
 then the exercise's ``verdict`` reads the ranks' records. Known bugs are the solution's
@@ -167,54 +167,39 @@ def launch(script: Path, world_size: int, timeout_s: float, args: tuple[str, ...
     return records, "\n".join(tail.strip().splitlines()[-3:])
 
 
-def check_program(name: str, path: str | os.PathLike | None = None, *, solution: bool = False,
-                  bug: str | None = None, quiet: bool = False):
-    """Check the reader's script ``path`` for program exercise ``name``; print and return the
-    :class:`~zerolearn.exercises.core.Result`.
-
-    Runs it under torchrun on each of the exercise's world sizes in turn and stops at the
-    first with a mistake, named by rank. A script whose ``main()`` still raises
-    NotImplementedError is "not written yet", answered without starting a process.
+def script_text(program: Program, path: str | os.PathLike | None, solution: bool, bug: str | None) -> str:
+    """The script to check: the reader's file ``path``, the reference (``solution``) or a known
+    ``bug``'s text.
 
     Raises:
         ConfigError: not exactly one of ``path``, ``solution``, ``bug``; an unknown ``bug``;
-            a ``path`` that is not a file (naming it and the working directory).
+            a function for ``path``; a ``path`` that is not a file (naming it and the
+            working directory).
     """
-    from zerolearn.exercises.core import Mistake, Result
-
-    program = PROGRAMS[name]
     if sum([path is not None, solution, bug is not None]) != 1:
         raise ConfigError("check: give exactly one of the script's path, solution=True, bug=NAME")
     if bug is not None and bug not in program.bugs:
-        raise ConfigError(f"bug {bug!r} of {name}: allowed are {', '.join(program.bugs) or '(none)'}")
-    if path is not None:
-        if callable(path):
-            raise ConfigError(f"check({name!r}, ...): this exercise checks a script; pass its file name, "
-                              f"check({name!r}, {program.script!r})")
-        path = Path(path)
-        if not path.is_file():
-            raise ConfigError(f"check({name!r}, {str(path)!r}): no such file in {Path.cwd()}; run the "
-                              f"%%writefile {program.script} cell first")
-        text = path.read_text()
-    else:
-        text = program.text() if solution else program.bugs[bug].fn
-    if unwritten(text):
-        result = Result(name, False, written=False)
-    else:
-        result = _run(program, text, Mistake, Result)
-    if not quiet:
-        print(result if result.written else
-              f"{name}: not written yet ({program.script}'s main() still raises NotImplementedError).")
-        object.__setattr__(result, "shown", True)
-    return result
+        raise ConfigError(f"bug {bug!r} of {program.name}: allowed are {', '.join(program.bugs) or '(none)'}")
+    if path is None:
+        return program.text() if solution else program.bugs[bug].fn
+    if callable(path):
+        raise ConfigError(f"check({program.name!r}, ...): this exercise checks a script; pass its file name, "
+                          f"check({program.name!r}, {program.script!r})")
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"check({program.name!r}, {str(path)!r}): no such file in {Path.cwd()}; run the "
+                          f"%%writefile {program.script} cell first")
+    return path.read_text()
 
 
-def _run(program: Program, text: str, mistake_type, result_type):
+def first_mistake(program: Program, text: str) -> tuple[int | None, int | None, str] | None:
+    """Run ``text`` as the program under torchrun on each of the exercise's world sizes in
+    turn; the first mistake as (world size or None, rank or None, words), or None when every
+    launch passed. A script that does not compile is named at once, without a launch."""
     try:
         compile(text, program.script, "exec")
     except SyntaxError as e:
-        return result_type(program.name, False, mistake=mistake_type(None, None, f"{program.script} line {e.lineno}: "
-                                                                     f"SyntaxError: {e.msg}"))
+        return None, None, f"{program.script} line {e.lineno}: SyntaxError: {e.msg}"
     with tempfile.TemporaryDirectory(prefix="zerolearn-script-") as folder:
         script = Path(folder) / program.script
         script.write_text(text)
@@ -222,13 +207,9 @@ def _run(program: Program, text: str, mistake_type, result_type):
             records, tail = launch(script, world_size, program.timeout_s)
             missing = sorted(set(range(world_size)) - set(records))
             if missing:
-                words = (f"the rank's process ended without finishing the script (torchrun: "
-                         f"{tail.splitlines()[-1] if tail else 'no output'})")
-                return result_type(program.name, False, mistake=mistake_type(missing[0], None, words),
-                                   world_size=world_size)
+                return world_size, missing[0], (f"the rank's process ended without finishing the script "
+                                                 f"(torchrun: {tail.splitlines()[-1] if tail else 'no output'})")
             found = program.verdict(records, world_size)
             if found is not None:
-                rank, words = found
-                return result_type(program.name, False, mistake=mistake_type(rank, None, words),
-                                   world_size=world_size)
-    return result_type(program.name, True, summary=program.summary)
+                return world_size, found[0], found[1]
+    return None

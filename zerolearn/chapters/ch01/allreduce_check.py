@@ -3,7 +3,7 @@
 The reader writes ``allreduce.py``: read RANK and WORLD_SIZE from torchrun's environment,
 join a gloo process group, sum rank + 1 over the ranks with one ``dist.all_reduce``, print
 ``rank R of N: the sum is S`` and leave the group. The checker runs the file under torchrun
-on 2 and 3 ranks (:func:`zerolearn.exercises.program.check_program`) and reads, rank by
+on 2 and 3 ranks (:func:`zerolearn.exercises.program.first_mistake`) and reads, rank by
 rank, what it raised, which collectives it called, what it printed and whether it left the
 group; torch's and gloo's raw words for the usual mistakes are said in the book's.
 """

@@ -37,12 +37,12 @@ def part_source(name: str, fn: Callable | None = None) -> str:
     a known bug built by :func:`zerolearn.exercises.core.edited` is renamed ``name``), or, when
     ``fn`` is None, the book's solution with its markers removed. Raises ConfigError
     for a name not in :data:`PARTS`, or a function whose name differs or whose source is lost."""
-    from zerolearn import exercises
+    from zerolearn.exercises.core import solution_source
 
     if name not in PARTS:
         raise ConfigError(f"part {name!r}: allowed are {', '.join(PARTS)}")
     if fn is None:
-        return exercises.solution_source(PARTS[name])
+        return solution_source(PARTS[name])
     own = getattr(fn, "__name__", None)
     if own != name and getattr(getattr(fn, "edited_from", None), "__name__", None) != name:
         raise ConfigError(f"part {name!r} is a function named {getattr(fn, '__name__', fn)!r}; "
