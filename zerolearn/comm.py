@@ -66,7 +66,7 @@ __all__ = ["EXTRA_OPS", "LAUNCH", "LEDGER", "OPS", "RELEASE", "WAIT", "Collectiv
            "CommLedger", "Handle", "all_gather", "all_reduce", "all_to_all", "barrier", "booking", "broadcast",
            "debug_enabled",
            "gather_objects", "monitor_max", "monitor_mean", "node_ranks", "profiler_label", "reduce_scatter",
-           "set_debug", "set_nodes", "unit"]
+           "phase_group", "set_debug", "set_nodes", "unit"]
 
 
 @dataclass
@@ -346,6 +346,41 @@ def monitor_max(tensor: torch.Tensor, group=None, async_op: bool = False) -> Mon
     with _own(), guard.loud("monitor_max", group), guard.monitoring("monitor_max"):
         work = dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=group, async_op=async_op)
     return Monitor(work, "monitor_max", group) if async_op else None
+
+
+_PHASE_GROUPS: dict[tuple[str, str], object] = {}  # (group name, phase) -> its twin of the same ranks
+
+
+def phase_group(group, phase: str):
+    """The process group for one phase's collectives (``phase``: ``"forward"`` or ``"backward"``):
+    on gloo, a twin of ``group`` (the same ranks and timeout, made once per group and phase by
+    ``dist.new_group(..., use_local_synchronization=True)``, so only ``group``'s ranks take part);
+    ``group`` itself on any other backend, at world size 1, or in debug mode, whose agreement
+    check names such a mistake before it happens.
+
+    ZeRO-3 all-gathers in both forward and backward. A rank that skips a backward (a NaN loss
+    on that rank alone) would issue its next forward's gathers where its peers issue the
+    backward's, of other sizes, and gloo's transport thread ends the process (SIGABRT) at the
+    first size that differs; on twins, each rank waits on a collective no peer joins and
+    fails at the group's timeout with a CollectiveError naming it. Every rank issues each
+    twin's collectives in the same order, so the schedule is unchanged.
+
+    Raises:
+        ValueError: ``phase`` not ``"forward"`` or ``"backward"``.
+    """
+    if phase not in ("forward", "backward"):
+        raise ValueError(f"phase {phase!r}: allowed are 'forward', 'backward'")
+    if (dist.get_world_size(group) == 1 or dist.get_backend(group) != "gloo" or debug_enabled()):
+        return group
+    pg = group or dist.group.WORLD
+    key = (dist.distributed_c10d._get_process_group_name(pg), phase)
+    twin = _PHASE_GROUPS.get(key)
+    if twin is None or twin not in dist.distributed_c10d._world.pg_map:  # none yet, or destroyed with its world
+        timeout = pg._get_backend(torch.device("cpu")).options._timeout
+        twin = dist.new_group(dist.get_process_group_ranks(pg), timeout=timeout, backend="gloo",
+                              use_local_synchronization=True)
+        _PHASE_GROUPS[key] = twin
+    return twin
 
 
 def gather_objects(obj, group=None) -> list:

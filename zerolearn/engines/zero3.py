@@ -112,9 +112,10 @@ class Zero3Engine(Engine):
             b.full.untyped_storage().resize_(b.full.nbytes)
             self.gathered_bytes += b.full.nbytes
         fuse = len(units) > 1 and self.world_size > 1 and self.offload != "disk" and not self.zpp.enabled
-        fused = U.FusedGather(buckets, self.pg) if fuse else None
+        group = comm.phase_group(self.pg, "backward" if self.in_backward else "forward")  # gloo: a twin per phase
+        fused = U.FusedGather(buckets, group) if fuse else None
         for unit in units:  # else ZeRO++'s own gathers, or one all_gather per bucket
-            unit.gathering = [fused or self.zpp.gather(b, self.in_backward) for b in unit.buckets]
+            unit.gathering = [fused or self.zpp.gather(b, self.in_backward, group) for b in unit.buckets]
         peak = fused.nbytes if fused else max(b.full.nbytes for b in buckets)
         self.temp_buffer_peak_bytes = max(self.temp_buffer_peak_bytes, peak)
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)

@@ -101,9 +101,11 @@ class ZeroPP:
         return self.qwz_block is not None or self.hpz or self.qgz
 
     # ----- gathers ----------------------------------------------------------------------
-    def gather(self, b, in_backward: bool):
+    def gather(self, b, in_backward: bool, group=None):
         """Launch the all_gather of bucket ``b``'s working parameters into ``b.full``
-        (already sized); returns a handle with ``wait()``."""
+        (already sized) over ``group`` (default: the engine's; the same ranks in the same
+        order, :func:`zerolearn.comm.phase_group`); returns a handle with ``wait()``."""
+        group = self.pg if group is None else group
         secondary = self._drop(b)
         if in_backward and secondary is not None:
             if self.nodes.node_ranks == 1:
@@ -111,9 +113,9 @@ class ZeroPP:
                 return comm.Handle(None, "all_gather")
             return comm.all_gather(b.full, secondary, group=self.nodes.intra, async_op=True)
         if self.qwz_block is not None:
-            handle = zeropp.all_gather_quantized(b.full, b.shard, self.qwz_block, self.pg, async_op=True)
+            handle = zeropp.all_gather_quantized(b.full, b.shard, self.qwz_block, group, async_op=True)
         else:
-            handle = comm.all_gather(b.full, b.shard, group=self.pg, async_op=True)
+            handle = comm.all_gather(b.full, b.shard, group=group, async_op=True)
         keep = self.hpz and not in_backward and torch.is_grad_enabled()
         return _KeepSecondary(handle, self, b) if keep else handle
 
