@@ -142,7 +142,8 @@ def test_bad_names_are_refused_before_anything_runs():
 def test_cli_lists_every_exercise_chapter_first():
     out = subprocess.run([sys.executable, "-m", "zerolearn.exercises", "list"], capture_output=True, text=True,
                          check=True).stdout
-    assert [line.split()[0] for line in out.splitlines()] == NAMES
+    assert [line.split()[0] for line in out.splitlines()] == sorted([*NAMES, *exercises.PROGRAMS])
+    assert "01.allreduce" in out  # a program exercise, listed beside the functions
 
 
 def test_cli_refuses_bad_arguments_with_exit_2():

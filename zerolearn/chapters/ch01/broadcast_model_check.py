@@ -45,6 +45,14 @@ def _broadcast_trial(fn) -> str:
     storage = {name: t.data_ptr() for name, t in model.state_dict().items()}
     comm.LEDGER.reset()
     fn(model)
+    elements = sum(t.numel() for t in model.state_dict().values())
+    psi = sum(p.numel() for p in model.parameters())
+    sent = comm.LEDGER.as_dict().get("broadcast", {})
+    moved = sent.get("elements", 0)
+    if moved == psi < elements:  # the same on every rank, so every rank says it
+        raise Wrong(f"your broadcasts moved the {psi} parameter elements and none of the {elements - psi} in "
+                    "buffers: a module's state is its parameters and its buffers (BatchNorm's running statistics); "
+                    "broadcast model.buffers() too, as DDP does (broadcast_buffers=True)")
     state, wanted = model.state_dict(), want.state_dict()
     buffers = {name for name, _ in model.named_buffers()}
     for name, t in state.items():
@@ -66,13 +74,9 @@ def _broadcast_trial(fn) -> str:
         unchanged(f"{name!r}", t, before[name], "t")
         first_difference(f"{name!r}", t, wanted[name], rtol=0, atol=0, reference="rank 0's value")
     assert all(p is q for p, q in zip(optimizer.param_groups[0]["params"], model.parameters(), strict=True))
-    elements = sum(t.numel() for t in state.values())
-    sent = comm.LEDGER.as_dict().get("broadcast", {})
-    moved = sent.get("elements", 0)
     if moved != elements:
         raise Wrong(f"your broadcasts moved {moved} elements; the model's parameters and buffers hold {elements}: "
                     "each tensor once")
-    psi = sum(p.numel() for p in model.parameters())
     return (f"every parameter and buffer equals rank 0's, in place, rank 0's unchanged; {sent['calls']} broadcast "
             f"calls moved {moved} elements (Psi = {psi} plus {moved - psi} in buffers)")
 
