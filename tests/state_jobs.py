@@ -341,8 +341,8 @@ def optimizer_refusal(habit: str, stage: int) -> str:
         options = dict(optimizer="sgd", lr=LR, momentum=0.9)
         if habit == "dampening_kwarg":
             options["optimizer_kwargs"] = {"dampening": 0.5}
-        if habit == "clip_groups_offload":  # Lightning's clipping over the host masters
-            options["offload"] = "cpu"
+        if habit in ("clip_groups_offload", "clip_groups_dpu"):  # Lightning's clipping over the host masters
+            options.update(offload="cpu", dpu=habit == "clip_groups_dpu")
         engine = make_engine(stage, model, bucket_mb=0.0005, **options)
         if habit == "dampening_group":
             engine.optimizer.param_groups[0]["dampening"] = 0.5
@@ -350,14 +350,16 @@ def optimizer_refusal(habit: str, stage: int) -> str:
             theirs = [engine.optimizer.shard_state_dict()]
             dist.broadcast_object_list(theirs, src=0)  # rank 0's shards, on every rank
         user = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9) if habit == "users_optimizer" else None
-        x, y = (data.rank_slice(t, ctx.rank, ctx.world_size) for t in batch(0))
-        loss = F.mse_loss(engine(x), y)
-        loss.backward()
-        if habit == "clip_value":
-            torch.nn.utils.clip_grad_value_(model.parameters(), 0.01)
-        if habit == "clip_groups_offload":
-            torch.nn.utils.clip_grad_norm_([p for g in engine.optimizer.param_groups for p in g["params"]], CLIP)
-        (user or engine).step()
+        for step in range(3 if habit == "clip_groups_dpu" else 1):  # DPU: its thread steps from step 1 on
+            x, y = (data.rank_slice(t, ctx.rank, ctx.world_size) for t in batch(step))
+            loss = F.mse_loss(engine(x), y)
+            loss.backward()
+            if habit == "clip_value":
+                torch.nn.utils.clip_grad_value_(model.parameters(), 0.01)
+            if habit.startswith("clip_groups") and (habit != "clip_groups_dpu" or step == 2):
+                torch.nn.utils.clip_grad_norm_([p for g in engine.optimizer.param_groups for p in g["params"]], CLIP)
+            (user or engine).step()
+            engine.zero_grad()
         if habit == "other_ranks_shards":
             engine.optimizer.load_state_dict(theirs[0])
         engine.close()

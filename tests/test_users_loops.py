@@ -54,9 +54,10 @@ def test_the_habit_trains_as_one_process(world_size, habit, stage):
     torch.testing.assert_close(run["params"], ref["params"], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
 @pytest.mark.parametrize("stage", STAGES)
-def test_clipping_the_optimizers_params_is_exact_where_they_hold_the_gradient_else_refused(stage):
-    run = runs(2)[("clip_groups", stage)]
+def test_clipping_the_optimizers_params_is_exact_where_they_hold_the_gradient_else_refused(world_size, stage):
+    run = runs(world_size)[("clip_groups", stage)]
     if stage == 0:  # fp32 DP: the master is the working buffer, its .grad the reduced gradient
         torch.testing.assert_close(run["params"], reference("clip_groups")["params"], rtol=1e-5, atol=1e-6)
     else:
@@ -64,13 +65,15 @@ def test_clipping_the_optimizers_params_is_exact_where_they_hold_the_gradient_el
         assert "masters get their gradient only inside engine.step()" in run and "max_grad_norm=" in run, run
 
 
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
 @pytest.mark.parametrize("stage", STAGES)
-def test_grad_scaler_is_refused_naming_the_engines_fp16(stage):
-    run = runs(2)[("grad_scaler", stage)]
+def test_grad_scaler_is_refused_naming_the_engines_fp16(world_size, stage):
+    run = runs(world_size)[("grad_scaler", stage)]
     assert isinstance(run, str) and run.startswith("ConfigError") and 'dtype="fp16"' in run, run
 
 
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
 @pytest.mark.parametrize("stage", STAGES)
-def test_wrapping_a_wrapped_model_is_refused_naming_close(stage):
-    run = runs(2)[("wrap_twice", stage)]
+def test_wrapping_a_wrapped_model_is_refused_naming_close(world_size, stage):
+    run = runs(world_size)[("wrap_twice", stage)]
     assert isinstance(run, str) and run.startswith("ConfigError") and "engine.close()" in run, run

@@ -35,7 +35,7 @@ WORLD_SIZES = [2, pytest.param(3, marks=pytest.mark.slow)]
 def runs(world_size: int) -> dict:
     todo = [dict(kind="exact", habit=h, stage=s) for h in EXACT for s in STAGES]
     todo += [dict(kind="refused", habit=h, stage=s) for h in REFUSED for s in STAGES]
-    todo += [dict(kind="refused", habit="clip_groups_offload", stage=s) for s in (1, 2, 3)]
+    todo += [dict(kind="refused", habit=h, stage=s) for h in ("clip_groups_offload", "clip_groups_dpu") for s in (1, 2, 3)]
     keys = [(kw["habit"], kw["stage"], kw["kind"]) for kw in todo]
     out = on_ranks(state_jobs.optimizer_habits, world_size, todo)
     assert len(out) == world_size and all(len(r) == len(todo) for r in out)
@@ -90,16 +90,17 @@ def test_optimizer_state_of_a_model_parameter_is_this_ranks_part_of_torchs(stage
         torch.testing.assert_close(together, flat)
 
 
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
 @pytest.mark.parametrize("stage", STAGES)
 @pytest.mark.parametrize("habit", REFUSED)
-def test_the_refusal_names_its_cause(stage, habit):
-    said = runs(2)[(habit, stage, "refused")]
+def test_the_refusal_names_its_cause(world_size, stage, habit):
+    said = runs(world_size)[(habit, stage, "refused")]
     words = {"dampening_kwarg": "optimizer_kwargs dampening=0.5", "dampening_group": "param_groups[0]['dampening']",
              "users_optimizer": "engine.optimizer", "other_ranks_shards": "holds rank 0's shards",
              "embedding_max_norm": "max_norm=None", "lazy": "uninitialised lazy parameter",
              "clip_value": "clip_grad_value_"}[habit]
     if habit == "clip_value" and stage == 0:  # p.grad is the reduced gradient: exact (the exact test)
-        assert said == ["trained", "trained"]
+        assert said == ["trained"] * world_size
         return
     for rank, text in enumerate(said):
         if habit == "other_ranks_shards" and rank == 0:
@@ -150,10 +151,12 @@ def test_hugging_face_models_with_keyword_batches_train_in_bf16(kind):
         assert losses == pytest.approx(ref, rel=2e-2), f"stage {stage}: bf16 {losses}, fp32 {ref}"
 
 
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+@pytest.mark.parametrize("habit", ["clip_groups_offload", "clip_groups_dpu"])
 @pytest.mark.parametrize("stage", [1, 2, 3])
-def test_clipping_the_optimizers_host_masters_under_offload_is_refused(stage):
-    said = runs(2)[("clip_groups_offload", stage, "refused")]
-    assert len(said) == 2
+def test_clipping_the_optimizers_host_masters_under_offload_is_refused(world_size, habit, stage):
+    said = runs(world_size)[(habit, stage, "refused")]
+    assert len(said) == world_size
     for text in said:  # the host masters hold no gradient before the step (it was a norm of 0.0)
         assert text.startswith("ConfigError: p.grad was read") and "max_grad_norm=" in text, text
 

@@ -612,6 +612,8 @@ class Offload:
         opt = engine._optimizer
         parts = [optim.parts_to_step(opt, i, b, used[i]) for i, b in enumerate(engine.buckets)]
         if self.delay is not None and self.delay.warm:
+            for b in engine.buckets:  # the thread sets .grad from here on: nothing held is left to clear
+                b.master.grad = None
             self.delay.launch(lambda done: self._delayed(opt, engine.buckets, coef, parts, done))
             return
         for i, b in enumerate(engine.buckets):

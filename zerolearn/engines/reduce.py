@@ -172,25 +172,21 @@ class GradientReduction:
                     p.grad = held
                     exposed.append((p, held))
         self._exposed = exposed
-        for b in self._masters_exposed():  # the optimizer's params (clip over engine.optimizer.param_groups)
+        self._placement.wait()  # DPU: its thread sets the host masters' .grad while it steps them
+        for b in self.buckets:  # the optimizer's params (clip over engine.optimizer.param_groups)
             whole = (views and b.grad_full is not None
                      and b.grad_full.dtype == b.master.dtype and b.grad_full.numel() == b.master.numel())
             b.master.grad = b.grad_full if whole else HeldGradient.make(b.master, -1)
 
     def _unexpose(self) -> None:
-        """``p.grad`` back to None (autograd accumulates into it in the next backward)."""
+        """``p.grad`` back to None (autograd accumulates into it in the next backward); a
+        master's ``.grad`` that :meth:`_expose` set, too (never one a DPU step in flight set)."""
         for p, _ in self._exposed:
             p.grad = None
         self._exposed = []
-        for b in self._masters_exposed():
-            if b.master is not None:
+        for b in self.buckets:
+            if b.master is not None and (isinstance(b.master.grad, HeldGradient) or b.master.grad is b.grad_full):
                 b.master.grad = None
-
-    def _masters_exposed(self) -> list:
-        """The buckets whose master gets a ``.grad`` between backward and step: all, except
-        under DPU, where a thread steps the host masters (and sets their ``.grad``) while the
-        next backward runs."""
-        return self.buckets if not self.dpu else []
 
     def _check_exposed(self) -> None:
         """Before a step: every ``p.grad`` set after backward is still the one set.
