@@ -601,3 +601,39 @@ def freed_after_collectives(rounds: int) -> int:
         del t, out
         alive += any(r() is not None for r in refs)
     return alive
+
+
+def functions_a_step_runs(stage: int) -> list[tuple[str, str]]:
+    """The package's functions one training step runs at ``stage`` (the second step of a
+    small GPT with Adam: forward, ``loss.backward()``, ``engine.step()``, ``zero_grad()``),
+    each as (path from the repository root, qualified name); functions nested in another
+    (comprehensions, lambdas, closures) are counted in it."""
+    import sys
+    import threading
+
+    ctx = zdist.context()
+    engine = make_engine(stage, small_gpt(), optimizer="adam", lr=1e-2, bucket_mb=0.01)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(comm.__file__)))
+    seen: set = set()
+
+    def one_step(step: int) -> None:
+        x, y = (data.rank_slice(t, ctx.rank, ctx.world_size) for t in global_batch(step))
+        gpt_loss(engine(x), y).backward()
+        engine.step()
+        engine.zero_grad()
+
+    def note(frame, event, arg):
+        code = frame.f_code
+        if event == "call" and code.co_filename.startswith(root) and "<" not in code.co_qualname:
+            seen.add((os.path.relpath(code.co_filename, root), code.co_qualname))
+
+    one_step(0)
+    threading.settrace(note)
+    sys.settrace(note)
+    try:
+        one_step(1)
+    finally:
+        sys.settrace(None)
+        threading.settrace(None)
+        engine.close()
+    return sorted(seen)

@@ -1,8 +1,10 @@
-"""docs/ARCHITECTURE.md's trace of a ZeRO-2 step names real code.
+"""docs/ARCHITECTURE.md's traces of a ZeRO-2 and a ZeRO-3 step name real code.
 
-Each row of the trace gives a file and a function (by name, never by line); the function
+Each row of a trace gives a file and a function (by name, never by line); the function
 must be defined in that file, so the document cannot drift from the code it walks a
-reader through, and an edit that moves lines touches only the file it edits.
+reader through, and an edit that moves lines touches only the file it edits. The ZeRO-3
+trace is checked against a step that runs: every engine file the step passes through is
+in it.
 """
 
 import ast
@@ -11,15 +13,17 @@ from pathlib import Path
 
 import pytest
 
+from jobs import functions_a_step_runs, on_ranks
+
 pytestmark = pytest.mark.quick
 
 ROOT = Path(__file__).resolve().parents[1]
 ROW = re.compile(r"^\| (\d+) \| `([^`]+)` \| `([^`]+)` \|")
 
 
-def trace_rows() -> list[tuple[str, str]]:
+def trace_rows(stage: int = 2) -> list[tuple[str, str]]:
     text = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
-    section = text.split("## One ZeRO-2 step, traced", 1)[1].split("\n## ", 1)[0]
+    section = text.split(f"## One ZeRO-{stage} step, traced", 1)[1].split("\n## ", 1)[0]
     return [(m[2], m[3]) for m in map(ROW.match, section.splitlines()) if m]
 
 
@@ -40,11 +44,20 @@ def test_the_zero_2_step_is_traced_through_the_engine_files():
     assert "zerolearn/engines/zero2.py" in files and len(files) <= 6, sorted(files)
 
 
-def test_every_row_of_the_trace_names_a_function_of_its_file():
-    rows = trace_rows()
+@pytest.mark.parametrize("stage", [2, 3])
+def test_every_row_of_the_trace_names_a_function_of_its_file(stage):
+    rows = trace_rows(stage)
     assert rows, "no trace rows found"
     wrong = [f"{path}: no {qualname} there" for path, qualname in rows if span(path, qualname) is None]
     assert not wrong, "\n".join(wrong)
+
+
+def test_the_zero_3_trace_names_every_engine_file_a_step_runs():
+    ran = {f for rank in on_ranks(functions_a_step_runs, 2, 3) for f in rank}
+    engine = {(path, name) for path, name in ran if path.startswith("zerolearn/engines/")}
+    assert ("zerolearn/engines/zero3.py", "Zero3Engine._pre_forward") in engine, sorted(engine)
+    missing = {path for path, _ in engine} - {path for path, _ in trace_rows(3)}
+    assert not missing, f"a ZeRO-3 step runs code of {sorted(missing)}, which its trace does not name"
 
 
 def test_a_name_the_file_lacks_is_caught():

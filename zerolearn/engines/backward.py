@@ -1,13 +1,11 @@
 """Where a step is, and the one beginning and one end of every backward (torch FSDP2's manner).
 
-An engine is in one :class:`TrainingState` at a time. A backward begins in one place,
-:meth:`Backward._ensure_backward`, run by the hook on the wrapped model's outputs (the
-model's forward hook puts it there, whether ``engine(x)`` or ``model(x)`` ran it), and
-ends in one place, :meth:`Backward._end_backward`, a callback queued on autograd's graph
-task: a reentrant activation checkpoint's inner backward, which runs inside the outer
-one, ends nothing. A backward that reaches no parameter (``torch.autograd.grad`` of an
-input) neither begins nor reduces anything. Parameter hooks only accumulate
-(:mod:`zerolearn.engines.reduce`).
+An engine is in one :class:`TrainingState` at a time. A backward begins in
+:meth:`Backward._ensure_backward`, run by a hook on the wrapped model's outputs (put there
+by the model's forward hook, for ``engine(x)`` and ``model(x)`` alike), and ends in
+:meth:`Backward._end_backward`, a callback on autograd's graph task, so a reentrant
+checkpoint's inner backward ends nothing. A backward that reaches no parameter (an
+input's gradient) neither begins nor reduces. Parameter hooks only accumulate (``reduce.py``).
 """
 
 from __future__ import annotations
@@ -30,8 +28,6 @@ class TrainingState(enum.Enum):
     FORWARD = "forward"  # the model's forward runs
     PRE_BACKWARD = "pre_backward"  # a backward reached the model's outputs: gradients arrive
     POST_BACKWARD = "post_backward"  # the backward's end: the last reductions finish
-
-
 
 
 def _root_forward_done(engine_ref: weakref.ref, module, args, output) -> None:

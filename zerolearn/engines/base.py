@@ -1,19 +1,12 @@
-"""What every stage shares: the contract, the buckets, and one training state.
+"""What every stage shares: the contract, the buckets, the engine's construction and forward.
 
-An engine wraps a model and owns its training state. The stages differ only in what
-a rank keeps of each bucket (Sec 5, Fig 1): the working parameters (all or a shard),
-the gradients (all or a shard) and the optimizer's fp32 master and moments (all or a
-shard). Each stage file (``ddp.py``, ``zero1.py``, ``zero2.py``, ``zero3.py``) fills in
-the four methods of the contract and reads alone.
-
-This file holds what does not differ: a :class:`Bucket`'s fields, the contract, the
-engine's construction and its forward. The rest of the engine is one concern a file,
-each a part of :class:`Engine`: the training state and the one beginning and one end of
-a backward (:mod:`zerolearn.engines.backward`), the gradient path
-(:mod:`zerolearn.engines.reduce`), the step and ``zero_grad``
-(:mod:`zerolearn.engines.step`, with offload as a placement of it), the wrapped
-module's face (:mod:`zerolearn.engines.module_view`) and the state API
-(:mod:`zerolearn.engines.state`).
+The stages differ only in what a rank keeps of each bucket (Sec 5, Fig 1): the working
+parameters, the gradients and the optimizer's fp32 master and moments, each all or a
+shard. A stage file (``ddp.py``, ``zero1.py``, ``zero2.py``, ``zero3.py``) fills in the
+four methods of the contract and reads alone. The rest of :class:`Engine` is one concern
+a file: backward's state and its one beginning and end (``backward.py``), the gradient
+path (``reduce.py``), the step and ``zero_grad`` (``step.py``), the wrapped module's face
+(``module_view.py``) and the state API (``state.py``).
 """
 
 from __future__ import annotations
@@ -43,11 +36,9 @@ from zerolearn.precision import LossScaler, check_param_dtypes, needs_master, pa
 
 __all__ = ["MAX_IN_FLIGHT", "Bucket", "Engine", "TrainingState"]
 
-# Buffer dtypes every backend broadcasts as they are; any other (int16, bool, uint16, complex)
-# travels as its bytes, which is the same copy.
-# model -> weak reference to the engine that wraps it (a model wrapped twice would run two
-# engines' hooks on one set of parameters).
+# model -> weak reference to the engine that wraps it (two engines' hooks on one model clash).
 _WRAPPED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# Buffer dtypes every backend broadcasts as they are; any other travels as its bytes.
 _WIRE_DTYPES = frozenset({torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.uint8, torch.int8,
                           torch.int32, torch.int64})
 

@@ -2,14 +2,9 @@
 
 A parameter's post-accumulate-grad hook (:func:`_grad_arrived`) copies its gradient into
 its view of the bucket's flat buffer and drops autograd's copy; a complete bucket is
-reduced at once (Sec 5.2), in one fixed order on every rank, with at most
-:data:`MAX_IN_FLIGHT` reductions in flight. That is all a parameter hook does: when a
-backward begins and ends is decided in :mod:`zerolearn.engines.base` (the hook on the
-model's outputs and the callback queued on autograd's graph task).
-
-Between backward and step, ``p.grad`` is the reduced gradient where a rank holds it
-whole (stage 0), else a :class:`~zerolearn.engines.bindings.HeldGradient` that refuses
-every read.
+reduced at once (Sec 5.2), in one order on every rank, at most :data:`MAX_IN_FLIGHT` in
+flight. Between backward and step, ``p.grad`` is the reduced gradient where a rank holds
+it whole (stage 0), else a :class:`~zerolearn.engines.bindings.HeldGradient`.
 """
 
 from __future__ import annotations
@@ -48,11 +43,9 @@ class GradientReduction:
 
     def _start_accumulating(self) -> None:
         """This backward's first parameter gradient is coming (or, at ZeRO-3, a bucket of
-        zeros launches first): a backward
-        that a hook on the outputs did not begin (a loss from a submodule called directly)
-        begins here; a reduced gradient kept from an earlier backward is set aside for the
-        stage to add to (``_keep_reduced``). A backward that never gets here (an input
-        gradient through ``torch.autograd.grad``) leaves the buckets as they were."""
+        zeros launches first): a backward no hook on the outputs began (a loss from a
+        submodule called directly) begins here; a reduced gradient kept from an earlier
+        backward is set aside for the stage to add to (``_keep_reduced``)."""
         self._ensure_backward()
         self._accumulating = True
         if self.holds_reduced:  # once: a later backward must not set aside this one's local sums
