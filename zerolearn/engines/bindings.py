@@ -1,21 +1,7 @@
 """The model's parameters stay the engine's: checked when it wraps them and before each step.
 
-An engine makes every trainable parameter a view of a bucket's flat buffer
-(:meth:`zerolearn.flat.FlatLayout.bind`) and trains that buffer. Three things a model
-may do would leave a parameter outside it, so that it never trains or trains wrongly
-without a word; each is named instead:
-
-* a parameter or a whole module replaced after wrapping (``model.head = nn.Linear(...)``,
-  ``layer.weight = nn.Parameter(...)``): the new tensor is not in any bucket;
-* a parameter whose data is replaced, typically a module cast inside its forward
-  (``self.classifier = self.classifier.to(torch.float32)`` in a bf16 run): the
-  parameter object stays, its data no longer views the bucket;
-* kinds of parameters and gradients a flat real buffer cannot hold: complex parameters
-  and sparse gradients (``nn.Embedding(sparse=True)``), refused when the engine wraps
-  the model.
-
-:class:`Bindings` checks the first two in O(parameters) dictionary look-ups, at the
-start of every forward and every step, before anything is computed or communicated.
+Each views a bucket's flat buffer (:meth:`zerolearn.flat.FlatLayout.bind`); what would leave
+one outside it, to train wrongly without a word, raises a ConfigError with the fix instead.
 """
 
 from __future__ import annotations
@@ -32,15 +18,11 @@ def refuse_unsupported(model: nn.Module, trainable: list[tuple[str, nn.Parameter
     """Refuse, at wrap time, parameters a flat real buffer cannot hold.
 
     Raises:
-        ConfigError: a complex trainable parameter (named, with the fix: keep it as a
-            real parameter of shape ``(..., 2)`` and view it as complex in forward);
-            a module that makes sparse gradients (``nn.Embedding`` or ``nn.EmbeddingBag``
-            with ``sparse=True``), named with the fix ``sparse=False`` (torch DDP reduces
-            sparse gradients; the engines reduce flat dense buckets); an embedding with
-            ``max_norm`` (its forward renormalises the rows it looks up, in place, so ranks
-            that look up different rows hold different parameters: torch's DDP and FSDP2 let
-            that pass in silence); a lazy module not yet initialised (``nn.LazyLinear``: its
-            parameters have no shape until a first forward).
+        ConfigError: naming the parameter or module and the fix: a lazy module not yet
+            initialised (``nn.LazyLinear``: no shape until a first forward); an embedding with
+            ``max_norm`` (it renormalises looked-up rows in place, so ranks drift apart, which
+            DDP and FSDP2 let pass); a complex parameter (keep its real view, shape ``(..., 2)``);
+            an embedding with ``sparse=True`` (the engines reduce dense flat buckets).
     """
     lazy = [name or "<model>" for name, p in model.named_parameters()
             if isinstance(p, nn.parameter.UninitializedParameter)]
@@ -88,13 +70,8 @@ def disown(params) -> None:
 
 
 def _refuse_foreign_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-    """torch's global optimizer step pre-hook: a torch optimizer other than the engine's
-    stepping a wrapped model's parameters (DDP's habit, ``SGD(model.parameters())``) would
-    step what ``p.grad`` shows, not the engine's reduced gradient and fp32 masters.
-
-    Raises:
-        ConfigError: naming the optimizer, a parameter, and ``engine.optimizer``.
-    """
+    """torch's global optimizer step pre-hook: a ConfigError for another optimizer stepping a
+    wrapped model's parameters (DDP's habit, ``SGD(model.parameters())``)."""
     if not _OWNED:
         return
     for group in optimizer.param_groups:
@@ -121,8 +98,7 @@ def refuse_sparse_grad(name: str) -> None:
 
 
 class Bindings:
-    """Where each trainable parameter must be: under which names in the model, viewing
-    which bucket buffer.
+    """Where each trainable parameter must be: under which names in the model, viewing which buffer.
 
     Args:
         model: the wrapped model.
@@ -138,8 +114,7 @@ class Bindings:
             if id(p) in where:
                 path, _, attr = name.rpartition(".")
                 self.entries.append((path.split(".") if path else [], attr, p, *where[id(p)]))
-        # The same entries by module (a module's weight and bias are looked up once), each
-        # with its parameter's size: a size-0 parameter has no address to compare.
+        # By module (each looked up once), with whether the parameter has an address (size > 0).
         by_path: dict[tuple[str, ...], list] = {}
         for path, attr, p, b, i in self.entries:
             by_path.setdefault(tuple(path), []).append((attr, p, b, i, p.numel() > 0))
@@ -158,13 +133,13 @@ class Bindings:
         return m
 
     def check(self, when: str) -> None:
-        """Raise if a parameter was replaced or its data moved out of its bucket.
+        """Raise if a parameter was replaced or its data moved out of its bucket; O(parameters).
 
         Args:
             when: what is about to happen, for the message ("forward", "step").
 
         Raises:
-            ConfigError: naming the parameter, what happened and the fix; a parameter
+            ConfigError: naming the parameter, what happened and the fix; also for a parameter
                 frozen when the engine was built whose ``requires_grad`` was set since.
         """
         for name, p in self.frozen:
@@ -185,11 +160,10 @@ class Bindings:
                 if base is None:
                     storage = self.storage(b).untyped_storage()
                     base = bases[id(b)] = (storage._cdata, storage.data_ptr(), self.dtype[id(b)].itemsize)
-                if p.dtype != self.dtype[id(b)]:
-                    self._moved(".".join([*path, attr]), p, when)
                 # One address says "this bucket's storage, at this parameter's offset" while
                 # that storage holds memory; a freed one (ZeRO-3) is compared by identity.
-                if (p.data_ptr() != base[1] + b.layout.offsets[i] * base[2] if sized and base[1]
+                if p.dtype != self.dtype[id(b)] or (
+                        p.data_ptr() != base[1] + b.layout.offsets[i] * base[2] if sized and base[1]
                         else p.untyped_storage()._cdata != base[0] or p.storage_offset() != b.layout.offsets[i]):
                     self._moved(".".join([*path, attr]), p, when)
 
@@ -219,18 +193,14 @@ class Bindings:
 
 
 class HeldGradient(torch.Tensor):
-    """What ``p.grad`` is between backward and step where no rank holds the whole reduced
-    gradient of ``p`` (stages 1-3; fp16's scaled gradient; tensor parallelism): a tensor of
-    ``p``'s shape and dtype holding no memory, which every torch op refuses with a
-    ConfigError naming the engine's clipping (``max_grad_norm=``,
-    ``engine.clip_grad_norm_(max_norm)``). So ``torch.nn.utils.clip_grad_norm_(
-    model.parameters(), ...)`` or a gradient norm logged from ``p.grad`` fails loudly
-    instead of reading nothing (torch returns a norm of 0.0 when every ``p.grad`` is None);
-    ``p.grad.data`` is refused too. Shape, dtype and ``repr`` stay readable.
+    """``p.grad`` between backward and step where no rank holds the whole reduced gradient of
+    ``p`` (stages 1-3; fp16's scaled gradient; tensor parallelism): ``p``'s shape and dtype in
+    zero bytes. Any torch op but reading shape, dtype or ``repr`` (``p.grad.data`` too) raises
+    a ConfigError naming the engine's clipping, so ``clip_grad_norm_(model.parameters())``
+    fails loudly instead of the 0.0 torch returns when every ``p.grad`` is None.
 
     Attributes:
-        stage: the engine's stage (0-3), for the message; -1: the ``.grad`` of a master in
-            ``engine.optimizer.param_groups`` (clipping over the optimizer's params).
+        stage: the engine's stage (0-3), for the message; -1: a master's in ``engine.optimizer``.
     """
 
     stage: int
@@ -247,12 +217,14 @@ class HeldGradient(torch.Tensor):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", None)
-        # p.grad.data hands out the zeros underneath: a read like any other.
-        if name in _READS_NOTHING and not (name == "__get__" and _attribute(func) == "data"):
+        # p.grad.data (a getter whose __self__ is named "data") would hand out the zeros underneath.
+        if name in _READS_NOTHING and not (
+                name == "__get__" and getattr(getattr(func, "__self__", None), "__name__", None) == "data"):
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
         name = "data" if name == "__get__" else name
-        held = next((a for a in _flat(args, kwargs) if isinstance(a, HeldGradient)), None)
+        held = next((x for a in (*args, *kwargs.values()) for x in (a if isinstance(a, (list, tuple)) else (a,))
+                     if isinstance(x, HeldGradient)), None)
         if name == "__repr__" and held is not None:
             return (f"HeldGradient(shape={tuple(held.shape)}): the engine (stage {held.stage}) holds this "
                     "parameter's reduced gradient in its buckets, not here")
@@ -280,16 +252,3 @@ class HeldGradient(torch.Tensor):
 _READS_NOTHING = frozenset({"__get__", "__set__", "size", "dim", "ndimension", "numel", "nelement", "__len__",
                             "stride", "storage_offset", "element_size", "is_floating_point", "is_complex",
                             "is_contiguous", "get_device", "data_ptr", "untyped_storage", "__hash__"})
-
-
-def _attribute(func) -> str | None:
-    """The attribute a property getter belongs to (``data`` for ``t.data``)."""
-    return getattr(getattr(func, "__self__", None), "__name__", None)
-
-
-def _flat(args, kwargs):
-    for a in (*args, *kwargs.values()):
-        if isinstance(a, (list, tuple)):
-            yield from a
-        else:
-            yield a

@@ -1,11 +1,7 @@
-"""The engine read as the module it wraps, and its parameters read or changed between steps.
-
-``engine.train()``, ``engine.named_parameters()``, ``engine.state_dict()`` and the rest
-answer as the wrapped model does (torch DDP's and FSDP's wrappers do the same).
-Parameters changed outside the engine (``p.clamp_()`` under ``no_grad``, a
-``load_state_dict``) reach the fp32 masters: at stages 0-2 through the working buffer's
-version counter, at ZeRO-3 inside :meth:`ModuleView.summon_full_params`.
-"""
+"""The engine read as the module it wraps (``engine.train()``, ``engine.state_dict()``, ...,
+as torch DDP's and FSDP's wrappers answer), and its parameters read or changed between steps:
+a change made outside the engine reaches the fp32 masters through the working buffer's
+version counter (stages 0-2) or inside :meth:`ModuleView.summon_full_params` (ZeRO-3)."""
 
 from __future__ import annotations
 
@@ -40,8 +36,7 @@ class ModuleView:
         return self.train(False)
 
     def named_parameters(self, *args, **kwargs):
-        """The model's ``named_parameters``, with the model's names. At ZeRO-3 they hold
-        their values only inside :meth:`summon_full_params`."""
+        """The model's ``named_parameters``; at ZeRO-3 valued only inside :meth:`summon_full_params`."""
         return self.model.named_parameters(*args, **kwargs)
 
     def parameters(self, *args, **kwargs):
@@ -57,8 +52,7 @@ class ModuleView:
         return self.model.buffers(*args, **kwargs)
 
     def modules(self):
-        """The model's ``modules()`` (torch DDP's wrapper lists itself first; the engine is no
-        module, so the model comes first)."""
+        """The model's ``modules()``: the model first (torch DDP's wrapper lists itself first)."""
         return self.model.modules()
 
     def named_modules(self, *args, **kwargs):
@@ -75,12 +69,11 @@ class ModuleView:
         return self
 
     def to(self, *args, **kwargs):
-        """The engine where it already is: ``engine.to(device)`` on the model's device (and
-        dtype) returns the engine, as torch DDP's wrapper does after ``model.to``.
+        """``engine.to(device)`` on the model's device (and dtype) returns the engine, as torch
+        DDP's wrapper does after ``model.to``.
 
         Raises:
-            ConfigError: another device or dtype; the engine's buffers, masters and shards
-                were made where the model was when it was wrapped.
+            ConfigError: another device or dtype (the buffers stay where the model was wrapped).
         """
         device, dtype, _, _ = torch._C._nn._parse_to(*args, **kwargs)
         if (device is not None and torch.device(device).type != self.device.type) or \
@@ -91,29 +84,22 @@ class ModuleView:
         return self
 
     def state_dict(self, *args, **kwargs) -> dict:
-        """The model's ``state_dict``, with the model's names and the working dtype. At
-        stages 0-2 the model's own (tensors sharing the parameters' memory, as torch's); at
-        ZeRO-3 copies of the full values, gathered inside :meth:`summon_full_params` (a
-        collective: call on every rank). :meth:`full_state_dict` gives the fp32 masters."""
+        """The model's ``state_dict`` in the working dtype: at stages 0-2 the model's own (sharing
+        the parameters' memory); at ZeRO-3 copies gathered inside :meth:`summon_full_params` (call
+        on every rank). :meth:`full_state_dict` gives the fp32 masters."""
         if self.stage != 3:
             return self.model.state_dict(*args, **kwargs)
         with self.summon_full_params(writeback=False):
             return {k: v.detach().clone() if torch.is_tensor(v) else v
                     for k, v in self.model.state_dict(*args, **kwargs).items()}
 
-    # ----- parameters read or changed between steps ---------------------------------------
     @contextlib.contextmanager
     def summon_full_params(self, writeback: bool = True):
-        """A block in which every trainable parameter holds its full working values, to read
-        or change between steps (log a norm, clamp weights, ``model.load_state_dict``), as
-        FSDP's ``summon_full_params``.
-
-        At ZeRO-3 the parameters are gathered on entry (an all_gather per bucket: call on
-        every rank) and freed on exit; at stages 0-2 every rank holds them already. With
-        ``writeback``, elements changed inside the block become the fp32 master's values
-        (and at ZeRO-3 the kept shard's) on exit: make the same change on every rank, as
-        each rank keeps its own shard of the result. Under DPU the update in flight is
-        published first.
+        """A block in which every trainable parameter holds its full working values, to read or
+        change between steps, as FSDP's ``summon_full_params``. At ZeRO-3 they are gathered on
+        entry (an all_gather per bucket: call on every rank) and freed on exit. With
+        ``writeback``, elements changed inside become the fp32 master's (and ZeRO-3 shard's)
+        values on exit: make the same change on every rank. A DPU update in flight lands first.
 
         Raises:
             ConfigError: (on entry) a parameter replaced or cast since wrapping
@@ -135,11 +121,9 @@ class ModuleView:
                 self._versions = self._full_versions()
 
     def load_state_dict(self, state_dict: dict, strict: bool = True):
-        """``model.load_state_dict(state_dict, strict)`` inside :meth:`summon_full_params`:
-        the loaded values become the working parameters, the masters and (ZeRO-3) the
-        shards. A collective at ZeRO-3: call on every rank with the same state dict. The
-        optimizer's state is kept (load a checkpoint with :mod:`zerolearn.checkpoint` to
-        restore it too). Returns torch's ``(missing_keys, unexpected_keys)``."""
+        """``model.load_state_dict(state_dict, strict)`` inside :meth:`summon_full_params` (at
+        ZeRO-3 call on every rank with the same dict); the optimizer's state is kept
+        (:mod:`zerolearn.checkpoint` restores both). Returns ``(missing_keys, unexpected_keys)``."""
         with self.summon_full_params():
             return self.model.load_state_dict(state_dict, strict=strict)
 
@@ -150,8 +134,7 @@ class ModuleView:
         """Undo :meth:`_summon`."""
 
     def _write_back(self, b) -> None:
-        """Elements of ``b``'s working parameters that differ from the master (rounded to the
-        working dtype) were changed outside the engine: they become the master's values."""
+        """Elements of ``b``'s working parameters that differ from the master (rounded) become its."""
         work = b.full if b.master.numel() == b.layout.padded_numel else b.layout.shard_of(b.full)
         if b.shard is not None:  # ZeRO-3 keeps a working shard (in fp32 without offload, the master)
             b.shard.copy_(work)
@@ -171,9 +154,8 @@ class ModuleView:
         return [b.full._version for b in self.buckets]
 
     def _absorb_changes(self) -> None:
-        """Working parameters changed in place since the last publish (``p.clamp_()`` or
-        ``model.load_state_dict`` under no_grad, outside :meth:`summon_full_params`) keep
-        their change, as they would in torch: the changed elements go to the master."""
+        """Changes to working parameters since the last publish (``p.clamp_()`` under no_grad,
+        outside :meth:`summon_full_params`) go to the master, as they would stay in torch."""
         if self._versions is None:
             return
         for b, version in zip(self.buckets, self._versions, strict=True):

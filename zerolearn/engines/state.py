@@ -1,10 +1,5 @@
-"""What an engine's rank holds, measured, gathered and set: the engine's state API.
-
-:class:`EngineStateMixin` is part of :class:`zerolearn.engines.base.Engine`; it only
-reads and writes the buckets (``self.buckets``, :class:`~zerolearn.engines.base.Bucket`)
-and the optimizer, so it is the same for every stage. Checkpoints
-(:mod:`zerolearn.checkpoint`) save and load through these methods.
-"""
+"""What an engine's rank holds, measured, gathered and set: the state API of every stage,
+through which checkpoints (:mod:`zerolearn.checkpoint`) save and load."""
 
 from __future__ import annotations
 
@@ -13,18 +8,15 @@ import contextlib
 import torch
 
 from zerolearn import comm
-from zerolearn.engines.optim import optimizer_state
+from zerolearn.engines.optim import _fresh_state, optimizer_state
 from zerolearn.errors import ConfigError
 from zerolearn.memory.ledger import storage_bytes
 
 
 class EngineStateMixin:
-    """Model states per category, bytes held, full fp32 parameters, loading shards.
-
-    Expects the attributes an :class:`~zerolearn.engines.base.Engine` sets up:
-    ``buckets``, ``optimizer``, ``device``, ``pg``, ``_publish_all`` and ``_offload``
-    (:class:`zerolearn.engines.offload.Offload` or None).
-    """
+    """Model states per category, bytes held, full fp32 parameters, loading shards (mixed
+    into :class:`~zerolearn.engines.base.Engine`, whose ``buckets``, ``optimizer``, ``device``,
+    ``pg``, ``_publish_all`` and ``_offload`` it uses)."""
 
     LOCATIONS = ("device", "host", "disk")
     CATEGORIES = ("params", "grads", "optimizer_states")
@@ -35,26 +27,18 @@ class EngineStateMixin:
         return sum(b.layout.padding for b in self.buckets)
 
     def state_tensors(self) -> dict[str, list[torch.Tensor]]:
-        """The tensors this rank holds as model states, by category (None: not held).
-
-        ``params``: working parameters (full buffers, or shards under ZeRO-3);
-        ``grads``: flat gradient buffers and shards; ``optimizer_states``: the fp32
-        master (a storage of its own only in mixed precision) and the optimizer's
-        per-element state (Adam's moments, SGD's momentum). Frozen parameters are not
-        model states (Psi counts trainable ones). With offload, the host's fp32 gradient
-        buffers are ``grads`` too, and the master and moments live on the host.
-        """
+        """The tensors this rank holds as model states, by category (None: not held): ``params``,
+        working parameters (full, or shards under ZeRO-3); ``grads``, flat gradient buffers and
+        shards (with offload, the host's fp32 ones too); ``optimizer_states``, the fp32 master (its
+        own storage only in mixed precision) and the per-element state (Adam's moments, SGD's
+        momentum). Frozen parameters are not model states (Psi, Sec 3.1)."""
         where = self.state_tensors_by_location()
         return {c: where["device"][c] + where["host"][c] for c in self.CATEGORIES}
 
     def state_tensors_by_location(self) -> dict[str, dict[str, list[torch.Tensor]]]:
         """:meth:`state_tensors` split into ``"device"`` and ``"host"`` (each by category).
-
-        Without offload everything is on the device. With offload (``offload="cpu"`` or
-        ``"disk"``) the master, the moments and the fp32 gradient buffers are host tensors
-        of their own, on a CPU-only run too, where device and host are the same memory.
-        Under ``"disk"`` the host's optimizer states hold no storage between steps.
-        """
+        With offload (``"cpu"``, ``"disk"``, even on a CPU-only run) the master, moments and fp32
+        gradient buffers are host tensors; under ``"disk"`` they hold no storage between steps."""
         device = {"params": [t for b in self.buckets for t in (b.full, b.shard)],
                   "grads": [t for b in self.buckets for t in (b.grad_full, b.grad_shard)]}
         if self._offload is None:
@@ -66,20 +50,15 @@ class EngineStateMixin:
         return {"device": device, "host": self._offload.host_tensors(self)}
 
     def model_state_bytes(self) -> dict[str, int]:
-        """Bytes this rank holds now per category of :meth:`state_tensors`, measured
-        from the tensors (each storage counted once, in the first category holding it):
-        device and host memory together, disk not included."""
+        """Bytes this rank holds now per category of :meth:`state_tensors` (each storage counted
+        once, in the first category holding it): device and host memory, not disk."""
         seen: set[int] = set()
         return {name: storage_bytes(tensors, seen) for name, tensors in self.state_tensors().items()}
 
     def model_state_bytes_by_location(self) -> dict[str, dict[str, int]]:
         """Bytes this rank holds now, ``{"device" | "host" | "disk": {"params", "grads",
-        "optimizer_states"}}``: memory measured from the tensors held (each storage counted
-        once), disk from the sizes of the offload files (``offload="disk"``).
-
-        For the paper's formulas extended to offload, see
-        :func:`zerolearn.memory.model.offload_state_bytes`.
-        """
+        "optimizer_states"}}``: memory from the tensors (each storage once), disk from the offload
+        files' sizes. The paper's formulas: :func:`zerolearn.memory.model.offload_state_bytes`."""
         seen: set[int] = set()
         out = {loc: {c: storage_bytes(tensors, seen) for c, tensors in by_cat.items()}
                for loc, by_cat in self.state_tensors_by_location().items()}
@@ -88,55 +67,46 @@ class EngineStateMixin:
         return out
 
     def offload_resident(self):
-        """A context manager: inside it every bucket's fp32 master and optimizer states are in
-        host memory (``offload="disk"`` reads them all, and writes them back and releases
-        them on exit; at stage 3 the working parameter shards too), and no DPU step is in
-        flight. Wrap any direct read of ``b.master``, ``b.shard`` or ``optimizer.state``
-        under disk offload in it (a checkpoint's save does so itself). Without offload it
-        does nothing."""
+        """A context manager in which every bucket's fp32 master and optimizer states (stage 3:
+        working shards too) are in host memory, no DPU step in flight: ``offload="disk"`` reads
+        them, and writes back and releases them on exit; without offload, a no-op."""
         if self._offload is None:
             return contextlib.nullcontext()
         return self._offload.resident(self)
 
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Every trainable parameter, full and fp32, from the masters (a collective).
-
-        Shapes as in the model; gathered with one all_gather per bucket when the master
-        is sharded. Call on every rank. Under DPU the masters hold the update of the
-        last step (waited for), which the working parameters show after the next step or
-        :meth:`finish_dpu`.
-        """
+        """Every trainable parameter, full, fp32 and shaped as in the model, from the masters
+        (one all_gather per sharded bucket: call on every rank). Under DPU the masters hold the
+        last step's update; the working parameters show it after the next step or :meth:`finish_dpu`."""
         self._absorb_changes()  # parameters changed in place since the last step (stages 0-2)
-        with self.offload_resident():
-            return self._gather_masters()
-
-    def _gather_masters(self) -> dict[str, torch.Tensor]:
         out = {}
-        for b in self.buckets:
-            master = b.master.detach().float().to(self.device)  # from the host, under offload
-            if b.master.numel() != b.layout.padded_numel:
-                full = torch.empty(b.layout.padded_numel, device=self.device)
-                with comm.unit(b.layout.label, "full_state_dict: gather"):
-                    comm.all_gather(full, master.contiguous(), group=self.pg)
-                master = full
-            for name, view in zip(b.layout.names, b.layout.views(master), strict=True):
-                out[name] = view.clone()
+        with self.offload_resident():
+            for b in self.buckets:
+                master = self._whole(b, b.master, "full_state_dict: gather")
+                for name, view in zip(b.layout.names, b.layout.views(master), strict=True):
+                    out[name] = view.clone()
         return out
+
+    def _whole(self, b, t: torch.Tensor, what: str) -> torch.Tensor:
+        """``t`` (of bucket ``b``) fp32 on the device, all_gathered to the whole buffer if a shard."""
+        t = t.detach().float().to(self.device)  # from the host, under offload
+        if t.numel() != b.layout.padded_numel:
+            whole = torch.empty(b.layout.padded_numel, device=self.device)
+            with comm.unit(b.layout.label, what):
+                comm.all_gather(whole, t.contiguous(), group=self.pg)
+            t = whole
+        return t
 
     @torch.no_grad()
     def load_shards(self, masters: list[torch.Tensor], optimizer_state: dict) -> None:
-        """Set every bucket's fp32 master and the optimizer's state, then republish.
+        """Set every bucket's fp32 master and the optimizer's state, then republish (an all_gather
+        per bucket at stages 1-2: call on every rank); a DPU update in flight is replaced.
 
         Args:
-            masters: one fp32 tensor per bucket, shaped as ``b.master`` (this rank's
-                shard, ``b.layout.shard_range`` of the bucket's flat buffer; the whole
-                buffer at stage 0).
+            masters: one fp32 tensor per bucket, shaped as ``b.master``: this rank's shard,
+                ``b.layout.shard_range`` of the flat buffer (stage 0: the whole buffer).
             optimizer_state: a ``torch.optim`` state dict for ``self.optimizer``.
-
-        Republishing rebuilds the working parameters from the new masters (an
-        all_gather per bucket at stages 1-2): a collective, call on every rank. Under
-        DPU the update in flight is waited for and replaced by the loaded state.
         """
         with self.offload_resident():
             for b, m in zip(self.buckets, masters, strict=True):
@@ -148,9 +118,8 @@ class EngineStateMixin:
 
     # ----- the optimizer's state as torch's, keyed by the model's parameters -------------------
     def _held_ranges(self, b) -> list[tuple[int, int, int, int]]:
-        """Per parameter of bucket ``b``: ``(start, end)`` of the elements of it this rank's
-        master holds, in the parameter's flattened coordinates, then the same elements in the
-        master's (``start == end``: none of it)."""
+        """Per parameter of bucket ``b``: ``(start, end)`` of its elements this rank's master holds,
+        in the flattened parameter's coordinates, then in the master's (all 0: none)."""
         whole = b.master.numel() == b.layout.padded_numel
         lo, hi = (0, b.layout.padded_numel) if whole else b.layout.shard_range
         out = []
@@ -160,18 +129,13 @@ class EngineStateMixin:
         return out
 
     def param_optimizer_state(self, p: torch.Tensor) -> dict:
-        """``engine.optimizer.state[p]`` for a model parameter ``p``: the part of its optimizer
-        state this rank holds, as views of the master's state (writes reach the optimizer).
-
-        Tensors are shaped as ``p`` where this rank holds all of ``p`` (stage 0, or a shard
-        that covers it), else 1-D: the elements of ``p.flatten()`` in this rank's shard.
-        ``step`` is the number of steps ``p`` took (a parameter no rank used sat out some).
+        """``engine.optimizer.state[p]`` for a model parameter ``p``: this rank's part, as views of
+        the master's state, shaped as ``p`` if whole, else 1-D (its elements of ``p.flatten()``);
+        ``step`` counts the steps ``p`` took; ``{}`` if never stepped, as in torch.
 
         Raises:
-            KeyError: ``p`` is not a trainable parameter of the model, or this rank holds
-                none of its elements (ZeRO-1, 2 and 3 shard the state over the ranks), or
-                it has no state yet (before the first step). A parameter that has not yet
-                been stepped (Adam) gives ``{}``, as torch's ``optimizer.state[p]`` does.
+            KeyError: ``p`` is not a trainable parameter of the model, or this rank holds none
+                of its elements (ZeRO-1, 2, 3 shard the state), or no state yet (no step).
         """
         for i, b in enumerate(self.buckets):
             for j, q in enumerate(b.params):
@@ -195,32 +159,19 @@ class EngineStateMixin:
 
     @torch.no_grad()
     def full_optimizer_state_dict(self) -> dict:
-        """The optimizer's whole state as one torch optimizer over ``model.parameters()``
-        would hold it: ``{"state": {k: {"step", "exp_avg", ...}}, "param_groups": [{...,
-        "params": [0, ..., N-1]}]}``, ``k`` the index in ``list(model.parameters())``, each
-        tensor fp32 and shaped as its parameter (gathered: one all_gather per bucket and
-        state tensor where the state is sharded). A collective: call on every rank. What
-        ``engine.optimizer.state_dict()`` returns; it loads into a plain torch optimizer
-        over the same model, or an engine of any stage, world size and bucket size
-        (:meth:`load_full_optimizer_state_dict`), as torch's
-        ``get_optimizer_state_dict(..., full_state_dict=True)`` does for FSDP2.
+        """``engine.optimizer.state_dict()``: the whole state as one torch optimizer over
+        ``model.parameters()`` holds it (as torch's ``get_optimizer_state_dict(...,
+        full_state_dict=True)`` for FSDP2), ``{"state": {k: {"step", "exp_avg", ...}},
+        "param_groups": [{..., "params": [0, ..., N-1]}]}``, each tensor fp32 and shaped as
+        parameter ``k``. One all_gather per sharded state tensor: call on every rank.
         """
         index = {id(p): k for k, p in enumerate(self.model.parameters())}
         state: dict[int, dict] = {}
         with self.offload_resident():
             for i, b in enumerate(self.buckets):
                 master_state = self._optimizer.optimizers[i].state.get(b.master, {})
-                full = {}
-                for key, v in master_state.items():
-                    if not (torch.is_tensor(v) and v.dim() > 0):
-                        continue
-                    v = v.detach().float().to(self.device)
-                    if v.numel() != b.layout.padded_numel:
-                        whole = torch.empty(b.layout.padded_numel, device=self.device)
-                        with comm.unit(b.layout.label, "optimizer state_dict: gather"):
-                            comm.all_gather(whole, v.contiguous(), group=self.pg)
-                        v = whole
-                    full[key] = b.layout.views(v)
+                full = {key: b.layout.views(self._whole(b, v, "optimizer state_dict: gather"))
+                        for key, v in master_state.items() if torch.is_tensor(v) and v.dim() > 0}
                 for j, p in enumerate(b.params):
                     steps = int(master_state["step"]) - b.skipped[j] if "step" in master_state else None
                     if not full or steps == 0:
@@ -234,15 +185,13 @@ class EngineStateMixin:
 
     @torch.no_grad()
     def load_full_optimizer_state_dict(self, state_dict: dict) -> None:
-        """Load :meth:`full_optimizer_state_dict`'s layout: from this engine or another (any
-        stage, world size, bucket size) or from a plain torch optimizer of the same kind over
-        ``model.parameters()`` (or over its trainable parameters only), same order. Each rank
-        keeps its part. Hyperparameters come from the state dict's group, as in torch.
+        """Load :meth:`full_optimizer_state_dict`'s layout (from an engine of any stage, world size
+        and bucket size, or a torch optimizer over ``model.parameters()`` or its trainable ones);
+        each rank keeps its part. Hyperparameters come from the state dict's group, as in torch.
 
         Raises:
-            ConfigError: the indices do not match the model's parameters; several param
-                groups with different hyperparameters; a state for a frozen parameter; a
-                tensor of the wrong number of elements.
+            ConfigError: indices that do not match the model's parameters; param groups with
+                different hyperparameters; a state for a frozen parameter or of the wrong size.
         """
         groups = state_dict["param_groups"]
         ids = sorted(int(k) for g in groups for k in g["params"])
@@ -274,8 +223,6 @@ class EngineStateMixin:
 
     def _load_bucket_state(self, i: int, b, states: list[dict]) -> None:
         """Master ``i``'s state from its parameters' (``states``, torch's per-parameter dicts)."""
-        from zerolearn.engines.optim import _fresh_state
-
         opt = self._optimizer.optimizers[i]
         master_state = opt.state[b.master]
         master_state.update(_fresh_state(opt, b.master) if not master_state else {})

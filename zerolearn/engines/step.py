@@ -1,17 +1,8 @@
 """The step's half of the engine: global norm, clipping, torch's optimizer, publish.
 
-Which parameters a step updates follows torch: one no rank used since ``zero_grad`` is
-left alone (no momentum, Adam moment or step count, weight decay); one some rank used
-gets the average with zeros from the others (DDP, ``find_unused_parameters``); after
-``zero_grad(set_to_none=False)`` a parameter that had a gradient keeps a zero one, so
-it is stepped, as torch steps a zero ``p.grad``.
-
-Where the update runs is a *placement*: :class:`OnDevice` (torch's optimizer on the
-device, bucket by bucket, or one fused multi-tensor step on CUDA) or
-:class:`zerolearn.engines.offload.Offload` (the host's step, ZeRO-Offload, with its
-states on disk for ZeRO-Infinity). Both answer the same calls (``land``,
-``grads_for_step``, ``step``, ``take_grad``, ``publishing``, ...), so the step has no
-branch on where it runs.
+A step updates what torch would (DDP's ``find_unused_parameters``: a parameter no rank used
+since ``zero_grad`` sits out); where it runs is a placement, :class:`OnDevice` or
+:class:`zerolearn.engines.offload.Offload` (ZeRO-Offload), which answer the same calls.
 """
 
 from __future__ import annotations
@@ -31,11 +22,8 @@ from zerolearn.memory.ledger import retag
 
 class OnDevice:
     """The placement without offload: torch's optimizer steps each master where it is.
-
-    Attributes:
-        decides_on_host: False: an overflow flag stays on the device (a masked step).
-        delay: None (no delayed parameter update).
-    """
+    ``decides_on_host`` is False (an overflow flag stays on the device: a masked step) and
+    ``delay`` None (no delayed parameter update)."""
 
     decides_on_host = False
     delay = None
@@ -53,13 +41,12 @@ class OnDevice:
     def step(self, engine, grads: list[torch.Tensor], used: list[list[bool]], coef,
              found_inf: torch.Tensor | None) -> None:
         """Bucket by bucket: the gradient (times ``coef``) onto the fp32 master, torch's
-        optimizer, publish; on CUDA in fp32 one fused step over every master first
+        optimizer, publish; on CUDA in fp32, one fused step over every master first
         (:meth:`optim.GroupedOptimizer.step_all`)."""
         opt = engine._optimizer
         parts = [optim.parts_to_step(opt, i, b, used[i]) for i, b in enumerate(engine.buckets)]
-        # One multi-tensor step over every master (CUDA) where the gradients already are fp32
-        # buffers; in mixed precision each bucket's fp32 gradient is made, used and dropped in
-        # turn, so the (2 + 2 + K) Psi of the paper holds: those step bucket by bucket.
+        # Mixed precision steps bucket by bucket, each fp32 gradient made, used and dropped in
+        # turn, so the paper's (2 + 2 + K) Psi (Sec 3.1) holds.
         at_once = opt.multi is not None and not engine.mixed and all(p is None for p in parts)
         for i, (b, grad) in enumerate(zip(engine.buckets, grads, strict=True)):
             b.master.grad = grad.float() if grad.dtype != torch.float32 else grad
@@ -102,17 +89,14 @@ class Stepping:
     """The engine's step (mixed into :class:`zerolearn.engines.base.Engine`)."""
 
     def step(self) -> bool | optim.Stepped:
-        """Update parameters from the reduced gradients.
-
-        The same as ``engine.optimizer.step()`` (:meth:`optim.GroupedOptimizer.step`), which
-        it calls, so torch's LR schedulers and optimizer step hooks see the step. A
-        hyperparameter changed in ``engine.optimizer.param_groups[0]`` applies from this step.
+        """Update parameters from the reduced gradients: ``engine.optimizer.step()``
+        (:meth:`optim.GroupedOptimizer.step`), seen by LR schedulers and step hooks; a change to
+        ``engine.optimizer.param_groups[0]`` applies from this step.
 
         Returns:
-            True when no overflow check ran (fp32 or bf16 without ``max_grad_norm``);
-            else an :class:`optim.Stepped`, whose ``bool()`` is False when an overflow
-            (fp16, or a non-finite norm under clipping) skipped the step. The flag stays on
-            the device until that ``bool()`` reads it: read it after the step, once.
+            True when no overflow check ran (fp32 or bf16 without ``max_grad_norm``); else an
+            :class:`optim.Stepped`, False under ``bool()`` (a read of the device flag) when an
+            overflow (fp16, or a non-finite norm under clipping) skipped the step.
         """
         self._check_open()
         self._optimizer.step()
@@ -120,18 +104,9 @@ class Stepping:
 
     @torch.no_grad()
     def _step(self) -> bool | optim.Stepped:
-        """The step itself (see :meth:`step`): one number, the global gradient norm
-        (``clip_grad_norm_``'s formula, summed over ranks that hold different parts), serves
-        clipping and the overflow check; then the placement updates and publishes each
-        bucket (:meth:`OnDevice.step`, or offload's host step).
-
-        Nothing waits for the host to read a device value, as torch's ``GradScaler``
-        steps: the norm, the clipping factor and the overflow flag stay 0-dim device
-        tensors, an overflowed step is computed and then masked away (``torch.where`` on
-        the flag). Two cases read the flag on the host, as their work is decided there: a
-        placement that steps on the host (offload) and a step in which some parameter
-        sits out (no rank used it: its elements are stepped apart).
-        """
+        """See :meth:`step`. One global gradient norm serves clipping and the overflow check;
+        as in torch's ``GradScaler`` it stays a device tensor and an overflowed step is masked
+        away. The host reads the flag only for a host step (offload) or an unused parameter."""
         self._check_open()
         self._bindings.check("step")
         self._check_exposed()
@@ -156,8 +131,7 @@ class Stepping:
         return True if found_inf is None else optim.Stepped(found_inf)
 
     def _step_one(self, i: int, b, parts, found_inf: torch.Tensor | None, stepped: bool = False) -> None:
-        """Bucket ``b``'s master stepped (unless ``stepped``: :meth:`optim.GroupedOptimizer.step_all`
-        did), its gradient dropped, its state tagged for the ledger, the update published."""
+        """Step bucket ``b``'s master (unless ``stepped``), drop its gradient, tag its state, publish."""
         if not stepped:
             self._optimizer.step_bucket(i, parts, found_inf)
         b.master.grad = None
@@ -169,10 +143,8 @@ class Stepping:
         """Drop all gradients (buffers are allocated again in the next backward).
 
         Args:
-            set_to_none: as torch's: True, every ``p.grad`` becomes None; False, a parameter
-                that had a gradient keeps a zero one, so the next step updates it, as torch
-                steps a zero ``p.grad`` (momentum, weight decay); at stage 0 the buckets are
-                kept and zeroed, so ``p.grad`` reads zeros.
+            set_to_none: as torch's; False: a parameter that had a gradient keeps a zero one
+                and is stepped (stage 0's ``p.grad`` reads zeros).
         """
         if self._used_flags is not None:
             self._used_anywhere()  # an exchange nobody stepped with: finish it
@@ -196,19 +168,10 @@ class Stepping:
         self._placement.zero_grad()
         self.holds_reduced = False
 
-    # ----- which parameters were used ----------------------------------------------------
     def _exchange_used_flags(self, reduced: bool = False) -> None:
-        """Start finding out which parameters any rank used since ``zero_grad``: one
-        all_reduce (max) of a byte per parameter, outside the ledger, as DDP does.
-
-        ``reduced``: called, at a stage with ``replicated_grads`` (stage 0), once a reducing
-        backward's reductions all finished: every rank then holds the same whole reduced
-        gradient, which answers first. A rank that did not use a parameter adds zeros, so a
-        parameter whose reduced gradient has a nonzero element was used by some rank. Only
-        if some parameter's reduced gradient is all zeros do the ranks exchange flags. That
-        read is the host's, so only the CPU answers from the gradient
-        (:attr:`flags_from_grads`); on an accelerator the flags travel in every step.
-        """
+        """Start finding out which parameters any rank used since ``zero_grad``: an all_reduce
+        (max, outside the ledger) of a byte per parameter, as DDP does. ``reduced`` (stage 0):
+        on the CPU (:attr:`flags_from_grads`) only if a parameter's reduced gradient is all 0."""
         if self._used_flags is not None and self._used_flags[1] is not None:
             self._used_flags[1].wait()  # an earlier backward's, superseded
         flags = torch.tensor([flag for b in self.buckets for flag in b.used], dtype=torch.uint8, device=self.device)
@@ -222,9 +185,7 @@ class Stepping:
         self._used_flags = (flags, pending)
 
     def _every_grad_nonzero(self) -> bool:
-        """Whether every parameter's part of ``grad_full`` holds a nonzero element (NaN and
-        inf count as nonzero). Each parameter's first element is read in one gather per
-        bucket; only a parameter whose first element is zero is read whole."""
+        """Whether every parameter's part of ``grad_full`` holds a nonzero (NaN, inf: yes) element."""
         for b, firsts in zip(self.buckets, self._first_elements, strict=True):
             if b.grad_full is None or firsts is None:
                 return False
@@ -238,8 +199,7 @@ class Stepping:
 
     @functools.cached_property
     def _first_elements(self) -> list[torch.Tensor | None]:
-        """Per bucket, the offset of each parameter in ``grad_full`` (int64, one per parameter);
-        None for a bucket with an empty parameter, which has no element to tell."""
+        """Per bucket, each parameter's offset in ``grad_full`` (int64); None if one is empty."""
         return [torch.tensor(b.layout.offsets, dtype=torch.int64, device=self.device)
                 if all(math.prod(shape) > 0 for shape in b.layout.shapes) else None for b in self.buckets]
 
@@ -250,10 +210,8 @@ class Stepping:
         return self.device.type == "cpu"
 
     def _used_anywhere(self) -> list[list[bool]]:
-        """Per bucket and parameter: is it stepped? Used by any rank since ``zero_grad``
-        (:meth:`_exchange_used_flags`, waited for here), or holding a zero gradient kept by
-        ``zero_grad(set_to_none=False)``. Only a rank that left a parameter unused reads
-        the exchanged flags (a host read)."""
+        """Per bucket and parameter: is it stepped (used by any rank since ``zero_grad``, or
+        a zero gradient kept by ``zero_grad(set_to_none=False)``)? Waits for the exchange."""
         flags, pending = self._used_flags
         if pending is not None:
             pending.wait()
@@ -271,10 +229,9 @@ class Stepping:
         self._last_used = out
         return out
 
-    # ----- the global norm ---------------------------------------------------------------
     def _global_sum_of_squares(self, grads: list[torch.Tensor], when: str) -> torch.Tensor:
-        """Sum of squares of the whole reduced gradient (still times the loss scale), fp32
-        scalar on the device: this rank's part, summed over the ranks holding other parts."""
+        """Sum of squares of the whole reduced gradient (still loss-scaled), an fp32 device scalar:
+        this rank's part, summed over the ranks holding other parts."""
         sq = optim.sum_of_squares(grads, self._norm_weights, self.device).to(self.device)
         with comm.unit("<model>", f"{when}: gradient norm"):
             if self.shards_grads_for_norm and self.world_size > 1:
@@ -284,13 +241,9 @@ class Stepping:
         return sq
 
     def _unscale_and_clip(self, grads: list[torch.Tensor]) -> tuple[float | torch.Tensor, torch.Tensor | None]:
-        """(factor to multiply the gradients by, whether the norm overflowed on any rank).
-
-        Without clipping or fp16: ``(1.0, None)``, nothing computed. Else the factor is a
-        float64 0-dim tensor on the device, ``1 / scale * min(1, max_grad_norm / (norm +
-        1e-6))`` (the clipping factor 1 on overflow), and the flag a bool 0-dim tensor there,
-        ``not isfinite(norm)``, the same on every rank (the norm is summed over them).
-        """
+        """(gradient factor, overflow flag): ``(1.0, None)`` without clipping or fp16; else a
+        float64 0-dim device tensor ``1 / scale * min(1, max_grad_norm / (norm + 1e-6))``
+        (torch's ``clip_grad_norm_``; 1 on overflow) and a bool one, ``not isfinite(norm)``."""
         if self.max_grad_norm is None and not self.scaler.enabled:
             return 1.0, None
         scale = self.scaler.scale_tensor
@@ -305,15 +258,13 @@ class Stepping:
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0) -> torch.Tensor:
-        """``torch.nn.utils.clip_grad_norm_`` on the engine's reduced gradient, between
-        backward and step: the global 2-norm over every trainable parameter (summed over
-        the ranks that hold different parts: a collective, call it on every rank), and the
-        gradient scaled in place by ``min(1, max_norm / (norm + 1e-6))``, as torch does.
-        ``max_grad_norm=`` of the engine does the same inside every step.
+        """``torch.nn.utils.clip_grad_norm_`` on the reduced gradient, between backward and step
+        (``max_grad_norm=`` does it in every step): the global 2-norm, a collective (call on every
+        rank), and the gradient scaled in place by torch's ``min(1, max_norm / (norm + 1e-6))``.
 
         Returns:
-            the norm before clipping, an fp32 scalar tensor (unscaled by fp16's loss scale;
-            inf or NaN when the gradient overflowed, and then nothing is scaled: the step skips).
+            the norm before clipping, an fp32 scalar tensor without fp16's loss scale (inf or
+            NaN on overflow, and then nothing is scaled: the step skips).
 
         Raises:
             ConfigError: ``norm_type`` other than 2, or ``max_norm`` not a finite number > 0.
@@ -331,14 +282,13 @@ class Stepping:
         grads = [g if g is not None else torch.zeros(0, device=self.device) for g in grads]
         sq = self._global_sum_of_squares(grads, "clip_grad_norm_")
         norm = sq.sqrt() / self.scaler.scale_tensor.to(sq.dtype)
-        # Decided on the device (no host read): a non-finite norm scales nothing (factor 1).
+        # On the device (no host read): a non-finite norm scales nothing (factor 1).
         coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
         coef = torch.where(torch.isfinite(norm), coef, torch.ones_like(coef))
         for g in grads:
             g.mul_(coef.to(g.dtype))
         return norm
 
-    # ----- publish -------------------------------------------------------------------------
     def _publish_all(self) -> None:
         """:meth:`_publish` every bucket, then wait for the all_gathers it launched."""
         for b in self.buckets:
@@ -352,12 +302,10 @@ class Stepping:
         self._publishing.clear()
         self._versions = self._full_versions()
 
-    # ----- the optimizer and the placement ---------------------------------------------------
     @property
     def optimizer(self) -> optim.GroupedOptimizer:
-        """torch's optimizer over the masters (:class:`optim.GroupedOptimizer`). Under DPU a
-        read waits for the host step in flight, so whoever reads its state (a checkpoint)
-        sees the finished update, never one half done."""
+        """torch's optimizer over the masters (:class:`optim.GroupedOptimizer`); under DPU a
+        read waits for the host step in flight, so its state is never half updated."""
         self._placement.wait()
         return self._optimizer
 
@@ -366,15 +314,14 @@ class Stepping:
         self._optimizer = value
 
     def finish_dpu(self) -> None:
-        """Wait for the DPU host step in flight and publish its update, so the working
-        parameters equal the masters (a collective at stages 1-2: call on every rank).
-        A no-op without DPU or with nothing in flight."""
+        """Wait for the DPU host step in flight and publish it, so the working parameters equal
+        the masters (a collective at stages 1-2: call on every rank); else a no-op."""
         if self._placement.delay is not None:
             self._placement.land(self, starts_step=False)
 
     def offload_stats(self) -> dict[str, float]:
         """Disk I/O of the last step (``offload="disk"``; zeros otherwise): ``bytes_read``,
-        ``bytes_written`` (bytes), ``io_seconds`` (s), ``read_bandwidth``,
-        ``write_bandwidth`` (bytes/s; 0.0 without I/O). Under DPU it waits for the step
-        in flight and also counts the masters read to publish the previous update."""
+        ``bytes_written`` (bytes), ``io_seconds`` (s), ``read_bandwidth``, ``write_bandwidth``
+        (bytes/s; 0.0 without I/O). Under DPU it waits for the step in flight and also counts the
+        masters read to publish the previous update."""
         return self._placement.stats()
