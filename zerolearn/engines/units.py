@@ -1,16 +1,4 @@
-"""ZeRO-3's units: which parameters are gathered together, and in what order.
-
-A unit is a module whose buckets ZeRO-3 gathers and frees together (paper Sec 5.3);
-:mod:`zerolearn.engines.zero3` says when. This file says which parameters belong to
-which unit (:func:`assign`), which units a prefetch gathers (:class:`Schedule`, in one
-fused all_gather when several: :class:`FusedGather`, CB of Sec 6.2), and how autograd's
-saved tensors find their unit (:class:`Saved`). It calls nothing of the engine's: the
-engine asks, and gathers. The checks that keep the model and the ranks to the units are
-in :mod:`zerolearn.engines.zero3_checks`; in debug mode (``ZEROLEARN_DEBUG_COLLECTIVES=1``)
-:class:`Schedule` also has the ranks agree on the units they run, one 8-byte all_gather
-per unit, outside the ledger. Without it nothing is exchanged and nothing read on the
-host, as torch's DDP checks only at ``TORCH_DISTRIBUTED_DEBUG=DETAIL``.
-"""
+"""ZeRO-3's units (paper Sec 5.3): what is gathered together, in what order; nothing here calls the engine."""
 
 from __future__ import annotations
 
@@ -28,37 +16,22 @@ CONTAINERS = (nn.ModuleList, nn.ModuleDict)  # modules with no forward: their ho
 
 
 def is_container(m: nn.Module) -> bool:
-    """``m`` is a ModuleList or ModuleDict with no forward of its own (a subclass that
-    defines one, as Switch Transformer's experts do, runs like any module)."""
+    """``m`` is a ModuleList or ModuleDict without a forward of its own."""
     return isinstance(m, CONTAINERS) and type(m).forward is nn.Module.forward
 
 
 class Unit:
-    """A module whose buckets are gathered and freed together.
-
-    Attributes:
-        index: position in the unit list (the root unit, the model, comes last).
-        name: the module's name in the model (``blocks.1``; ``<model>`` for the root).
-        buckets: its buckets, in backward order.
-        gathering: all_gathers in flight (started, not yet waited for).
-        gathered: every gather finished: the parameters hold their values. Setting it
-            swaps the class of the parameters :meth:`ShardedParameter.adopt` made sharded:
-            plain ``nn.Parameter`` while gathered (torch's ops on them pay no Python
-            check), :class:`ShardedParameter` while freed (every op checked).
-        ran: its forward has started in the current forward pass.
-        backward_gathered: its pre-backward gather already ran in this backward.
-        in_forward: the engine's forward runs (a read of a freed parameter then names the
-            unit's forward, :func:`refuse_read`).
-    """
+    """A module whose ``buckets`` (in backward order) are gathered and freed together; ``index``: its
+    position (the root unit, the model, last); ``name``: ``blocks.1``, or ``<model>`` for the root."""
 
     def __init__(self, index: int, name: str, module: nn.Module, buckets: list):
         self.index, self.name, self.module, self.buckets = index, name, module, buckets
-        self.gathering: list[comm.Handle] = []
+        self.gathering: list[comm.Handle] = []  # all_gathers in flight
         self._gathered = False
         self.sharded: list[nn.Parameter] = []  # parameters whose class follows `gathered` (adopt)
-        self.ran = False
-        self.backward_gathered = False
-        self.in_forward = False
+        self.ran = False  # its forward started in this forward pass
+        self.backward_gathered = False  # gathered in this backward
+        self.in_forward = False  # the engine's forward runs
 
     @property
     def gathered(self) -> bool:
@@ -67,8 +40,7 @@ class Unit:
     @gathered.setter
     def gathered(self, value: bool) -> None:
         value = bool(value)
-        if value != self._gathered:
-            # The guard's price paid once per gather and once per free, not per op.
+        if value != self._gathered:  # adopt's parameters swap class: once per gather and once per free
             cls = nn.Parameter if value else ShardedParameter  # zero3_checks: a read of it refuses
             for p in self.sharded:
                 p.__class__ = cls
@@ -84,18 +56,9 @@ class Unit:
 
 
 class FusedGather:
-    """One all_gather for the buckets of several units: a fused buffer (CB, Sec 6.2).
-
-    The buckets' shards are laid side by side in one send buffer, so a rank's pieces of
-    all of them travel in one collective; every rank's pieces land in one receive buffer,
-    (Nd, sum of shard sizes), and :meth:`wait` copies each bucket's column into its full
-    buffer (Nd shards, in rank order, as a bucket's own all_gather would leave them). The
-    bytes counted are those of one all_gather per bucket; the calls are one.
-
-    Args:
-        buckets: the buckets to gather, their ``full`` storage already allocated.
-        group: the data-parallel process group.
-    """
+    """One all_gather for the ``buckets`` (their ``full`` storage allocated) of several units over the
+    data-parallel ``group``, through a fused buffer (CB, Sec 6.2) of shape (Nd, sum of shard sizes);
+    :meth:`wait` copies each bucket's column into its full buffer. Bytes counted: one all_gather per bucket."""
 
     def __init__(self, buckets: list, group):
         self.buckets, self.ranks = buckets, torch.distributed.get_world_size(group)
@@ -122,9 +85,7 @@ PARAMETER_CONTAINERS = (nn.ParameterList, nn.ParameterDict)  # parameters a pare
 
 
 def default_units(model: nn.Module) -> list[nn.Module]:
-    """The model's children, a ModuleList's or ModuleDict's items in its place; a
-    ParameterList or ParameterDict child is no unit (it has no forward: the parent that
-    reads its parameters owns them, gathered with the root unit)."""
+    """The model's children, a ModuleList's or ModuleDict's items in its place, Parameter containers left out."""
     out = []
     for child in model.children():
         if isinstance(child, PARAMETER_CONTAINERS):
@@ -135,18 +96,13 @@ def default_units(model: nn.Module) -> list[nn.Module]:
 
 def assign(model: nn.Module, units: list[nn.Module] | None,
            trainable: list[tuple[str, nn.Parameter]]) -> tuple[list[nn.Module], list[list], dict[int, str]]:
-    """Which unit owns each trainable parameter.
-
-    Parameters outside every unit, parameters shared by several units (tied weights) and
-    a unit's parameter shared with a module outside every unit go to the root unit, the
-    model itself, gathered for the whole forward and backward.
+    """Which unit owns each trainable parameter (the root unit, the model, owns those outside every unit or shared).
 
     Returns:
-        ``(modules, per_unit, names)``: the units with the root appended; per unit its
-        ``(name, parameter)`` in registration order; module id -> name in the model.
+        ``(modules, per_unit, names)``: units, root last; per unit ``(name, parameter)``s; id -> module name.
 
     Raises:
-        ConfigError: ``units`` contains a ModuleList or ModuleDict (no forward of its own).
+        ConfigError: ``units`` contains a Module- or ParameterList or -Dict (no forward of its own).
     """
     names = {id(m): name or "<model>" for name, m in model.named_modules()}
     if units is None:
@@ -165,8 +121,7 @@ def assign(model: nn.Module, units: list[nn.Module] | None,
     for u, module in enumerate(units):
         for p in module.parameters():
             owner[id(p)] = root if owner.get(id(p), u) != u else u
-    # Shared with a module outside every unit (Qwen2's lm_head tied to a unit's embedding):
-    # used in the root's forward too, so the root's.
+    # Shared with a module outside every unit (Qwen2's lm_head tied to an embedding): the root's.
     prefixes = tuple(names[id(m)] + "." for m in units if id(m) in names and m is not model)
     for name, p in model.named_parameters(remove_duplicate=False):
         if id(p) in owner and not name.startswith(prefixes):
@@ -179,24 +134,18 @@ def assign(model: nn.Module, units: list[nn.Module] | None,
 
 
 def unit_hooks(units: list[Unit], pre_forward, post_forward) -> list:
-    """Each unit's forward pre-hook ``pre_forward(unit)`` and forward hook
-    ``post_forward(unit, output)``; their handles. The pre-hook is prepended: the unit is
-    gathered before any pre-hook of the user's runs (a hook-based ``weight_norm`` or
-    ``spectral_norm`` computes the weight from the unit's parameters), as FSDP2 does."""
+    """Handles of each unit's hooks ``pre_forward(unit)`` (first, as FSDP2's) and ``post_forward(unit, output)``."""
     return [h for unit in units for h in (
         unit.module.register_forward_pre_hook(lambda m, a, unit=unit: pre_forward(unit), prepend=True),
         unit.module.register_forward_hook(lambda m, a, out, unit=unit: post_forward(unit, out)))]
 
 
-
-# ----- backward: saved tensors of a unit come back gathered ------------------------------
+@dataclasses.dataclass(slots=True, eq=False)
 class Saved:
     """A tensor autograd saved from a unit's buffer, with the unit to gather first."""
 
-    __slots__ = ("tensor", "unit")
-
-    def __init__(self, tensor: torch.Tensor, unit: Unit):
-        self.tensor, self.unit = tensor, unit
+    tensor: torch.Tensor
+    unit: Unit
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -205,12 +154,10 @@ def storage_key(t: torch.Tensor) -> int:
 
 
 def own_copies(output, storage_unit: dict, unit: Unit):
-    """``output`` of ``unit``'s forward, each tensor that views a unit's buffer (a storage in
-    ``storage_unit``, as ``self.weight[:n]`` does) replaced by a copy, made before the unit
-    is freed (autograd still reaches the parameter through the copy).
+    """``output`` of ``unit``'s forward, each view of a unit's buffer (``self.weight[:n]``) replaced by a copy.
 
     Raises:
-        ConfigError: such a view inside a structure other than a tensor, list or tuple.
+        ConfigError: such a view inside anything but a tensor, list or tuple.
     """
     if not any(storage_key(t) in storage_unit for t in tensors_in(output)):
         return output
@@ -236,22 +183,12 @@ def tensors_in(output) -> list[torch.Tensor]:
     return []
 
 
-# ----- every rank does the same thing ----------------------------------------------------
 DEFAULT_PREFETCH_MB = 4.0  # one prefetch's most bytes of units smaller than that, gathered together
 
 
 def prefetch_bytes(prefetch_mb: float | None) -> int:
-    """Bytes of the option ``prefetch_mb`` (MiB): what one prefetch may gather at once, in
-    one fused all_gather when that is several units (:meth:`Schedule.window`; the engine
-    also caps it at a bucket). None: :data:`DEFAULT_PREFETCH_MB`; 0: one unit per
-    all_gather (the next unit is still gathered ahead). The paper has no units and no
-    prefetch: Sec 7.2.2 says stage 3's all-gather is pipelined across forward and
-    backward, and units with prefetch are how this package (like DeepSpeed and FSDP)
-    implements that pipelining.
-
-    The fused buffer is a constant-size buffer (CB, Sec 6.2): it and the units' own
-    buffers exist together while a fused gather lands, so the most memory it adds is
-    about twice ``prefetch_mb``.
+    """Bytes of ``prefetch_mb`` (MiB; None: :data:`DEFAULT_PREFETCH_MB`; 0: one unit per all_gather): one prefetch
+    (Sec 7.2.2's pipelining), fused in a CB (Sec 6.2) of at most a bucket, adding at most about twice that memory.
 
     Raises:
         ConfigError: ``prefetch_mb`` is not a finite number >= 0.
@@ -267,8 +204,7 @@ END = -1  # a forward's end, proposed like a unit: a rank that stops early is na
 
 @dataclasses.dataclass
 class Departure:
-    """Debug mode: this rank runs unit ``index`` (or :data:`END`) at ``position`` of the
-    forward, off the schedule, inside the units ``outer``."""
+    """Debug mode: this rank runs unit ``index`` (or :data:`END`) at ``position``, off the schedule, in ``outer``."""
 
     position: int
     index: int
@@ -277,42 +213,14 @@ ON_SCHEDULE = -1  # what a rank that ran the whole schedule says at the forward'
 
 
 class Schedule:
-    """Which units every rank runs in forward, agreed on with as few collectives as possible.
+    """Which units every rank runs in forward (``units``: in ``units=`` order, the model last if ``root``).
 
-    A rank on another code path (a branch taken on some ranks only) must be named
-    before anything pairs wrongly: gloo aborts the process when gathers of two sizes
-    meet, and units of one size would mix silently. Two modes:
-
-    Without debug mode nothing is exchanged: the first forward (and one with nested
-    units, or off the schedule) prefetches in ``units=`` order, later ones follow the
-    schedule, and a forward that leaves it goes on in ``units=`` order; every rank that
-    runs the same units issues the same gathers. In debug mode (:func:`guard.debug_enabled`):
-
-    * *lockstep* (the first forward, after a forward with nested units, every forward):
-      before each unit's forward the ranks exchange its index
-      (:func:`guard.propose`, 8 bytes that pair whatever they say) and check it, then
-      gather it and prefetch the unit after it in ``units=`` order; the forward's end
-      is proposed too (:data:`END`). A forward whose units never nested becomes the
-      *schedule*.
-    * *scheduled* (every later forward): each unit's forward runs without a check,
-      prefetching the unit the schedule has next, so every rank issues the same
-      gathers, whatever it runs. A rank that leaves the schedule (another unit, a unit
-      inside another, an early end) knows it: it first issues the gathers the others
-      still issue to the schedule's end (:meth:`replay`: the engine gathers and frees
-      them, ``Zero3Engine._depart``), then all ranks meet in one exchange at the end of forward. If
-      every rank left the schedule at the same point for the same unit, they go on in
-      lockstep; otherwise every rank raises with the message below, with every
-      collective paired (the process group stays usable).
-
-    One 8-byte exchange per forward in debug mode once scheduled, instead of one per unit.
-
-    Args:
-        units: the engine's units in ``units=`` order, the root (the model) last if it has
-            parameters (``root``).
+    A forward whose units never nested becomes the schedule, which the next ones prefetch from; the others
+    go in ``units=`` order (lockstep), as every forward in debug mode, where the ranks check each unit and
+    the end (:data:`END`) with :func:`guard.propose` (8 bytes); a rank off the schedule replays it.
 
     Raises:
-        ConfigError: ranks run different units at one position, or one rank ends its
-            forward while another runs a unit; each rank named with what it runs.
+        ConfigError: ranks about to run different units, or one ends its forward early; each rank named.
     """
 
     def __init__(self, units: list[Unit], root: bool, pg, device, window_bytes: int = 0):
@@ -342,9 +250,7 @@ class Schedule:
             unit.in_forward = False
 
     def enter(self, unit: Unit) -> list[Unit] | Departure:
-        """``unit``'s forward starts; returns the units to prefetch (:meth:`window`), or in
-        debug mode, when this rank leaves the schedule here, a :class:`Departure` for the
-        engine to replay (:meth:`replay`, then :meth:`departed`)."""
+        """``unit``'s forward starts: the units to prefetch (:meth:`window`), or a :class:`Departure` (debug)."""
         position, outer = len(self.ran), list(self.open)  # outer: units this one starts inside
         self.ran.append(unit.index)
         if unit.index != self.root:
@@ -367,9 +273,7 @@ class Schedule:
             self.open.remove(unit)
 
     def finish(self) -> Departure | None:
-        """The forward ended on this rank: in debug mode, check it with the others (a
-        :class:`Departure` if this rank ended off the schedule); a flat forward becomes the
-        schedule."""
+        """The forward ended here: checked in debug mode (:class:`Departure`); a flat one becomes the schedule."""
         position = len(self.ran)
         if self.checked and self.lockstep:
             self._agree(position, END)
@@ -386,13 +290,11 @@ class Schedule:
         self.trace = [*self.ran, END] if self.flat else None
 
     def replay(self, position: int) -> list[tuple[list[Unit], Unit]]:
-        """What a rank on the schedule gathers from ``position`` to the forward's end: per
-        unit, the window prefetched as it starts and the unit itself."""
+        """Per unit from ``position`` to the schedule's end: the window prefetched as it starts, and the unit."""
         return [(self._scheduled(k), self.by_index[self.trace[k]]) for k in range(position, len(self.trace) - 1)]
 
     def departed(self, d: Departure, unit: Unit | None) -> list[Unit]:
-        """After the engine replayed the schedule from where this rank left it: exchange where
-        each rank left, go on in lockstep, and return what to prefetch with ``unit``.
+        """After the replay: exchange where each rank left the schedule; what to prefetch with ``unit``.
 
         Raises:
             ConfigError: the ranks left the schedule at different points or for different units.
@@ -406,10 +308,8 @@ class Schedule:
             return []
         return self._after(unit)
 
-    # ----- inside -------------------------------------------------------------------------
     def window(self, units: list[Unit]) -> list[Unit]:
-        """The first of ``units`` and those after it while all together hold at most
-        ``window_bytes``: what one prefetch gathers, in one all_gather when more than one."""
+        """The first of ``units`` and those after it within ``window_bytes``: one prefetch, one all_gather."""
         out, size = [], 0
         for unit in units if self.prefetch else ():
             size += unit.nbytes
@@ -436,8 +336,7 @@ class Schedule:
             self._refuse([position << 20 | (i + 1) for i in said])
 
     def _refuse(self, said: list[int]) -> None:
-        """``said``: per rank, ``position << 20 | (unit index + 1)`` where it left the
-        schedule, or :data:`ON_SCHEDULE`."""
+        """``said``: per rank, ``position << 20 | (unit index + 1)``, or :data:`ON_SCHEDULE`."""
         first = min(v >> 20 for v in said if v != ON_SCHEDULE)
         runs = [(v & (1 << 20) - 1) - 1 if v != ON_SCHEDULE and v >> 20 == first else self.trace[first]
                 for v in said]

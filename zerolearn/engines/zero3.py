@@ -1,23 +1,7 @@
 """Stage 3, P_os+g+p: partition the parameters too (paper Sec 5.3, Sec 7.2.2).
 
-Between uses, a rank keeps only its 1/Nd shard of every parameter: (2 + 2 + K) Psi / Nd
-bytes of model states (Fig 1). The model is cut into *units* (a transformer block, the
-embedding, the head; :mod:`zerolearn.engines.units`); a unit's parameters are all-gathered
-just before its forward, freed right after, gathered again just before its backward and
-freed once its gradients are in. While one unit computes, the next one's all_gather is in
-flight (prefetch: in forward, next in the last forward, ``units.Schedule``); small units
-come several to one fused all_gather, up to ``prefetch_mb`` (CB, Sec 6.2). Live parameter
-memory: the shards, the unit computing, one prefetch. Traffic: Psi all-gathered in
-forward, Psi again in backward, Psi reduce-scattered: 3 Psi per step, 1.5x DP's (Sec 7.2.2).
-
-How a unit is freed matters: autograd saves the weights a layer needs for backward,
-and reassigning ``param.data`` would leave those holding the memory. Instead a bucket's
-buffer keeps its tensor object and its *storage* is resized to 0 bytes, then back and
-re-filled before backward reads it: the views autograd saved see the gathered values.
-
-Shared parameters (GPT-2's ``lm_head.weight is wte.weight``) go to the root unit, the model
-itself, gathered for all of forward and backward (as FSDP2 and DeepSpeed treat a tied weight).
-"""
+A unit is freed by resizing its buffer's *storage* to 0 bytes, not by reassigning ``param.data``: the
+weights autograd saved for backward are views of that storage, and see the values gathered again."""
 
 from __future__ import annotations
 
@@ -35,25 +19,17 @@ from zerolearn.engines.zeropp_units import ZeroPP
 
 
 class Zero3Engine(Engine):
-    """Stage 3 (P_os+g+p): sharded params, grads and optimizer states; per-unit gather.
+    """Stage 3 (P_os+g+p): sharded params, grads and optimizer states; a unit gathered for its forward and backward.
 
-    Memory per rank (bytes): (2 + 2 + K) Psi / Nd (+ padding) between units, plus the
-    unit computing and one prefetch: one unit, or small ones up to ``prefetch_mb`` MiB
-    (default 4; 0: always one) through a fused buffer (:func:`units.prefetch_bytes`).
-    Traffic per step: all_gather 2 Psi + reduce_scatter Psi elements.
-
-    Units (``units=``, default ``model.units()`` or the model's children, a ModuleList's
-    items in its place): a unit's parameters may be read only inside its own forward, and
-    every rank must run the same units in the same order.
-
-    Between steps a parameter holds no elements: a torch op reading it raises a ConfigError
-    naming :meth:`summon_full_params`, which gathers them all (:class:`zero3_checks.ShardedParameter`).
+    Memory per rank (bytes): (2 + 2 + K) Psi / Nd (+ padding; Fig 1), plus the unit computing and one
+    prefetch of up to ``prefetch_mb`` MiB in one fused all_gather (CB, Sec 6.2; :func:`units.prefetch_bytes`).
+    Traffic per step: all_gather 2 Psi + reduce_scatter Psi elements, 1.5x DP's (Sec 7.2.2). Units
+    (``units=``; :func:`units.assign`, shared parameters to the root unit as in FSDP2 and DeepSpeed) are read
+    only inside their own forward, in the same order on every rank; between steps, :meth:`summon_full_params`.
 
     Raises:
-        ConfigError: a bad ``prefetch_mb``; a unit in ``units=`` without a forward; a compiled
-            model; ``model.load_state_dict`` outside :meth:`summon_full_params`; the model read a
-            parameter outside its unit's forward; ranks are about to run, or compute gradients
-            for, different units (:mod:`zerolearn.engines.units`).
+        ConfigError: a bad ``prefetch_mb``, a unit without a forward, a compiled model, ``load_state_dict``
+            outside :meth:`summon_full_params`, a read outside a unit's forward, ranks at different units.
     """
 
     stage = 3
@@ -65,7 +41,6 @@ class Zero3Engine(Engine):
         C.refuse_compiled(model)
         super().__init__(model, **options)
 
-    # ----- what a rank keeps: shards; a unit's buckets never cross its boundary -------
     def _build_buckets(self, trainable, units) -> list[Bucket]:
         modules, per_unit, names = U.assign(self.model, units, trainable)
         self.units, buckets = [], []
@@ -101,7 +76,6 @@ class Zero3Engine(Engine):
         b.full.untyped_storage().resize_(0)
         C.ShardedParameter.adopt(b, self._unit_of[id(b)])  # a read while freed raises, never reads freed memory
 
-    # ----- gather and free a unit ----------------------------------------------------
     def _start_gather(self, units: list[U.Unit]) -> None:  # a unit, or a prefetch's window: fused
         if not units or units[0].gathered or units[0].gathering:
             return  # started earlier, with an earlier window
@@ -145,11 +119,8 @@ class Zero3Engine(Engine):
         i = self.units.index(unit)
         return self.schedule.window(self.units[i - 1::-1]) if i > 0 else []
 
-    # ----- forward: gather before a unit, free after, prefetch the next ---------------
     def forward(self, *args, **kwargs):
         self.schedule.start()  # also: no unit has run yet
-        # Debug mode: every op checked for a parameter read outside its unit (a freed parameter
-        # refuses any read anyway: zero3_checks.ShardedParameter); without it, no per-op Python.
         reads = C.ReadGuard(self._param_unit) if guard.debug_enabled() else contextlib.nullcontext()
         try:
             with reads, torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
@@ -172,16 +143,13 @@ class Zero3Engine(Engine):
         recompute = self.in_backward  # activation checkpointing recomputes inside backward
         unit.ran = unit.ran or not recompute
         with comm.unit(unit.name, "forward: gather"):
-            # Prefetch what the ranks' agreed schedule says comes next, the same on every rank
-            # (units.Schedule); a recomputation inside backward walks the units in reverse.
-            ahead = self._previous(unit) if recompute else self.schedule.enter(unit)
+            ahead = self._previous(unit) if recompute else self.schedule.enter(unit)  # recomputing: in reverse
             if isinstance(ahead, U.Departure):
                 ahead = self._depart(ahead, unit)
             self._gather(unit)  # this unit first: a prefetch launched before it would queue ahead of it
             self._start_gather(ahead)
 
-    def _depart(self, d: U.Departure, unit: U.Unit | None) -> list[U.Unit]:
-        # Debug mode, off the schedule: issue the others' gathers to its end (no compute), compare.
+    def _depart(self, d: U.Departure, unit: U.Unit | None) -> list[U.Unit]:  # replay the others' gathers
         for outer in d.outer:
             self._free_unit(outer)  # on the schedule, no unit is inside another: they were closed
         for window, scheduled in self.schedule.replay(d.position):
@@ -200,19 +168,14 @@ class Zero3Engine(Engine):
         output = U.own_copies(output, self._storage_unit, unit)  # a view of the buffer, copied before the free
         self.schedule.exit(unit)
         self._free_unit(unit)
-        if torch.is_grad_enabled():
-            # Runs when the outputs' gradient is ready, just before this unit's backward.
+        if torch.is_grad_enabled():  # the hooks run just before this unit's backward
             for t in U.tensors_in(output):
                 if t.requires_grad:
                     t.register_hook(lambda grad, unit=unit: self._pre_backward(unit))
         return output
 
-    # ----- backward: gather again, free once the gradients are in ---------------------
     def _before_backward(self, roots: list) -> None:
-        # A reached unit's parameter with no gradient here (an expert no token reached) counts as
-        # zeros: its bucket completes in its unit's backward on every rank and launches there
-        # (_may_launch, _launch_arrived), one order, no exchange (zero3_checks.Reached.count).
-        self.zeros_counted = 0  # parameters of reached units that get no gradient on this rank
+        self.zeros_counted = 0  # reached units' parameters with no gradient here (an idle expert): zeros
         if self.world_size > 1 and roots:
             self.zeros_counted = self._reached.count(roots, self.units, self.pg, self.device,
                                                      check=guard.debug_enabled())
@@ -238,8 +201,7 @@ class Zero3Engine(Engine):
     def _pack(self, t: torch.Tensor):
         return t if (unit := self._storage_unit.get(U.storage_key(t))) is None else U.Saved(t, unit)
 
-    def _unpack(self, saved):
-        # Whatever the unit's outputs were, a saved tensor of its buffer comes back gathered.
+    def _unpack(self, saved):  # a saved tensor of a unit's buffer comes back gathered, whatever its outputs
         if isinstance(saved, U.Saved):
             self._ensure_backward()  # loss.backward() reached a saved weight first
             if not saved.unit.gathered:
@@ -259,12 +221,10 @@ class Zero3Engine(Engine):
         super()._on_bucket_ready(b)
 
     def _may_launch(self, b: Bucket) -> bool:  # the root unit's buckets: reduced at backward's end
-        unit = self._unit_of[id(b)]
-        # A bucket complete before its unit's backward (zeros counted in) waits for it.
+        unit = self._unit_of[id(b)]  # a bucket complete before its unit's backward waits for it
         return b.complete and unit.module is not self.model and unit.backward_gathered
 
-    def _reduce(self, b: Bucket) -> comm.Handle:
-        # As ZeRO-2: reduce-scatter into the kept shard (or a temporary when accumulating).
+    def _reduce(self, b: Bucket) -> comm.Handle:  # as ZeRO-2: into the kept shard, or a temporary if accumulating
         out = self._new_grad(b.layout.shard_numel)
         if b.grad_shard is None:
             b.grad_shard = out
@@ -277,9 +237,6 @@ class Zero3Engine(Engine):
         if b.reduced is not None:
             b.grad_shard.add_(b.reduced)
             b.reduced = None
-
-    def _after_backward(self) -> None:  # units some of whose parameters got no gradient are still gathered
-        self._settle()
 
     def _abandon_backward(self, error: Exception) -> None:
         super()._abandon_backward(error)
@@ -297,8 +254,8 @@ class Zero3Engine(Engine):
                 self._gather(unit)
 
     _unsummon = _settle  # the end of summon_full_params: every unit freed
+    _after_backward = _settle  # units some of whose parameters got no gradient are still gathered
 
-    # ----- step: the updated shard is all a rank keeps -------------------------------
     def _grad_for_step(self, b: Bucket) -> torch.Tensor:
         return b.grad_shard
 

@@ -1,20 +1,4 @@
-"""ZeRO-3's checks: what keeps the model and the ranks to its units.
-
-A unit's parameters hold their values only while it is gathered (:mod:`zerolearn.engines.units`).
-Nothing here is needed for the arithmetic; each check names a mistake before it turns
-into garbage, a crash or a hang:
-
-* a parameter holds no elements while its unit is freed, and any torch op that reads it
-  then raises a ConfigError naming it, its unit and the fix (:class:`ShardedParameter`,
-  paid by two class swaps per gather); in debug mode every op of the forward is also
-  checked (:class:`ReadGuard`, a ``TorchFunctionMode``), which catches a parameter of a
-  user's own ``nn.Parameter`` subclass too;
-* ``model.load_state_dict`` outside ``summon_full_params`` and ``torch.compile`` are refused;
-* before a backward, the parameters it reaches (:func:`params_reached`, the graph walk of
-  DDP's ``find_unused_parameters``) decide which count as zeros (:class:`Reached`); in
-  debug mode the ranks also agree that they compute gradients for the same units
-  (:func:`agree_backward`, one 8-byte all_gather).
-"""
+"""ZeRO-3's checks: each names a misuse of the units before it turns into garbage, a crash or a hang."""
 
 from __future__ import annotations
 
@@ -27,9 +11,7 @@ from torch.overrides import TorchFunctionMode
 from zerolearn import comm, guard
 from zerolearn.errors import ConfigError
 
-# ----- forward: nothing reads an ungathered parameter -----------------------------------
-# Tensor methods and attributes that read no element (shape, dtype, hooks): allowed on
-# any parameter, gathered or not (Hugging Face reads self.dtype from a parameter).
+# Tensor methods and attributes that read no element: allowed on any parameter (Hugging Face reads self.dtype).
 _METADATA = frozenset({"__get__", "__set__", "size", "dim", "ndimension", "numel", "nelement", "__len__",
                        "stride", "storage_offset", "element_size", "is_floating_point", "is_complex",
                        "is_contiguous", "get_device", "data_ptr", "untyped_storage", "__hash__",
@@ -37,14 +19,10 @@ _METADATA = frozenset({"__get__", "__set__", "size", "dim", "ndimension", "numel
 
 
 class ReadGuard(TorchFunctionMode):
-    """During a ZeRO-3 forward, no torch op may read a parameter whose unit is not gathered.
-
-    Args:
-        param_unit: ``id(parameter) -> (name, Unit)`` for every sharded parameter.
+    """In a debug-mode forward, no op may read a parameter of an ungathered unit; ``param_unit``: id -> (name, Unit).
 
     Raises:
-        ConfigError: (from an op) naming the parameter, its unit, why it is not
-            gathered and the fix.
+        ConfigError: (from an op) naming the parameter, its unit, why it is not gathered and the fix.
     """
 
     def __init__(self, param_unit: dict[int, tuple]):
@@ -87,30 +65,19 @@ def refuse_read(name: str, unit) -> None:
 
 
 class ShardedParameter(nn.Parameter):
-    """A ZeRO-3 parameter: outside its unit's gather it holds no elements, only a shard.
+    """A ZeRO-3 parameter while its unit is freed (0 bytes of storage, which torch would read past: a
+    segfault); a plain ``nn.Parameter`` while gathered (``Unit.gathered`` swaps the class). Metadata and
+    ``repr`` stay readable; ``zero3``: ``(name, unit)``, set by the engine.
 
-    Between gathers a parameter's storage is resized to 0 bytes, and torch would read
-    past its end (a segfault) if asked for its values. The engine turns every sharded
-    parameter into this subclass of ``nn.Parameter`` (``isinstance(p, nn.Parameter)``
-    still holds) while its unit is freed, and back into a plain ``nn.Parameter`` while
-    the unit is gathered (``Unit.gathered`` swaps the class), so the guard costs two
-    class swaps per gather rather than a Python call per op. A torch op that reads one
-    while its unit is not gathered raises a ConfigError naming it and :meth:`Zero3Engine.summon_full_params
-    <zerolearn.engines.zero3.Zero3Engine.summon_full_params>`, the context in which every
-    parameter holds its full values (as FSDP's ``summon_full_params``). Metadata (shape,
-    dtype, ``.grad``, hooks) stays readable; ``repr`` says what the parameter holds.
-
-    Attributes:
-        zero3: ``(name, unit)`` of the parameter (set by the engine).
+    Raises:
+        ConfigError: a torch op reads it while its unit is not gathered (:func:`refuse_read`, :func:`refuse_outside`).
     """
 
     zero3: tuple
 
     @classmethod
     def adopt(cls, bucket, unit) -> None:
-        """Make ``bucket``'s plain ``nn.Parameter`` objects sharded parameters of ``unit``
-        (of this class while ``unit`` is not gathered; a subclass of the user's own keeps
-        its class and is not guarded)."""
+        """Make ``bucket``'s plain ``nn.Parameter`` objects sharded parameters of ``unit`` (a subclass: left alone)."""
         for name, p in zip(bucket.layout.names, bucket.params, strict=True):
             if type(p) is nn.Parameter:
                 p.zero3 = (name, unit)
@@ -122,8 +89,8 @@ class ShardedParameter(nn.Parameter):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = getattr(func, "__name__", None)
-        # Shapes, dtypes, hooks and .grad read no element; p.data hands out the storage itself.
-        if name not in _METADATA or (name == "__get__" and _descriptor(func) == "data"):
+        data = name == "__get__" and getattr(getattr(func, "__self__", None), "__name__", None) == "data"
+        if name not in _METADATA or data:  # p.data hands out the storage itself
             for p in _parameters_in(args, kwargs):
                 found = getattr(p, "zero3", None)
                 if found is not None and not found[1].gathered:
@@ -137,14 +104,8 @@ class ShardedParameter(nn.Parameter):
             return func(*args, **kwargs)
 
 
-def _descriptor(func) -> str | None:
-    """The attribute a property getter or setter belongs to (``data`` for ``p.data``)."""
-    return getattr(getattr(func, "__self__", None), "__name__", None)
-
-
 def refuse_outside(name: str, unit, op: str | None) -> None:
-    """Raise the ConfigError for an op that reads parameter ``name`` while ``unit`` is not
-    gathered, outside the engine's forward (inside it, :func:`refuse_read` speaks)."""
+    """Raise the ConfigError for op ``op`` reading parameter ``name`` of a freed ``unit`` outside a forward."""
     raise ConfigError(
         f"ZeRO-3: parameter {name} ({unit.describe()}) was read{f' by {op}' if op else ''} outside the engine's "
         "forward and backward, where this rank holds only its 1/Nd shard of it. To read or change parameters "
@@ -156,8 +117,7 @@ def refuse_outside(name: str, unit, op: str | None) -> None:
 
 
 def refuse_load_outside_summon(module: nn.Module, param_unit: dict[int, tuple]) -> None:
-    """``module.load_state_dict`` is about to copy into ``module``'s parameters: refused
-    while one of them holds only a shard (outside ``summon_full_params``).
+    """Refuse ``module.load_state_dict`` while a parameter of ``module`` holds only a shard.
 
     Raises:
         ConfigError: naming the parameter and ``engine.load_state_dict``.
@@ -174,9 +134,7 @@ def refuse_load_outside_summon(module: nn.Module, param_unit: dict[int, tuple]) 
 
 
 def guard_load_state_dict(model: nn.Module, param_unit: dict[int, tuple]) -> list:
-    """A load_state_dict pre-hook on every module holding a sharded parameter, refusing a
-    load outside ``summon_full_params`` (:func:`refuse_load_outside_summon`); their handles.
-    The hooks hold ``param_unit``, not the engine, so the model does not keep it alive."""
+    """Handles of load_state_dict pre-hooks (:func:`refuse_load_outside_summon`) that hold no engine."""
     return [m.register_load_state_dict_pre_hook(lambda module, *args: refuse_load_outside_summon(module, param_unit))
             for m in model.modules() if any(id(p) in param_unit for p in m._parameters.values() if p is not None)]
 
@@ -188,13 +146,7 @@ def refuse_compiling() -> None:
 
 
 def refuse_compiled(model: nn.Module | None) -> None:
-    """Refuse a ``torch.compile``'d model at ZeRO-3 (``model``: at wrap time; None: a
-    compiled graph is being traced through a unit's gather hook).
-
-    ZeRO-3 gathers a unit's parameters in hooks around its forward and gives autograd
-    gathered weights back through saved-tensor hooks; torch.compile traces the forward
-    into graphs that would capture those collectives and the freed (0-byte) storage, so
-    the compiled model would not gather what it reads.
+    """Refuse a ``torch.compile``'d ``model`` (None: one being traced), whose graphs skip the gathers in hooks.
 
     Raises:
         ConfigError: the model, or one of its modules, is compiled (or being compiled).
@@ -214,12 +166,7 @@ def refuse_compiled(model: nn.Module | None) -> None:
 
 
 def params_reached(loss, param_unit: dict[int, tuple]) -> set[int]:
-    """``id`` of every sharded parameter that gets a gradient from ``loss``.
-
-    Walks ``loss``'s autograd graph (as DDP's ``find_unused_parameters`` does): a
-    parameter gets a gradient when its accumulation node is reachable. ``loss`` may also
-    be a list of autograd nodes (a forward's outputs' ``grad_fn``) to walk from.
-    """
+    """``id`` of each sharded parameter ``loss``'s graph (or nodes) reaches, as DDP's ``find_unused_parameters``."""
     seen, stack, reached = set(), list(loss) if isinstance(loss, list) else [loss.grad_fn], set()
     while stack:
         fn = stack.pop()
@@ -233,9 +180,7 @@ def params_reached(loss, param_unit: dict[int, tuple]) -> set[int]:
     return reached
 
 
-def _executes(fn) -> bool:
-    """Inside a backward: whether it runs node ``fn`` (``backward(inputs=...)`` and
-    ``torch.autograd.grad`` leave out the parameters they were not asked for)."""
+def _executes(fn) -> bool:  # whether the running backward runs node fn (backward(inputs=...) may not)
     try:
         return torch._C._will_engine_execute_node(fn)
     except RuntimeError:  # outside a backward: every node of the graph runs
@@ -243,11 +188,7 @@ def _executes(fn) -> bool:
 
 
 class Reached:
-    """The parameters of the units (the root's left out), and which of them a backward reaches.
-
-    Args:
-        units: the units whose parameters are counted; param_unit: ``id(parameter) -> (name, Unit)``.
-    """
+    """The parameters of ``units`` (the root's left out) and which a backward reaches (``param_unit``: ReadGuard's)."""
 
     def __init__(self, units: list, param_unit: dict[int, tuple]):
         self.slots = [(b, i, unit.index) for unit in units for b in unit.buckets for i in range(len(b.params))]
@@ -255,11 +196,8 @@ class Reached:
         self.param_unit = param_unit
 
     def count(self, roots: list, units: list, pg, device, check: bool = False) -> int:
-        """Count each parameter of a unit this backward reaches that gets no gradient here as
-        arrived in its bucket (``ready``; its gradient is zeros), so the bucket completes in
-        its unit's backward on every rank, whichever ranks compute that parameter. Returns
-        how many were counted. ``check`` (debug mode): first agree with the other ranks that
-        every rank reaches the same units (:func:`agree_backward`).
+        """Count as arrived (``ready``, gradient zeros) each parameter of a reached unit that gets no gradient
+        here, so its bucket completes in its unit's backward on every rank; returns how many (``check``: debug).
 
         Raises:
             ConfigError: from :func:`agree_backward`.
@@ -268,25 +206,15 @@ class Reached:
         reached_units = sorted({self.slots[k][2] for k in mine})
         if check:
             agree_backward(reached_units, units, pg, device)
-        counted = 0
-        for k, (b, _, u) in enumerate(self.slots):
-            if k not in mine and u in reached_units:
-                b.ready += 1
-                counted += 1
-        return counted
+        missing = [b for k, (b, _, u) in enumerate(self.slots) if k not in mine and u in reached_units]
+        for b in missing:
+            b.ready += 1
+        return len(missing)
 
 
 def agree_backward(reached: list[int], units: list, pg, device) -> None:
-    """Debug mode: check, before backward, that every rank computes gradients for the same
-    units. A unit may call some of its sub-modules on some ranks only (an expert no token
-    reached here): that is allowed, its parameters count as zeros (:meth:`Reached.count`);
-    a unit whose gradients only some ranks compute would make the ranks gather different
-    units in backward. One 8-byte all_gather of a checksum; the lists are exchanged only
-    when they differ.
-
-    Args:
-        reached: indices of the units (the root left out) with a parameter that gets a
-            gradient on this rank.
+    """Debug mode, before backward: check with one 8-byte all_gather of a checksum that every rank computes
+    gradients for the same units (``reached``: indices of those, the root left out, with a gradient here).
 
     Raises:
         ConfigError: some units get gradients on some ranks only, each named with its ranks.
@@ -295,11 +223,8 @@ def agree_backward(reached: list[int], units: list, pg, device) -> None:
     if len(set(guard.propose(code, pg, device).result())) == 1:
         return
     everyone = comm.gather_objects(reached, group=pg)
-    if any(set(u) != set(everyone[0]) for u in everyone):
-        _refuse_backward(everyone, units, pg)
-
-
-def _refuse_backward(everyone: list[list[int]], units: list, pg) -> None:
+    if all(set(u) == set(everyone[0]) for u in everyone):
+        return
     ranks = guard.group_ranks(pg)
     by_index = {u.index: u for u in units}
     differ = sorted(set().union(*map(set, everyone)) - set.intersection(*map(set, everyone)))
@@ -315,8 +240,7 @@ def _refuse_backward(everyone: list[list[int]], units: list, pg) -> None:
 
 
 def refuse_view_output(unit, output) -> None:
-    """Raise the ConfigError for a unit whose forward returns, inside a ``type(output)``
-    other than a tensor, list or tuple, a view of its own parameters (freed once it returns)."""
+    """Raise the ConfigError for a view of ``unit``'s parameters returned inside a ``type(output)``."""
     raise ConfigError(
         f"ZeRO-3: {unit.describe()} returned a view of its own parameter inside a {type(output).__name__}; "
         "its parameters are freed when its forward returns, so the view would hold nothing. Return a copy "

@@ -1,30 +1,5 @@
-"""ZeRO++ on the ZeRO-3 engine: which collective gathers a unit's bucket and which one
-reduces its gradient (Wang et al., arXiv 2306.10209, Sec 3; the collectives themselves
-are in :mod:`zerolearn.zeropp`).
-
-:class:`ZeroPP` is the part of :class:`zerolearn.engines.zero3.Zero3Engine` that makes a
-bucket's two collectives, through two calls: ``gather(b, in_backward)`` for a bucket's
-all_gather and ``reduce_scatter(out, inp)`` for its gradient. With no option set they are
-the plain all_gather and reduce_scatter of Sec 5.3 and 7.2.2.
-
-* ``qwz_block`` (qwZ, Sec 3.1): every all_gather of working parameters is int8 block
-  quantized, ``qwz_block`` elements per scale. Backward's gather (where hpZ does not
-  replace it) is quantized too: quantization is deterministic, so backward computes
-  with exactly the weights forward used.
-* ``hpz`` (hpZ, Sec 3.2): when a forward gather (with autograd recording) finishes, the
-  rank keeps its secondary shard of the gathered buffer, 1/k of it, k = ``node_ranks``:
-  local rank j of a node keeps elements [j P / k, (j + 1) P / k) of a P-element bucket.
-  The node's k secondary shards together are the whole buffer, so backward's gather is
-  an all_gather of the secondary shards inside the node: no byte crosses a node. The
-  copies are the values forward used (dequantized ones under qwZ), so hpZ changes no
-  number. A secondary shard is dropped once its backward gather is launched (a later
-  gather of the same bucket, or one with none kept, falls back to the primary gather,
-  which gives the same values); memory: up to Psi / k working-precision elements per
-  rank between forward and backward (``peak_secondary_bytes``).
-* ``qgz`` (qgZ, Sec 3.3): the gradient reduce_scatter becomes
-  :func:`zerolearn.zeropp.reduce_scatter_quantized` (int4, intra-node hop then
-  inter-node hop), synchronous, with block size ``qwz_block`` or the default.
-"""
+"""ZeRO++ on ZeRO-3 (Wang et al., arXiv 2306.10209, Sec 3): which collective (:mod:`zerolearn.zeropp`)
+gathers a bucket and which reduces its gradient; with no option, the plain ones of Sec 5.3 and 7.2.2."""
 
 from __future__ import annotations
 
@@ -46,7 +21,7 @@ def refuse_options(stage: int, options: dict) -> None:
 
 
 class _KeepSecondary:
-    """A forward gather in flight; once it is done, the rank's secondary shard is copied."""
+    """A forward gather in flight; once done, the rank's secondary shard is kept."""
 
     def __init__(self, handle, owner: ZeroPP, b):
         self.handle, self.owner, self.b = handle, owner, b
@@ -63,18 +38,20 @@ class ZeroPP:
     """A ZeRO-3 engine's ZeRO++ options, checked, and the collectives they choose.
 
     Args:
-        node_ranks: k, ranks per node (consecutive global ranks; must divide the world
-            size); None: no nodes (then hpz and qgz are refused).
-        qwz_block: elements per int8 scale of the quantized weight gathers (qwZ); None: off.
-        hpz: keep secondary shards inside the node for backward's gathers (needs node_ranks).
-        qgz: int4 two-hop quantized gradient reduce_scatter (needs node_ranks).
-        group: the engine's process group (must be every rank when node_ranks is set).
+        node_ranks: k, consecutive global ranks per node, dividing the world size; None: no nodes.
+        qwz_block: qwZ (Sec 3.1): every weight all_gather (backward's too, unless hpZ's) int8 block quantized,
+            this many elements per scale; deterministic, so backward uses forward's weights. None: off.
+        hpz: hpZ (Sec 3.2): a forward gather (autograd recording) keeps local rank j's secondary shard,
+            elements [j P / k, (j + 1) P / k) of a P-element bucket, until its next gather; backward's
+            gathers them inside the node (no byte crosses a node; forward's values, dequantized under qwZ).
+            Memory: up to Psi / k working-precision elements per rank (``peak_secondary_bytes``).
+        qgz: qgZ (Sec 3.3): the gradient reduce_scatter in int4, intra- then inter-node hop, synchronous
+            (:func:`zerolearn.zeropp.reduce_scatter_quantized`, block ``qwz_block`` or the default).
+        group: the engine's process group (every rank when node_ranks is set).
 
     Raises:
-        ConfigError: a bad value (named, with what is allowed), hpz or qgz without
-            node_ranks, node_ranks not dividing the world size, a group of part of the
-            ranks. All checked here, before the engine builds anything; the node groups
-            are then made (:func:`zerolearn.zeropp.make_nodes`, every rank).
+        ConfigError: a bad value (named, with what is allowed), hpz or qgz without node_ranks, node_ranks
+            not dividing the world size, a group of part of the ranks; all before :func:`zeropp.make_nodes`.
     """
 
     def __init__(self, node_ranks: int | None = None, qwz_block: int | None = None, hpz: bool = False,
@@ -100,13 +77,13 @@ class ZeroPP:
         """Some option changes a collective."""
         return self.qwz_block is not None or self.hpz or self.qgz
 
-    # ----- gathers ----------------------------------------------------------------------
     def gather(self, b, in_backward: bool, group=None):
-        """Launch the all_gather of bucket ``b``'s working parameters into ``b.full``
-        (already sized) over ``group`` (default: the engine's; the same ranks in the same
-        order, :func:`zerolearn.comm.phase_group`); returns a handle with ``wait()``."""
+        """Launch the all_gather of bucket ``b``'s working parameters into ``b.full`` (already sized) over
+        ``group`` (default: the engine's, or its twin, :func:`zerolearn.comm.phase_group`); a handle with ``wait()``."""
         group = self.pg if group is None else group
-        secondary = self._drop(b)
+        secondary = self._secondary.pop(id(b), None)  # kept for this gather only
+        if secondary is not None:
+            self.secondary_bytes -= secondary.nbytes
         if in_backward and secondary is not None:
             if self.nodes.node_ranks == 1:
                 b.full.copy_(secondary)
@@ -127,17 +104,9 @@ class ZeroPP:
         self.secondary_bytes += piece * b.full.element_size()
         self.peak_secondary_bytes = max(self.peak_secondary_bytes, self.secondary_bytes)
 
-    def _drop(self, b) -> torch.Tensor | None:
-        secondary = self._secondary.pop(id(b), None)
-        if secondary is not None:
-            self.secondary_bytes -= secondary.nbytes
-        return secondary
-
-    # ----- gradients ----------------------------------------------------------------------
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor) -> comm.Handle:
-        """The sum over ranks of ``inp`` (a bucket's gradient, (padded_numel,), overwritten)
-        into this rank's chunk ``out``, (shard_numel,): the plain async reduce_scatter, or
-        with qgZ (``qgz=True``) the quantized two-hop all-to-all, done when it returns."""
+        """The sum over ranks of ``inp`` (a bucket's gradient, (padded_numel,), overwritten) into this rank's
+        chunk ``out``, (shard_numel,): async reduce_scatter, or under qgZ a two-hop all-to-all, done on return."""
         if not self.qgz:
             return comm.reduce_scatter(out, inp, group=self.pg, async_op=True, overwrite_input=True)
         zeropp.reduce_scatter_quantized(out, inp, self.nodes, bits=4,
