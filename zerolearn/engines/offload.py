@@ -1,56 +1,15 @@
 """Offload: the optimizer's step on the host (ZeRO-Offload) and its states on disk (ZeRO-Infinity).
 
-ZeRO-Offload (Ren et al., USENIX ATC 2021, arXiv 2101.06840) runs on top of ZeRO-2:
-the 2-byte working parameters stay on the device, where forward and backward run; the
-fp32 optimizer states (master and moments) and the fp32 gradients live in host memory,
-and the optimizer's step runs on the CPU. Its one-step delayed parameter update (DPU)
-overlaps the CPU step of step t with the forward and backward of step t + 1, which then
-use parameters one update stale. ZeRO-Infinity (Rajbhandari et al., SC'21, arXiv
-2104.07857) puts ZeRO-3's optimizer states (and parameters) on CPU memory and NVMe.
+ZeRO-Offload (Ren et al., USENIX ATC 2021, arXiv 2101.06840) runs on top of ZeRO-2: the 2-byte working parameters stay
+on the device, where forward and backward run; the fp32 master, moments and gradient shard live in host memory (pinned
+on CUDA), where torch's optimizer steps, and the stage's ``_publish`` copies the master back (synchronously). At stages
+2-3 each reduced gradient shard moves to the host as its reduction finishes; at stage 1 the full gradient stays on the
+device (P_os does not partition gradients). On a CPU-only run the offloaded tensors are still tensors of their own.
 
-An engine built with ``offload="cpu"`` (stages 1-3) keeps, on each rank:
-
-* on the device: the working parameters (full at stages 1-2, the shard at stage 3), the
-  gradient buckets while they are reduced, and at stage 1 the full gradient (P_os does
-  not partition gradients);
-* in host memory (pinned on CUDA): the fp32 master shard, the optimizer's moments, and
-  an fp32 buffer of the gradient shard the step uses. At stages 2-3 each reduced
-  gradient shard moves there as soon as its reduction finishes and the device copy is
-  dropped. The device-to-host gradient copies are ``non_blocking`` and synchronised
-  (the device's stream) before the host reads them; the host-to-device copy of the
-  updated master in ``_publish`` is synchronous, so the host may change or release the
-  master right after.
-
-torch's own optimizer steps the host master (:meth:`GroupedOptimizer.step_bucket`), and
-the stage's ``_publish`` copies the updated master back to the device's working
-parameters (the all_gather of stages 1-2, the shard's copy at stage 3). On a CPU-only
-run device and host are the same memory: the engine still keeps the offloaded tensors
-as host tensors of their own, apart from the working ones, and counts them as "host"
-(:meth:`zerolearn.engines.state.EngineStateMixin.model_state_bytes_by_location`).
-
-``offload="disk"`` does the same, and keeps each bucket's optimizer states (master and
-moments) in a file of its own (:class:`DiskSwapper`): read into host memory just before
-that bucket's step, written back right after and released, so at most one bucket's
-optimizer states are in host memory at once. At stage 3 the working parameter shards go
-to disk too (ZeRO-Infinity's parameter offload, Sec 5): a shard is read from its file
-just before its unit's all_gather (forward, backward, each prefetch), released once the
-gather has finished, and written back after the step updates it, so between uses a rank
-holds no parameter memory at all. File I/O only ever touches host memory: on CUDA a
-shard crosses between the device and its file through one reused, pinned host buffer
-(:class:`HostStaging`). The reads are synchronous, on the calling thread;
-ZeRO-Infinity prefetches parameters layer by layer under compute (its overlap-centric
-design), which this teaching engine does not.
-
-Where this differs from DeepSpeed's NVMe path: DeepSpeed also swaps the fp32 gradients
-to NVMe, and pipelines the optimizer states' swaps with the CPU's step; here, under
-``offload="disk"``, the fp32 gradient shard stays in host memory (4 Psi / Nd bytes
-per rank) and a bucket's states are read, stepped and written in turn,
-so that the bytes on disk are exactly the optimizer states (and the stage-3 shards).
-
-``dpu=True`` (with either offload) runs the host step of step t on a background thread
-(:class:`DelayedUpdate`) and publishes it at the start of step t + 1; the first step
-is synchronous: a warm-up, as in the paper (ZeRO-Offload turns DPU on only after the
-first steps, whose gradients change the parameters the most).
+``offload="disk"`` (ZeRO-Infinity, Rajbhandari et al., SC'21, arXiv 2104.07857) also keeps each bucket's optimizer
+states, and at stage 3 the working parameter shards (Sec 5), in files (:class:`DiskSwapper`). Unlike ZeRO-Infinity and
+DeepSpeed's NVMe path, reads are synchronous (no prefetch under compute) and not pipelined with the step, and the fp32
+gradient shard stays in host memory (4 Psi / Nd bytes per rank). ``dpu=True``: :class:`DelayedUpdate`.
 """
 
 from __future__ import annotations
@@ -78,16 +37,11 @@ OFFLOADS = ("cpu", "disk")
 
 
 def check_options(stage: int, offload: str | None, offload_dir: str | None, dpu: bool) -> None:
-    """Refuse bad offload options before any work or collective.
-
-    A given ``offload_dir`` is created if missing and probed with a real temporary file
-    (permission bits alone do not say whether the process may write there).
+    """Refuse bad offload options before any work or collective; create and probe ``offload_dir``.
 
     Raises:
-        ConfigError: ``offload`` not None, "cpu" or "disk"; offload at a stage other than
-            1-3 (stage 0 partitions nothing to offload); ``dpu`` not a bool, or True
-            without offload; ``offload_dir`` without ``offload="disk"``, or a folder
-            that cannot be created or written.
+        ConfigError: ``offload`` not None, "cpu" or "disk"; offload at a stage other than 1-3; ``dpu`` not a bool, or
+            True without offload; ``offload_dir`` without ``offload="disk"``, or not writable.
     """
     if offload is not None and (not isinstance(offload, str) or offload not in OFFLOADS):
         raise ConfigError(f"--offload {offload!r}: allowed are None (no offload), 'cpu', 'disk'")
@@ -106,7 +60,7 @@ def check_options(stage: int, offload: str | None, offload_dir: str | None, dpu:
 
 
 def check_writable_dir(path: str) -> None:
-    """Create folder ``path`` if missing and write a temporary file in it.
+    """Create folder ``path`` if missing and write a temporary file in it (permission bits alone do not tell).
 
     Raises:
         ConfigError: naming ``path`` and the reason, if either fails.
@@ -122,13 +76,6 @@ def check_writable_dir(path: str) -> None:
                           "process can create and write") from None
 
 
-def _host_copy(t: torch.Tensor, pin: bool) -> torch.Tensor:
-    """An fp32 host tensor with ``t``'s values (pinned when ``pin``, for async copies)."""
-    out = torch.empty(t.shape, dtype=torch.float32, pin_memory=pin)
-    out.copy_(t)
-    return out
-
-
 def _release(t: torch.Tensor) -> None:
     t.untyped_storage().resize_(0)
 
@@ -138,15 +85,8 @@ def _restore(t: torch.Tensor) -> None:
 
 
 def _bytes_view(t: torch.Tensor) -> memoryview:
-    """The bytes of host tensor ``t`` (contiguous) as a writable buffer for ``os.preadv``
-    and ``os.pwrite``. Through ctypes, not ``numpy()``: sharing a tensor with numpy
-    makes its storage non-resizable for good, and the swapper resizes it.
-
-    Raises:
-        ValueError: ``t`` is not in host memory (a CUDA tensor's address means nothing to
-            the operating system's file calls: ``OSError: Bad address`` at best), or not
-            contiguous.
-    """
+    """The bytes of contiguous host tensor ``t``, writable, for ``os.preadv`` and ``os.pwrite`` (ValueError
+    otherwise). Through ctypes: sharing with numpy would make the storage non-resizable for good."""
     if t.device.type != "cpu":
         raise ValueError(f"file I/O needs host memory; got a tensor on {t.device} (stage it through a host "
                          "buffer: DiskSwapper does)")
@@ -156,8 +96,7 @@ def _bytes_view(t: torch.Tensor) -> memoryview:
 
 
 def _pwrite_host(fd: int, t: torch.Tensor, offset: int) -> int:
-    """Write all the bytes of host tensor ``t`` to file ``fd`` at byte ``offset``; the bytes written.
-    With :func:`_preadv_host`, the only place file I/O meets tensor memory."""
+    """Write host tensor ``t`` to file ``fd`` at byte ``offset``; the bytes written."""
     view, done = _bytes_view(t), 0
     while done < len(view):
         done += os.pwrite(fd, view[done:], offset + done)
@@ -165,11 +104,7 @@ def _pwrite_host(fd: int, t: torch.Tensor, offset: int) -> int:
 
 
 def _preadv_host(fd: int, t: torch.Tensor, offset: int, name: str) -> int:
-    """Fill host tensor ``t`` from file ``fd`` (called ``name``) at byte ``offset``; the bytes read.
-
-    Raises:
-        OSError: the file ends before ``t`` is full.
-    """
+    """Fill host tensor ``t`` from file ``fd`` at byte ``offset``; the bytes read (OSError if the file ends first)."""
     view, done = _bytes_view(t), 0
     while done < len(view):
         got = os.preadv(fd, [view[done:]], offset + done)
@@ -180,26 +115,17 @@ def _preadv_host(fd: int, t: torch.Tensor, offset: int, name: str) -> int:
 
 
 STAGING_MB = 32.0
-"""Size cap of the host buffer through which device tensors cross to and from files (MiB):
-a larger tensor crosses in pieces of this size."""
+"""Size cap (MiB) of the host buffer through which device tensors cross to and from files."""
 
 
 def _needs_staging(t: torch.Tensor) -> bool:
-    """Whether ``t``'s memory is not the host's (a CUDA tensor), so file I/O must go through a host buffer."""
+    """Whether ``t`` is not in host memory (a CUDA tensor), so file I/O must go through a host buffer."""
     return t.device.type != "cpu"
 
 
 class HostStaging:
-    """One host buffer, reused, through which device tensors cross to and from files.
-
-    Pinned when CUDA is present, so the device's copies into and out of it run at full
-    speed; at most ``cap_bytes`` (a larger tensor crosses in pieces), allocated on first
-    use and grown up to the cap as larger tensors come. Every copy through it is
-    synchronous (``copy_`` without ``non_blocking``), so the buffer may be reused as soon
-    as a copy returns.
-
-    Args:
-        cap_bytes: the buffer's largest size in bytes, >= 1.
+    """One reused host buffer (pinned with CUDA) through which device tensors cross to and from files, grown on use up
+    to ``cap_bytes`` bytes (a larger tensor crosses in pieces). Copies are synchronous.
 
     Raises:
         ConfigError: ``cap_bytes`` not an integer >= 1.
@@ -221,8 +147,7 @@ class HostStaging:
         return self.buffer[:n]
 
     def write(self, fd: int, t: torch.Tensor, offset: int) -> int:
-        """Write device tensor ``t`` (contiguous) to file ``fd`` at ``offset``, piece by piece
-        through the buffer; the bytes written."""
+        """Write contiguous device tensor ``t`` to file ``fd`` at byte ``offset``; the bytes written."""
         flat, done = t.reshape(-1).view(torch.uint8), 0
         while done < flat.numel():
             piece = self.take(flat.numel() - done)
@@ -231,8 +156,7 @@ class HostStaging:
         return done
 
     def read(self, fd: int, t: torch.Tensor, offset: int, name: str) -> int:
-        """Fill device tensor ``t`` (contiguous) from file ``fd`` at ``offset``, piece by piece
-        through the buffer; the bytes read.
+        """Fill contiguous device tensor ``t`` from file ``fd`` at byte ``offset``; the bytes read.
 
         Raises:
             OSError: the file ends before ``t`` is full.
@@ -251,25 +175,11 @@ class HostStaging:
 
 
 class DiskSwapper:
-    """Each bucket's optimizer states in a file of their own, read and written for real.
-
-    File ``i`` holds bucket ``i``'s tensors back to back (the fp32 master, then the
-    optimizer's per-element states in key order; only the master before the first step,
-    whose moments torch creates; at stage 3 also the working parameter shards, in a
-    swapper of their own), written with ``os.pwrite`` and read with ``os.preadv``. Host
-    tensors are read and written in place; device tensors (CUDA) cross through one
-    reused, pinned host buffer (:class:`HostStaging`), so file I/O only ever sees host
-    memory. Between reads a tensor's storage is resized to 0 bytes (as ZeRO-3 frees a
-    gathered unit): the tensor object, which the optimizer holds, stays. Bytes and
-    seconds are counted; the files go through the operating system's page cache, so the
-    bandwidth measured is that of the file path, not necessarily the device's.
-
-    Args:
-        directory: where the files go (a private sub-folder is made in it); None: a new
-            temporary folder. Either way the sub-folder is removed by :meth:`close` or
-            when the swapper is garbage-collected.
-        rank: the rank, for the sub-folder's name.
-        what: what the files hold, for the sub-folder's name ("states", "params").
+    """Each bucket's tensors, back to back, in a file of their own (device tensors through :class:`HostStaging`): the
+    fp32 master, then the per-element optimizer states in key order, or stage 3's parameter shards. Between reads a
+    tensor's storage is 0 bytes. The files, in a sub-folder ``zerolearn-offload-{what}-rank{rank}-*`` of ``directory``
+    (None: a temporary folder) that :meth:`close` or garbage collection removes, go through the page cache: the
+    bandwidth counted is the file path's.
     """
 
     def __init__(self, directory: str | None, rank: int, what: str = "states"):
@@ -280,7 +190,7 @@ class DiskSwapper:
         self._close = weakref.finalize(self, _remove, self.fds, self.dir)
 
     def reset_stats(self) -> None:
-        """Start counting bytes and seconds afresh (the engine does so at every step)."""
+        """Start counting bytes and seconds afresh."""
         self.bytes_read = self.bytes_written = 0
         self.read_s = self.write_s = 0.0
 
@@ -293,32 +203,25 @@ class DiskSwapper:
         return os.path.join(self.dir, f"bucket{i:05d}.bin")
 
     def load(self, i: int, tensors: list[torch.Tensor]) -> None:
-        """Give ``tensors`` (contiguous; host, or a device's through the staging buffer) their
-        storage back and read file ``i`` into them.
+        """Give contiguous ``tensors`` their storage back and read file ``i`` into them.
 
         Raises:
-            OSError: the file is shorter than the tensors (it was truncated behind our back).
+            OSError: the file is shorter than the tensors.
         """
         fd, offset, t0 = self._fd(i), 0, time.perf_counter()
         for t in tensors:
             _restore(t)
-            if _needs_staging(t):
-                offset += self.staging.read(fd, t, offset, self._name(i))
-            else:
-                offset += _preadv_host(fd, t, offset, self._name(i))
+            read = self.staging.read if _needs_staging(t) else _preadv_host
+            offset += read(fd, t, offset, self._name(i))
         self.bytes_read += offset
         self.read_s += time.perf_counter() - t0
 
     def store(self, i: int, tensors: list[torch.Tensor], release: bool = True) -> None:
-        """Write ``tensors`` (contiguous; host, or a device's through the staging buffer) back
-        to back into file ``i`` (its length: their bytes), then release their storage
-        (``release``)."""
+        """Write contiguous ``tensors`` back to back as file ``i``, then (``release``) free their storage."""
         fd, offset, t0 = self._fd(i), 0, time.perf_counter()
         for t in tensors:
-            if _needs_staging(t):
-                offset += self.staging.write(fd, t, offset)
-            else:
-                offset += _pwrite_host(fd, t, offset)
+            write = self.staging.write if _needs_staging(t) else _pwrite_host
+            offset += write(fd, t, offset)
         os.ftruncate(fd, offset)
         self.bytes_written += offset
         self.write_s += time.perf_counter() - t0
@@ -327,12 +230,12 @@ class DiskSwapper:
                 _release(t)
 
     def file_bytes(self) -> int:
-        """Bytes in the files now (their sizes on disk, as ``os.fstat`` says)."""
+        """Bytes in the files now (``os.fstat``)."""
         return sum(os.fstat(fd).st_size for fd in self.fds.values())
 
     def stats(self) -> dict[str, float]:
-        """``{"bytes_read", "bytes_written", "io_seconds", "read_bandwidth", "write_bandwidth"}``:
-        bytes, seconds and bytes/s since :meth:`reset_stats` (bandwidth 0.0 when no I/O)."""
+        """``{"bytes_read", "bytes_written", "io_seconds", "read_bandwidth", "write_bandwidth"}``: bytes, seconds and
+        bytes/s since :meth:`reset_stats` (bandwidth 0.0 when no I/O)."""
         return {"bytes_read": self.bytes_read, "bytes_written": self.bytes_written,
                 "io_seconds": self.read_s + self.write_s,
                 "read_bandwidth": self.bytes_read / self.read_s if self.read_s > 0 else 0.0,
@@ -353,12 +256,10 @@ def _remove(fds: dict[int, int], directory: str) -> None:
 
 
 class DelayedUpdate:
-    """DPU: one background thread that runs the host step of one engine step at a time.
-
-    ``done[i]`` is set once bucket ``i``'s update of the step in flight is over: the next
-    backward may then write bucket ``i``'s new gradient into the host buffer the update
-    read. ``unpublished``: an update finished (or in flight) that the working parameters
-    do not show yet. ``warm``: a synchronous step has run (the first one always is).
+    """DPU (one-step delayed parameter update): a thread runs the host step of step t under the forward and backward of
+    step t + 1 (which use parameters one update stale) and it is published at the start of step t + 1. The first step is
+    synchronous, a warm-up as in arXiv 2101.06840. ``done[i]``: bucket ``i``'s update in flight is over (its host
+    gradient may be overwritten); ``unpublished``: not yet in the working parameters; ``warm``: the first step ran.
     """
 
     def __init__(self, buckets: int):
@@ -402,21 +303,14 @@ class DelayedUpdate:
 
 
 class Offload:
-    """The offloaded state of one engine: host masters and gradients, disk files, DPU.
-
-    Built by :class:`zerolearn.engines.base.Engine` after the stage's ``_init_bucket``
-    and before the optimizer: each ``b.master`` (the stage made it a tensor of its own,
-    ``engine.separate_master``) is replaced by an fp32 host copy.
+    """The offloaded state of one engine, its placement (:class:`zerolearn.engines.step.OnDevice` without offload): each
+    ``b.master`` (``engine.separate_master``) becomes an fp32 host copy, before the optimizer.
 
     Attributes:
         kind: "cpu" or "disk".
         grads: per bucket, the fp32 host gradient shard, (``b.master.numel()``,).
         swapper: the :class:`DiskSwapper` ("disk"), else None.
         delay: the :class:`DelayedUpdate` (``dpu=True``), else None.
-
-    The engine calls it as its placement, as it calls :class:`zerolearn.engines.step.OnDevice`
-    without offload: ``land``, ``grads_for_step``, ``step``, ``take_grad``, ``shard_in``,
-    ``shard_out``, ``publishing``, ``zero_grad``, ``wait``, ``stats``, ``close``.
     """
 
     decides_on_host = True  # the host steps: an overflow flag is read before the step's work
@@ -425,14 +319,15 @@ class Offload:
         self.kind, self.pin = kind, engine.device.type == "cuda"
         self.index = {id(b): i for i, b in enumerate(engine.buckets)}
         with category("optimizer_states"), location("host"):
-            for b in engine.buckets:
-                b.master = nn.Parameter(_host_copy(b.master.detach(), self.pin))
+            for b in engine.buckets:  # pinned on CUDA, for async copies
+                master = torch.empty(b.master.shape, dtype=torch.float32, pin_memory=self.pin)
+                master.copy_(b.master.detach())
+                b.master = nn.Parameter(master)
         with category("grads"), location("host"):
             self.grads = [torch.zeros(b.master.numel(), dtype=torch.float32, pin_memory=self.pin)
                           for b in engine.buckets]
         self.has = [False] * len(engine.buckets)  # grads[i] holds this step's gradient (or part of it)
         self.swapper = DiskSwapper(directory, engine.rank) if kind == "disk" else None
-        # Stage 3 on disk: the working parameter shards in files of their own (ZeRO-Infinity).
         self.shards = DiskSwapper(directory, engine.rank, "params") if kind == "disk" and engine.stage == 3 else None
         self.resident_depth = 0  # open resident() blocks
         self.delay = DelayedUpdate(len(engine.buckets)) if dpu else None
@@ -444,11 +339,9 @@ class Offload:
                 self.shards.store(i, [b.shard])
             self.shards.reset_stats()  # the I/O of training steps is what stats() counts
 
-    # ----- the states of a bucket ---------------------------------------------------------
     @staticmethod
     def states(opt: optim.GroupedOptimizer, i: int, b) -> list[torch.Tensor]:
-        """Bucket ``i``'s optimizer states on the host: the master, then the per-element
-        state tensors in key order (Adam: ``exp_avg``, ``exp_avg_sq``)."""
+        """Bucket ``i``'s host optimizer states: the master, then the per-element states in key order."""
         st = opt.optimizers[i].state.get(b.master, {})
         return [b.master, *[st[k] for k in sorted(st) if torch.is_tensor(st[k]) and st[k].dim() > 0]]
 
@@ -459,62 +352,47 @@ class Offload:
                 "optimizer_states": [t for i, b in enumerate(engine.buckets) for t in self.states(opt, i, b)]}
 
     def disk_bytes(self) -> dict[str, int]:
-        """Bytes of the files by category: ``{"params", "grads", "optimizer_states"}`` (0
-        without disk offload; parameters only at stage 3)."""
+        """Bytes of the files by category: ``{"params", "grads", "optimizer_states"}`` (0 where none)."""
         return {"params": self.shards.file_bytes() if self.shards is not None else 0, "grads": 0,
                 "optimizer_states": self.swapper.file_bytes() if self.swapper is not None else 0}
 
     @contextlib.contextmanager
     def resident(self, engine):
-        """Every bucket's optimizer states in host memory for the block (disk: read all,
-        then written back and released), and at stage 3 on disk the working parameter
-        shards too; waits for a DPU step in flight first. Blocks
-        may nest (a checkpoint's save inside the training loop's): the outermost one
-        reads and writes."""
+        """Every bucket's optimizer states (and stage 3's parameter shards) in host memory for the block, after any
+        DPU step in flight. Blocks may nest: the outermost one reads and writes."""
         self.wait()
-        if self.swapper is None or self.resident_depth:
-            self.resident_depth += 1
-            try:
-                yield
-            finally:
-                self.resident_depth -= 1
-            return
-        self.resident_depth = 1
-        opt = engine._optimizer
-        for i, b in enumerate(engine.buckets):
-            self.swapper.load(i, self.states(opt, i, b))
-            if self.shards is not None:
-                self.shards.load(i, [b.shard])
+        outer = self.swapper is not None and not self.resident_depth
+        self.resident_depth += 1
+        if outer:
+            opt = engine._optimizer
+            for i, b in enumerate(engine.buckets):
+                self.swapper.load(i, self.states(opt, i, b))
+                if self.shards is not None:
+                    self.shards.load(i, [b.shard])
         try:
             yield
         finally:
-            self.resident_depth = 0
-            for i, b in enumerate(engine.buckets):  # the states after the block (a load may replace them)
-                self.swapper.store(i, self.states(opt, i, b))
-                if self.shards is not None:
-                    self.shards.store(i, [b.shard])
+            self.resident_depth -= 1
+            if outer:
+                for i, b in enumerate(engine.buckets):  # the states after the block (a load may replace them)
+                    self.swapper.store(i, self.states(opt, i, b))
+                    if self.shards is not None:
+                        self.shards.store(i, [b.shard])
 
-    # ----- backward: each reduced shard to the host -----------------------------------------
     def take_grad(self, engine, b) -> None:
-        """Bucket ``b``'s reduction finished: its gradient shard into the host's fp32 buffer.
-
-        At stages 2-3 the stage keeps the shard only for the step (``b.grad_shard``): it
-        is moved, the device copy dropped, and a later reducing backward before the step
-        (accumulation) adds to the host buffer in fp32. At stage 1 the stage keeps the
-        full gradient and accumulates in it: the shard is copied, replacing the buffer.
-        """
+        """Bucket ``b``'s gradient shard into its host fp32 buffer: moved at stages 2-3 (a later backward adds to
+        it), copied over it at stage 1 (the stage accumulates in its full gradient)."""
         grad = engine._grad_for_step(b)
         if grad is None:
             return
         i = self.index[id(b)]
         if self.delay is not None:
             self.delay.wait_bucket(i)  # the update in flight has read grads[i]
-        host = self.grads[i]
         moved = grad is b.grad_shard
         if moved and self.has[i]:
-            host.add_(grad.to("cpu", torch.float32))
+            self.grads[i].add_(grad.to("cpu", torch.float32))
         else:
-            host.copy_(grad, non_blocking=self.pin)
+            self.grads[i].copy_(grad, non_blocking=self.pin)
         if moved:
             b.grad_shard = None
         self.has[i] = True
@@ -525,10 +403,8 @@ class Offload:
             self.shards.reset_stats()  # the parameter shards' I/O is counted per iteration
 
     def loaded(self, engine) -> None:
-        """A checkpoint was loaded (inside :meth:`resident`): the loaded state is published
-        already, and the optimizer's state tensors become the swapper's own (torch's
-        ``load_state_dict`` may keep the caller's tensors, whose storage a disk swap
-        releases)."""
+        """A checkpoint was loaded (and published) inside :meth:`resident`: the state tensors become copies of their
+        own (torch may keep the caller's, which a disk swap releases)."""
         if self.delay is not None:
             self.delay.unpublished = False
         if self.swapper is not None:
@@ -538,10 +414,8 @@ class Offload:
                         if torch.is_tensor(v) and v.dim() > 0:
                             st[k] = v.clone()
 
-    # ----- stage 3 on disk: the working parameter shards ------------------------------------
     def shard_in(self, b) -> None:
-        """Before an all_gather reads ``b.shard``: read it from its file (stage 3 on disk;
-        nothing when it is in memory already or parameters are not on disk)."""
+        """Before an all_gather reads ``b.shard``: read it from its file if it is on disk and released."""
         if self.shards is not None and b.shard.untyped_storage().nbytes() == 0:
             self.shards.load(self.index[id(b)], [b.shard])
 
@@ -552,9 +426,7 @@ class Offload:
 
     @contextlib.contextmanager
     def publishing(self, b):
-        """Around the stage's ``_publish(b)``: at stage 3 on disk the shard gets its memory
-        back (not read: the publish overwrites all of it), then is written to its file and
-        released."""
+        """Around ``_publish(b)`` at stage 3 on disk: the shard's memory back (unread), then stored and released."""
         if self.shards is None or self.resident_depth:  # inside resident(): written at its end
             yield
             return
@@ -562,10 +434,8 @@ class Offload:
         yield
         self.shards.store(self.index[id(b)], [b.shard])
 
-    # ----- step ---------------------------------------------------------------------------
     def land(self, engine, starts_step: bool = True) -> None:
-        """Before a step (``starts_step``: the I/O counts start afresh) or on demand: the
-        DPU update in flight finishes and is published (a collective at stages 1-2)."""
+        """Finish and publish the DPU update in flight (a collective at stages 1-2); ``starts_step``: reset I/O."""
         if self.swapper is not None and starts_step:
             self.swapper.reset_stats()
         if self.delay is None:
@@ -605,10 +475,8 @@ class Offload:
         b.master.grad = None
 
     def step(self, engine, grads: list[torch.Tensor], used: list[list[bool]], coef: float, found_inf=None) -> None:
-        """The host step of every bucket from ``grads`` (:meth:`grads_for_step`), then
-        publish; under DPU (after the first step) launched on the background thread and
-        published by the next :meth:`land`. ``found_inf`` is None: the host decided the
-        step already (:attr:`decides_on_host`)."""
+        """The host step of every bucket from ``grads``, then publish (under DPU after the first step: on the thread,
+        published by the next :meth:`land`). ``found_inf`` is None (:attr:`decides_on_host`)."""
         opt = engine._optimizer
         parts = [optim.parts_to_step(opt, i, b, used[i]) for i, b in enumerate(engine.buckets)]
         if self.delay is not None and self.delay.warm:
@@ -641,10 +509,8 @@ class Offload:
             self.delay.wait()
 
     def stats(self) -> dict[str, float]:
-        """:meth:`DiskSwapper.stats` of the optimizer states since the last step began
-        (zeros without disk), and at stage 3 on disk the parameter shards' I/O since the
-        last ``zero_grad``, under ``param_`` keys: one iteration's forward and backward
-        reads and the step's writes, when read right after the step."""
+        """:meth:`DiskSwapper.stats` of the states since the step began (zeros without disk), and under ``param_`` keys
+        of the stage-3 parameter shards since ``zero_grad``."""
         self.wait()
         zero = {"bytes_read": 0, "bytes_written": 0, "io_seconds": 0.0, "read_bandwidth": 0.0,
                 "write_bandwidth": 0.0}

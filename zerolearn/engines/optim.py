@@ -1,14 +1,13 @@
 """What an engine's step needs besides collectives: the optimizer, clipping, bytes held.
 
-The optimizer is torch's own, over the flat fp32 masters (one tensor per bucket:
-the whole buffer at stage 0, this rank's shard at stages 1-3), one torch optimizer
-per master (:class:`GroupedOptimizer`). Adam and SGD are element-wise, so stepping
-flat shards gives the same numbers as stepping the original tensors; that is what
-lets ZeRO shard them freely (Sec 5.1).
+torch's own optimizer, one per flat fp32 master (:class:`GroupedOptimizer`; a master per bucket: the whole buffer at
+stage 0, this rank's shard at stages 1-3). Adam and SGD are element-wise, so stepping flat shards gives the numbers of
+stepping the original tensors: what lets ZeRO shard them freely (Sec 5.1).
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator, Mapping
 
 import torch
@@ -17,10 +16,8 @@ from torch import nn
 from zerolearn.errors import ConfigError, require_choice, require_real
 
 OPTIMIZERS = ("adam", "adamw", "sgd")
-# Elements of a master stepped at once on the CPU (512 KiB of fp32). torch's optimizer
-# on a master of millions of elements runs each of its ~10 element-wise ops over all of
-# it, streaming the master, its gradient and its moments through memory ~10 times;
-# chunk by chunk they stay in the cache: Adam on 7.3M elements, one thread, 36 -> 19 ms.
+# Elements of a master stepped at once on the CPU (512 KiB of fp32): chunk by chunk the master, its gradient and
+# moments stay in the cache through torch's ~10 element-wise ops (Adam on 7.3M elements, one thread: 36 -> 19 ms).
 CPU_CHUNK = 1 << 17
 
 
@@ -38,8 +35,7 @@ def check_options(optimizer: str, lr: float, bucket_mb: float | None, max_grad_n
         require_real("--max-grad-norm", max_grad_norm)
 
 
-# torch's options the engine passes on, per optimizer; each is element-wise, so a master
-# stepped in chunks or per parameter range is stepped exactly as torch steps the parameter.
+# torch's options the engine passes on, per optimizer: element-wise, so exact in chunks or per parameter range.
 OPTIONS = {"sgd": ("nesterov", "maximize"), "adam": ("eps", "amsgrad", "maximize"),
            "adamw": ("eps", "amsgrad", "maximize")}
 # What the engine decides itself (how the step runs), or cannot make exact.
@@ -48,9 +44,8 @@ _REFUSED = {
                  "the engine creates that buffer itself where it steps a master in chunks or a parameter that sat "
                  "out a step, where a dampened first update would differ; dampening=0 only",
     "differentiable": "differentiable=True: the engine's step runs under no_grad on flat masters",
-    "foreach": "foreach=: the engine chooses how its masters are stepped (fused on CUDA)",
-    "fused": "fused=: the engine chooses how its masters are stepped (fused on CUDA)",
-    "capturable": "capturable=: the engine chooses how its masters are stepped (fused on CUDA)",
+    **{k: f"{k}=: the engine chooses how its masters are stepped (fused on CUDA)"
+       for k in ("foreach", "fused", "capturable")},
 }
 
 
@@ -58,9 +53,8 @@ def check_optimizer_kwargs(name: str, kwargs: dict) -> None:
     """Refuse, by name, an option of torch's optimizer the engine cannot make exact.
 
     Raises:
-        ConfigError: an option not in :data:`OPTIONS` for ``name`` (listing those allowed),
-            or one of the refused ones (``dampening`` other than 0, ``differentiable``,
-            ``foreach``, ``fused``, ``capturable``) with the reason.
+        ConfigError: an option not in :data:`OPTIONS` for ``name`` (listing those allowed), or one of the refused ones
+            (``dampening`` other than 0, ``differentiable``, ``foreach``, ``fused``, ``capturable``) with the reason.
     """
     for key, value in kwargs.items():
         if key == "dampening" and value == 0:
@@ -83,18 +77,11 @@ def _check_changed(changed: dict) -> None:
 
 
 def multi_tensor_kind(device: torch.device) -> str | None:
-    """How an engine steps all of a rank's masters at once on ``device``: ``"fused"`` on
-    CUDA, None (one master at a time, :meth:`GroupedOptimizer.step_bucket`) elsewhere.
-
-    On CUDA a torch optimizer over many tensors costs kernel launches: the per-tensor
-    loop launches ~10 element-wise kernels per master, ``foreach`` ~10 per group of
-    tensors, ``fused`` (torch's ``_fused_adam_`` / ``_fused_adamw_`` / ``_fused_sgd_``)
-    one per group, reading each element once. Fused also takes the overflow flag
-    (``found_inf``, as torch's ``GradScaler`` passes it) and keeps Adam's step count on
-    the device, so a skipped step costs no copy and no host read. On the CPU the
-    per-master path, :data:`CPU_CHUNK` elements at a time, stays: its numbers are the
-    ones the stored notebooks show, and chunks that stay in the cache beat one pass of
-    each op over all masters. ``"foreach"`` is accepted too (forced, for tests).
+    """How an engine steps all of a rank's masters at once on ``device``: ``"fused"`` on CUDA (``"foreach"`` is accepted
+    too, for tests), else None. Fused (torch's ``_fused_adam_`` / ``_fused_adamw_`` / ``_fused_sgd_``) launches one
+    kernel per group where the per-tensor loop launches ~10 per master, and takes the overflow flag (``found_inf``) with
+    Adam's step count on the device, so a skipped step reads nothing on the host. On the CPU one master at a time
+    (:meth:`GroupedOptimizer.step_bucket`, :data:`CPU_CHUNK` elements at a time) beats one pass of each op over all.
     """
     return "fused" if device.type == "cuda" else None
 
@@ -102,35 +89,28 @@ def multi_tensor_kind(device: torch.device) -> str | None:
 def make_optimizer(name: str, params: list[nn.Parameter], lr: float, weight_decay: float = 0.0,
                    momentum: float = 0.0, betas: tuple[float, float] = (0.9, 0.999),
                    kind: str | None = None, options: dict | None = None) -> torch.optim.Optimizer:
-    """torch's own Adam / AdamW / SGD over the flat master tensors (``params``).
-
-    One ``step()`` updates every master that has a ``.grad``. On the CPU torch's
-    default for these optimizers is its per-tensor loop (no ``foreach`` kernels), so
-    each master's update is computed on its own, exactly as if it were stepped
-    alone: how many masters one call covers does not change a single bit.
+    """torch's own Adam / AdamW / SGD over the flat master tensors (``params``): one ``step()`` updates every master
+    with a ``.grad``, on the CPU each on its own (torch's per-tensor loop), bit-identical however many one call covers.
 
     Args:
-        kind: None (torch's default for the device), ``"fused"`` or ``"foreach"``
-            (:func:`multi_tensor_kind`).
+        kind: None (torch's default for the device), ``"fused"`` or ``"foreach"`` (:func:`multi_tensor_kind`).
         options: more of torch's options (:data:`OPTIONS`, checked by :func:`check_optimizer_kwargs`).
 
     Raises:
         ConfigError: ``name`` is not one of :data:`OPTIMIZERS`.
     """
     extra = {**(options or {}), **({kind: True} if kind is not None else {})}
-    if name == "adam":
-        return torch.optim.Adam(params, lr=lr, betas=betas, weight_decay=weight_decay, **extra)
-    if name == "adamw":
-        return torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, **extra)
+    if name in ("adam", "adamw"):
+        adam = torch.optim.Adam if name == "adam" else torch.optim.AdamW
+        return adam(params, lr=lr, betas=betas, weight_decay=weight_decay, **extra)
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay, **extra)
     raise ConfigError(f"--optimizer {name!r}: allowed are {', '.join(OPTIMIZERS)}")
 
 
 class _StateView(Mapping):
-    """``GroupedOptimizer.state``: master -> its optimizer's state, read through; a model
-    parameter of the bound engine -> this rank's part of its state
-    (:meth:`~zerolearn.engines.state.EngineStateMixin.param_optimizer_state`)."""
+    """``GroupedOptimizer.state``: master -> its optimizer's state; a model parameter of the bound engine -> this
+    rank's part of its state (:meth:`~zerolearn.engines.state.EngineStateMixin.param_optimizer_state`)."""
 
     def __init__(self, owner: GroupedOptimizer):
         self._owner = owner
@@ -154,34 +134,19 @@ class _StateView(Mapping):
 class GroupedOptimizer(torch.optim.Optimizer):
     """One torch optimizer per flat master, seen from outside as one torch optimizer over them.
 
-    The engine steps one bucket at a time: in mixed precision only one bucket's fp32
-    gradient may exist at once (the paper's (2 + 2 + K) Psi holds none). A single torch
-    optimizer over all G masters walks all of them on every ``step()`` to find the one
-    with a gradient, O(G^2) Python work per engine step; with one optimizer per master,
-    :meth:`step_bucket` touches its master alone, O(G). Each master's update is computed
-    on its own either way (see :func:`make_optimizer`), so the numbers are bit-identical.
+    The engine steps one bucket at a time (in mixed precision only one bucket's fp32 gradient may exist at once; the
+    paper's (2 + 2 + K) Psi holds none): one torch optimizer over all G masters would walk all of them on every
+    ``step()``, O(G^2) Python work per engine step, where :meth:`step_bucket` touches its master alone, O(G).
+    :meth:`step_all` steps every master in one multi-tensor call (:attr:`multi`) over the same per-master state.
 
-    Outside, it is a ``torch.optim.Optimizer`` over the masters in bucket order, with one
-    param group (as ``torch.optim.Adam(model.parameters())`` has): torch's LR schedulers
-    (``LambdaLR``, ``CosineAnnealingLR``, ...) accept it, and a hyperparameter changed in
-    ``param_groups[0]`` (``group["lr"] = 1e-4``, by hand or by a scheduler) reaches every
-    bucket's optimizer at the next step. ``state`` maps each master to its state, and
-    :meth:`state_dict` / :meth:`load_state_dict` use the layout of a single torch
-    optimizer over them (one param group, params 0..G-1), which checkpoints are built from.
-
-    Bound to an engine (:meth:`bind`), :meth:`step` is the engine's whole step (global
-    norm, clipping, fp16 overflow check, every bucket's update, publish) and
-    :meth:`zero_grad` the engine's ``zero_grad``, so a loop written for a torch optimizer
-    (``optimizer.step()``; ``optimizer.zero_grad()``) trains exactly as ``engine.step()``
-    does; ``engine.step()`` itself calls :meth:`step`, so step hooks and a scheduler's
-    bookkeeping see every step.
-
-    :meth:`step_all` steps every master in one multi-tensor call (``multi``: fused on
-    CUDA, :func:`multi_tensor_kind`), over the same per-master state.
+    Outside it has one param group over the masters in bucket order: torch's LR schedulers accept it, and a change to
+    ``param_groups[0]`` reaches every bucket's optimizer at the next step. ``state``, :meth:`state_dict` and
+    :meth:`load_state_dict` use a single torch optimizer's layout (params 0..G-1). Bound to an engine (:meth:`bind`),
+    :meth:`step` (which ``engine.step()`` calls) and :meth:`zero_grad` are the engine's, so a loop written for a torch
+    optimizer trains exactly as ``engine.step()`` does.
 
     Args:
-        optimizers: one torch optimizer per master, each over that master alone (one
-            param group each, with the same hyperparameters).
+        optimizers: one torch optimizer per master, over it alone (one param group, the same hyperparameters).
         masters: the flat fp32 masters, in bucket order.
     """
 
@@ -198,12 +163,9 @@ class GroupedOptimizer(torch.optim.Optimizer):
 
     def bind(self, engine) -> None:
         """Make :meth:`step` and :meth:`zero_grad` the engine's (held by weak reference)."""
-        import weakref
-
         self._engine = weakref.ref(engine)
 
-    # torch.optim.Optimizer keeps ``state`` as an attribute; here it is read through the
-    # per-master optimizers, so the one torch's __init__ assigns is dropped.
+    # Read through the per-master optimizers: the ``state`` torch's __init__ assigns is dropped.
     @property
     def state(self) -> Mapping:
         """master -> its state (Adam's ``step``, ``exp_avg``, ``exp_avg_sq``), as in torch."""
@@ -219,8 +181,7 @@ class GroupedOptimizer(torch.optim.Optimizer):
         """Torch's ``add_param_group``: only the one group of the engine's masters.
 
         Raises:
-            ConfigError: a second group (the engine trains every parameter with one set
-                of hyperparameters: ``lr``, ``weight_decay``, ... of the engine).
+            ConfigError: a second group (the engine trains every parameter with one set of hyperparameters).
         """
         if self.param_groups:
             raise ConfigError("the engine's optimizer has one param group over its flat masters; a second one "
@@ -230,8 +191,7 @@ class GroupedOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
 
     def push_hyperparameters(self) -> None:
-        """Copy what changed in ``param_groups[0]`` since the last push (an LR scheduler's
-        ``lr``, a hand-set ``weight_decay``) into every bucket's optimizer."""
+        """Copy what changed in ``param_groups[0]`` since the last push into every bucket's optimizer."""
         group = self.param_groups[0]
         changed = {k: v for k, v in group.items()
                    if k != "params" and (k not in self._pushed or self._pushed[k] is not v)}
@@ -244,14 +204,9 @@ class GroupedOptimizer(torch.optim.Optimizer):
             self._pushed.update(changed)
 
     def step_all(self, found_inf: torch.Tensor | None = None) -> None:
-        """One multi-tensor step (:attr:`multi`: ``"fused"`` or ``"foreach"``) over every
-        master that has a ``.grad``; each master's state is the one its own optimizer
-        holds (shared, not copied), so :meth:`step_bucket` and checkpoints see it.
-
-        Args:
-            found_inf: bool 0-dim tensor on the masters' device, or None. Fused optimizers
-                take it as torch's ``GradScaler`` passes it (the update skipped inside the
-                kernel, the step count taken back); ``foreach`` masks as :meth:`step_bucket`.
+        """One multi-tensor step (:attr:`multi`) over every master with a ``.grad``, on its own optimizer's state.
+        ``found_inf``: a bool 0-dim tensor on the masters' device, or None; fused takes it as torch's ``GradScaler``
+        passes it, ``foreach`` masks as :meth:`step_bucket`.
 
         Raises:
             ConfigError: :attr:`multi` is None (the per-master path has no multi-tensor step).
@@ -275,40 +230,21 @@ class GroupedOptimizer(torch.optim.Optimizer):
             finally:
                 multi.__dict__.pop("found_inf", None)
             return
-        states = [multi.state[m] for m in masters]
-        for m, state, o in zip(masters, states, [self.optimizers[self.index[id(m)]] for m in masters], strict=True):
-            if not state:
-                state.update(_fresh_state(o, m))
-        kept = [t for m, state in zip(masters, states, strict=True)
-                for t in [m.detach(), *state.values()] if torch.is_tensor(t) and t.dim() > 0]
-        before = [t.clone() for t in kept]
-        multi.step()
-        for t, old in zip(kept, before, strict=True):
-            t.copy_(torch.where(found_inf, old, t))
-        for state in states:
-            if torch.is_tensor(state.get("step")):
-                state["step"].sub_(found_inf.to(state["step"].device, state["step"].dtype))
+        _masked_step(multi.step, found_inf, [(self.optimizers[self.index[id(m)]], m, multi.state[m]) for m in masters])
 
     def step_bucket(self, i: int, parts: list[tuple[int, int, int]] | None = None,
                     found_inf: torch.Tensor | None = None) -> None:
         """Update master ``i`` from its ``.grad``; with ``parts``, only those elements.
 
-        With ``found_inf`` (a bool 0-dim tensor on the master's device, torch's
-        ``GradScaler`` calls it so), the update is computed and then kept only where the
-        flag is False: the master and its per-element state are put back by ``torch.where``
-        and the step count taken back by the flag, so nothing is read on the host. An
-        overflowed first step leaves the state torch would create (zero moments, step 0).
-
-        On the CPU the master is stepped :data:`CPU_CHUNK` elements at a time, each
-        chunk through the optimizer's whole update while it is in the cache; the
-        update is element-wise, so the numbers are those of one step over the master.
+        On the CPU :data:`CPU_CHUNK` elements at a time (element-wise: the numbers of one step over the master).
 
         Args:
-            parts: ``(start, end, steps)`` element ranges of master ``i`` to update,
-                each with the number of steps its parameter has taken so far (Adam's
-                bias correction counts them per parameter). The other elements, and
-                their optimizer state, are left exactly as they are: torch.optim's
-                behaviour for a parameter whose ``.grad`` is None. None: all of it.
+            parts: ``(start, end, steps)`` element ranges of master ``i``, each with the steps its parameter has taken
+                (Adam's bias correction counts them per parameter); the other elements and their state are left as
+                torch.optim leaves a parameter whose ``.grad`` is None. None: all of it.
+            found_inf: bool 0-dim tensor on the master's device (as torch's ``GradScaler`` passes it), or None: the
+                update is kept only where it is False, with nothing read on the host (an overflowed first step leaves
+                the state torch would create: zero moments, step 0).
         """
         if found_inf is None:
             self._step_master(i, parts)
@@ -321,16 +257,7 @@ class GroupedOptimizer(torch.optim.Optimizer):
             finally:
                 opt.__dict__.pop("found_inf", None)
             return
-        state = opt.state[master]
-        if not state:
-            state.update(_fresh_state(opt, master))
-        kept = [t for t in [master.detach(), *state.values()] if torch.is_tensor(t) and t.dim() > 0]
-        before = [t.clone() for t in kept]
-        self._step_master(i, parts)
-        for t, old in zip(kept, before, strict=True):
-            t.copy_(torch.where(found_inf, old, t))
-        if torch.is_tensor(state.get("step")):
-            state["step"].sub_(found_inf.to(state["step"].device, state["step"].dtype))
+        _masked_step(lambda: self._step_master(i, parts), found_inf, [(opt, master, opt.state[master])])
 
     def _step_master(self, i: int, parts: list[tuple[int, int, int]] | None) -> None:
         """:meth:`step_bucket` without an overflow flag."""
@@ -346,8 +273,7 @@ class GroupedOptimizer(torch.optim.Optimizer):
         if master.device.type == "cpu":
             parts = [(a, min(a + CPU_CHUNK, end), steps) for start, end, steps in parts
                      for a in range(start, end, CPU_CHUNK)]
-        # The same torch optimizer, over views of the master and its state: each range
-        # steps as the parameter it is part of would, with its own step count.
+        # The same torch optimizer over views of the master and its state, each range with its own step count.
         hyper = {k: v for k, v in opt.param_groups[0].items() if k != "params"}
         views = []
         for a, b, _ in parts:
@@ -365,22 +291,19 @@ class GroupedOptimizer(torch.optim.Optimizer):
         if "step" in state:
             state["step"] += 1
 
-    # torch.amp.GradScaler hands itself to step() (grad_scaler=) instead of unscaling masters
-    # that hold no gradient between backward and step: refused there, by name.
+    # With this, torch.amp.GradScaler passes itself to step() (grad_scaler=) instead of unscaling: refused there.
     _step_supports_amp_scaling = True
 
     def step(self, closure=None, grad_scaler=None):
-        """Bound to an engine: the engine's step (``engine.step()``); ``closure``, if given,
-        is called first with gradients enabled and its loss returned, as in torch.
-        Unbound: update every master that has a ``.grad``.
+        """Bound: the engine's step; unbound: update every master with a ``.grad``. ``closure`` is called first, with
+        gradients enabled, as in torch.
 
         Returns:
-            ``closure()``'s value, or None. Whether the engine stepped (False: an fp16
-            overflow skipped it) is :attr:`stepped`.
+            ``closure()``'s value, or None. Whether the engine stepped (False: an fp16 overflow) is :attr:`stepped`.
 
         Raises:
-            ConfigError: the engine was closed or garbage collected; ``torch.amp.GradScaler``
-                stepping it (``grad_scaler``); or any error of ``engine.step()``.
+            ConfigError: the engine was closed or garbage collected; ``torch.amp.GradScaler`` stepping it
+                (``grad_scaler``); or any error of ``engine.step()``.
         """
         if grad_scaler is not None:
             raise ConfigError(
@@ -412,11 +335,9 @@ class GroupedOptimizer(torch.optim.Optimizer):
             o.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> dict:
-        """Bound to an engine: the whole state as one torch optimizer over
-        ``model.parameters()`` holds it (a collective: call on every rank;
-        :meth:`~zerolearn.engines.state.EngineStateMixin.full_optimizer_state_dict`), which
-        loads at any stage, world size or bucket size and into plain torch. Unbound:
-        :meth:`shard_state_dict`."""
+        """Bound: the whole state as one torch optimizer over ``model.parameters()`` holds it, loadable at any stage,
+        world size or bucket size and into plain torch (a collective, call on every rank:
+        :meth:`~zerolearn.engines.state.EngineStateMixin.full_optimizer_state_dict`). Else :meth:`shard_state_dict`."""
         engine = self._engine() if self._engine is not None else None
         if engine is None:
             return self.shard_state_dict()
@@ -424,10 +345,9 @@ class GroupedOptimizer(torch.optim.Optimizer):
         return engine.full_optimizer_state_dict()
 
     def shard_state_dict(self, rank: int | None = None) -> dict:
-        """``{"state": {i: state of master i}, "param_groups": [{hyperparameters,
-        "params": [0, ..., G-1]}], "shards_of_rank": rank}``: one torch optimizer over this
-        rank's masters, what checkpoints are built from; ``rank`` (the engine's when bound)
-        is checked when it is loaded."""
+        """``{"state": {i: state of master i}, "param_groups": [{hyperparameters, "params": [0, ..., G-1]}],
+        "shards_of_rank": rank}``: one torch optimizer over this rank's masters; ``rank`` (the engine's when bound)
+        is checked on load."""
         self.push_hyperparameters()
         parts = [o.state_dict() for o in self.optimizers]
         state = {i: part["state"][0] for i, part in enumerate(parts) if 0 in part["state"]}
@@ -437,13 +357,11 @@ class GroupedOptimizer(torch.optim.Optimizer):
         return {"state": state, "param_groups": [group], "shards_of_rank": rank}
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Load :meth:`state_dict`'s layout (a plain torch optimizer's over the model's
-        parameters too) or :meth:`shard_state_dict`'s (param groups may split the indices
-        differently; ``param_groups[0]`` then shows master 0's hyperparameters).
+        """Load :meth:`state_dict`'s layout (a plain torch optimizer's too) or :meth:`shard_state_dict`'s (whose param
+        groups may split the indices; ``param_groups[0]`` then shows master 0's hyperparameters).
 
         Raises:
-            ConfigError: a shard state dict of another rank (its masters are another part
-                of the state); any error of ``load_full_optimizer_state_dict``.
+            ConfigError: a shard state dict of another rank; any error of ``load_full_optimizer_state_dict``.
             ValueError: a shard state dict that does not name exactly the masters 0..G-1.
         """
         engine = self._engine() if self._engine is not None else None
@@ -468,13 +386,26 @@ class GroupedOptimizer(torch.optim.Optimizer):
         self._multi = None  # its shared state dicts were replaced: built again at the next step_all
 
 
-class Stepped:
-    """Whether an engine's step updated the parameters (False: an overflow skipped it),
-    read lazily: the flag stays a device tensor until ``bool()`` reads it, so the step
-    itself never waits for the device. Compares, hashes and pickles as that bool.
+def _masked_step(step, found_inf: torch.Tensor, triples: list) -> None:
+    """``step()``, then each ``(opt, master, state)``'s master and per-element state put back where ``found_inf`` is
+    True (``torch.where``) and its step count taken back by the flag."""
+    for opt, master, state in triples:
+        if not state:
+            state.update(_fresh_state(opt, master))
+    kept = [t for _, master, state in triples
+            for t in [master.detach(), *state.values()] if torch.is_tensor(t) and t.dim() > 0]
+    before = [t.clone() for t in kept]
+    step()
+    for t, old in zip(kept, before, strict=True):
+        t.copy_(torch.where(found_inf, old, t))
+    for _, _, state in triples:
+        if torch.is_tensor(state.get("step")):
+            state["step"].sub_(found_inf.to(state["step"].device, state["step"].dtype))
 
-    Args:
-        found_inf: bool 0-dim tensor, True when the step was skipped.
+
+class Stepped:
+    """Whether an engine's step updated the parameters, from ``found_inf`` (a bool 0-dim tensor, True: an overflow
+    skipped it), read lazily: the step never waits for the device, ``bool()`` does. Compares, hashes, pickles as a bool.
     """
 
     __slots__ = ("_found_inf", "_value")
@@ -502,17 +433,15 @@ class Stepped:
 
 
 def _fresh_state(opt: torch.optim.Optimizer, master: torch.Tensor) -> dict:
-    """The state torch's ``opt`` creates for ``master`` on its first step, before it
-    updates it: Adam's zero step count and moments (and ``max_exp_avg_sq`` with
-    ``amsgrad``), SGD's zero momentum buffer (whose
-    first update, 0 * momentum + grad, equals torch's clone of the first gradient)."""
+    """The state torch's ``opt`` creates for ``master`` on its first step, before the update (SGD's zero momentum
+    buffer: its first update, 0 * momentum + grad, equals torch's clone of the first gradient)."""
     if isinstance(opt, torch.optim.SGD):
         return {"momentum_buffer": torch.zeros_like(master)} if opt.param_groups[0]["momentum"] else {}
     on_device = opt.defaults.get("fused") or opt.defaults.get("capturable")  # torch keeps the count there
     state = {"step": torch.tensor(0.0, dtype=torch.float32 if on_device else torch.get_default_dtype(),
                                   device=master.device if on_device else None), "exp_avg": torch.zeros_like(master),
              "exp_avg_sq": torch.zeros_like(master)}
-    if opt.param_groups[0].get("amsgrad"):  # the running maximum of exp_avg_sq, as torch starts it
+    if opt.param_groups[0].get("amsgrad"):
         state["max_exp_avg_sq"] = torch.zeros_like(master)
     return state
 
@@ -520,22 +449,18 @@ def _fresh_state(opt: torch.optim.Optimizer, master: torch.Tensor) -> dict:
 def make_grouped(name: str, masters: list[nn.Parameter], lr: float, weight_decay: float = 0.0,
                  momentum: float = 0.0, betas: tuple[float, float] = (0.9, 0.999),
                  options: dict | None = None) -> GroupedOptimizer:
-    """:class:`GroupedOptimizer` of :func:`make_optimizer`'s ``name``, one per master
-    (fused on CUDA, :func:`multi_tensor_kind`: the overflow flag then skips inside the kernel).
+    """:class:`GroupedOptimizer` of :func:`make_optimizer`'s ``name``, one per master (:func:`multi_tensor_kind`).
 
     Raises:
         ConfigError: ``name`` is not one of :data:`OPTIMIZERS`.
     """
-    kind = multi_tensor_kind(masters[0].device) if masters else None  # CUDA: fused per master too
+    kind = multi_tensor_kind(masters[0].device) if masters else None
     return GroupedOptimizer([make_optimizer(name, [m], lr, weight_decay, momentum, betas, kind, options)
                              for m in masters], list(masters))
 
 
 def optimizer_state(optimizer: torch.optim.Optimizer | GroupedOptimizer, master: torch.Tensor) -> list[torch.Tensor]:
-    """The optimizer's per-element state of ``master`` (Adam's moments, SGD's momentum).
-
-    Scalars such as Adam's step counter are bookkeeping, not model states: left out.
-    """
+    """The optimizer's per-element state tensors of ``master`` (Adam's moments, SGD's momentum; no scalars)."""
     return [v for v in optimizer.state.get(master, {}).values() if torch.is_tensor(v) and v.dim() > 0]
 
 
@@ -555,13 +480,10 @@ def model_device(model: nn.Module) -> torch.device:
 
 
 def parts_to_step(optimizer: GroupedOptimizer, i: int, b, used: list[bool]) -> list[tuple[int, int, int]] | None:
-    """Which elements of bucket ``b``'s master (the ``i``-th) to update this step.
-
-    None (update all of it, the common case) when every parameter in this rank's part
-    was used by some rank (``used``, per parameter) and, for Adam, none ever sat out a
-    step. Else, per used parameter, ``(start, end, steps taken)`` in master coordinates
-    (:meth:`GroupedOptimizer.step_bucket`). Counts a skipped step for each unused one
-    in ``b.skipped``.
+    """Which elements of bucket ``b``'s master (the ``i``-th) to update this step; counts in ``b.skipped`` a skipped
+    step for each parameter not ``used`` (per parameter, by any rank). None (all of it) when every parameter in this
+    rank's part was used and, for Adam, none ever sat out a step; else per used parameter ``(start, end, steps taken)``
+    in master coordinates (:meth:`GroupedOptimizer.step_bucket`).
     """
     lo, hi = (0, b.layout.padded_numel) if b.master.numel() == b.layout.padded_numel else b.layout.shard_range
     mine = [j for j, (p, off) in enumerate(zip(b.params, b.layout.offsets, strict=True))
@@ -578,12 +500,10 @@ def parts_to_step(optimizer: GroupedOptimizer, i: int, b, used: list[bool]) -> l
 
 
 def replica_weights(buckets, nm: int) -> list[list[tuple[int, int, float]]]:
-    """Per bucket, ``(start, end, weight)`` element ranges of the gradient a rank steps with.
+    """Per bucket, ``(start, end, weight)`` element ranges of the master (its shard range; the whole buffer at stage 0).
 
-    For tensor parallelism over ``nm`` ranks (Nm): weight 1 for a parameter marked
-    ``tensor_parallel = True`` (a slice that differs per rank), 1/Nm for a replica, so
-    the sum of squares over the Nm ranks counts each element once. Ranges are
-    relative to the bucket's master (its shard range; the whole buffer at stage 0).
+    For tensor parallelism over ``nm`` ranks (Nm): weight 1 for a parameter marked ``tensor_parallel = True`` (a slice
+    that differs per rank), 1/Nm for a replica, so the sum of squares over the Nm ranks counts each element once.
     """
     out = []
     for b in buckets:
@@ -599,11 +519,9 @@ def replica_weights(buckets, nm: int) -> list[list[tuple[int, int, float]]]:
 
 def sum_of_squares(grads: list[torch.Tensor], weights: list[list[tuple[int, int, float]]] | None,
                    device: torch.device) -> torch.Tensor:
-    """Sum of squares of this rank's gradient elements, an fp32 scalar on ``device``.
-
-    ``weights`` (:func:`replica_weights`) counts tensor-parallel replicas 1/Nm; None
-    counts every element once. The global norm is the square root of this summed over
-    the ranks holding different parts (the formula of ``clip_grad_norm_``).
+    """Sum of squares of this rank's gradient elements, an fp32 scalar on ``device``; ``weights``
+    (:func:`replica_weights`) counts replicas 1/Nm, None every element once. The global norm is the square root of this
+    summed over the ranks holding different parts (the formula of ``clip_grad_norm_``).
     """
     if weights is None:
         return torch.stack([gr.float().pow(2).sum() for gr in grads]).sum()
