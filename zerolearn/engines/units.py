@@ -202,13 +202,6 @@ def prefetch_bytes(prefetch_mb: float | None) -> int:
 END = -1  # a forward's end, proposed like a unit: a rank that stops early is named too
 
 
-@dataclasses.dataclass
-class Departure:
-    """Debug mode: this rank runs unit ``index`` (or :data:`END`) at ``position``, off the schedule, in ``outer``."""
-
-    position: int
-    index: int
-    outer: list
 ON_SCHEDULE = -1  # what a rank that ran the whole schedule says at the forward's end
 
 
@@ -217,7 +210,7 @@ class Schedule:
 
     A forward whose units never nested becomes the schedule, which the next ones prefetch from; the others
     go in ``units=`` order (lockstep), as every forward in debug mode, where the ranks check each unit and
-    the end (:data:`END`) with :func:`guard.propose` (8 bytes); a rank off the schedule replays it.
+    the end (:data:`END`) with :func:`guard.propose` (8 bytes).
 
     Raises:
         ConfigError: ranks about to run different units, or one ends its forward early; each rank named.
@@ -249,8 +242,8 @@ class Schedule:
         for unit in self.units:
             unit.in_forward = False
 
-    def enter(self, unit: Unit) -> list[Unit] | Departure:
-        """``unit``'s forward starts: the units to prefetch (:meth:`window`), or a :class:`Departure` (debug)."""
+    def enter(self, unit: Unit) -> list[Unit]:
+        """``unit``'s forward starts: the units to prefetch (:meth:`window`)."""
         position, outer = len(self.ran), list(self.open)  # outer: units this one starts inside
         self.ran.append(unit.index)
         if unit.index != self.root:
@@ -261,8 +254,6 @@ class Schedule:
                 self._agree(position, unit.index)
         elif unit.index == self.trace[position] and not outer:
             return self._scheduled(position)
-        elif self.checked:
-            return Departure(position, unit.index, outer)
         else:
             self.lockstep = True  # off the schedule: units= order from here, as on every rank that left here
         return self._after(unit)
@@ -272,41 +263,14 @@ class Schedule:
         if unit in self.open:
             self.open.remove(unit)
 
-    def finish(self) -> Departure | None:
-        """The forward ended here: checked in debug mode (:class:`Departure`); a flat one becomes the schedule."""
-        position = len(self.ran)
-        if self.checked and self.lockstep:
-            self._agree(position, END)
-        elif self.checked and self.trace[position] != END:
-            return Departure(position, END, list(self.open))
-        elif self.checked:
-            said = guard.propose(ON_SCHEDULE, self.pg, self.device).result()
-            if any(v != ON_SCHEDULE for v in said):
-                self._refuse(said)
+    def finish(self) -> None:
+        """The forward ended here: checked in debug mode; a flat one becomes the schedule."""
+        if self.checked:
+            self._agree(len(self.ran), END)
         self._record()
-        return None
 
     def _record(self) -> None:
         self.trace = [*self.ran, END] if self.flat else None
-
-    def replay(self, position: int) -> list[tuple[list[Unit], Unit]]:
-        """Per unit from ``position`` to the schedule's end: the window prefetched as it starts, and the unit."""
-        return [(self._scheduled(k), self.by_index[self.trace[k]]) for k in range(position, len(self.trace) - 1)]
-
-    def departed(self, d: Departure, unit: Unit | None) -> list[Unit]:
-        """After the replay: exchange where each rank left the schedule; what to prefetch with ``unit``.
-
-        Raises:
-            ConfigError: the ranks left the schedule at different points or for different units.
-        """
-        said = guard.propose(d.position << 20 | (d.index + 1), self.pg, self.device).result()
-        if len(set(said)) > 1:
-            self._refuse(said)
-        self.lockstep = True  # every rank left the schedule here, for the same unit
-        if unit is None:
-            self._record()
-            return []
-        return self._after(unit)
 
     def window(self, units: list[Unit]) -> list[Unit]:
         """The first of ``units`` and those after it within ``window_bytes``: one prefetch, one all_gather."""

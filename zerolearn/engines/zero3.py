@@ -125,9 +125,7 @@ class Zero3Engine(Engine):
         try:
             with reads, torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
                 out = super().forward(*args, **kwargs)
-            departure = self.schedule.finish()  # the next forward's schedule (debug mode: checked on every rank)
-            if departure is not None:
-                self._depart(departure, None)
+            self.schedule.finish()  # the next forward's schedule (debug mode: checked on every rank)
             self._settle()  # a prefetch the forward did not use
             return out
         except (guard.CollectiveError, guard.CollectiveMismatch):
@@ -144,23 +142,8 @@ class Zero3Engine(Engine):
         unit.ran = unit.ran or not recompute
         with comm.unit(unit.name, "forward: gather"):
             ahead = self._previous(unit) if recompute else self.schedule.enter(unit)  # recomputing: in reverse
-            if isinstance(ahead, U.Departure):
-                ahead = self._depart(ahead, unit)
             self._gather(unit)  # this unit first: a prefetch launched before it would queue ahead of it
             self._start_gather(ahead)
-
-    def _depart(self, d: U.Departure, unit: U.Unit | None) -> list[U.Unit]:  # replay the others' gathers
-        for outer in d.outer:
-            self._free_unit(outer)  # on the schedule, no unit is inside another: they were closed
-        for window, scheduled in self.schedule.replay(d.position):
-            self._gather(scheduled)
-            self._start_gather(window)
-            if scheduled.module is not self.model:
-                self._free_unit(scheduled)
-        ahead = self.schedule.departed(d, unit)  # raises unless every rank left here alike
-        for outer in d.outer:
-            self._gather(outer)
-        return ahead
 
     def _post_forward(self, unit: U.Unit, output):
         if self.in_backward:
