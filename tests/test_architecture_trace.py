@@ -58,6 +58,9 @@ def test_the_zero_3_trace_names_every_engine_file_a_step_runs():
     assert ("zerolearn/engines/zero3.py", "Zero3Engine._pre_forward") in engine, sorted(engine)
     missing = {path for path, _ in engine} - {path for path, _ in trace_rows(3)}
     assert not missing, f"a ZeRO-3 step runs code of {sorted(missing)}, which its trace does not name"
+    # What a reader follows: every engine function the step runs, docstrings included.
+    lines = sum(last - first + 1 for first, last in (span(path, name) for path, name in engine))
+    assert lines <= 1000, f"a ZeRO-3 step runs {lines} lines of engine functions"
 
 
 def test_a_name_the_file_lacks_is_caught():
