@@ -207,6 +207,90 @@ def habits(runs: list[dict]) -> list[dict | str]:
     return out
 
 
+def module_face(stage: int) -> dict:
+    """What ``engine.modules()``, ``named_modules()``, ``children()``, ``apply(fn)`` and
+    ``engine.to(...)`` answer at ``stage``, against the wrapped model's own answers."""
+    model = Net()
+    engine = make_engine(stage, model, optimizer="sgd", lr=LR)
+    visited: list = []
+    out = {
+        "modules": [a is b for a, b in zip(engine.modules(), model.modules(), strict=True)],
+        "named_modules": [n for n, _ in engine.named_modules()] == [n for n, _ in model.named_modules()],
+        "children": [a is b for a, b in zip(engine.children(), model.children(), strict=True)],
+        "apply_returns_engine": engine.apply(visited.append) is engine,
+        "apply_visits": [a is b for a, b in zip(visited, [*model.children(), model], strict=True)],
+        "to_same": engine.to("cpu") is engine and engine.to(torch.device("cpu"), torch.float32) is engine,
+    }
+    for name, args in (("to_dtype", (torch.float64,)), ("to_device", ("meta",))):
+        try:
+            engine.to(*args)
+            out[name] = "moved"
+        except Exception as e:  # noqa: BLE001  (the test reads the message)
+            out[name] = f"{type(e).__name__}: {e}"
+    x, y = (data.rank_slice(t, zdist.context().rank, zdist.context().world_size) for t in batch(0))
+    F.mse_loss(engine(x), y).backward()  # the engine still trains after all of it
+    out["trained"] = bool(engine.step())
+    engine.close()
+    return out
+
+
+def module_faces(stages: list[int]) -> list[dict]:
+    """:func:`module_face` at each of ``stages``, in one process group."""
+    return [module_face(stage) for stage in stages]
+
+
+def failed_backward(stage: int | None, then: str = "zero_grad", how: str = "loss") -> dict:
+    """Four SGD-momentum steps in which step 1's backward raises midway (a hook on ``mid``'s
+    output, after the head's gradients arrived and small buckets began reducing); the user
+    catches the error and calls ``zero_grad`` (``then="zero_grad"``), goes straight on to the
+    next forward (``"forward"``) or steps (``"step"``). ``how``: ``loss.backward()`` or
+    ``engine.backward(loss)``. ``stage`` None: plain torch on the whole batch."""
+    model = Net()
+    armed = {"on": False}
+
+    def arm(module, args, out):
+        if armed["on"]:
+            out.register_hook(lambda grad: (_ for _ in ()).throw(RuntimeError("boom in backward")))
+
+    model.mid.register_forward_hook(arm)
+    engine = None if stage is None else make_engine(stage, model, optimizer="sgd", lr=LR, momentum=0.9,
+                                                    bucket_mb=0.0005)
+    opt = torch.optim.SGD(model.parameters(), lr=LR, momentum=0.9) if engine is None else engine
+    said = []
+    for step in range(4):
+        armed["on"] = step == 1
+        x, y = batch(step)
+        if engine is not None:
+            x, y = (data.rank_slice(t, zdist.context().rank, zdist.context().world_size) for t in (x, y))
+        loss = F.mse_loss((engine or model)(x), y)
+        try:
+            engine.backward(loss) if how == "engine" else loss.backward()
+        except RuntimeError as e:
+            said.append(str(e))
+            if then == "zero_grad" or engine is None:
+                opt.zero_grad()
+            if then != "step" or engine is None:
+                continue
+        opt.step()
+        opt.zero_grad()
+    params = engine.full_state_dict() if engine is not None else {n: p.detach().clone()
+                                                                   for n, p in model.named_parameters()}
+    if engine is not None:
+        engine.close()
+    return {"said": said, "params": params}
+
+
+def failed_backwards(runs: list[dict]) -> list:
+    """Several :func:`failed_backward` runs in one process group; an exception becomes its message."""
+    out = []
+    for kw in runs:
+        try:
+            out.append(failed_backward(**kw))
+        except Exception as e:  # noqa: BLE001  (the test reads the message)
+            out.append(f"{type(e).__name__}: {e}")
+    return out
+
+
 # ----- users' loops: the optimizer as torch's, resumes, refusals ---------------------------
 class KwNet(Net):
     """:class:`Net` called with a keyword-only input, returning a dict (Hugging Face's manner)."""

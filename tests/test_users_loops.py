@@ -9,7 +9,9 @@ names the cause, never a hang or a crash.
 * clipping the optimizer's params (``engine.optimizer.param_groups``, Lightning's habit):
   exact at stage 0, where they hold the reduced gradient, else refused by name;
 * ``torch.amp.GradScaler`` around the engine's optimizer (refused: the engine's own fp16);
-* the model wrapped a second time while the first engine lives (a notebook cell run twice).
+* the model wrapped a second time while the first engine lives (a notebook cell run twice);
+* the engine read as a module: ``modules()``, ``named_modules()``, ``children()``,
+  ``apply(fn)`` the model's, ``to()`` the engine itself on its device, else refused.
 """
 
 from __future__ import annotations
@@ -77,3 +79,44 @@ def test_grad_scaler_is_refused_naming_the_engines_fp16(world_size, stage):
 def test_wrapping_a_wrapped_model_is_refused_naming_close(world_size, stage):
     run = runs(world_size)[("wrap_twice", stage)]
     assert isinstance(run, str) and run.startswith("ConfigError") and "engine.close()" in run, run
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_the_engine_answers_as_the_module_it_wraps(world_size):
+    faces = on_ranks(state_jobs.module_faces, world_size, list(STAGES))
+    assert len(faces) == world_size
+    for rank, per_stage in enumerate(faces):
+        for stage, face in zip(STAGES, per_stage, strict=True):
+            where = f"stage {stage}, rank {rank}: {face}"
+            assert len(face["modules"]) == 5 and all(face["modules"]), where  # the model, then its 4 layers
+            assert face["named_modules"] and face["apply_returns_engine"] and face["to_same"], where
+            assert len(face["children"]) == 4 and all(face["children"]), where
+            assert len(face["apply_visits"]) == 5 and all(face["apply_visits"]), where  # children first, as torch
+            assert face["to_dtype"].startswith("ConfigError: engine.to(torch.float64)"), where
+            assert face["to_device"].startswith("ConfigError: engine.to('meta')"), where
+            assert "move or cast the model before wrapping it" in face["to_device"], where
+            assert face["trained"], where
+
+
+@pytest.mark.parametrize("world_size", WORLD_SIZES)
+def test_a_backward_that_raises_midway_trains_on_after_zero_grad_else_is_refused(world_size):
+    # The user catches the error, then calls zero_grad, or goes on to the next forward or to
+    # step, where the buckets hold part of a backward: refused by name, as DDP refuses.
+    todo = [dict(stage=s, then=t, how=h) for s in STAGES
+            for t, h in (("zero_grad", "loss"), ("zero_grad", "engine"), ("forward", "loss"),
+                         ("forward", "engine"), ("step", "loss"))]
+    ranks = on_ranks(state_jobs.failed_backwards, world_size, todo)
+    ref = state_jobs.failed_backward(None)
+    assert ref["said"] == ["boom in backward"]
+    for rank, runs in enumerate(ranks):
+        for kw, run in zip(todo, runs, strict=True):
+            where = f"rank {rank}, {kw}"
+            if kw["then"] != "zero_grad":
+                assert isinstance(run, str) and run.startswith("ConfigError: the last backward raised before it "
+                                                               "ended"), f"{where}: {run}"
+                assert "engine.zero_grad()" in run, f"{where}: {run}"
+                continue
+            assert not isinstance(run, str), f"{where}: {run}"
+            assert run["said"] == ["boom in backward"], f"{where}: {run['said']}"
+            torch.testing.assert_close(run["params"], ref["params"], rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, where=where: f"{where}: {m}")

@@ -35,7 +35,8 @@ WORLD_SIZES = [2, pytest.param(3, marks=pytest.mark.slow)]
 def runs(world_size: int) -> dict:
     todo = [dict(kind="exact", habit=h, stage=s) for h in EXACT for s in STAGES]
     todo += [dict(kind="refused", habit=h, stage=s) for h in REFUSED for s in STAGES]
-    todo += [dict(kind="refused", habit=h, stage=s) for h in ("clip_groups_offload", "clip_groups_dpu") for s in (1, 2, 3)]
+    todo += [dict(kind="refused", habit=h, stage=s)
+             for h in ("clip_groups_offload", "clip_groups_dpu") for s in (1, 2, 3)]
     keys = [(kw["habit"], kw["stage"], kw["kind"]) for kw in todo]
     out = on_ranks(state_jobs.optimizer_habits, world_size, todo)
     assert len(out) == world_size and all(len(r) == len(todo) for r in out)

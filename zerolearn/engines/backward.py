@@ -128,10 +128,9 @@ class Backward:
         return (loss * self.scaler.scale_tensor.to(torch.float32)).to(loss.dtype)
 
     def _ensure_backward(self) -> None:
-        """The one place a backward begins: the hook on the model's outputs (or, for a loss
-        that did not pass them, the first parameter's hook) runs it. State PRE_BACKWARD,
-        ``p.grad`` handed back to autograd, the stage's :meth:`_before_backward`, and the
-        end (:meth:`_end_backward`) queued on autograd's graph task.
+        """The one place a backward begins (the hook on the model's outputs, or the first
+        parameter's hook): state PRE_BACKWARD, ``p.grad`` handed back to autograd, the stage's
+        :meth:`_before_backward`, the end (:meth:`_end_backward`) queued on the graph task.
 
         Raises:
             ConfigError: ``create_graph=True``; fp16 through ``loss.backward()``; at ZeRO-3, a
@@ -165,13 +164,8 @@ class Backward:
         self._before_backward(roots)
 
     def _absorb_dropped_grads(self) -> None:
-        """``model.zero_grad()`` (or a torch optimizer's over ``model.parameters()``) set every
-        ``p.grad`` the last backward gave to None: as torch would, this backward starts from
-        no gradient (the engine's :meth:`zero_grad`).
-
-        Raises:
-            ConfigError: only some of them were set to None (the engine drops all or none).
-        """
+        """``model.zero_grad()`` set every ``p.grad`` the last backward gave to None: as in
+        torch, this backward starts from no gradient. A ConfigError if only some were."""
         dropped = [p for p, _ in self._exposed if p.grad is None]
         if not dropped:
             return
@@ -208,10 +202,23 @@ class Backward:
         self.state = TrainingState.IDLE
 
     def _drop_backward(self, error: Exception | None = None) -> None:
-        """A backward failed: :meth:`_abandon_backward`, and no backward is open any more."""
+        """A backward failed: :meth:`_abandon_backward`; no backward is open any more, and
+        the buckets hold part of one until :meth:`zero_grad` (:meth:`_refuse_partial`)."""
         self.state = TrainingState.IDLE
+        self._partial = True
         self._abandon_backward(error if error is not None else RuntimeError("backward abandoned"))
 
+    def _refuse_partial(self) -> None:
+        """Before a forward or a step: a ConfigError while a failed backward's gradients are
+        held (until ``zero_grad``), as torch DDP refuses the next iteration."""
+        if self._partial:
+            raise ConfigError(_PARTIAL)
+
+
+_PARTIAL = ("the last backward raised before it ended (an error in a hook, in the model's backward or in a "
+            "collective): the buckets hold the gradients of part of it, some reduced and some not. Call "
+            "engine.zero_grad() before the next forward or step (torch's DDP refuses the next iteration too), "
+            "then train on")
 
 _CREATE_GRAPH = ("backward with create_graph=True: the engine copies gradients into flat buckets and reduces "
                  "them, without their graph, so a gradient of a gradient would be silently wrong; compute "

@@ -287,6 +287,7 @@ class Engine(Backward, GradientReduction, Stepping, ModuleView, EngineStateMixin
         self.state = TrainingState.IDLE
         self._accumulating = False  # a parameter gradient arrived in this backward
         self._passive = False  # a backward that reaches no parameter runs
+        self._partial = False  # a backward failed before its end; zero_grad not called since
         self._grad_accumulators: list | None = None  # each parameter's AccumulateGrad node, found once
         self._exposed: list[tuple[nn.Parameter, torch.Tensor]] = []  # p.grad set after backward, per parameter
         self._had_exposed = False  # p.grad was set when this backward began
@@ -371,6 +372,7 @@ class Engine(Backward, GradientReduction, Stepping, ModuleView, EngineStateMixin
         self._check_open()
         if self.state is not TrainingState.IDLE or self._passive:
             self._recover()
+        self._refuse_partial()
         recompute = self.in_backward
         if not recompute:
             self._bindings.check("forward")

@@ -42,10 +42,8 @@ class GradientReduction:
     """The engine's gradient path (mixed into :class:`zerolearn.engines.base.Engine`)."""
 
     def _start_accumulating(self) -> None:
-        """This backward's first parameter gradient is coming (or, at ZeRO-3, a bucket of
-        zeros launches first): a backward no hook on the outputs began (a loss from a
-        submodule called directly) begins here; a reduced gradient kept from an earlier
-        backward is set aside for the stage to add to (``_keep_reduced``)."""
+        """This backward's first parameter gradient is coming: a backward no hook on the
+        outputs began begins here; an earlier reduced gradient is set aside (``_keep_reduced``)."""
         self._ensure_backward()
         self._accumulating = True
         if self.holds_reduced:  # once: a later backward must not set aside this one's local sums

@@ -15,6 +15,7 @@ import torch
 
 from zerolearn import comm
 from zerolearn.engines import optim
+from zerolearn.engines.backward import TrainingState
 from zerolearn.engines.bindings import HeldGradient
 from zerolearn.errors import ConfigError
 from zerolearn.memory.ledger import retag
@@ -108,6 +109,9 @@ class Stepping:
         as in torch's ``GradScaler`` it stays a device tensor and an overflowed step is masked
         away. The host reads the flag only for a host step (offload) or an unused parameter."""
         self._check_open()
+        if self.state is not TrainingState.IDLE:
+            self._recover()
+        self._refuse_partial()
         self._bindings.check("step")
         self._check_exposed()
         self._absorb_changes()
@@ -146,6 +150,9 @@ class Stepping:
             set_to_none: as torch's; False: a parameter that had a gradient keeps a zero one
                 and is stepped (stage 0's ``p.grad`` reads zeros).
         """
+        if self.state is not TrainingState.IDLE:
+            self._recover()  # a backward that failed before its end: its partial gradients go too
+        self._partial = False
         if self._used_flags is not None:
             self._used_anywhere()  # an exchange nobody stepped with: finish it
         if set_to_none:
