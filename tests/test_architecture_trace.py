@@ -58,6 +58,9 @@ def test_the_zero_3_trace_names_every_engine_file_a_step_runs():
     assert ("zerolearn/engines/zero3.py", "Zero3Engine._pre_forward") in engine, sorted(engine)
     missing = {path for path, _ in engine} - {path for path, _ in trace_rows(3)}
     assert not missing, f"a ZeRO-3 step runs code of {sorted(missing)}, which its trace does not name"
+    files = sorted({path for path, _ in engine})
+    assert len(files) <= 7, f"a ZeRO-3 step runs code of {len(files)} engine files: {files}"
+    assert "zerolearn/engines/zeropp_units.py" not in files and "zerolearn/engines/zero3_checks.py" not in files
     # What a reader follows: every engine function the step runs, docstrings included.
     lines = sum(last - first + 1 for first, last in (span(path, name) for path, name in engine))
     assert lines <= 1000, f"a ZeRO-3 step runs {lines} lines of engine functions"

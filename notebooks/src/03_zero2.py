@@ -50,7 +50,7 @@ from zerolearn.chapters.ch03 import lesson as ch03
 from zerolearn.chapters.source import excerpt
 from zerolearn.config import TrainConfig
 from zerolearn.dist import launch
-from zerolearn.engines import base, reduce, zero2
+from zerolearn.engines import backward, base, zero2
 from zerolearn.experiments import seed_experiment
 from zerolearn.flat import make_buckets
 from zerolearn.models import GPTConfig, build_model
@@ -205,7 +205,7 @@ exercises.check("03.reduce_scatter_hook", reduce_scatter_hook)
 # The lines that matter, from `Engine._on_grad` and `Engine._launch`:
 
 # %%
-excerpt(reduce.GradientReduction, ("view = b.grad_view(i)", "self._on_bucket_ready(b)"),
+excerpt(backward.GradientReduction, ("view = b.grad_view(i)", "self._on_bucket_ready(b)"),
         ("with comm.unit(b.layout.label", "self._finish_oldest()"))
 
 # %%

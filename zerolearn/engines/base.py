@@ -4,9 +4,8 @@ The stages differ only in what a rank keeps of each bucket (Sec 5, Fig 1): the w
 parameters, the gradients and the optimizer's fp32 master and moments, each all or a
 shard. A stage file (``ddp.py``, ``zero1.py``, ``zero2.py``, ``zero3.py``) fills in the
 four methods of the contract and reads alone. The rest of :class:`Engine` is one concern
-a file: backward's state and its one beginning and end (``backward.py``), the gradient
-path (``reduce.py``), the step and ``zero_grad`` (``step.py``), the wrapped module's face
-(``module_view.py``) and the state API (``state.py``).
+a file: backward's state, its one beginning and end and the gradient path (``backward.py``),
+the step and ``zero_grad`` (``step.py``), the state API and the wrapped module's face (``state.py``).
 """
 
 from __future__ import annotations
@@ -21,13 +20,11 @@ from torch import nn
 from torch.utils._pytree import tree_map_only
 
 from zerolearn import comm
+from zerolearn.engines import backward, optim
 from zerolearn.engines import offload as offloading
-from zerolearn.engines import optim
-from zerolearn.engines.backward import Backward, TrainingState, _root_forward_done
+from zerolearn.engines.backward import MAX_IN_FLIGHT, Backward, GradientReduction, TrainingState
 from zerolearn.engines.bindings import Bindings, disown, own, refuse_unsupported
-from zerolearn.engines.module_view import ModuleView
-from zerolearn.engines.reduce import MAX_IN_FLIGHT, GradientReduction, _grad_arrived, _grad_coming
-from zerolearn.engines.state import EngineStateMixin
+from zerolearn.engines.state import EngineStateMixin, ModuleView
 from zerolearn.engines.step import OnDevice, Stepping
 from zerolearn.errors import ConfigError
 from zerolearn.flat import FlatLayout, bucket_caps, make_buckets
@@ -276,10 +273,11 @@ class Engine(Backward, GradientReduction, Stepping, ModuleView, EngineStateMixin
         collector cannot see them, so a strong one would keep every bucket alive after the
         engine is dropped; ``close()`` also removes them) and the per-step bookkeeping."""
         me = self._me = weakref.ref(self)
-        self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(_grad_arrived, me, j, i))
+        self._hooks = [p.register_post_accumulate_grad_hook(functools.partial(backward._grad_arrived, me, j, i))
                        for j, b in enumerate(self.buckets) for i, p in enumerate(b.params)]
-        self._hooks += [p.register_hook(functools.partial(_grad_coming, me)) for b in self.buckets for p in b.params]
-        self._hooks.append(self.model.register_forward_hook(functools.partial(_root_forward_done, me)))
+        self._hooks += [p.register_hook(functools.partial(backward._grad_coming, me))
+                        for b in self.buckets for p in b.params]
+        self._hooks.append(self.model.register_forward_hook(functools.partial(backward._root_forward_done, me)))
         if self.dtype != torch.float32:
             self._hooks.append(self.model.register_forward_pre_hook(
                 functools.partial(_cast_inputs, self.dtype), with_kwargs=True))
@@ -357,7 +355,7 @@ class Engine(Backward, GradientReduction, Stepping, ModuleView, EngineStateMixin
         nodes; empty when a backward reached a parameter without passing them)."""
 
     def _after_backward(self) -> None:
-        """Backward is over and every reduction finished."""
+        """Backward is over (or failed) and every reduction finished."""
 
     # ----- forward ------------------------------------------------------------------------
     def forward(self, *args, **kwargs):

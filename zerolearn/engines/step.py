@@ -296,6 +296,23 @@ class Stepping:
             g.mul_(coef.to(g.dtype))
         return norm
 
+    def _full_versions(self) -> list[int] | None:
+        """Version counters of the working buffers (stages 0-2 without offload; else None)."""
+        if self._offload is not None or self.stage not in (0, 1, 2):
+            return None
+        return [b.full._version for b in self.buckets]
+
+    def _absorb_changes(self) -> None:
+        """Changes to working parameters since the last publish (``p.clamp_()`` under no_grad,
+        outside :meth:`summon_full_params`) go to the master, as they would stay in torch."""
+        if self._versions is None:
+            return
+        for b, version in zip(self.buckets, self._versions, strict=True):
+            if b.full._version != version:
+                with torch.no_grad():
+                    self._write_back(b)
+        self._versions = self._full_versions()
+
     def _publish_all(self) -> None:
         """:meth:`_publish` every bucket, then wait for the all_gathers it launched."""
         for b in self.buckets:

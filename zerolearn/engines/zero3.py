@@ -38,7 +38,7 @@ class Zero3Engine(Engine):
                  hpz=False, qgz=False, **options):
         self.prefetch_bytes = U.prefetch_bytes(prefetch_mb)  # small units: several per prefetch, one all_gather
         self.zpp = ZeroPP(node_ranks, qwz_block, hpz, qgz, options.get("group"))  # ZeRO++, checked first
-        C.refuse_compiled(model)
+        U.refuse_compiled(model)
         super().__init__(model, **options)
 
     def _build_buckets(self, trainable, units) -> list[Bucket]:
@@ -53,9 +53,9 @@ class Zero3Engine(Engine):
         self._unit_of = {id(b): unit for unit in self.units for b in unit.buckets}
         self._param_unit = {id(p): (name, unit) for unit in self.units for b in unit.buckets
                             for name, p in zip(b.layout.names, b.params, strict=True)}
-        self._reached = C.Reached([u for u in self.units if u.module is not self.model], self._param_unit)
+        self._reached = U.Reached([u for u in self.units if u.module is not self.model], self._param_unit)
         self._position = {id(b): k for k, b in enumerate(buckets)}  # launch order
-        self.zeros_counted = 0  # the last backward's parameters counted as zeros (zero3_checks.Reached.count)
+        self.zeros_counted = 0  # the last backward's parameters counted as zeros (units.Reached.count)
         self.schedule = U.Schedule(self.units, self.units[-1].module is self.model, self.pg, self.device,
                                    min(self.prefetch_bytes, self.bucket_bytes))  # a fused buffer <= CB
         self._storage_unit: dict[int, U.Unit] = {}  # a storage autograd may save -> its unit
@@ -74,7 +74,7 @@ class Zero3Engine(Engine):
         b.layout.bind(b.params, full)  # parameters are views of the full buffer, whose storage we free
         self._storage_unit[U.storage_key(full)] = self._unit_of[id(b)]
         b.full.untyped_storage().resize_(0)
-        C.ShardedParameter.adopt(b, self._unit_of[id(b)])  # a read while freed raises, never reads freed memory
+        U.ShardedParameter.adopt(b, self._unit_of[id(b)])  # a read while freed raises, never reads freed memory
 
     def _start_gather(self, units: list[U.Unit]) -> None:  # a unit, or a prefetch's window: fused
         if not units or units[0].gathered or units[0].gathering:
@@ -88,11 +88,16 @@ class Zero3Engine(Engine):
         fuse = len(units) > 1 and self.world_size > 1 and self.offload != "disk" and not self.zpp.enabled
         group = comm.phase_group(self.pg, "backward" if self.in_backward else "forward")  # gloo: a twin per phase
         fused = U.FusedGather(buckets, group) if fuse else None
-        for unit in units:  # else ZeRO++'s own gathers, or one all_gather per bucket
-            unit.gathering = [fused or self.zpp.gather(b, self.in_backward, group) for b in unit.buckets]
+        for unit in units:  # else one all_gather per bucket
+            unit.gathering = [fused or self._all_gather(b, group) for b in unit.buckets]
         peak = fused.nbytes if fused else max(b.full.nbytes for b in buckets)
         self.temp_buffer_peak_bytes = max(self.temp_buffer_peak_bytes, peak)
         self.peak_gathered_bytes = max(self.peak_gathered_bytes, self.gathered_bytes)
+
+    def _all_gather(self, b: Bucket, group) -> comm.Handle:  # b.full from every rank's b.shard
+        if self.zpp.enabled:
+            return self.zpp.gather(b, self.in_backward, group)  # ZeRO++: qwZ quantized, or hpZ in the node
+        return comm.all_gather(b.full, b.shard, group=group, async_op=True)
 
     def _finish_gather(self, unit: U.Unit) -> None:
         for b, handle in zip(unit.buckets, unit.gathering, strict=False):  # one per bucket; none if not gathering
@@ -137,7 +142,7 @@ class Zero3Engine(Engine):
             self.schedule.stop()
 
     def _pre_forward(self, unit: U.Unit) -> None:
-        C.refuse_compiling()
+        U.refuse_compiling()
         recompute = self.in_backward  # activation checkpointing recomputes inside backward
         unit.ran = unit.ran or not recompute
         with comm.unit(unit.name, "forward: gather"):
@@ -160,8 +165,8 @@ class Zero3Engine(Engine):
     def _before_backward(self, roots: list) -> None:
         self.zeros_counted = 0  # reached units' parameters with no gradient here (an idle expert): zeros
         if self.world_size > 1 and roots:
-            self.zeros_counted = self._reached.count(roots, self.units, self.pg, self.device,
-                                                     check=guard.debug_enabled())
+            self.zeros_counted = self._reached.count(roots, self.units, self.pg, self.device,  # debug: agreed
+                                                     C.agree_backward if guard.debug_enabled() else None)
 
     def _pre_backward(self, unit: U.Unit) -> None:
         self._ensure_backward()  # loss.backward(): the engine's backward starts here
@@ -213,18 +218,15 @@ class Zero3Engine(Engine):
             b.grad_shard = out
         else:
             b.reduced = out
-        return self.zpp.reduce_scatter(out, b.grad_full)  # ZeRO++'s qgZ: a quantized two-hop all-to-all
+        if self.zpp.qgz:
+            return self.zpp.reduce_scatter(out, b.grad_full)  # ZeRO++'s qgZ: a quantized two-hop all-to-all
+        return comm.reduce_scatter(out, b.grad_full, group=self.pg, async_op=True, overwrite_input=True)
 
     def _after_reduce(self, b: Bucket) -> None:
         b.grad_full = None  # the full gradient bucket is no longer needed: free it now
         if b.reduced is not None:
             b.grad_shard.add_(b.reduced)
             b.reduced = None
-
-    def _abandon_backward(self, error: Exception) -> None:
-        super()._abandon_backward(error)
-        if not isinstance(error, (guard.CollectiveError, guard.CollectiveMismatch)):
-            self._settle()
 
     def _settle(self) -> None:  # after forward, backward or a failure: finish every gather, free all
         for unit in self.units:
@@ -237,7 +239,7 @@ class Zero3Engine(Engine):
                 self._gather(unit)
 
     _unsummon = _settle  # the end of summon_full_params: every unit freed
-    _after_backward = _settle  # units some of whose parameters got no gradient are still gathered
+    _after_backward = _settle  # units some of whose parameters got no gradient are still gathered (or it failed)
 
     def _grad_for_step(self, b: Bucket) -> torch.Tensor:
         return b.grad_shard

@@ -1,5 +1,6 @@
 """ZeRO++ on ZeRO-3 (Wang et al., arXiv 2306.10209, Sec 3): which collective (:mod:`zerolearn.zeropp`)
-gathers a bucket and which reduces its gradient; with no option, the plain ones of Sec 5.3 and 7.2.2."""
+gathers a bucket and which reduces its gradient when an option is on; else ``zero3.py`` calls the plain ones
+of Sec 5.3 and 7.2.2 itself."""
 
 from __future__ import annotations
 
@@ -68,14 +69,10 @@ class ZeroPP:
                 raise ConfigError(f"{name}=True needs node_ranks (ranks per node, dividing the world size "
                                   f"{torch.distributed.get_world_size()}): ZeRO++'s {name} works per node")
         self.qwz_block, self.hpz, self.qgz, self.pg = qwz_block, hpz, qgz, group
+        self.enabled = qwz_block is not None or hpz or qgz  # some option changes a collective
         self.nodes = zeropp.make_nodes(node_ranks, group) if node_ranks is not None else None
         self._secondary: dict[int, torch.Tensor] = {}  # id(bucket) -> its secondary shard
         self.secondary_bytes = self.peak_secondary_bytes = 0
-
-    @property
-    def enabled(self) -> bool:
-        """Some option changes a collective."""
-        return self.qwz_block is not None or self.hpz or self.qgz
 
     def gather(self, b, in_backward: bool, group=None):
         """Launch the all_gather of bucket ``b``'s working parameters into ``b.full`` (already sized) over
@@ -105,10 +102,8 @@ class ZeroPP:
         self.peak_secondary_bytes = max(self.peak_secondary_bytes, self.secondary_bytes)
 
     def reduce_scatter(self, out: torch.Tensor, inp: torch.Tensor) -> comm.Handle:
-        """The sum over ranks of ``inp`` (a bucket's gradient, (padded_numel,), overwritten) into this rank's
-        chunk ``out``, (shard_numel,): async reduce_scatter, or under qgZ a two-hop all-to-all, done on return."""
-        if not self.qgz:
-            return comm.reduce_scatter(out, inp, group=self.pg, async_op=True, overwrite_input=True)
+        """qgZ: the sum over ranks of ``inp`` (a bucket's gradient, (padded_numel,), overwritten) into this
+        rank's chunk ``out``, (shard_numel,), by a quantized two-hop all-to-all, done on return."""
         zeropp.reduce_scatter_quantized(out, inp, self.nodes, bits=4,
                                         block=self.qwz_block or zeropp.DEFAULT_BLOCK)
         return comm.Handle(None, "all_to_all")
