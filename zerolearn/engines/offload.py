@@ -216,8 +216,8 @@ class DiskSwapper:
         self.bytes_read += offset
         self.read_s += time.perf_counter() - t0
 
-    def store(self, i: int, tensors: list[torch.Tensor], release: bool = True) -> None:
-        """Write contiguous ``tensors`` back to back as file ``i``, then (``release``) free their storage."""
+    def store(self, i: int, tensors: list[torch.Tensor]) -> None:
+        """Write contiguous ``tensors`` back to back as file ``i``, then free their storage."""
         fd, offset, t0 = self._fd(i), 0, time.perf_counter()
         for t in tensors:
             write = self.staging.write if _needs_staging(t) else _pwrite_host
@@ -225,9 +225,8 @@ class DiskSwapper:
         os.ftruncate(fd, offset)
         self.bytes_written += offset
         self.write_s += time.perf_counter() - t0
-        if release:
-            for t in tensors:
-                _release(t)
+        for t in tensors:
+            _release(t)
 
     def file_bytes(self) -> int:
         """Bytes in the files now (``os.fstat``)."""
@@ -265,9 +264,7 @@ class DelayedUpdate:
     def __init__(self, buckets: int):
         self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="zerolearn-dpu")
         self.future: Future | None = None
-        self.done = [threading.Event() for _ in range(buckets)]
-        for event in self.done:
-            event.set()
+        self.done = [threading.Event() for _ in range(buckets)]  # waited on only while a step is in flight
         self.unpublished = self.warm = False
 
     def launch(self, job) -> None:
@@ -410,9 +407,7 @@ class Offload:
         if self.swapper is not None:
             for o in engine._optimizer.optimizers:
                 for st in o.state.values():
-                    for k, v in st.items():
-                        if torch.is_tensor(v) and v.dim() > 0:
-                            st[k] = v.clone()
+                    st.update({k: v.clone() for k, v in st.items() if torch.is_tensor(v) and v.dim() > 0})
 
     def shard_in(self, b) -> None:
         """Before an all_gather reads ``b.shard``: read it from its file if it is on disk and released."""
@@ -482,7 +477,15 @@ class Offload:
         if self.delay is not None and self.delay.warm:
             for b in engine.buckets:  # the thread sets .grad from here on: nothing held is left to clear
                 b.master.grad = None
-            self.delay.launch(lambda done: self._delayed(opt, engine.buckets, coef, parts, done))
+
+            def job(done) -> None:  # on the DPU thread: no collective, no working parameter; host tensors only
+                for i, b in enumerate(engine.buckets):
+                    self._update(opt, i, b, coef, parts[i])
+                    if self.swapper is not None:
+                        self.swapper.store(i, self.states(opt, i, b))
+                    done[i].set()
+
+            self.delay.launch(job)
             return
         for i, b in enumerate(engine.buckets):
             self._update(opt, i, b, coef, parts[i])
@@ -495,14 +498,6 @@ class Offload:
         if self.delay is not None:
             self.delay.warm = True
 
-    def _delayed(self, opt, buckets, coef: float, parts, done) -> None:
-        # On the DPU thread: no collective, no working parameter; host tensors only.
-        for i, b in enumerate(buckets):
-            self._update(opt, i, b, coef, parts[i])
-            if self.swapper is not None:
-                self.swapper.store(i, self.states(opt, i, b))
-            done[i].set()
-
     def wait(self) -> None:
         """Wait for the DPU step in flight (no-op without DPU or from its own thread)."""
         if self.delay is not None and not threading.current_thread().name.startswith("zerolearn-dpu"):
@@ -514,15 +509,12 @@ class Offload:
         self.wait()
         zero = {"bytes_read": 0, "bytes_written": 0, "io_seconds": 0.0, "read_bandwidth": 0.0,
                 "write_bandwidth": 0.0}
-        out = dict(zero) if self.swapper is None else self.swapper.stats()
+        out = zero if self.swapper is None else self.swapper.stats()
         params = zero if self.shards is None else self.shards.stats()
         return {**out, **{f"param_{k}": v for k, v in params.items()}}
 
     def close(self) -> None:
         """Wait for a DPU step in flight, stop its thread, remove the files (idempotent)."""
-        if self.delay is not None:
-            self.delay.close()
-        if self.swapper is not None:
-            self.swapper.close()
-        if self.shards is not None:
-            self.shards.close()
+        for part in (self.delay, self.swapper, self.shards):
+            if part is not None:
+                part.close()
