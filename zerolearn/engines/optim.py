@@ -67,15 +67,6 @@ def check_optimizer_kwargs(name: str, kwargs: dict) -> None:
                               "options)")
 
 
-def _check_changed(changed: dict) -> None:
-    """A hyperparameter set in ``engine.optimizer.param_groups[0]`` that cannot be exact."""
-    for key, value in changed.items():
-        if key == "dampening" and value not in (0, 0.0):
-            raise ConfigError(f"param_groups[0]['dampening'] = {value!r}: {_REFUSED['dampening']}")
-        if key == "differentiable" and value:
-            raise ConfigError(f"param_groups[0]['differentiable'] = True: {_REFUSED['differentiable']}")
-
-
 def multi_tensor_kind(device: torch.device) -> str | None:
     """How an engine steps all of a rank's masters at once on ``device``: ``"fused"`` on CUDA (``"foreach"`` is accepted
     too, for tests), else None. Fused (torch's ``_fused_adam_`` / ``_fused_adamw_`` / ``_fused_sgd_``) launches one
@@ -99,13 +90,12 @@ def make_optimizer(name: str, params: list[nn.Parameter], lr: float, weight_deca
     Raises:
         ConfigError: ``name`` is not one of :data:`OPTIMIZERS`.
     """
+    require_choice("--optimizer", name, OPTIMIZERS)
     extra = {**(options or {}), **({kind: True} if kind is not None else {})}
-    if name in ("adam", "adamw"):
-        adam = torch.optim.Adam if name == "adam" else torch.optim.AdamW
-        return adam(params, lr=lr, betas=betas, weight_decay=weight_decay, **extra)
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=momentum, weight_decay=weight_decay, **extra)
-    raise ConfigError(f"--optimizer {name!r}: allowed are {', '.join(OPTIMIZERS)}")
+    adam = torch.optim.Adam if name == "adam" else torch.optim.AdamW
+    return adam(params, lr=lr, betas=betas, weight_decay=weight_decay, **extra)
 
 
 class _StateView(Mapping):
@@ -191,12 +181,15 @@ class GroupedOptimizer(torch.optim.Optimizer):
         super().add_param_group(param_group)
 
     def push_hyperparameters(self) -> None:
-        """Copy what changed in ``param_groups[0]`` since the last push into every bucket's optimizer."""
-        group = self.param_groups[0]
-        changed = {k: v for k, v in group.items()
+        """Copy what changed in ``param_groups[0]`` since the last push into every bucket's optimizer; a change that
+        cannot be exact (``dampening`` other than 0, ``differentiable=True``) raises ConfigError."""
+        changed = {k: v for k, v in self.param_groups[0].items()
                    if k != "params" and (k not in self._pushed or self._pushed[k] is not v)}
+        if changed.get("dampening", 0) != 0:
+            raise ConfigError(f"param_groups[0]['dampening'] = {changed['dampening']!r}: {_REFUSED['dampening']}")
+        if changed.get("differentiable"):
+            raise ConfigError(f"param_groups[0]['differentiable'] = True: {_REFUSED['differentiable']}")
         if changed:
-            _check_changed(changed)
             for o in self.optimizers:
                 o.param_groups[0].update(changed)
             if self._multi is not None:
@@ -221,16 +214,11 @@ class GroupedOptimizer(torch.optim.Optimizer):
             self._multi = type(first)([{**hyper, "params": list(self.masters)}], **{self.multi: True})
             for o, m in zip(self.optimizers, self.masters, strict=True):
                 self._multi.state[m] = o.state[m]  # the same dict: state made by either is both's
-        multi, masters = self._multi, [m for m in self.masters if m.grad is not None]
-        if self.multi == "fused" or found_inf is None:
-            if found_inf is not None:
-                multi.found_inf = found_inf.float()
-            try:
-                multi.step()
-            finally:
-                multi.__dict__.pop("found_inf", None)
+        if found_inf is None:
+            self._multi.step()
             return
-        _masked_step(multi.step, found_inf, [(self.optimizers[self.index[id(m)]], m, multi.state[m]) for m in masters])
+        stepped = [(o, m) for o, m in zip(self.optimizers, self.masters, strict=True) if m.grad is not None]
+        _masked_step(self._multi.step, found_inf, self._multi if self.multi == "fused" else None, stepped)
 
     def step_bucket(self, i: int, parts: list[tuple[int, int, int]] | None = None,
                     found_inf: torch.Tensor | None = None) -> None:
@@ -249,41 +237,31 @@ class GroupedOptimizer(torch.optim.Optimizer):
         if found_inf is None:
             self._step_master(i, parts)
             return
-        opt, master = self.optimizers[i], self.masters[i]
-        if opt.defaults.get("fused") and parts is None:  # skipped inside the kernel, as GradScaler has it
-            opt.found_inf = found_inf.float()
-            try:
-                self._step_master(i, parts)
-            finally:
-                opt.__dict__.pop("found_inf", None)
-            return
-        _masked_step(lambda: self._step_master(i, parts), found_inf, [(opt, master, opt.state[master])])
+        opt = self.optimizers[i]
+        # Fused: skipped inside the kernel, as GradScaler has it (parts step another optimizer, masked).
+        fused = opt if opt.defaults.get("fused") and parts is None else None
+        _masked_step(lambda: self._step_master(i, parts), found_inf, fused, [(opt, self.masters[i])])
 
     def _step_master(self, i: int, parts: list[tuple[int, int, int]] | None) -> None:
         """:meth:`step_bucket` without an overflow flag."""
         opt, master = self.optimizers[i], self.masters[i]
-        if parts is None:
-            if master.device.type != "cpu" or master.numel() <= CPU_CHUNK:
-                opt.step()
-                return
-            parts = [(0, master.numel(), None)]  # None: the master's own step count
+        if parts is None and (master.device.type != "cpu" or master.numel() <= CPU_CHUNK):
+            opt.step()
+            return
         state = opt.state[master]
         if not state:
             state.update(_fresh_state(opt, master))
+        if parts is None:  # a large master on the CPU: all of it, at its own step count
+            parts = [(0, master.numel(), int(state.get("step", 0)))]
         if master.device.type == "cpu":
             parts = [(a, min(a + CPU_CHUNK, end), steps) for start, end, steps in parts
                      for a in range(start, end, CPU_CHUNK)]
         # The same torch optimizer over views of the master and its state, each range with its own step count.
-        hyper = {k: v for k, v in opt.param_groups[0].items() if k != "params"}
-        views = []
-        for a, b, _ in parts:
-            view = nn.Parameter(master.detach()[a:b])  # shares the master's storage
-            view.grad = master.grad[a:b]
-            views.append(view)
-        partial = type(opt)([{**hyper, "params": views}])
+        views = [nn.Parameter(master.detach()[a:b]) for a, b, _ in parts]  # sharing the master's storage
+        partial = type(opt)([{**opt.param_groups[0], "params": views}])
         for view, (a, b, steps) in zip(views, parts, strict=True):
+            view.grad = master.grad[a:b]
             partial.state[view] = {k: (v[a:b] if torch.is_tensor(v) and v.dim() > 0 else
-                                       v.clone() if torch.is_tensor(v) and steps is None else
                                        torch.tensor(float(steps), dtype=v.dtype, device=v.device)
                                        if torch.is_tensor(v) else v)
                                    for k, v in state.items()}
@@ -344,17 +322,16 @@ class GroupedOptimizer(torch.optim.Optimizer):
         self.push_hyperparameters()
         return engine.full_optimizer_state_dict()
 
-    def shard_state_dict(self, rank: int | None = None) -> dict:
+    def shard_state_dict(self) -> dict:
         """``{"state": {i: state of master i}, "param_groups": [{hyperparameters, "params": [0, ..., G-1]}],
-        "shards_of_rank": rank}``: one torch optimizer over this rank's masters; ``rank`` (the engine's when bound)
-        is checked on load."""
+        "shards_of_rank": rank}``: one torch optimizer over this rank's masters; ``rank`` (the engine's when bound,
+        else None) is checked on load."""
         self.push_hyperparameters()
         parts = [o.state_dict() for o in self.optimizers]
         state = {i: part["state"][0] for i, part in enumerate(parts) if 0 in part["state"]}
         group = {**parts[0]["param_groups"][0], "params": list(range(len(parts)))}
         engine = self._engine() if self._engine is not None else None
-        rank = rank if rank is not None else engine.rank if engine is not None else None
-        return {"state": state, "param_groups": [group], "shards_of_rank": rank}
+        return {"state": state, "param_groups": [group], "shards_of_rank": engine.rank if engine is not None else None}
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Load :meth:`state_dict`'s layout (a plain torch optimizer's too) or :meth:`shard_state_dict`'s (whose param
@@ -386,9 +363,19 @@ class GroupedOptimizer(torch.optim.Optimizer):
         self._multi = None  # its shared state dicts were replaced: built again at the next step_all
 
 
-def _masked_step(step, found_inf: torch.Tensor, triples: list) -> None:
-    """``step()``, then each ``(opt, master, state)``'s master and per-element state put back where ``found_inf`` is
-    True (``torch.where``) and its step count taken back by the flag."""
+def _masked_step(step, found_inf: torch.Tensor, fused: torch.optim.Optimizer | None, stepped: list) -> None:
+    """``step()``, its update kept only where ``found_inf`` (a bool 0-dim tensor) is False, with nothing read on the
+    host. ``fused`` (the fused optimizer ``step()`` runs, or None) takes the flag as torch's ``GradScaler`` passes it
+    and skips inside its kernel; else each ``(opt, master)`` of ``stepped`` has its master and per-element state put
+    back (``torch.where``) and its step count taken back by the flag."""
+    if fused is not None:
+        fused.found_inf = found_inf.float()
+        try:
+            step()
+        finally:
+            del fused.found_inf
+        return
+    triples = [(opt, master, opt.state[master]) for opt, master in stepped]  # step_all's optimizer shares these
     for opt, master, state in triples:
         if not state:
             state.update(_fresh_state(opt, master))
@@ -438,12 +425,10 @@ def _fresh_state(opt: torch.optim.Optimizer, master: torch.Tensor) -> dict:
     if isinstance(opt, torch.optim.SGD):
         return {"momentum_buffer": torch.zeros_like(master)} if opt.param_groups[0]["momentum"] else {}
     on_device = opt.defaults.get("fused") or opt.defaults.get("capturable")  # torch keeps the count there
-    state = {"step": torch.tensor(0.0, dtype=torch.float32 if on_device else torch.get_default_dtype(),
-                                  device=master.device if on_device else None), "exp_avg": torch.zeros_like(master),
-             "exp_avg_sq": torch.zeros_like(master)}
-    if opt.param_groups[0].get("amsgrad"):
-        state["max_exp_avg_sq"] = torch.zeros_like(master)
-    return state
+    step = torch.tensor(0.0, dtype=torch.float32 if on_device else torch.get_default_dtype(),
+                        device=master.device if on_device else None)
+    moments = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if opt.param_groups[0].get("amsgrad") else [])
+    return {"step": step, **{k: torch.zeros_like(master) for k in moments}}
 
 
 def make_grouped(name: str, masters: list[nn.Parameter], lr: float, weight_decay: float = 0.0,
@@ -493,8 +478,7 @@ def parts_to_step(optimizer: GroupedOptimizer, i: int, b, used: list[bool]) -> l
         b.skipped[j] += not flag
     if all(used[j] for j in mine) and not (counts_steps and any(b.skipped[j] for j in mine)):
         return None
-    state = optimizer.optimizers[i].state.get(b.master, {})
-    taken = int(state["step"]) if "step" in state else 0  # steps the whole bucket has taken
+    taken = int(optimizer.optimizers[i].state.get(b.master, {}).get("step", 0))  # steps the whole bucket has taken
     return [(max(off, lo) - lo, min(off + b.params[j].numel(), hi) - lo, taken - b.skipped[j])
             for j in mine for off in [b.layout.offsets[j]] if used[j]]
 
@@ -508,12 +492,9 @@ def replica_weights(buckets, nm: int) -> list[list[tuple[int, int, float]]]:
     out = []
     for b in buckets:
         lo, hi = b.layout.shard_range
-        ranges = []
-        for p, off in zip(b.params, b.layout.offsets, strict=True):
-            a, b = max(off, lo), min(off + p.numel(), hi)
-            if a < b:
-                ranges.append((a - lo, b - lo, 1.0 if getattr(p, "tensor_parallel", False) else 1.0 / nm))
-        out.append(ranges)
+        spans = [(p, max(off, lo), min(off + p.numel(), hi)) for p, off in zip(b.params, b.layout.offsets, strict=True)]
+        out.append([(a - lo, e - lo, 1.0 if getattr(p, "tensor_parallel", False) else 1.0 / nm)
+                    for p, a, e in spans if a < e])
     return out
 
 
