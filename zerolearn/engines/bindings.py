@@ -102,35 +102,22 @@ class Bindings:
 
     Args:
         model: the wrapped model.
-        buckets: the engine's buckets, their parameters already bound to ``b.full``.
-        storage: ``bucket -> tensor`` whose storage the bucket's parameters view (``b.full``).
+        buckets: the engine's buckets, their parameters already bound to (viewing) ``b.full``.
     """
 
-    def __init__(self, model: nn.Module, buckets: list, storage=lambda b: b.full):
+    def __init__(self, model: nn.Module, buckets: list):
         self.model = model
+        self.buckets = buckets
         where = {id(p): (b, i) for b in buckets for i, p in enumerate(b.params)}
-        self.entries = []  # (module path, attribute, parameter, bucket, index)
+        # By module (each looked up once): attribute, parameter, bucket, index, has an address (size > 0).
+        by_path: dict[tuple[str, ...], list] = {}
         for name, p in model.named_parameters(remove_duplicate=False):
             if id(p) in where:
-                path, _, attr = name.rpartition(".")
-                self.entries.append((path.split(".") if path else [], attr, p, *where[id(p)]))
-        # By module (each looked up once), with whether the parameter has an address (size > 0).
-        by_path: dict[tuple[str, ...], list] = {}
-        for path, attr, p, b, i in self.entries:
-            by_path.setdefault(tuple(path), []).append((attr, p, b, i, p.numel() > 0))
+                *path, attr = name.split(".")
+                by_path.setdefault(tuple(path), []).append((attr, p, *where[id(p)], p.numel() > 0))
         self.modules = list(by_path.items())
-        self.storage = storage
-        self.dtype = {id(b): storage(b).dtype for b in buckets}
         # Frozen when the engine wrapped the model: a later requires_grad_(True) is named.
         self.frozen = [(name, p) for name, p in model.named_parameters() if not p.requires_grad]
-
-    def _module(self, path: list[str]) -> nn.Module | None:
-        m = self.model
-        for part in path:
-            m = m._modules.get(part)
-            if m is None:
-                return None
-        return m
 
     def check(self, when: str) -> None:
         """Raise if a parameter was replaced or its data moved out of its bucket; O(parameters).
@@ -150,21 +137,21 @@ class Bindings:
                     "trainable when it wrapped the model, so it would never train. Set requires_grad on every "
                     "parameter before building the engine (unfreeze a layer by building a new engine, loading "
                     "the trained values with engine.load_state_dict or a checkpoint)")
-        bases = {}  # id(bucket) -> its storage: (identity, address of element 0, bytes per element)
+        storages = {id(b): b.full.untyped_storage() for b in self.buckets}
         for path, entries in self.modules:
-            module = self._module(list(path))
+            module = self.model
+            for part in path:  # None once a module on the path is gone
+                module = None if module is None else module._modules.get(part)
             for attr, p, b, i, sized in entries:
                 if module is None or module._parameters.get(attr) is not p:
                     self._replaced(".".join([*path, attr]), module, attr, when)
-                base = bases.get(id(b))
-                if base is None:
-                    storage = self.storage(b).untyped_storage()
-                    base = bases[id(b)] = (storage._cdata, storage.data_ptr(), self.dtype[id(b)].itemsize)
+                storage = storages[id(b)]
                 # One address says "this bucket's storage, at this parameter's offset" while
                 # that storage holds memory; a freed one (ZeRO-3) is compared by identity.
-                if p.dtype != self.dtype[id(b)] or (
-                        p.data_ptr() != base[1] + b.layout.offsets[i] * base[2] if sized and base[1]
-                        else p.untyped_storage()._cdata != base[0] or p.storage_offset() != b.layout.offsets[i]):
+                if p.dtype != b.full.dtype or (
+                        p.data_ptr() != storage.data_ptr() + b.layout.offsets[i] * p.element_size()
+                        if sized and storage.data_ptr()
+                        else p.untyped_storage()._cdata != storage._cdata or p.storage_offset() != b.layout.offsets[i]):
                     self._moved(".".join([*path, attr]), p, when)
 
     @staticmethod

@@ -50,8 +50,7 @@ class EngineStateMixin:
                                           for t in [b.master, *optimizer_state(self._optimizer, b.master)]]
             return {"device": device, "host": {c: [] for c in self.CATEGORIES}}
         self._offload.wait()  # DPU: not while the host step changes them
-        device["optimizer_states"] = []
-        return {"device": device, "host": self._offload.host_tensors(self)}
+        return {"device": {**device, "optimizer_states": []}, "host": self._offload.host_tensors(self)}
 
     def model_state_bytes(self) -> dict[str, int]:
         """Bytes this rank holds now per category of :meth:`state_tensors` (each storage counted
@@ -66,17 +65,14 @@ class EngineStateMixin:
         seen: set[int] = set()
         out = {loc: {c: storage_bytes(tensors, seen) for c, tensors in by_cat.items()}
                for loc, by_cat in self.state_tensors_by_location().items()}
-        out["disk"] = (self._offload.disk_bytes() if self._offload is not None
-                       else {"params": 0, "grads": 0, "optimizer_states": 0})
+        out["disk"] = self._offload.disk_bytes() if self._offload is not None else dict.fromkeys(self.CATEGORIES, 0)
         return out
 
     def offload_resident(self):
         """A context manager in which every bucket's fp32 master and optimizer states (stage 3:
         working shards too) are in host memory, no DPU step in flight: ``offload="disk"`` reads
         them, and writes back and releases them on exit; without offload, a no-op."""
-        if self._offload is None:
-            return contextlib.nullcontext()
-        return self._offload.resident(self)
+        return contextlib.nullcontext() if self._offload is None else self._offload.resident(self)
 
     @torch.no_grad()
     def full_state_dict(self) -> dict[str, torch.Tensor]:
@@ -87,9 +83,8 @@ class EngineStateMixin:
         out = {}
         with self.offload_resident():
             for b in self.buckets:
-                master = self._whole(b, b.master, "full_state_dict: gather")
-                for name, view in zip(b.layout.names, b.layout.views(master), strict=True):
-                    out[name] = view.clone()
+                views = b.layout.views(self._whole(b, b.master, "full_state_dict: gather"))
+                out.update(zip(b.layout.names, (view.clone() for view in views), strict=True))
         return out
 
     def _whole(self, b, t: torch.Tensor, what: str) -> torch.Tensor:
@@ -124,8 +119,7 @@ class EngineStateMixin:
     def _held_ranges(self, b) -> list[tuple[int, int, int, int]]:
         """Per parameter of bucket ``b``: ``(start, end)`` of its elements this rank's master holds,
         in the flattened parameter's coordinates, then in the master's (all 0: none)."""
-        whole = b.master.numel() == b.layout.padded_numel
-        lo, hi = (0, b.layout.padded_numel) if whole else b.layout.shard_range
+        lo, hi = (0, b.layout.padded_numel) if b.master.numel() == b.layout.padded_numel else b.layout.shard_range
         out = []
         for p, off in zip(b.params, b.layout.offsets, strict=True):
             a, e = max(off, lo), min(off + p.numel(), hi)
@@ -141,25 +135,24 @@ class EngineStateMixin:
             KeyError: ``p`` is not a trainable parameter of the model, or this rank holds none
                 of its elements (ZeRO-1, 2, 3 shard the state), or no state yet (no step).
         """
-        for i, b in enumerate(self.buckets):
-            for j, q in enumerate(b.params):
-                if q is not p:
-                    continue
-                a, e, ma, me = self._held_ranges(b)[j]
-                state = self._optimizer.optimizers[i].state.get(b.master)
-                if a == e or not state:
-                    raise KeyError(f"{b.layout.names[j]}: this rank (rank {self.rank}) holds "
-                                   f"{'none of its optimizer state' if a == e else 'no optimizer state yet'}")
-                if "step" in state and int(state["step"]) == b.skipped[j]:
-                    return {}  # never stepped: torch's state for it is empty too
-                whole = e - a == p.numel()
-                out = {k: (v[ma:me].view(p.shape) if whole else v[ma:me])
-                       for k, v in state.items() if torch.is_tensor(v) and v.dim() > 0}
-                if "step" in state:
-                    out["step"] = state["step"] - b.skipped[j]
-                return out
-        raise KeyError("not a trainable parameter of the wrapped model (engine.optimizer.state holds the flat "
-                       "masters and the model's trainable parameters)")
+        found = [(i, b, j) for i, b in enumerate(self.buckets) for j, q in enumerate(b.params) if q is p]
+        if not found:
+            raise KeyError("not a trainable parameter of the wrapped model (engine.optimizer.state holds the flat "
+                           "masters and the model's trainable parameters)")
+        i, b, j = found[0]
+        a, e, ma, me = self._held_ranges(b)[j]
+        state = self._optimizer.optimizers[i].state.get(b.master)
+        if a == e or not state:
+            raise KeyError(f"{b.layout.names[j]}: this rank (rank {self.rank}) holds "
+                           f"{'none of its optimizer state' if a == e else 'no optimizer state yet'}")
+        if "step" in state and int(state["step"]) == b.skipped[j]:
+            return {}  # never stepped: torch's state for it is empty too
+        whole = e - a == p.numel()
+        out = {k: (v[ma:me].view(p.shape) if whole else v[ma:me])
+               for k, v in state.items() if torch.is_tensor(v) and v.dim() > 0}
+        if "step" in state:
+            out["step"] = state["step"] - b.skipped[j]
+        return out
 
     @torch.no_grad()
     def full_optimizer_state_dict(self) -> dict:
@@ -180,10 +173,8 @@ class EngineStateMixin:
                     steps = int(master_state["step"]) - b.skipped[j] if "step" in master_state else None
                     if not full or steps == 0:
                         continue  # torch holds no state for a parameter never stepped
-                    st = {key: views[j].clone() for key, views in full.items()}
-                    if steps is not None:
-                        st = {"step": torch.tensor(float(steps)), **st}
-                    state[index[id(p)]] = st
+                    step = {} if steps is None else {"step": torch.tensor(float(steps))}
+                    state[index[id(p)]] = {**step, **{key: views[j].clone() for key, views in full.items()}}
         group = {k: v for k, v in self._optimizer.param_groups[0].items() if k != "params"}
         return {"state": state, "param_groups": [{**group, "params": list(range(len(index)))}]}
 
@@ -231,8 +222,7 @@ class EngineStateMixin:
         master_state = opt.state[b.master]
         master_state.update(_fresh_state(opt, b.master) if not master_state else {})
         keys = {k for st in states for k, v in st.items() if torch.is_tensor(v) and v.dim() > 0}
-        for key in keys - master_state.keys():
-            master_state[key] = torch.zeros_like(b.master)
+        master_state.update({key: torch.zeros_like(b.master) for key in keys - master_state.keys()})
         for key in keys:
             for j, (st, (a, e, ma, me)) in enumerate(zip(states, self._held_ranges(b), strict=True)):
                 v = st.get(key)
@@ -372,12 +362,10 @@ class ModuleView:
         """Elements of ``b``'s working parameters that differ from the master (rounded) become its."""
         work = b.full if b.master.numel() == b.layout.padded_numel else b.layout.shard_of(b.full)
         if b.shard is not None:  # ZeRO-3 keeps a working shard (in fp32 without offload, the master)
-            b.shard.copy_(work)
-            work = b.shard
+            work = b.shard.copy_(work)
         master = b.master.data
         if work.untyped_storage()._cdata == master.untyped_storage()._cdata:
             return  # the master is the working buffer (fp32 stage 0) or the shard itself
         work = work.to(master.device)
         changed = work != master.to(work.dtype)
-        if bool(changed.any()):
-            master[changed] = work[changed].to(master.dtype)
+        master[changed] = work[changed].to(master.dtype)  # no element changed: writes nothing
