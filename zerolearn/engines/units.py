@@ -4,6 +4,7 @@ which units a backward reaches; nothing here calls the engine."""
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import torch
 from torch import nn
@@ -72,12 +73,11 @@ class FusedGather:
         if self._handle is None:
             return
         self._handle.wait()
-        self._handle, start = None, 0
+        self._handle = None
         rows = self.recv.view(self.ranks, -1)  # row r: rank r's shards, side by side
-        for b in self.buckets:
-            n = b.layout.shard_numel
-            b.full.view(self.ranks, n).copy_(rows[:, start:start + n])
-            start += n
+        columns = rows.split([b.layout.shard_numel for b in self.buckets], dim=1)
+        for b, column in zip(self.buckets, columns, strict=True):
+            b.full.view_as(column).copy_(column)
         self.recv = self.buckets = None
 
 
@@ -86,12 +86,8 @@ PARAMETER_CONTAINERS = (nn.ParameterList, nn.ParameterDict)  # parameters a pare
 
 def default_units(model: nn.Module) -> list[nn.Module]:
     """The model's children, a ModuleList's or ModuleDict's items in its place, Parameter containers left out."""
-    out = []
-    for child in model.children():
-        if isinstance(child, PARAMETER_CONTAINERS):
-            continue
-        out += list(child.children()) if is_container(child) else [child]
-    return out
+    children = [c for c in model.children() if not isinstance(c, PARAMETER_CONTAINERS)]
+    return [m for c in children for m in (c.children() if is_container(c) else [c])]
 
 
 def assign(model: nn.Module, units: list[nn.Module] | None,
@@ -187,13 +183,11 @@ def own_copies(output, storage_unit: dict, unit: Unit):
     """
     if not any(storage_key(t) in storage_unit for t in tensors_in(output)):
         return output
-    own = [t.clone() if torch.is_tensor(t) and storage_key(t) in storage_unit else t
-           for t in (output if isinstance(output, (list, tuple)) else [output])]
     if torch.is_tensor(output):
-        return own[0]
-    if type(output) in (list, tuple):
-        return type(output)(own)
-    return refuse_view_output(unit, output)
+        return output.clone()
+    if type(output) not in (list, tuple):
+        refuse_view_output(unit, output)
+    return type(output)(t.clone() if torch.is_tensor(t) and storage_key(t) in storage_unit else t for t in output)
 
 
 def tensors_in(output) -> list[torch.Tensor]:
@@ -216,12 +210,14 @@ _METADATA = frozenset({"__get__", "__set__", "size", "dim", "ndimension", "numel
                        "requires_grad_", "register_hook", "register_post_accumulate_grad_hook"})
 
 
-def _parameters_in(args, kwargs):
+def _ungathered(args, kwargs, find):
+    """Each parameter among an op's arguments (or in a list or tuple of them) and its ``find(parameter)``,
+    ``(name, unit)``, where its unit is not gathered."""
     for a in (*args, *kwargs.values()):
-        if isinstance(a, nn.Parameter):
-            yield a
-        elif isinstance(a, (list, tuple)):
-            yield from (x for x in a if isinstance(x, nn.Parameter))
+        for p in a if isinstance(a, (list, tuple)) else [a]:
+            found = find(p) if isinstance(p, nn.Parameter) else None
+            if found is not None and not found[1].gathered:
+                yield p, found
 
 
 def refuse_read(name: str, unit) -> None:
@@ -268,15 +264,13 @@ class ShardedParameter(nn.Parameter):
         name = getattr(func, "__name__", None)
         data = name == "__get__" and getattr(getattr(func, "__self__", None), "__name__", None) == "data"
         if name not in _METADATA or data:  # p.data hands out the storage itself
-            for p in _parameters_in(args, kwargs):
-                found = getattr(p, "zero3", None)
-                if found is not None and not found[1].gathered:
-                    if name == "__repr__":
-                        return (f"ZeRO-3 parameter {found[0]} of shape {tuple(p.shape)}: not gathered, this "
-                                "rank holds a shard (engine.summon_full_params() gathers it)")
-                    if found[1].in_forward:
-                        refuse_read(*found)
-                    refuse_outside(*found, name)
+            for p, found in _ungathered(args, kwargs, lambda p: getattr(p, "zero3", None)):
+                if name == "__repr__":
+                    return (f"ZeRO-3 parameter {found[0]} of shape {tuple(p.shape)}: not gathered, this "
+                            "rank holds a shard (engine.summon_full_params() gathers it)")
+                if found[1].in_forward:
+                    refuse_read(*found)
+                refuse_outside(*found, name)
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
@@ -301,9 +295,9 @@ def refuse_view_output(unit, output) -> None:
         "(self.weight[:n].clone()) or a tensor, list or tuple of outputs (the engine copies a view there)")
 
 
-def params_reached(loss, param_unit: dict[int, tuple]) -> set[int]:
-    """``id`` of each sharded parameter ``loss``'s graph (or nodes) reaches, as DDP's ``find_unused_parameters``."""
-    seen, stack, reached = set(), list(loss) if isinstance(loss, list) else [loss.grad_fn], set()
+def params_reached(roots: list, param_unit: dict[int, tuple]) -> set[int]:
+    """``id`` of each sharded parameter the autograd nodes ``roots`` reach, as DDP's ``find_unused_parameters``."""
+    seen, stack, reached = set(), list(roots), set()
     while stack:
         fn = stack.pop()
         if fn is None or fn in seen:
@@ -359,16 +353,12 @@ def prefetch_bytes(prefetch_mb: float | None) -> int:
     Raises:
         ConfigError: ``prefetch_mb`` is not a finite number >= 0.
     """
-    if prefetch_mb is None:
-        return int(DEFAULT_PREFETCH_MB * 2**20)
-    require_real("prefetch_mb", prefetch_mb, strict=False)
-    return int(prefetch_mb * 2**20)
+    mb = DEFAULT_PREFETCH_MB if prefetch_mb is None else prefetch_mb
+    require_real("prefetch_mb", mb, strict=False)
+    return int(mb * 2**20)
 
 
 END = -1  # a forward's end, proposed like a unit: a rank that stops early is named too
-
-
-ON_SCHEDULE = -1  # what a rank that ran the whole schedule says at the forward's end
 
 
 class Schedule:
@@ -418,11 +408,13 @@ class Schedule:
         if self.lockstep:
             if self.checked:
                 self._agree(position, unit.index)
-        elif unit.index == self.trace[position] and not outer:
-            return self._scheduled(position)
+        elif unit.index == self.trace[position] and not outer:  # on the schedule: its next units, to the root's
+            ahead = itertools.takewhile(lambda i: i not in (END, self.root), self.trace[position + 1:])
+            return self.window([self.by_index[i] for i in ahead])
         else:
             self.lockstep = True  # off the schedule: units= order from here, as on every rank that left here
-        return self._after(unit)
+        i = self.units.index(unit) + 1  # lockstep's prefetch: the units after it in units= order
+        return self.window([u for u in self.units[i:] if u.index != self.root])
 
     def exit(self, unit: Unit) -> None:
         """``unit``'s forward returned."""
@@ -433,9 +425,6 @@ class Schedule:
         """The forward ended here: checked in debug mode; a flat one becomes the schedule."""
         if self.checked:
             self._agree(len(self.ran), END)
-        self._record()
-
-    def _record(self) -> None:
         self.trace = [*self.ran, END] if self.flat else None
 
     def window(self, units: list[Unit]) -> list[Unit]:
@@ -448,28 +437,15 @@ class Schedule:
             out.append(unit)
         return out
 
-    def _scheduled(self, position: int) -> list[Unit]:
-        ahead = []
-        for index in self.trace[position + 1:]:
-            if index in (END, self.root):
-                break
-            ahead.append(self.by_index[index])
-        return self.window(ahead)
-
-    def _after(self, unit: Unit) -> list[Unit]:  # lockstep's prefetch: the units after it in units= order
-        i = self.units.index(unit) + 1
-        return self.window([u for u in self.units[i:] if u.index != self.root])
-
     def _agree(self, position: int, index: int) -> None:
         said = guard.propose(index, self.pg, self.device).result()
         if len(set(said)) > 1:
             self._refuse([position << 20 | (i + 1) for i in said])
 
     def _refuse(self, said: list[int]) -> None:
-        """``said``: per rank, ``position << 20 | (unit index + 1)``, or :data:`ON_SCHEDULE`."""
-        first = min(v >> 20 for v in said if v != ON_SCHEDULE)
-        runs = [(v & (1 << 20) - 1) - 1 if v != ON_SCHEDULE and v >> 20 == first else self.trace[first]
-                for v in said]
+        """``said``: per rank, ``position << 20 | (unit index + 1)``."""
+        first = min(v >> 20 for v in said)
+        runs = [(v & (1 << 20) - 1) - 1 if v >> 20 == first else self.trace[first] for v in said]
         doing = "; ".join(f"rank {r} " + ("ends its forward" if i == END else f"runs {self.by_index[i].describe()}")
                           for r, i in zip(guard.group_ranks(self.pg), runs, strict=True))
         if len(set(runs)) == 1:  # the same unit on every rank, yet not on the same schedule

@@ -9,7 +9,7 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from zerolearn import comm, guard
-from zerolearn.engines.units import _METADATA, _parameters_in, refuse_read
+from zerolearn.engines.units import _METADATA, _ungathered, refuse_read
 from zerolearn.errors import ConfigError
 
 
@@ -27,10 +27,8 @@ class ReadGuard(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if getattr(func, "__name__", None) not in _METADATA:
-            for p in _parameters_in(args, kwargs):
-                found = self.param_unit.get(id(p))
-                if found is not None and not found[1].gathered:
-                    refuse_read(*found)
+            for _, found in _ungathered(args, kwargs, lambda p: self.param_unit.get(id(p))):
+                refuse_read(*found)
         return func(*args, **kwargs)
 
 
@@ -40,8 +38,8 @@ def refuse_load_outside_summon(module: nn.Module, param_unit: dict[int, tuple]) 
     Raises:
         ConfigError: naming the parameter and ``engine.load_state_dict``.
     """
-    for p in module._parameters.values():
-        found = param_unit.get(id(p)) if p is not None else None
+    for p in module.parameters(recurse=False):
+        found = param_unit.get(id(p))
         if found is not None and not found[1].gathered:
             raise ConfigError(
                 f"ZeRO-3: parameter {found[0]} ({found[1].describe()}) holds only this rank's 1/Nd shard, so "
@@ -54,7 +52,7 @@ def refuse_load_outside_summon(module: nn.Module, param_unit: dict[int, tuple]) 
 def guard_load_state_dict(model: nn.Module, param_unit: dict[int, tuple]) -> list:
     """Handles of load_state_dict pre-hooks (:func:`refuse_load_outside_summon`) that hold no engine."""
     return [m.register_load_state_dict_pre_hook(lambda module, *args: refuse_load_outside_summon(module, param_unit))
-            for m in model.modules() if any(id(p) in param_unit for p in m._parameters.values() if p is not None)]
+            for m in model.modules() if any(id(p) in param_unit for p in m.parameters(recurse=False))]
 
 
 def agree_backward(reached: list[int], units: list, pg, device) -> None:

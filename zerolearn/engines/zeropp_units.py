@@ -28,11 +28,10 @@ class _KeepSecondary:
         self.handle, self.owner, self.b = handle, owner, b
 
     def wait(self) -> None:
-        if self.handle is None:
-            return
-        self.handle.wait()
-        self.handle = None
-        self.owner._keep(self.b)
+        if self.handle is not None:
+            self.handle.wait()
+            self.handle = None
+            self.owner._keep(self.b)
 
 
 class ZeroPP:
@@ -68,16 +67,15 @@ class ZeroPP:
             if value and node_ranks is None:
                 raise ConfigError(f"{name}=True needs node_ranks (ranks per node, dividing the world size "
                                   f"{torch.distributed.get_world_size()}): ZeRO++'s {name} works per node")
-        self.qwz_block, self.hpz, self.qgz, self.pg = qwz_block, hpz, qgz, group
+        self.qwz_block, self.hpz, self.qgz = qwz_block, hpz, qgz
         self.enabled = qwz_block is not None or hpz or qgz  # some option changes a collective
         self.nodes = zeropp.make_nodes(node_ranks, group) if node_ranks is not None else None
         self._secondary: dict[int, torch.Tensor] = {}  # id(bucket) -> its secondary shard
         self.secondary_bytes = self.peak_secondary_bytes = 0
 
-    def gather(self, b, in_backward: bool, group=None):
+    def gather(self, b, in_backward: bool, group):
         """Launch the all_gather of bucket ``b``'s working parameters into ``b.full`` (already sized) over
-        ``group`` (default: the engine's, or its twin, :func:`zerolearn.comm.phase_group`); a handle with ``wait()``."""
-        group = self.pg if group is None else group
+        ``group`` (the engine's, or its twin, :func:`zerolearn.comm.phase_group`); a handle with ``wait()``."""
         secondary = self._secondary.pop(id(b), None)  # kept for this gather only
         if secondary is not None:
             self.secondary_bytes -= secondary.nbytes
