@@ -4,7 +4,7 @@ Each row of a trace gives a file and a function (by name, never by line); the fu
 must be defined in that file, so the document cannot drift from the code it walks a
 reader through, and an edit that moves lines touches only the file it edits. The ZeRO-3
 trace is checked against a step that runs: every engine file the step passes through is
-in it.
+in it. The engines' size is bounded too (base.py, each class and function, all of engines/).
 """
 
 import ast
@@ -93,3 +93,18 @@ def test_zero3_units_call_nothing_of_the_engine():
     assert names and "engine" not in names, "units.py reaches the engine"
     imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     assert "zerolearn.engines.zero3" not in imported and "zerolearn.engines.base" not in imported, imported
+
+
+def test_the_engines_stay_a_size_a_reader_can_hold():
+    # base.py at most 450 lines, no class over 400 nor function over 60, engines/ under 4,010 lines in all.
+    engines = sorted((ROOT / "zerolearn" / "engines").glob("*.py"))
+    lines = {path.name: len(path.read_text().splitlines()) for path in engines}
+    assert lines["base.py"] <= 450, lines["base.py"]
+    assert sum(lines.values()) < 4010, f"zerolearn/engines/ is {sum(lines.values())} lines"
+    for path in engines:
+        for node in ast.walk(ast.parse(path.read_text())):
+            size = node.end_lineno - node.lineno + 1 if hasattr(node, "end_lineno") else 0
+            if isinstance(node, ast.ClassDef):
+                assert size <= 400, f"{path.name}: class {node.name} is {size} lines"
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                assert size <= 60, f"{path.name}: {node.name} is {size} lines"
