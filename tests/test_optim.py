@@ -70,3 +70,16 @@ def test_parts_over_chunks_leave_the_rest_untouched():
     second.step()
     assert torch.equal(master.detach()[a:b], part.detach())
     assert int(state["step"]) == 2
+
+
+@pytest.mark.parametrize("overflow", [False, True])
+def test_a_step_result_reads_the_device_flag_once_and_acts_as_a_bool(overflow):
+    import pickle
+
+    stepped = optim.Stepped(torch.tensor(overflow))
+    assert stepped._value is None  # nothing read until it is asked
+    assert bool(stepped) is (not overflow) and stepped._found_inf is None  # read once, then dropped
+    assert stepped == (not overflow) and stepped != overflow
+    assert hash(stepped) == hash(not overflow) and repr(stepped) == repr(not overflow)
+    assert {stepped: 1} == {not overflow: 1}
+    assert pickle.loads(pickle.dumps(stepped)) is (not overflow)
